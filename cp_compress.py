@@ -1,0 +1,650 @@
+"""Context parallelism for compressed attention (CSA / HCA): V4's two-stage protocol (V4 §3.4.3).
+
+What the standard tool assumes. Context parallelism splits one long sequence into contiguous shards of
+s tokens, one per rank. Keys and values are per token, so a rank that needs another rank's past simply
+fetches those tokens' K/V (ring attention, or the simple all-gather of raw KV).
+
+What V4 violates. V4 attends to compressed entries, not tokens (V4 §2.3). Every m raw tokens of a
+document are pooled into one entry: CSA (m = 4) pools each block together with the block before it,
+HCA (m' = 128) pools blocks without overlap. Packed documents are compressed on their own and trailing
+tokens short of a block are dropped. So a pooling window can straddle a rank boundary, and the number of
+entries a rank produces depends on where the documents start: it is not s/m.
+
+The fix, in two stages. (1) Rank i sends the raw rows rank i+1 needs (the halo) point-to-point; every
+rank pools the blocks that END on it into a fixed buffer of s/m + 1 entries, zero-padded locally.
+(2) One all-gather of those equal-sized buffers, then a select-and-pad (one index_select) assembles
+exactly cp_size*s/m entries, identical entry for entry to the single-device compressed sequence, padding
+at the tail. Queries stay local. What a query may see is computed by rule from global positions (HCA,
+and the indexer's candidates) and, for CSA, carried by the top-k indices.
+
+Counting the halo (don't take "m" on trust). A rank owns the entries whose block ends on it; such a
+block starts at most m-1 tokens before the rank's first token. Without overlap (HCA) that is the halo:
+m-1 rows. With overlap (CSA) the entry also pools the whole block before its own, so the earliest row is
+2m-1 tokens back: the halo is 2m-1 rows (the paper's "m" is the unpacked case, where blocks align with
+rank boundaries). We ship exactly that fixed size, and require it to come from one neighbour
+(s >= 2m for CSA). At most s/m blocks end on a rank, so the s/m + 1 buffer always has a spare slot.
+The sliding-window branch needs its own halo of window-1 raw K/V rows, sent the same way.
+
+Visibility rule (we follow the public V4 code): query t sees entry e only if e comes from t's document
+and e's block has been read completely, end(e) <= t. (The paper writes e < floor(t/m): strictly earlier
+blocks; the public code, (t+1)//m, also lets the last token of a block see its own block.)
+
+Left out because context parallelism does not touch them: RoPE on entries, the output projection, and
+the indexer's own training loss (its scores are returned; tests backpropagate through them).
+
+Run:
+    torchrun --nproc_per_node=4 cp_compress.py   # CPU through gloo; on GPUs NCCL is picked by itself
+    python cp_compress.py                        # one process, world size 1
+"""
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+# ---------------------------------------------------------------------------------------------------
+# Layout: which compressed entries exist, which rank owns them, how much halo that takes
+# ---------------------------------------------------------------------------------------------------
+
+def halo_rows(ratio, overlap):
+    """Raw rows rank i+1 needs from rank i so it can pool every block that ends on it (see docstring)."""
+    return 2 * ratio - 1 if overlap else ratio - 1
+
+
+def compressed_entry_ends(cu_seqlens, ratio):
+    """Every compressed entry of a packed sequence, in order.
+
+    cu_seqlens: [D+1] document boundaries (0, ..., T). Document [a, b) yields (b-a)//ratio entries;
+    entry j pools tokens [a + j*ratio, a + (j+1)*ratio). Returns (ends [N], doc_starts [N]): the global
+    position of each entry's last token and the start of its document.
+    """
+    ends, starts = [], []
+    for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
+        n = (b - a) // ratio
+        ends.append(a - 1 + ratio * torch.arange(1, n + 1))
+        starts.append(torch.full((n,), a))
+    return torch.cat(ends).to(cu_seqlens.device), torch.cat(starts).to(cu_seqlens.device)
+
+
+def entries_per_rank(ends, seq_per_rank, cp_size):
+    """[cp_size] number of entries whose block ends on each rank (the compressed length before padding)."""
+    return torch.bincount(ends // seq_per_rank, minlength=cp_size)
+
+
+def local_entry_rows(ends, doc_starts, rank, seq_per_rank, ratio, overlap):
+    """Rows of the halo-extended shard that each of this rank's entries pools.
+
+    The extended shard is [halo_rows | own s rows], so global position p is row p - (rank*s - halo).
+    Returns own_rows [n, ratio] (the entry's block) and prev_rows [n, ratio] (the block before it, -1
+    where the entry is its document's first and the previous block is padding), or prev_rows None
+    without overlap. n = entries whose block ends on this rank (<= s/ratio).
+    """
+    first = rank * seq_per_rank
+    mine = (ends >= first) & (ends < first + seq_per_rank)
+    block_start = ends[mine] - ratio + 1
+    offset = first - halo_rows(ratio, overlap)
+    own_rows = block_start[:, None] + torch.arange(ratio, device=ends.device) - offset
+    if not overlap:
+        return own_rows, None
+    has_prev = (block_start - ratio >= doc_starts[mine])[:, None]
+    prev_rows = torch.where(has_prev, own_rows - ratio, -1)
+    return own_rows, prev_rows
+
+
+def doc_start_of(positions, cu_seqlens):
+    """[n] start of the document that holds each global position."""
+    return cu_seqlens[torch.searchsorted(cu_seqlens, positions, right=True) - 1]
+
+
+def visibility(query_pos, query_doc_start, entry_end, entry_doc_start):
+    """[Tq, N] bool: query t sees entry e iff same document and e's block is complete (end(e) <= t)."""
+    same_doc = query_doc_start[:, None] == entry_doc_start[None, :]
+    return same_doc & (entry_end[None, :] <= query_pos[:, None])
+
+
+def shard_sequence(x, cp_size, rank):
+    """The contiguous shard of x [T, ...] held by `rank`: rows [rank*s, (rank+1)*s), s = T/cp_size."""
+    if x.shape[0] % cp_size:
+        raise ValueError(f"sequence length {x.shape[0]} is not divisible by cp_size={cp_size}; "
+                         f"pad the packed sequence to a multiple of {cp_size} tokens")
+    s = x.shape[0] // cp_size
+    return x[rank * s:(rank + 1) * s]
+
+
+def validate_layout(seq_per_rank, cu_seqlens, cp_size, ratio, overlap, top_k, window):
+    """Raise ValueError (saying how to fix it) unless this shard layout is one the protocol supports."""
+    s = seq_per_rank
+    if s <= 0 or s % ratio:
+        raise ValueError(f"each rank holds s={s} tokens, which is not a positive multiple of the "
+                         f"compression ratio m={ratio}; pad the sequence so s is a multiple of {ratio}")
+    if halo_rows(ratio, overlap) > s:
+        raise ValueError(f"the compression halo ({halo_rows(ratio, overlap)} rows for m={ratio}"
+                         f"{' with overlap' if overlap else ''}) is longer than a shard (s={s}): it would "
+                         f"have to come from more than one rank; use s >= {2 * ratio} or fewer ranks")
+    if window - 1 > s:
+        raise ValueError(f"the sliding window ({window}) needs {window - 1} rows from the previous rank "
+                         f"but a shard has only s={s}; use s >= {window - 1} or fewer ranks")
+    cu = cu_seqlens
+    if cu.dim() != 1 or cu.numel() < 2 or cu.dtype.is_floating_point:
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor [0, ..., T], got shape "
+                         f"{tuple(cu.shape)} dtype {cu.dtype}")
+    if cu[0] != 0 or bool((cu[1:] <= cu[:-1]).any()):
+        raise ValueError(f"cu_seqlens must start at 0 and strictly increase, got {cu.tolist()}")
+    total = cp_size * s
+    if cu[-1] != total:
+        raise ValueError(f"document lengths sum to {int(cu[-1])} tokens but cp_size*s = {cp_size}*{s} = "
+                         f"{total}; the last entry of cu_seqlens must be the full packed length")
+    if top_k is not None and top_k > total // ratio:
+        raise ValueError(f"top_k={top_k} is larger than the number of compressed entries "
+                         f"({total} tokens / m={ratio} = {total // ratio}); lower top_k")
+
+
+def agree_across_ranks(seq_per_rank, cu_seqlens, config, group=None):
+    """One all-gather of a few integers that every rank reaches whatever its input, so a mismatch makes
+    every rank raise the same ValueError and none is left waiting inside the protocol's collectives."""
+    cu = cu_seqlens.to(torch.int64).cpu()
+    digest = int((cu * torch.arange(1, cu.numel() + 1)).sum()) % (2 ** 61)
+    mine = torch.tensor([seq_per_rank, cu.numel(), int(cu[-1]), digest, *config], dtype=torch.int64)
+    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    everyone = torch.zeros(dist.get_world_size(group), mine.numel(), dtype=torch.int64, device=device)
+    dist.all_gather(list(everyone.unbind(0)), mine.to(device), group=group)
+    everyone = everyone.cpu()
+    if not bool((everyone == everyone[0]).all()):
+        per_rank = {r: dict(s=v[0], docs=v[1] - 1, total=v[2]) for r, v in enumerate(everyone.tolist())}
+        raise ValueError(f"ranks disagree on the shard layout (tokens per rank, documents, total, or "
+                         f"layer config): {per_rank}; every rank must hold an equal contiguous shard of "
+                         f"the same packed sequence with the same cu_seqlens")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Compression: the single-device reference, and the local half of stage 1
+# ---------------------------------------------------------------------------------------------------
+
+def compress_reference(kv, score, ape, cu_seqlens, ratio, overlap):
+    """Single-device compression of a packed sequence, document by document.
+
+    kv, score: [T, sets, C] raw rows (sets = 2 with overlap: set 0 pools an entry's own block, set 1
+    the block after, i.e. it is read by the next entry; 1 without). ape: [ratio, sets, C] positional bias
+    on the logits. Entry j of a document: per-channel softmax over the 2m (or m) rows of blocks j-1 and j;
+    block -1 is padding (logit -inf, value 0). Returns entries [T//ratio, C], zero rows at the tail.
+    """
+    T, _, C = kv.shape
+    pooled = []
+    for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
+        n = (b - a) // ratio
+        if n == 0:
+            continue
+        kv_blocks = kv[a:a + n * ratio].unflatten(0, (n, ratio))             # [n, m, sets, C]
+        logit_blocks = score[a:a + n * ratio].unflatten(0, (n, ratio)) + ape
+        if overlap:
+            kv_pad = kv.new_zeros(1, ratio, C)
+            logit_pad = kv.new_full((1, ratio, C), float("-inf"))
+            kv_win = torch.cat([torch.cat([kv_pad, kv_blocks[:-1, :, 1]]), kv_blocks[:, :, 0]], dim=1)
+            logit_win = torch.cat([torch.cat([logit_pad, logit_blocks[:-1, :, 1]]),
+                                   logit_blocks[:, :, 0]], dim=1)        # [n, 2m, C]
+        else:
+            kv_win, logit_win = kv_blocks[:, :, 0], logit_blocks[:, :, 0]
+        pooled.append((kv_win * logit_win.softmax(dim=1)).sum(dim=1))
+    entries = torch.cat(pooled) if pooled else kv.new_zeros(0, C)
+    return torch.cat([entries, kv.new_zeros(T // ratio - entries.shape[0], C)])
+
+
+def compress_local(ext_kv, ext_score, ape, own_rows, prev_rows, slots):
+    """Pool this rank's entries from its halo-extended shard into a fixed buffer (stage 1, local half).
+
+    ext_kv, ext_score: [halo + s, sets, C]; own_rows / prev_rows from local_entry_rows. Returns
+    [slots, C]: the n valid entries first, zero rows after, so every rank sends an equal-sized buffer.
+    """
+    ratio = own_rows.shape[1]
+    kv_win = ext_kv[own_rows, 0]                                         # [n, m, C]
+    logit_win = ext_score[own_rows, 0] + ape[:, 0]
+    if prev_rows is not None:
+        has_prev = (prev_rows >= 0)[..., None]
+        kv_prev = ext_kv[prev_rows.clamp(min=0), 1] * has_prev
+        logit_prev = (ext_score[prev_rows.clamp(min=0), 1] + ape[:, 1]).masked_fill(~has_prev, float("-inf"))
+        kv_win = torch.cat([kv_prev, kv_win], dim=1)                     # [n, 2m, C]
+        logit_win = torch.cat([logit_prev, logit_win], dim=1)
+    pooled = (kv_win * logit_win.softmax(dim=1)).sum(dim=1)
+    assert ratio > 0 and pooled.shape[0] <= slots
+    return F.pad(pooled, (0, 0, 0, slots - pooled.shape[0]))
+
+
+def select_and_pad(gathered, counts, total):
+    """Stage 2's fused select-and-pad: [cp, slots, C] buffers -> [total, C] global entries.
+
+    Rank r's first counts[r] rows, in rank order, then zero rows up to `total`: one index_select.
+    """
+    cp, slots, C = gathered.shape
+    flat = torch.cat([gathered.flatten(0, 1), gathered.new_zeros(1, C)])   # last row: the padding
+    source = torch.full((total,), cp * slots, dtype=torch.long, device=gathered.device)
+    valid = torch.cat([r * slots + torch.arange(int(n), device=gathered.device) for r, n in enumerate(counts)])
+    source[:valid.numel()] = valid
+    return flat.index_select(0, source)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The two collectives, with their backward passes
+# ---------------------------------------------------------------------------------------------------
+
+def _peer(group, rank):
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def _exchange(send_to, tensor_out, recv_from, tensor_in, group):
+    ops = []
+    if send_to is not None:
+        ops.append(dist.P2POp(dist.isend, tensor_out, _peer(group, send_to), group))
+    if recv_from is not None:
+        ops.append(dist.P2POp(dist.irecv, tensor_in, _peer(group, recv_from), group))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+class _HaloFromPrevious(torch.autograd.Function):
+    """Forward: receive the previous rank's last `rows` rows (rank 0 gets zeros, which nothing reads).
+    Backward: send their gradient back to the previous rank, which adds it to its own last rows."""
+
+    @staticmethod
+    def forward(ctx, x, rows, group):
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        ctx.rows, ctx.group, ctx.shape = rows, group, x.shape
+        halo = x.new_zeros(rows, *x.shape[1:])
+        _exchange(rank + 1 if rank + 1 < world else None, x[x.shape[0] - rows:].contiguous(),
+                  rank - 1 if rank > 0 else None, halo, group)
+        return halo
+
+    @staticmethod
+    def backward(ctx, grad_halo):
+        rank, world = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
+        grad_x = grad_halo.new_zeros(ctx.shape)
+        grad_tail = grad_halo.new_zeros(ctx.rows, *ctx.shape[1:])
+        _exchange(rank - 1 if rank > 0 else None, grad_halo.contiguous(),
+                  rank + 1 if rank + 1 < world else None, grad_tail, ctx.group)
+        grad_x[ctx.shape[0] - ctx.rows:] = grad_tail
+        return grad_x, None, None
+
+
+def halo_from_previous(x, rows, group=None):
+    """[rows, ...] the last `rows` rows of the previous rank's x (zeros on rank 0); differentiable."""
+    if rows == 0 or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return x.new_zeros(rows, *x.shape[1:])
+    return _HaloFromPrevious.apply(x, rows, group)
+
+
+class _AllGather(torch.autograd.Function):
+    """Forward: every rank's [slots, C] buffer -> [cp, slots, C]. Backward: each rank's queries produced
+    a gradient for every buffer; a buffer's gradient is their sum over ranks (a reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.new_empty(dist.get_world_size(group), *x.shape)
+        dist.all_gather(list(out.unbind(0)), x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        if dist.get_backend(ctx.group) == "nccl":
+            mine = grad.new_empty(grad.shape[1:])
+            dist.reduce_scatter_tensor(mine, grad, group=ctx.group)
+            return mine, None
+        dist.all_reduce(grad, group=ctx.group)   # gloo has no reduce-scatter: sum everywhere, keep ours
+        return grad[dist.get_rank(ctx.group)].clone(), None
+
+
+def all_gather_entries(x, group=None):
+    """[cp, *x.shape]: every rank's x, in rank order; differentiable."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return x[None]
+    return _AllGather.apply(x, group)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Selection and attention
+# ---------------------------------------------------------------------------------------------------
+
+def index_scores(q_index, w_index, k_index):
+    """Lightning indexer: I[t, e] = sum_h w[t, h] * relu(q[t, h] . k[e] / sqrt(d)).
+
+    q_index [T, Hi, Di], w_index [T, Hi], k_index [N, Di] -> [T, N].
+    """
+    dots = torch.einsum("thd,nd->thn", q_index, k_index) / math.sqrt(q_index.shape[-1])
+    return torch.einsum("th,thn->tn", w_index, dots.relu())
+
+
+def top_k_visible(scores, visible, top_k):
+    """[T, top_k] indices of the best visible entries per query, ascending, -1 where fewer are visible."""
+    values, idx = scores.masked_fill(~visible, float("-inf")).topk(top_k, dim=-1)
+    return torch.where(values == float("-inf"), -1, idx).sort(dim=-1).values
+
+
+def chosen_mask(chosen, n_entries):
+    """[T, n_entries] bool from top-k indices [T, k] (-1 = none): the dense form of a sparse selection."""
+    slot = torch.where(chosen >= 0, chosen, n_entries)        # -1 goes to a spare column, then dropped
+    mask = torch.zeros(chosen.shape[0], n_entries + 1, dtype=torch.bool, device=chosen.device)
+    return mask.scatter_(1, slot, True)[:, :n_entries]
+
+
+def attention_reference(q, entries, raw_kv, entry_allowed, raw_allowed, sink):
+    """Dense single-device attention with a mask (the reference). Keys double as values (V4's MQA).
+
+    q [T, H, D], entries [N, D], raw_kv [T, D], entry_allowed [T, N], raw_allowed [T, T] bool,
+    sink [H] (a per-head logit in the softmax denominator with a zero value). -> [T, H, D]
+    """
+    keys = torch.cat([entries, raw_kv])
+    allowed = torch.cat([entry_allowed, raw_allowed], dim=1)
+    logits = torch.einsum("thd,nd->htn", q, keys) / math.sqrt(q.shape[-1])
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    logits = torch.cat([logits, sink[:, None, None].expand(-1, q.shape[0], 1)], dim=-1)
+    probs = logits.softmax(dim=-1)[..., :-1]
+    return torch.einsum("htn,nd->thd", probs, keys)
+
+
+def attention_gathered(q, keys, allowed, sink):
+    """Attention over per-query gathered keys (the CP path): q [s, H, D], keys [s, K, D], allowed [s, K].
+
+    Explicit softmax with the sink as an extra logit. -> [s, H, D]
+    """
+    logits = torch.einsum("shd,skd->shk", q, keys) / math.sqrt(q.shape[-1])
+    logits = logits.masked_fill(~allowed[:, None, :], float("-inf"))
+    logits = torch.cat([logits, sink[None, :, None].expand(q.shape[0], -1, 1)], dim=-1)
+    probs = logits.softmax(dim=-1)[..., :-1]
+    return torch.einsum("shk,skd->shd", probs, keys)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The layer: one set of weights, three ways to run it
+# ---------------------------------------------------------------------------------------------------
+
+@dataclass
+class Extras:
+    entries: torch.Tensor          # [T/m, C] the global compressed sequence (main channels, then indexer)
+    top_k: torch.Tensor = None     # [Tq, k] selected global entry indices, -1 = none (CSA)
+    scores: torch.Tensor = None    # [Tq, T/m] indexer scores, -inf where not visible (CSA)
+    counts: list = None            # entries per rank before padding
+    bytes_sent: dict = None        # bytes this rank sent, per stage
+
+
+class CompressedAttention(nn.Module):
+    """A CSA (overlap, indexer + top-k) or HCA (no overlap, dense) layer with a sliding window and sink.
+
+    Per token: q [H, D] for attention, a raw K/V row [D] for the window, and the compressor's rows:
+    kv and gate logits [sets, C], C = D (+ the indexer's Di for CSA; per-channel pooling lets one
+    compressor carry both, normalised separately). Every projection is per token: no communication.
+    """
+
+    def __init__(self, kind="csa", dim=64, heads=4, head_dim=32, ratio=None, window=16, top_k=16,
+                 index_heads=4, index_dim=16):
+        super().__init__()
+        if kind not in ("csa", "hca"):
+            raise ValueError(f"kind must be 'csa' or 'hca', got {kind!r}")
+        self.kind, self.overlap = kind, kind == "csa"
+        self.ratio = ratio or (4 if kind == "csa" else 128)
+        self.heads, self.head_dim, self.window = heads, head_dim, window
+        self.top_k = top_k if self.overlap else None
+        self.index_heads, self.index_dim = index_heads, index_dim
+        sets = 2 if self.overlap else 1
+        channels = head_dim + (index_dim if self.overlap else 0)
+        init = lambda *shape: nn.Parameter(torch.randn(*shape) / math.sqrt(shape[0]))
+        self.wq = init(dim, heads * head_dim)
+        self.wkv_window = init(dim, head_dim)
+        self.wkv_compress = init(dim, sets * channels)
+        self.wgate_compress = init(dim, sets * channels)
+        self.ape = nn.Parameter(0.1 * torch.randn(self.ratio, sets, channels))
+        self.sink = nn.Parameter(torch.zeros(heads))
+        if self.overlap:
+            self.wq_index = init(dim, index_heads * index_dim)
+            self.w_index = init(dim, index_heads)
+
+    def config(self):
+        return [self.ratio, int(self.overlap), self.top_k or 0, self.window, self.heads, self.head_dim]
+
+    def project(self, x):
+        """Per-token projections of x [T, dim]."""
+        T, sets = x.shape[0], 2 if self.overlap else 1
+        out = dict(q=(x @ self.wq).view(T, self.heads, self.head_dim),
+                   window_kv=F.rms_norm(x @ self.wkv_window, (self.head_dim,)),
+                   kv=(x @ self.wkv_compress).view(T, sets, -1),
+                   gate=(x @ self.wgate_compress).view(T, sets, -1))
+        if self.overlap:
+            out["q_index"] = (x @ self.wq_index).view(T, self.index_heads, self.index_dim)
+            out["w_index"] = x @ self.w_index
+        return out
+
+    def normalise(self, pooled):
+        """RMS-normalise the main and the indexer channels of pooled entries separately."""
+        main = F.rms_norm(pooled[:, :self.head_dim], (self.head_dim,))
+        if not self.overlap:
+            return main
+        return torch.cat([main, F.rms_norm(pooled[:, self.head_dim:], (self.index_dim,))], dim=1)
+
+    # --- single device, full sequence ----------------------------------------------------------------
+    def reference(self, x, cu_seqlens):
+        """x [T, dim], cu_seqlens [D+1] -> ([T, H, D], Extras). No communication, dense masks."""
+        T, D, m = x.shape[0], self.head_dim, self.ratio
+        validate_layout(T, cu_seqlens, 1, m, self.overlap, self.top_k, self.window)
+        p = self.project(x)
+        entries = self.normalise(compress_reference(p["kv"], p["gate"], self.ape, cu_seqlens, m, self.overlap))
+        # this document-by-document walk is the reference's own bookkeeping (CP uses compressed_entry_ends)
+        doc_of_token = torch.repeat_interleave(cu_seqlens[:-1], cu_seqlens.diff())
+        entry_end = torch.full((T // m,), T, device=x.device)
+        entry_doc = torch.full((T // m,), -1, device=x.device)
+        n = 0
+        for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
+            for j in range((b - a) // m):
+                entry_end[n], entry_doc[n], n = a + (j + 1) * m - 1, a, n + 1
+        pos = torch.arange(T, device=x.device)
+        visible = visibility(pos, doc_of_token, entry_end, entry_doc)
+        raw_allowed = ((doc_of_token[:, None] == doc_of_token[None, :]) & (pos[None, :] <= pos[:, None])
+                       & (pos[None, :] > pos[:, None] - self.window))
+        extras = Extras(entries=entries)
+        if self.overlap:
+            scores = index_scores(p["q_index"], p["w_index"], entries[:, D:])
+            chosen = top_k_visible(scores, visible, self.top_k)
+            entry_allowed = chosen_mask(chosen, T // m)
+            extras.top_k, extras.scores = chosen, scores.masked_fill(~visible, float("-inf"))
+        else:
+            entry_allowed = visible
+        out = attention_reference(p["q"], entries[:, :D], p["window_kv"], entry_allowed, raw_allowed, self.sink)
+        return out, extras
+
+    # --- context parallel: the two-stage protocol ----------------------------------------------------
+    def context_parallel(self, x, cu_seqlens, group=None):
+        """x [s, dim]: this rank's contiguous shard; cu_seqlens [D+1] of the whole packed sequence.
+        -> ([s, H, D] for the local queries, Extras with the global entries and bytes sent)."""
+        rank, cp = dist.get_rank(group), dist.get_world_size(group)
+        s, D, m = x.shape[0], self.head_dim, self.ratio
+        agree_across_ranks(s, cu_seqlens, self.config(), group)
+        validate_layout(s, cu_seqlens, cp, m, self.overlap, self.top_k, self.window)
+        cu_seqlens = cu_seqlens.to(x.device)
+        p = self.project(x)
+        slots, total = s // m + 1, cp * s // m
+
+        # stage 1: halo from the previous rank, then pool the blocks that end here into s/m + 1 slots
+        raw = torch.stack([p["kv"], p["gate"]], dim=1)                     # [s, 2, sets, C]
+        halo = halo_rows(m, self.overlap)
+        ext = torch.cat([halo_from_previous(raw, halo, group), raw])
+        ends, doc_starts = compressed_entry_ends(cu_seqlens, m)
+        own_rows, prev_rows = local_entry_rows(ends, doc_starts, rank, s, m, self.overlap)
+        buffer = self.normalise(compress_local(ext[:, 0], ext[:, 1], self.ape, own_rows, prev_rows, slots))
+
+        # stage 2: all-gather the equal buffers, keep each rank's valid prefix, pad at the tail
+        counts = entries_per_rank(ends, s, cp).tolist()
+        entries = select_and_pad(all_gather_entries(buffer, group), counts, total)
+
+        # queries stay local: visibility by rule from global positions
+        pos = rank * s + torch.arange(s, device=x.device)
+        query_doc = doc_start_of(pos, cu_seqlens)
+        entry_end = torch.cat([ends, ends.new_full((total - ends.numel(),), cp * s)])
+        entry_doc = torch.cat([doc_starts, doc_starts.new_full((total - ends.numel(),), -1)])
+        visible = visibility(pos, query_doc, entry_end, entry_doc)
+
+        # sliding window: window-1 raw K/V rows from the previous rank
+        window_ext = torch.cat([halo_from_previous(p["window_kv"], self.window - 1, group), p["window_kv"]])
+        window_keys = window_ext.unfold(0, self.window, 1).transpose(1, 2)  # [s, window, D]
+        window_pos = pos[:, None] - self.window + 1 + torch.arange(self.window, device=x.device)
+        window_allowed = window_pos >= query_doc[:, None]
+
+        extras = Extras(entries=entries, counts=counts)
+        if self.overlap:
+            scores = index_scores(p["q_index"], p["w_index"], entries[:, D:])
+            chosen = top_k_visible(scores, visible, self.top_k)          # carried to the sparse kernel
+            entry_keys, entry_allowed = entries[chosen.clamp(min=0), :D], chosen >= 0
+            extras.top_k, extras.scores = chosen, scores.masked_fill(~visible, float("-inf"))
+        else:
+            entry_keys, entry_allowed = entries[None, :, :D].expand(s, -1, -1), visible
+        out = attention_gathered(p["q"], torch.cat([entry_keys, window_keys], dim=1),
+                                 torch.cat([entry_allowed, window_allowed], dim=1), self.sink)
+
+        size = raw.element_size()
+        extras.bytes_sent = {
+            "stage1_halo": (halo * raw[0].numel() * size) if rank + 1 < cp else 0,
+            "window_halo": ((self.window - 1) * D * size) if rank + 1 < cp else 0,
+            "stage2_allgather": (cp - 1) * buffer.numel() * size,   # ring all-gather: sent by each rank
+        }
+        return out, extras
+
+    # --- the simple baseline: all-gather every raw row, compress the whole sequence everywhere ----------
+    def allgather_baseline(self, x, cu_seqlens, group=None):
+        """Same result as context_parallel, by all-gathering the raw compressor rows of every token.
+        -> ([s, H, D], bytes sent by this rank). Used by the benchmark to price the two-stage protocol."""
+        rank, cp = dist.get_rank(group), dist.get_world_size(group)
+        s, D, m = x.shape[0], self.head_dim, self.ratio
+        validate_layout(s, cu_seqlens, cp, m, self.overlap, self.top_k, self.window)
+        cu_seqlens = cu_seqlens.to(x.device)
+        p = self.project(x)
+        raw = all_gather_entries(torch.stack([p["kv"], p["gate"]], dim=1), group).flatten(0, 1)
+        window_all = all_gather_entries(p["window_kv"], group).flatten(0, 1)
+        entries = self.normalise(compress_reference(raw[:, 0], raw[:, 1], self.ape, cu_seqlens, m, self.overlap))
+        ends, doc_starts = compressed_entry_ends(cu_seqlens, m)
+        total = cp * s // m
+        pos = rank * s + torch.arange(s, device=x.device)
+        query_doc = doc_start_of(pos, cu_seqlens)
+        entry_end = torch.cat([ends, ends.new_full((total - ends.numel(),), cp * s)])
+        entry_doc = torch.cat([doc_starts, doc_starts.new_full((total - ends.numel(),), -1)])
+        visible = visibility(pos, query_doc, entry_end, entry_doc)
+        all_pos = torch.arange(cp * s, device=x.device)
+        raw_allowed = ((doc_start_of(all_pos, cu_seqlens)[None, :] == query_doc[:, None])
+                       & (all_pos[None, :] <= pos[:, None]) & (all_pos[None, :] > pos[:, None] - self.window))
+        if self.overlap:
+            scores = index_scores(p["q_index"], p["w_index"], entries[:, D:])
+            chosen = top_k_visible(scores, visible, self.top_k)
+            entry_allowed = chosen_mask(chosen, total)
+        else:
+            entry_allowed = visible
+        keys = torch.cat([entries[:, :D], window_all])
+        allowed = torch.cat([entry_allowed, raw_allowed], dim=1)
+        out = attention_gathered(p["q"], keys[None].expand(s, -1, -1), allowed, self.sink)
+        size = raw.element_size()
+        return out, (cp - 1) * s * (raw[0].numel() + D) * size
+
+
+# ---------------------------------------------------------------------------------------------------
+# Demo
+# ---------------------------------------------------------------------------------------------------
+
+def packed_boundaries(seq_len, seq_per_rank, ratio, seed=0):
+    """cu_seqlens of a packed batch with documents starting at the awkward places: m-1 and 2m-1 tokens
+    before each rank boundary, on a boundary, inside blocks, and documents shorter than a block."""
+    g = torch.Generator().manual_seed(seed)
+    cuts = {0, seq_len}
+    for boundary in range(seq_per_rank, seq_len, seq_per_rank):
+        cuts |= {boundary - ratio + 1, boundary - 2 * ratio + 1, boundary + 1 + int(torch.randint(ratio, (1,), generator=g))}
+    cuts |= set(torch.randint(1, seq_len, (seq_len // (16 * ratio) + 2,), generator=g).tolist())
+    cuts = sorted(c for c in cuts if 0 <= c <= seq_len)
+    return torch.tensor(cuts)
+
+
+def _setup():
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend)
+    return device
+
+
+def probe_loss(out, extras, grad_out, grad_scores):
+    """A random linear function of the output and of the visible indexer scores, so backward reaches
+    every weight (the top-k choice itself is not differentiable; V4 trains the indexer on its scores)."""
+    loss = (out * grad_out).sum()
+    if extras.scores is not None:
+        loss = loss + torch.where(extras.scores.isfinite(), extras.scores, 0.0).mul(grad_scores).sum()
+    return loss
+
+
+def _demo_layer(layer, x_full, cu_seqlens, device):
+    """Reference and CP forward+backward; max relative errors (output, every gradient), extras, time."""
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(1)
+    T = x_full.shape[0]
+    grad_out = torch.randn(T, layer.heads, layer.head_dim, generator=g).to(device)
+    grad_scores = torch.randn(T, T // layer.ratio, generator=g).to(device)
+    x_ref = x_full.clone().requires_grad_()
+    out_ref, ex_ref = layer.reference(x_ref, cu_seqlens)
+    probe_loss(out_ref, ex_ref, grad_out, grad_scores).backward()
+    ref_grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer.zero_grad()
+    x_cp = shard_sequence(x_full, cp, rank).clone().requires_grad_()
+    t0 = time.perf_counter()
+    out_cp, extras = layer.context_parallel(x_cp, cu_seqlens)
+    probe_loss(out_cp, extras, shard_sequence(grad_out, cp, rank), shard_sequence(grad_scores, cp, rank)).backward()
+    elapsed = time.perf_counter() - t0
+    rel = lambda a, b: ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
+    out_err = rel(out_cp, shard_sequence(out_ref, cp, rank))
+    grad_err = rel(x_cp.grad, shard_sequence(x_ref.grad, cp, rank))
+    for n, p in layer.named_parameters():
+        dist.all_reduce(p.grad)
+        grad_err = max(grad_err, rel(p.grad, ref_grads[n]))
+    layer.zero_grad()
+    return out_err, grad_err, extras, elapsed
+
+
+def main():
+    device = _setup()
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    seq_per_rank, dim = 512, 64
+    T = cp * seq_per_rank
+    torch.manual_seed(0)                                    # same weights and inputs on every rank
+    layers = {"CSA (m=4, top-k 64)": CompressedAttention("csa", dim=dim, ratio=4, top_k=64, window=32),
+              "HCA (m'=128)": CompressedAttention("hca", dim=dim, ratio=128, window=32)}
+    x = torch.randn(T, dim).to(device)
+    if rank == 0:
+        print(f"cp_size={cp}, {seq_per_rank} tokens per rank, backend {dist.get_backend()}, device {device}")
+    for name, layer in layers.items():
+        layer.to(device)
+        cu = packed_boundaries(T, seq_per_rank, layer.ratio).to(device)
+        out_err, grad_err, ex, elapsed = _demo_layer(layer, x, cu, device)
+        row = torch.tensor([ex.bytes_sent["stage1_halo"], ex.bytes_sent["window_halo"],
+                            ex.bytes_sent["stage2_allgather"], ex.counts[rank], out_err, grad_err, elapsed],
+                           dtype=torch.float64, device=device)
+        rows = [torch.zeros_like(row) for _ in range(cp)]
+        dist.all_gather(rows, row)
+        if rank == 0:
+            print(f"\n{name}: {cu.numel() - 1} packed documents, {T // layer.ratio} compressed slots "
+                  f"({cp} x s/m = {cp} x {seq_per_rank // layer.ratio}), buffer s/m+1 = "
+                  f"{seq_per_rank // layer.ratio + 1} per rank")
+            print(f"{'rank':>4} {'stage1 halo B':>13} {'window halo B':>13} {'stage2 gather B':>15} "
+                  f"{'entries (pre-pad)':>17} {'out rel err':>13} {'grad rel err':>14} {'fwd+bwd s':>9}")
+            for r, v in enumerate(rows):
+                v = v.tolist()
+                print(f"{r:>4} {int(v[0]):>13} {int(v[1]):>13} {int(v[2]):>15} {int(v[3]):>17} "
+                      f"{v[4]:>13.2e} {v[5]:>14.2e} {v[6]:>9.3f}")
+            worst = max(max(v[4], v[5]) for v in (r.tolist() for r in rows))
+            print(f"matches the single-device reference: {'yes' if worst < 1e-5 else 'NO'} "
+                  f"(worst relative error {worst:.2e}, fp32; errors are max|cp - ref| / max|ref|)")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
