@@ -35,6 +35,7 @@ the indexer's own training loss (its scores are returned; tests backpropagate th
 Run:
     torchrun --nproc_per_node=4 cp_compress.py   # CPU through gloo; on GPUs NCCL is picked by itself
     python cp_compress.py                        # one process, world size 1
+    torchrun --nproc_per_node=2 cp_compress.py 128   # optional argument: tokens per rank
 """
 import math
 import os
@@ -320,8 +321,13 @@ def index_scores(q_index, w_index, k_index):
 
 
 def top_k_visible(scores, visible, top_k):
-    """[T, top_k] indices of the best visible entries per query, ascending, -1 where fewer are visible."""
-    values, idx = scores.masked_fill(~visible, float("-inf")).topk(top_k, dim=-1)
+    """[T, top_k] indices of the best visible entries per query, ascending, -1 where fewer are visible.
+
+    Ties go to the earlier entry (a stable sort, not topk, whose tie order is unspecified): relu makes
+    exact-zero scores common, and every rank must pick the same entries as the single-device run.
+    """
+    values, idx = scores.masked_fill(~visible, float("-inf")).sort(dim=-1, descending=True, stable=True)
+    values, idx = values[:, :top_k], idx[:, :top_k]
     return torch.where(values == float("-inf"), -1, idx).sort(dim=-1).values
 
 
@@ -551,15 +557,15 @@ class CompressedAttention(nn.Module):
 # ---------------------------------------------------------------------------------------------------
 
 def packed_boundaries(seq_len, seq_per_rank, ratio, seed=0):
-    """cu_seqlens of a packed batch with documents starting at the awkward places: m-1 and 2m-1 tokens
-    before each rank boundary, on a boundary, inside blocks, and documents shorter than a block."""
+    """cu_seqlens of a packed batch with documents starting where it hurts: m-1 tokens before a rank
+    boundary (a straddling block), 2m-1 before (with overlap, the halo is used to its first row), a
+    1-token document just after each boundary, and a few random cuts."""
     g = torch.Generator().manual_seed(seed)
     cuts = {0, seq_len}
-    for boundary in range(seq_per_rank, seq_len, seq_per_rank):
-        cuts |= {boundary - ratio + 1, boundary - 2 * ratio + 1, boundary + 1 + int(torch.randint(ratio, (1,), generator=g))}
-    cuts |= set(torch.randint(1, seq_len, (seq_len // (16 * ratio) + 2,), generator=g).tolist())
-    cuts = sorted(c for c in cuts if 0 <= c <= seq_len)
-    return torch.tensor(cuts)
+    for i, boundary in enumerate(range(seq_per_rank, seq_len, seq_per_rank)):
+        cuts |= {boundary - (ratio - 1 if i % 2 == 0 else 2 * ratio - 1), boundary + 2, boundary + 3}
+    cuts |= set(torch.randint(1, seq_len, (max(1, seq_len // (32 * ratio)),), generator=g).tolist())
+    return torch.tensor(sorted(c for c in cuts if 0 <= c <= seq_len))
 
 
 def _setup():
@@ -593,7 +599,7 @@ def _demo_layer(layer, x_full, cu_seqlens, device):
     x_ref = x_full.clone().requires_grad_()
     out_ref, ex_ref = layer.reference(x_ref, cu_seqlens)
     probe_loss(out_ref, ex_ref, grad_out, grad_scores).backward()
-    ref_grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    ref_grads = {n: torch.zeros_like(p) if p.grad is None else p.grad.clone() for n, p in layer.named_parameters()}
     layer.zero_grad()
     x_cp = shard_sequence(x_full, cp, rank).clone().requires_grad_()
     t0 = time.perf_counter()
@@ -603,17 +609,18 @@ def _demo_layer(layer, x_full, cu_seqlens, device):
     rel = lambda a, b: ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
     out_err = rel(out_cp, shard_sequence(out_ref, cp, rank))
     grad_err = rel(x_cp.grad, shard_sequence(x_ref.grad, cp, rank))
-    for n, p in layer.named_parameters():
-        dist.all_reduce(p.grad)
-        grad_err = max(grad_err, rel(p.grad, ref_grads[n]))
+    for n, p in layer.named_parameters():   # each rank holds its own queries' share of a weight's gradient
+        grad = torch.zeros_like(p) if p.grad is None else p.grad
+        dist.all_reduce(grad)
+        grad_err = max(grad_err, rel(grad, ref_grads[n]))
     layer.zero_grad()
     return out_err, grad_err, extras, elapsed
 
 
-def main():
+def main(seq_per_rank=512):
     device = _setup()
     rank, cp = dist.get_rank(), dist.get_world_size()
-    seq_per_rank, dim = 512, 64
+    dim = 64
     T = cp * seq_per_rank
     torch.manual_seed(0)                                    # same weights and inputs on every rank
     layers = {"CSA (m=4, top-k 64)": CompressedAttention("csa", dim=dim, ratio=4, top_k=64, window=32),
@@ -647,4 +654,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 512)   # optional: tokens per rank (a multiple of 128)

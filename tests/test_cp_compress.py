@@ -1,0 +1,371 @@
+"""cp_compress.py: the two-stage context-parallel protocol equals single-device compressed attention.
+
+Tolerances. Everything runs in fp32. CP and the reference compute the same sums in a different order
+(gathered vs. dense-masked softmax, a rank's buffer vs. a per-document view), so values agree to a few
+ulps: we allow 1e-5 relative to the largest magnitude of the reference tensor (1e-5 * max|ref|).
+Top-k indices, entry counts and every boundary-value check are integers and must match exactly.
+"""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import cp_compress as cpc
+from harness import run_ranks
+
+S = 24            # tokens per rank: a multiple of m = 4 (CSA) and m' = 8 (HCA in tests)
+M, M_HCA = 4, 8
+WINDOW, TOP_K = 6, 5
+
+
+def close(actual, expected, what, rel=1e-5):
+    scale = max(expected.abs().max().item(), 1e-30)
+    err = (actual - expected).abs().max().item()
+    assert err <= rel * scale, f"{what}: max |cp - ref| = {err:.3e} > {rel:g} * {scale:.3e}"
+
+
+def layouts(world_size, s, ratio):
+    """cu_seqlens with document boundaries everywhere that matters for this world size."""
+    T = world_size * s
+    boundaries = list(range(s, T, s)) or [s // 2]          # one rank: still test an inner boundary
+    worst_overlap = {b - (2 * ratio - 1) for b in boundaries}   # a block ending at b needs 2m-1 rows back
+    worst_straddle = {b - (ratio - 1) for b in boundaries}      # a document starting m-1 before b
+    on_boundary = set(boundaries)
+    short_docs = {b + 2 for b in boundaries} | {b + 3 for b in boundaries}  # a 1-token document
+    g = torch.Generator().manual_seed(world_size * 100 + ratio)
+    random_cuts = set(torch.randint(1, T, (T // 8,), generator=g).tolist())
+    out = []
+    for cuts in (set(), worst_overlap, worst_straddle | short_docs, on_boundary | {1, 2}, random_cuts):
+        cuts = sorted({c for c in cuts if 0 < c < T} | {0, T})
+        out.append(torch.tensor(cuts))
+    return out
+
+
+def make_layer(kind):
+    torch.manual_seed(1234)
+    if kind == "csa":
+        return cpc.CompressedAttention("csa", dim=16, heads=2, head_dim=8, ratio=M, window=WINDOW,
+                                       top_k=TOP_K, index_heads=2, index_dim=4)
+    return cpc.CompressedAttention("hca", dim=16, heads=2, head_dim=8, ratio=M_HCA, window=WINDOW)
+
+
+# --------------------------------------------------------------------------------------------------
+# Pure functions, one process
+# --------------------------------------------------------------------------------------------------
+
+def test_halo_rows_counts_the_overlap():
+    assert cpc.halo_rows(4, overlap=True) == 7      # own block may start 3 back, plus the block before
+    assert cpc.halo_rows(4, overlap=False) == 3
+    assert cpc.halo_rows(128, overlap=False) == 127
+
+
+def test_compressed_entry_ends_per_document():
+    # documents [0,6) [6,7) [7,20): 1 entry, none (shorter than a block), 3 entries
+    ends, starts = cpc.compressed_entry_ends(torch.tensor([0, 6, 7, 20]), 4)
+    assert ends.tolist() == [3, 10, 14, 18]
+    assert starts.tolist() == [0, 7, 7, 7]
+
+
+def test_entries_per_rank():
+    assert cpc.entries_per_rank(torch.tensor([3, 10, 14, 18]), 8, 3).tolist() == [1, 2, 1]
+
+
+def test_local_entry_rows_worst_case():
+    # s = 8, m = 4, rank 1 starts at 8; a document starts at 1 = 8 - (2m-1): its entry 1 ends at 8
+    cu = torch.tensor([0, 1, 16])
+    ends, starts = cpc.compressed_entry_ends(cu, 4)
+    assert ends.tolist() == [4, 8, 12]
+    own, prev = cpc.local_entry_rows(ends, starts, 1, 8, 4, overlap=True)
+    offset = 8 - 7                                         # ext row = global position - offset
+    assert (own + offset).tolist() == [[5, 6, 7, 8], [9, 10, 11, 12]]
+    assert (prev + offset).tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert prev.min() == 0                                 # the halo is used to its first row
+    own0, prev0 = cpc.local_entry_rows(ends, starts, 0, 8, 4, overlap=True)
+    assert (own0 - 7).tolist() == [[1, 2, 3, 4]] and prev0.tolist() == [[-1] * 4]  # first entry: padded
+    own_h, prev_h = cpc.local_entry_rows(ends, starts, 1, 8, 4, overlap=False)
+    assert prev_h is None and (own_h + 8 - 3).tolist() == [[5, 6, 7, 8], [9, 10, 11, 12]]
+
+
+def _naive_compress(kv, score, ape, cu, m, overlap):
+    """Scalar loops, entry by entry and channel by channel: a third, independent implementation."""
+    T, _, C = kv.shape
+    out = torch.zeros(T // m, C, dtype=torch.float64)
+    n = 0
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        for j in range((b - a) // m):
+            for c in range(C):
+                rows = [(a + j * m + i, 0, i) for i in range(m)]
+                if overlap and j > 0:
+                    rows += [(a + (j - 1) * m + i, 1, i) for i in range(m)]
+                logits = [float(score[p, k, c] + ape[i, k, c]) for p, k, i in rows]
+                z = sum(math.exp(l - max(logits)) for l in logits)
+                out[n, c] = sum(math.exp(l - max(logits)) / z * float(kv[p, k, c])
+                                for l, (p, k, i) in zip(logits, rows))
+            n += 1
+    return out.float()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_compress_reference_matches_scalar_loops(overlap):
+    g = torch.Generator().manual_seed(0)
+    sets = 2 if overlap else 1
+    kv, score = torch.randn(24, sets, 3, generator=g), torch.randn(24, sets, 3, generator=g)
+    ape = torch.randn(4, sets, 3, generator=g)
+    cu = torch.tensor([0, 3, 13, 14, 24])
+    got = cpc.compress_reference(kv, score, ape, cu, 4, overlap)
+    assert got.shape == (6, 3)
+    assert got[4:].abs().max() == 0                       # 4 valid entries, zero padding at the tail
+    close(got, _naive_compress(kv, score, ape, cu, 4, overlap), "compress_reference")
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_compress_local_on_one_rank_matches_reference(overlap):
+    g = torch.Generator().manual_seed(1)
+    sets, m, s = (2 if overlap else 1), 4, 20
+    kv, score = torch.randn(s, sets, 3, generator=g), torch.randn(s, sets, 3, generator=g)
+    ape = torch.randn(m, sets, 3, generator=g)
+    cu = torch.tensor([0, 3, 13, 14, 20])
+    h = cpc.halo_rows(m, overlap)
+    ext_kv, ext_score = torch.cat([torch.zeros(h, sets, 3), kv]), torch.cat([torch.zeros(h, sets, 3), score])
+    ends, starts = cpc.compressed_entry_ends(cu, m)
+    own, prev = cpc.local_entry_rows(ends, starts, 0, s, m, overlap)
+    buf = cpc.compress_local(ext_kv, ext_score, ape, own, prev, s // m + 1)
+    assert buf.shape == (s // m + 1, 3) and buf[ends.numel():].abs().max() == 0
+    close(buf[:ends.numel()], _naive_compress(kv, score, ape, cu, m, overlap)[:ends.numel()], "compress_local")
+
+
+def test_select_and_pad():
+    gathered = torch.arange(1, 3 * 3 + 1, dtype=torch.float32).view(3, 3, 1)   # rank r: rows 3r+1..3r+3
+    out = cpc.select_and_pad(gathered, [2, 0, 1], total=6)
+    assert out.flatten().tolist() == [1, 2, 7, 0, 0, 0]
+
+
+def test_visibility_rule():
+    cu = torch.tensor([0, 9, 16])
+    ends, starts = cpc.compressed_entry_ends(cu, 4)       # entries end at 3, 7 (doc 0) and 12 (doc 1)
+    pos = torch.arange(16)
+    vis = cpc.visibility(pos, cpc.doc_start_of(pos, cu), ends, starts)
+    assert vis[2].tolist() == [False, False, False]
+    assert vis[3].tolist() == [True, False, False]       # the last token of a block sees that block
+    assert vis[8].tolist() == [True, True, False]
+    assert vis[11].tolist() == [False, False, False]     # another document: nothing
+    assert vis[12].tolist() == [False, False, True]
+
+
+def test_index_scores_and_top_k():
+    g = torch.Generator().manual_seed(2)
+    q, w, k = torch.randn(5, 3, 4, generator=g), torch.randn(5, 3, generator=g), torch.randn(6, 4, generator=g)
+    naive = torch.tensor([[sum(float(w[t, h]) * max(0.0, float(q[t, h] @ k[e]) / 2) for h in range(3))
+                           for e in range(6)] for t in range(5)])
+    scores = cpc.index_scores(q, w, k)
+    close(scores, naive, "index_scores")
+    scores[0, 3] = scores[0, 1] = scores[0].max() + 1                    # an exact tie for the top
+    visible = torch.tensor([[True] * 6, [True, True, False, False, False, False], [False] * 6,
+                            [True] * 6, [False, False, False, False, False, True]])
+    chosen = cpc.top_k_visible(scores, visible, 3)
+    for t in range(5):
+        vis_idx = visible[t].nonzero().flatten()
+        best = sorted(sorted(vis_idx.tolist(), key=lambda e: (-scores[t, e].item(), e))[:3])  # ties: earlier
+        assert chosen[t].tolist() == [-1] * (3 - len(best)) + best
+    mask = cpc.chosen_mask(chosen, 6)
+    assert mask.sum(1).tolist() == [3, 2, 0, 3, 1] and bool((mask <= visible).all())
+
+
+def test_attention_matches_sdpa_and_sink_only_rescales():
+    g = torch.Generator().manual_seed(3)
+    T, N, H, D = 7, 5, 2, 8
+    q, ent, raw = torch.randn(T, H, D, generator=g), torch.randn(N, D, generator=g), torch.randn(T, D, generator=g)
+    ent_ok = torch.rand(T, N, generator=g) > 0.5
+    raw_ok = torch.ones(T, T, dtype=torch.bool).tril()
+    keys, allowed = torch.cat([ent, raw]), torch.cat([ent_ok, raw_ok], 1)
+    sdpa = F.scaled_dot_product_attention(q.transpose(0, 1), keys.expand(H, -1, -1), keys.expand(H, -1, -1),
+                                          attn_mask=allowed).transpose(0, 1)
+    no_sink = torch.full((H,), float("-inf"))
+    close(cpc.attention_reference(q, ent, raw, ent_ok, raw_ok, no_sink), sdpa, "attention_reference vs SDPA")
+    sink = torch.tensor([0.5, -1.0])
+    # a sink adds exp(sink) to the denominator only: out = sdpa * Z / (Z + exp(sink))
+    logits = torch.einsum("thd,nd->htn", q, keys).div(math.sqrt(D)).masked_fill(~allowed, float("-inf"))
+    lse = logits.logsumexp(-1).T                                          # [T, H]
+    shrink = torch.sigmoid(lse - sink)[..., None]                        # Z / (Z + e^sink)
+    close(cpc.attention_reference(q, ent, raw, ent_ok, raw_ok, sink), sdpa * shrink, "sink")
+    gathered = cpc.attention_gathered(q, keys.expand(T, -1, -1), allowed, sink)
+    close(gathered, sdpa * shrink, "attention_gathered")
+
+
+def test_shard_sequence():
+    x = torch.arange(12)
+    assert cpc.shard_sequence(x, 3, 1).tolist() == [4, 5, 6, 7]
+    with pytest.raises(ValueError, match="not divisible by cp_size=5"):
+        cpc.shard_sequence(x, 5, 0)
+
+
+def test_validate_layout_refuses_bad_input():
+    cu = torch.tensor([0, 10, 32])
+    cpc.validate_layout(16, cu, 2, 4, True, 8, 6)                       # fine
+    with pytest.raises(ValueError, match="not a positive multiple of the compression ratio m=4"):
+        cpc.validate_layout(18, torch.tensor([0, 36]), 2, 4, True, 8, 6)
+    with pytest.raises(ValueError, match="halo"):
+        cpc.validate_layout(4, torch.tensor([0, 8]), 2, 4, True, 1, 2)     # 2m-1 = 7 rows > s = 4
+    with pytest.raises(ValueError, match="sum to 30 tokens but cp_size"):
+        cpc.validate_layout(16, torch.tensor([0, 10, 30]), 2, 4, True, 8, 6)
+    with pytest.raises(ValueError, match="strictly increase"):
+        cpc.validate_layout(16, torch.tensor([0, 10, 10, 32]), 2, 4, True, 8, 6)
+    with pytest.raises(ValueError, match="top_k=9 is larger than the number of compressed entries"):
+        cpc.validate_layout(16, cu, 2, 4, True, 9, 6)
+    with pytest.raises(ValueError, match="sliding window"):
+        cpc.validate_layout(16, cu, 2, 4, True, 8, 20)
+
+
+# --------------------------------------------------------------------------------------------------
+# Multi-rank: the protocol against the single-device reference, forward and backward
+# --------------------------------------------------------------------------------------------------
+
+def _equivalence(rank, world_size):
+    """For CSA and HCA and every layout: entries, top-k, scores, output and all gradients."""
+    checked = []
+    for kind, ratio in (("csa", M), ("hca", M_HCA)):
+        layer = make_layer(kind)
+        for cu in layouts(world_size, S, ratio):
+            T = world_size * S
+            g = torch.Generator().manual_seed(int(cu.sum()))                 # same inputs on every rank
+            x = torch.randn(T, 16, generator=g)
+            grad_out = torch.randn(T, layer.heads, layer.head_dim, generator=g)
+            grad_scores = torch.randn(T, T // ratio, generator=g)
+
+            x_ref = x.clone().requires_grad_()
+            out_ref, ex_ref = layer.reference(x_ref, cu)
+            cpc.probe_loss(out_ref, ex_ref, grad_out, grad_scores).backward()
+            ref_grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+            layer.zero_grad()
+
+            mine = lambda t: cpc.shard_sequence(t, world_size, rank)
+            x_cp = mine(x).clone().requires_grad_()
+            out_cp, ex = layer.context_parallel(x_cp, cu)
+            cpc.probe_loss(out_cp, ex, mine(grad_out), mine(grad_scores)).backward()
+            where = f"{kind} W={world_size} rank={rank} cu={cu.tolist()}"
+
+            assert ex.entries.shape == (T // ratio, ex_ref.entries.shape[1])
+            close(ex.entries, ex_ref.entries, f"entries {where}")
+            n_valid = sum(ex.counts)
+            assert ex.entries[n_valid:].abs().max() == 0 if n_valid < T // ratio else True
+            assert n_valid == sum((b - a) // ratio for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()))
+            assert max(ex.counts) <= S // ratio, "a rank owns at most s/m entries"
+            close(out_cp, mine(out_ref), f"output {where}")
+            close(x_cp.grad, mine(x_ref.grad), f"d input {where}")
+            if kind == "csa":
+                assert torch.equal(ex.top_k, mine(ex_ref.top_k)), f"top-k {where}"
+                finite = ex.scores.isfinite()
+                assert torch.equal(finite, mine(ex_ref.scores).isfinite()), f"visibility {where}"
+                close(ex.scores[finite], mine(ex_ref.scores)[finite], f"index scores {where}")
+            for name, p in layer.named_parameters():
+                dist.all_reduce(p.grad)                  # each rank holds its queries' share
+                assert ref_grads[name].abs().max() > 0, f"{name} got no gradient in the reference"
+                close(p.grad, ref_grads[name], f"d {name} {where}")
+            layer.zero_grad()
+
+            # the simple baseline (all-gather raw rows) computes the same thing
+            out_base, _ = layer.allgather_baseline(mine(x), cu)
+            close(out_base, mine(out_ref.detach()), f"baseline output {where}")
+            checked.append((kind, len(cu) - 1))
+    return checked
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_cp_equals_single_device_reference(world_size):
+    results = run_ranks(_equivalence, world_size, timeout=120)
+    assert all(len(r) == 10 for r in results)                 # 2 layer kinds x 5 layouts on every rank
+
+
+def _boundary_values(rank, world_size):
+    """Raw values rank*10000 + local position: what crossed each boundary, both directions."""
+    s, m = 16, 4
+    out = {}
+    value = (rank * 10000 + torch.arange(s, dtype=torch.float32))[:, None].requires_grad_()
+    expect = lambda p: (p // s) * 10000 + p % s                 # the value of global position p
+    for overlap in (True, False):
+        h = cpc.halo_rows(m, overlap)
+        halo = cpc.halo_from_previous(value, h)
+        if rank == 0:
+            assert halo.abs().max() == 0
+        else:
+            assert halo.flatten().tolist() == [expect(p) for p in range(rank * s - h, rank * s)]
+        # backward: the gradient of the halo lands on the previous rank's last h rows, exactly
+        weight = (rank * 100 + torch.arange(h, dtype=torch.float32))[:, None]
+        (halo * weight).sum().backward()
+        grad = value.grad.flatten().tolist()
+        value.grad = None
+        if rank + 1 < world_size:
+            assert grad[:s - h] == [0] * (s - h)
+            assert grad[s - h:] == [(rank + 1) * 100 + i for i in range(h)]
+        else:
+            assert grad == [0] * s
+        # a document starting 2m-1 tokens before every boundary: which raw rows feed which entry
+        cu = torch.tensor(sorted({0, world_size * s} | {b - (2 * m - 1) for b in range(s, world_size * s, s)}))
+        ends, starts = cpc.compressed_entry_ends(cu, m)
+        own, prev = cpc.local_entry_rows(ends, starts, rank, s, m, overlap)
+        ext = torch.cat([halo.detach(), value.detach()]).flatten()
+        for e, end in enumerate(ends[(ends >= rank * s) & (ends < rank * s + s)].tolist()):
+            assert ext[own[e]].tolist() == [expect(p) for p in range(end - m + 1, end + 1)]
+            if prev is not None and prev[e, 0] >= 0:
+                assert ext[prev[e]].tolist() == [expect(p) for p in range(end - 2 * m + 1, end - m + 1)]
+        first = ends[ends >= rank * s][:1].tolist()
+        if first and rank > 0 and overlap:
+            out["first_entry_sources"] = ext[torch.cat([prev[0], own[0]])].tolist()
+    # all-gather backward: every rank's gradient for its buffer is the sum over ranks
+    buf = torch.full((3, 2), float(rank)).requires_grad_()
+    gathered = cpc.all_gather_entries(buf)
+    assert gathered[:, 0, 0].tolist() == list(range(world_size))
+    (gathered * (rank + 1)).sum().backward()
+    assert torch.equal(buf.grad, torch.full((3, 2), world_size * (world_size + 1) / 2))
+    return out
+
+
+def test_boundary_values_show_exactly_what_crossed():
+    results = run_ranks(_boundary_values, 4, timeout=60)
+    # rank 1's first entry (block [16, 19]... ends at 16): 7 rows from rank 0 (9..15) and its own row 0
+    assert results[1]["first_entry_sources"] == [9, 10, 11, 12, 13, 14, 15, 10000]
+    assert results[3]["first_entry_sources"] == [20009, 20010, 20011, 20012, 20013, 20014, 20015, 30000]
+
+
+def _bad_inputs(rank, world_size):
+    """Each case must raise the same ValueError on every rank, and leave no rank waiting."""
+    layer = make_layer("csa")
+    s = S
+    T = world_size * s
+    x = torch.randn(s, 16)
+    cases = {
+        "mismatched shards": (torch.randn(s + (4 if rank == 1 else 0), 16), torch.tensor([0, T])),
+        "s not a multiple of m": (torch.randn(s - 2, 16), torch.tensor([0, world_size * (s - 2)])),
+        "lengths do not sum": (x, torch.tensor([0, 5, T - 1])),
+        "top_k too large": (x, torch.tensor([0, T])),
+    }
+    messages = {}
+    for case, (x_in, cu) in cases.items():
+        if case == "top_k too large":
+            layer.top_k = T // M + 1
+        try:
+            layer.context_parallel(x_in, cu)
+            messages[case] = None
+        except ValueError as err:
+            messages[case] = str(err)
+    alive = torch.ones(1)
+    dist.all_reduce(alive)                       # every rank got here: nobody is stuck in a collective
+    assert alive.item() == world_size
+    return messages
+
+
+def test_bad_input_raises_on_every_rank():
+    results = run_ranks(_bad_inputs, 3, timeout=60)
+    for msgs in results:
+        assert "ranks disagree on the shard layout" in msgs["mismatched shards"]
+        assert "not a positive multiple of the compression ratio m=4" in msgs["s not a multiple of m"]
+        assert "document lengths sum to" in msgs["lengths do not sum"]
+        assert "larger than the number of compressed entries" in msgs["top_k too large"]
+
+
+def test_demo_runs_under_torchrun():
+    from harness import run_torchrun
+    out = run_torchrun("cp_compress.py", nproc=2, args=(128,), timeout=240).stdout
+    assert out.count("matches the single-device reference: yes") == 2, out
