@@ -622,7 +622,9 @@ class LiveStorages(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.refs += [weakref.ref(t.untyped_storage()) for t in _tensors_in(out)]
+        inputs = {t.untyped_storage().data_ptr() for t in _tensors_in((args, kwargs))}
+        self.refs += [weakref.ref(t.untyped_storage()) for t in _tensors_in(out)  # views allocate nothing
+                      if t.untyped_storage().data_ptr() not in inputs]
         return out
 
     def live_bytes(self):
