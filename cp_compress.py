@@ -485,30 +485,10 @@ class CompressedAttention(nn.Module):
         counts = entries_per_rank(ends, s, cp).tolist()
         entries = select_and_pad(all_gather_entries(buffer, group), counts, total)
 
-        # queries stay local: visibility by rule from global positions
-        pos = rank * s + torch.arange(s, device=x.device)
-        query_doc = doc_start_of(pos, cu_seqlens)
-        entry_end = torch.cat([ends, ends.new_full((total - ends.numel(),), cp * s)])
-        entry_doc = torch.cat([doc_starts, doc_starts.new_full((total - ends.numel(),), -1)])
-        visible = visibility(pos, query_doc, entry_end, entry_doc)
-
-        # sliding window: window-1 raw K/V rows from the previous rank
+        # the sliding window needs window-1 raw K/V rows from the previous rank
         window_ext = torch.cat([halo_from_previous(p["window_kv"], self.window - 1, group), p["window_kv"]])
-        window_keys = window_ext.unfold(0, self.window, 1).transpose(1, 2)  # [s, window, D]
-        window_pos = pos[:, None] - self.window + 1 + torch.arange(self.window, device=x.device)
-        window_allowed = window_pos >= query_doc[:, None]
-
-        extras = Extras(entries=entries, counts=counts)
-        if self.overlap:
-            scores = index_scores(p["q_index"], p["w_index"], entries[:, D:])
-            chosen = top_k_visible(scores, visible, self.top_k)          # carried to the sparse kernel
-            entry_keys, entry_allowed = entries[chosen.clamp(min=0), :D], chosen >= 0
-            extras.top_k, extras.scores = chosen, scores.masked_fill(~visible, float("-inf"))
-        else:
-            entry_keys, entry_allowed = entries[None, :, :D].expand(s, -1, -1), visible
-        out = attention_gathered(p["q"], torch.cat([entry_keys, window_keys], dim=1),
-                                 torch.cat([entry_allowed, window_allowed], dim=1), self.sink)
-
+        out, extras = self._attend_local(p, entries, window_ext, ends, doc_starts, rank * s, cu_seqlens)
+        extras.counts = counts
         size = raw.element_size()
         extras.bytes_sent = {
             "stage1_halo": (halo * raw[0].numel() * size) if rank + 1 < cp else 0,
@@ -517,39 +497,57 @@ class CompressedAttention(nn.Module):
         }
         return out, extras
 
-    # --- the simple baseline: all-gather every raw row, compress the whole sequence everywhere ----------
-    def allgather_baseline(self, x, cu_seqlens, group=None):
-        """Same result as context_parallel, by all-gathering the raw compressor rows of every token.
-        -> ([s, H, D], bytes sent by this rank). Used by the benchmark to price the two-stage protocol."""
-        rank, cp = dist.get_rank(group), dist.get_world_size(group)
-        s, D, m = x.shape[0], self.head_dim, self.ratio
-        validate_layout(s, cu_seqlens, cp, m, self.overlap, self.top_k, self.window)
-        cu_seqlens = cu_seqlens.to(x.device)
-        p = self.project(x)
-        raw = all_gather_entries(torch.stack([p["kv"], p["gate"]], dim=1), group).flatten(0, 1)
-        window_all = all_gather_entries(p["window_kv"], group).flatten(0, 1)
-        entries = self.normalise(compress_reference(raw[:, 0], raw[:, 1], self.ape, cu_seqlens, m, self.overlap))
-        ends, doc_starts = compressed_entry_ends(cu_seqlens, m)
-        total = cp * s // m
-        pos = rank * s + torch.arange(s, device=x.device)
+    def _attend_local(self, p, entries, window_ext, ends, doc_starts, first, cu_seqlens):
+        """Local queries [first, first+s) against the global entries [N, C] and the window rows
+        window_ext [window-1+s, D]. Visibility comes by rule from global positions; CSA carries its
+        choice to the sparse attention as top-k indices."""
+        s, D, total, device = p["q"].shape[0], self.head_dim, entries.shape[0], entries.device
+        pos = first + torch.arange(s, device=device)
         query_doc = doc_start_of(pos, cu_seqlens)
-        entry_end = torch.cat([ends, ends.new_full((total - ends.numel(),), cp * s)])
-        entry_doc = torch.cat([doc_starts, doc_starts.new_full((total - ends.numel(),), -1)])
+        pad = total - ends.numel()
+        entry_end = torch.cat([ends, ends.new_full((pad,), int(cu_seqlens[-1]))])   # padding: never visible
+        entry_doc = torch.cat([doc_starts, doc_starts.new_full((pad,), -1)])
         visible = visibility(pos, query_doc, entry_end, entry_doc)
-        all_pos = torch.arange(cp * s, device=x.device)
-        raw_allowed = ((doc_start_of(all_pos, cu_seqlens)[None, :] == query_doc[:, None])
-                       & (all_pos[None, :] <= pos[:, None]) & (all_pos[None, :] > pos[:, None] - self.window))
+
+        window_keys = window_ext.unfold(0, self.window, 1).transpose(1, 2)    # [s, window, D]
+        window_pos = pos[:, None] - self.window + 1 + torch.arange(self.window, device=device)
+        window_allowed = window_pos >= query_doc[:, None]
+
+        extras = Extras(entries=entries)
         if self.overlap:
             scores = index_scores(p["q_index"], p["w_index"], entries[:, D:])
             chosen = top_k_visible(scores, visible, self.top_k)
-            entry_allowed = chosen_mask(chosen, total)
+            entry_keys, entry_allowed = entries[chosen.clamp(min=0), :D], chosen >= 0
+            extras.top_k, extras.scores = chosen, scores.masked_fill(~visible, float("-inf"))
         else:
-            entry_allowed = visible
-        keys = torch.cat([entries[:, :D], window_all])
-        allowed = torch.cat([entry_allowed, raw_allowed], dim=1)
-        out = attention_gathered(p["q"], keys[None].expand(s, -1, -1), allowed, self.sink)
+            entry_keys, entry_allowed = entries[None, :, :D].expand(s, -1, -1), visible
+        out = attention_gathered(p["q"], torch.cat([entry_keys, window_keys], dim=1),
+                                 torch.cat([entry_allowed, window_allowed], dim=1), self.sink)
+        return out, extras
+
+    # --- the simple baseline: all-gather every raw row, compress the whole sequence everywhere ----------
+    def allgather_baseline(self, x, cu_seqlens, group=None):
+        """Same result as context_parallel, by all-gathering the raw compressor rows (and window K/V) of
+        every token and compressing the whole sequence on every rank; the attention is the same code.
+        -> ([s, H, D], Extras with bytes_sent). The benchmark prices the two-stage protocol against it."""
+        rank, cp = dist.get_rank(group), dist.get_world_size(group)
+        s, D, m = x.shape[0], self.head_dim, self.ratio
+        agree_across_ranks(s, cu_seqlens, self.config(), group)
+        validate_layout(s, cu_seqlens, cp, m, self.overlap, self.top_k, self.window)
+        cu_seqlens = cu_seqlens.to(x.device)
+        p = self.project(x)
+        raw_local = torch.stack([p["kv"], p["gate"]], dim=1)
+        raw = all_gather_entries(raw_local, group).flatten(0, 1)               # [T, 2, sets, C]
+        window_all = all_gather_entries(p["window_kv"], group).flatten(0, 1)   # [T, D]
+        entries = self.normalise(compress_reference(raw[:, 0], raw[:, 1], self.ape, cu_seqlens, m, self.overlap))
+        ends, doc_starts = compressed_entry_ends(cu_seqlens, m)
+        first = rank * s
+        window_ext = torch.cat([window_all.new_zeros(self.window - 1, D), window_all])[first:first + s + self.window - 1]
+        out, extras = self._attend_local(p, entries, window_ext, ends, doc_starts, first, cu_seqlens)
         size = raw.element_size()
-        return out, (cp - 1) * s * (raw[0].numel() + D) * size
+        extras.bytes_sent = {"allgather_raw": (cp - 1) * raw_local.numel() * size,
+                             "allgather_window": (cp - 1) * p["window_kv"].numel() * size}
+        return out, extras
 
 
 # ---------------------------------------------------------------------------------------------------
