@@ -24,6 +24,7 @@ Run it:
     torchrun --nproc_per_node=8 muon_zero.py      # GPUs: NCCL is picked when CUDA is available
     python muon_zero.py                           # one process, no process group
 """
+import bisect
 import datetime
 import hashlib
 import math
@@ -74,12 +75,17 @@ def muon_update(grad, momentum_buffer, *, momentum=0.95, nesterov=True, coeffici
                 ns_dtype=torch.bfloat16, update_rms=0.18):
     """Advance the momentum in place and return the fp32 update O.  grad, buffer: [n, m] or [b, n, m].
 
-    M <- mu·M + G;  X = mu·M + G (Nesterov) or M;  O = NS(X) · sqrt(max(n, m)) · update_rms.
-    NS(X) has singular values ~1, so its RMS is ~1/sqrt(max(n, m)); the factor makes every matrix's
-    update RMS equal update_rms whatever its shape (0.2 is torch's "match_rms_adamw").
+    V4 writes M <- mu·M + G and X = mu·M + G (Nesterov) or M. We keep the buffer as an average,
+    M' = (1 - mu)·M, i.e. M' <- lerp(M', G, 1 - mu) and X' = lerp(G, M', mu) = (1 - mu)·X: the same
+    direction, and NS divides by the Frobenius norm first, so the update is the same. The average has
+    the gradient's scale (not 1/(1 - mu) = 20x it), and it is exactly torch.optim.Muon's buffer, so a
+    checkpoint's momentum means the same thing in both.
+    O = NS(X) · sqrt(max(n, m)) · update_rms: NS(X) has singular values ~1, so its RMS is
+    ~1/sqrt(max(n, m)); the factor makes every matrix's update RMS equal update_rms whatever its shape
+    (0.2 is torch's "match_rms_adamw").
     """
-    momentum_buffer.mul_(momentum).add_(grad)
-    X = grad.add(momentum_buffer, alpha=momentum) if nesterov else momentum_buffer
+    momentum_buffer.lerp_(grad, 1 - momentum)
+    X = grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
     n, m = X.shape[-2:]
     return newton_schulz(X, coefficients, ns_dtype).float() * (update_rms * math.sqrt(max(n, m)))
 
@@ -211,8 +217,10 @@ def split_experts(numels, world_size):
     cuts = [0]
     for k in range(1, world_size):
         target = total * k / world_size
-        j = min(range(cuts[-1], len(numels) + 1), key=lambda j: (abs(prefix[j] - target), j))
-        cuts.append(j)
+        j = bisect.bisect_left(prefix, target)  # first boundary at or past the target; the one before may be nearer
+        if j > 0 and (j > len(numels) or target - prefix[j - 1] <= prefix[j] - target):
+            j -= 1
+        cuts.append(max(j, cuts[-1]))
     cuts.append(len(numels))
     return [(cuts[k], cuts[k + 1]) for k in range(world_size)]
 

@@ -1,0 +1,472 @@
+"""Tests for muon_zero.py, against independent references:
+
+- torch.optim.Muon (bf16 NS, 5 standard steps, adjust_lr_fn="match_rms_adamw" <=> update_rms=0.2) and
+  torch.optim.AdamW, stepping one process on the full batch;
+- a short per-matrix fp32 Muon loop written here from V4 Algorithm 1, independent of muon_zero's code.
+
+Tolerances (relative error of the parameter change after 5 steps, ||Δ_test - Δ_ref|| / ||Δ_ref||):
+- fp32 NS and fp32 gradient sync: 1e-5. The only differences are summation order (per-rank gradients
+  summed vs. one full-batch gradient) and batched vs. single matmuls: fp32 reassociation, ~1e-7 per op.
+- bf16 NS against torch.optim.Muon: 1e-2. Both round the NS input and every NS matmul to bf16 (2^-8
+  ≈ 4e-3 relative). Our momentum is torch's lerp form, so the NS inputs agree up to fp32 summation order
+  and a bf16 rounding only flips near a tie (measured: ~1e-6); 1e-2 allows a few flips on the way.
+"""
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import muon_zero as mz
+from harness import run_ranks
+
+VOCAB, DIM, HIDDEN, EXPERTS, FFN = 16, 12, 20, 5, 8
+GLOBAL_BATCH, SEQ, STEPS = 12, 6, 5        # 12 samples split evenly over 1, 2, 3 and 4 ranks
+LR_MUON, LR_ADAM = 0.05, 0.01
+FP32_TOL, BF16_TOL = 1e-5, 1e-2
+
+# Dense matrices: tall, wide, square twice (a same-shape pair for batched NS), the router; 5 of them,
+# which divides neither 2, 3 nor 4. Expert stacks of 5 experts: 15 matrices, divides 3 only.
+DENSE = {"w_in": (HIDDEN, DIM), "w_out": (DIM, HIDDEN), "w_sq1": (DIM, DIM), "w_sq2": (DIM, DIM),
+         "router": (EXPERTS, DIM)}
+EXPERT = {"gate": (EXPERTS, FFN, DIM), "up": (EXPERTS, FFN, DIM), "down": (EXPERTS, DIM, FFN)}
+ADAMW = {"embed": (VOCAB, DIM), "norm": (DIM,), "head": (VOCAB, DIM)}
+
+
+def make_params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = {**DENSE, **EXPERT, **ADAMW}
+    P = {k: torch.randn(s, generator=g) / math.sqrt(s[-1]) for k, s in shapes.items()}
+    P["norm"] = 1 + 0.1 * torch.randn(DIM, generator=g)
+    return P
+
+
+def forward_loss(P, tokens, targets):
+    """A small MoE block; P's expert entries may be 3-D tensors or lists of 2-D leaves (the reference)."""
+    E = {k: (torch.stack(P[k]) if isinstance(P[k], list) else P[k]) for k in EXPERT}
+    x = P["embed"][tokens]                                                     # [B, T, D]
+    x = x + torch.tanh(x @ P["w_in"].T) @ P["w_out"].T
+    x = x + torch.tanh(x @ P["w_sq1"].T) @ P["w_sq2"].T
+    route = torch.sigmoid(x @ P["router"].T)  # [B, T, E]; softmax would leave the router gradient rank-deficient
+    h = F.silu(torch.einsum("btd,efd->btef", x, E["gate"])) * torch.einsum("btd,efd->btef", x, E["up"])
+    x = x + torch.einsum("btef,edf,bte->btd", h, E["down"], route)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * P["norm"]
+    return F.cross_entropy((x @ P["head"].T).flatten(0, 1), targets.flatten())
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def leaves(P):
+    return {k: v.clone().requires_grad_() for k, v in P.items()}
+
+
+def groups(L, roles=True):
+    out = [{"params": [L[k] for k in DENSE], "role": "dense"}]
+    out += [{"params": [L[k]], "role": "expert_" + k} for k in ("down", "up", "gate")]
+    out += [{"params": [L[k] for k in ADAMW], "role": "adamw", "lr": LR_ADAM}]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# References
+# ---------------------------------------------------------------------------------------------------
+
+def reference_torch(P, steps=STEPS):
+    """torch.optim.Muon on every 2-D matrix (each expert its own leaf) + torch.optim.AdamW, full batch."""
+    L = {k: v.clone().requires_grad_() for k, v in P.items() if k not in EXPERT}
+    for k in EXPERT:
+        L[k] = [m.clone().requires_grad_() for m in P[k]]
+    mats = [L[k] for k in DENSE] + [m for k in EXPERT for m in L[k]]
+    muon = torch.optim.Muon(mats, lr=LR_MUON, weight_decay=0.1, momentum=0.95, nesterov=True,
+                            adjust_lr_fn="match_rms_adamw")
+    adam = torch.optim.AdamW([L[k] for k in ADAMW], lr=LR_ADAM, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for s in range(steps):
+        forward_loss(L, *batch(s)).backward()
+        muon.step(), adam.step(), muon.zero_grad(), adam.zero_grad()
+    return {k: (torch.stack(v) if isinstance(v, list) else v).detach() for k, v in L.items()}
+
+
+def reference_fp32(P, steps=STEPS, coefficients=mz.V4_NS_COEFFICIENTS, rms=0.18):
+    """V4 Algorithm 1 written out per matrix in fp32, plus torch.optim.AdamW."""
+    L = {k: v.clone().requires_grad_() for k, v in P.items()}
+    adam = torch.optim.AdamW([L[k] for k in ADAMW], lr=LR_ADAM, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    momentum = {k: torch.zeros_like(P[k]) for k in (*DENSE, *EXPERT)}
+    for s in range(steps):
+        forward_loss(L, *batch(s)).backward()
+        with torch.no_grad():
+            for k in (*DENSE, *EXPERT):
+                for W, G, M in ([(L[k], L[k].grad, momentum[k])] if k in DENSE else
+                                zip(L[k], L[k].grad, momentum[k])):
+                    M.mul_(0.95).add_(G)
+                    X = G + 0.95 * M
+                    X = X.T if X.shape[0] > X.shape[1] else X
+                    X = X / X.norm()
+                    for a, b, c in coefficients:
+                        A = X @ X.T
+                        X = a * X + (b * A + c * A @ A) @ X
+                    X = X.T if W.shape[0] > W.shape[1] else X
+                    W.mul_(1 - LR_MUON * 0.1).sub_(LR_MUON * rms * math.sqrt(max(W.shape)) * X)
+                L[k].grad = None
+        adam.step(), adam.zero_grad()
+    return {k: v.detach() for k, v in L.items()}
+
+
+def polar(G):
+    """The exact orthogonal factor U V^T of G (what Newton-Schulz approximates), from an fp64 SVD."""
+    U, _, Vh = torch.linalg.svd(G.double(), full_matrices=False)
+    return (U @ Vh).float()
+
+
+def run_muon_zero(P, rank, world, steps=STEPS, start=0, state=None, **kw):
+    """Every rank: its slice of each global batch, backward, MuonZeRO.step(). -> (params, optimizer)."""
+    L = leaves(P)
+    opt = mz.MuonZeRO(groups(L), lr=LR_MUON, **kw)
+    if state is not None:
+        opt.load_state_dict(state)
+    per = GLOBAL_BATCH // world
+    for s in range(start, start + steps):
+        x, y = batch(s)
+        forward_loss(L, x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach() for k, v in L.items()}, opt
+
+
+def rel_change_error(P0, got, ref):
+    """max over parameters of ||Δgot - Δref|| / ||Δref||: the updates, not the (much larger) weights."""
+    return max(((got[k] - ref[k]).norm() / (ref[k] - P0[k]).norm()).item() for k in P0)
+
+
+def all_equal_across_ranks(tensors):
+    flat = torch.cat([t.flatten() for t in tensors])
+    everyone = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, flat)
+    return all(torch.equal(everyone[0], e) for e in everyone)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The multi-rank check: one process launch per world size, many checks inside
+# ---------------------------------------------------------------------------------------------------
+
+def check_world(rank, world, checkpoint=None):
+    torch.manual_seed(1234 + rank)  # different per rank: nothing may depend on rank-local randomness
+    P0 = make_params()
+    out = {}
+
+    # 1. Against torch.optim.Muon: bf16 NS, 5 standard steps, update_rms 0.2, exact fp32 sync.
+    got, _ = run_muon_zero(P0, rank, world, ns_coefficients=mz.STANDARD_NS_COEFFICIENTS, update_rms=0.2,
+                           grad_sync="fp32")
+    out["bf16_vs_torch"] = rel_change_error(P0, got, reference_torch(P0))
+
+    # 2. V4's math in fp32 against the per-matrix loop, for every zero width that divides the world.
+    ref = reference_fp32(P0)
+    widths = [z for z in (1, 2, 3, 4) if world % z == 0]
+    results = {}
+    for z in widths:
+        got, opt = run_muon_zero(P0, rank, world, ns_dtype=torch.float32, grad_sync="fp32", zero_width=z)
+        results[z] = got
+        out[f"fp32_vs_loop_width{z}"] = rel_change_error(P0, got, ref)
+        out[f"replicas_equal_width{z}"] = all_equal_across_ranks(list(got.values()))
+    out["width_invariance"] = max(rel_change_error(P0, results[z], results[widths[0]]) for z in widths)
+
+    # 3. V4's numerics: bf16 stochastic-rounding sync (+ bf16 NS). Checked on one step with full-rank
+    #    random gradients, different on every rank: on a training trajectory, Muon maps any noise in a
+    #    near-null direction of the gradient to a unit singular value, so trajectories say little.
+    got, opt = run_muon_zero(P0, rank, world, grad_sync="bf16_sr", zero_width=widths[-2] if world > 1 else 1)
+    out["replicas_equal_bf16_sr"] = all_equal_across_ranks(list(got.values()))
+    out["state_bytes"] = opt.state_bytes()
+    for ns_dtype in (torch.float32, torch.bfloat16):
+        L = leaves(P0)
+        opt = mz.MuonZeRO(groups(L), lr=LR_MUON, grad_sync="bf16_sr", ns_dtype=ns_dtype)
+        grads = {k: torch.randn((world,) + P0[k].shape, generator=torch.Generator().manual_seed(50 + i))
+                 for i, k in enumerate((*DENSE, *EXPERT))}
+        for k in grads:
+            L[k].grad = grads[k][rank].clone()
+        opt.step()
+        err = 0.0
+        for k in grads:
+            G = grads[k].double().mean(0).float()
+            for W0, W1, g in ([(P0[k], L[k], G)] if k in DENSE else zip(P0[k], L[k], G)):
+                expect = W0 * (1 - LR_MUON * 0.1) - LR_MUON * 0.18 * math.sqrt(max(W0.shape)) * polar(g)
+                err = max(err, ((W1.detach() - expect).norm() / (expect - W0).norm()).item())
+        out[f"bf16_sr_one_step_ns_{str(ns_dtype)[6:]}"] = err
+
+    # 4. Gradients that are None: everywhere -> skipped on every rank; on some ranks -> zero there.
+    A = torch.randn(6, 10, generator=torch.Generator().manual_seed(5))
+    B = torch.randn(7, 4, generator=torch.Generator().manual_seed(6))
+    G = torch.randn(7, 4, generator=torch.Generator().manual_seed(7))
+    a, b = A.clone().requires_grad_(), B.clone().requires_grad_()
+    opt = mz.MuonZeRO([a, b], lr=0.1, ns_dtype=torch.float32, grad_sync="fp32")
+    b.grad = G.clone() if rank == 0 else None
+    opt.step()
+    out["none_everywhere_unchanged"] = torch.equal(a.detach(), A)
+    expect = B.clone()
+    X = (G / world) * 1.95  # first step: M = G, Nesterov X = G + 0.95 M
+    X = X.T / X.norm()
+    for ca, cb, cc in mz.V4_NS_COEFFICIENTS:
+        S = X @ X.T
+        X = ca * X + (cb * S + cc * S @ S) @ X
+    expect = expect * (1 - 0.1 * 0.1) - 0.1 * 0.18 * math.sqrt(7) * X.T
+    out["none_somewhere_err"] = ((b.detach() - expect).norm() / (expect - B).norm()).item()
+
+    # 5. Bad input: every rank raises the same ValueError, and nobody is left waiting.
+    def error_of(fn):
+        try:
+            fn()
+        except ValueError as e:
+            return str(e)
+        return None
+    if world > 1:
+        out["bad_width"] = error_of(lambda: mz.MuonZeRO([torch.zeros(3, 3, requires_grad=True)],
+                                                        zero_width=world + 1))
+        shape = (3, 3) if rank == 0 else (3, 4)
+        out["mismatch"] = error_of(lambda: mz.MuonZeRO([torch.zeros(shape, requires_grad=True)]))
+        out["alive_after_errors"] = all_equal_across_ranks([torch.ones(2)])
+
+    # 6. Checkpoints: save mid-run, continue; or load someone else's checkpoint and continue.
+    if checkpoint is None and world == 4:
+        mid, opt = run_muon_zero(P0, rank, world, steps=3, ns_dtype=torch.float32, grad_sync="fp32", zero_width=2)
+        state = opt.state_dict()
+        end, _ = run_muon_zero(mid, rank, world, steps=2, start=3, state=state, ns_dtype=torch.float32,
+                               grad_sync="fp32", zero_width=2)
+        out["checkpoint"] = dict(mid=mid, state=state, end=end)
+    elif checkpoint is not None:
+        mid, state, end = checkpoint["mid"], checkpoint["state"], checkpoint["end"]
+        got, opt = run_muon_zero(mid, rank, world, steps=2, start=3, state=state, ns_dtype=torch.float32,
+                                 grad_sync="fp32", zero_width=1)
+        out["resume_err"] = rel_change_error(mid, got, end)
+        L = leaves(mid)
+        fresh = mz.MuonZeRO(groups(L), lr=LR_MUON, ns_dtype=torch.float32, grad_sync="fp32", zero_width=1)
+        fresh.load_state_dict(state)
+        again = fresh.state_dict()
+        out["roundtrip_exact"] = all(torch.equal(state["state"][i][k], again["state"][i][k])
+                                     for i in state["state"] for k in state["state"][i]
+                                     if torch.is_tensor(state["state"][i][k]))
+    return out
+
+
+def assert_world(results, world):
+    for rank, r in enumerate(results):
+        where = f"rank {rank} of {world}"
+        assert r["bf16_vs_torch"] < BF16_TOL, (where, r["bf16_vs_torch"])
+        for key, value in r.items():
+            if key.startswith("fp32_vs_loop") or key == "width_invariance":
+                assert value < FP32_TOL, (where, key, value)
+            if key.startswith("replicas_equal"):
+                assert value is True, (where, key)
+        # One step against the exact polar factor of the mean gradient: SR perturbs each gradient element
+        # by under one bf16 ulp (2^-8 relative, unbiased), V4's fp32 NS is within ~3e-4 of the polar
+        # factor; bf16 NS adds ~6e-3 (measured on random matrices).
+        assert r["bf16_sr_one_step_ns_float32"] < 1e-2, (where, r["bf16_sr_one_step_ns_float32"])
+        assert r["bf16_sr_one_step_ns_bfloat16"] < 2e-2, (where, r["bf16_sr_one_step_ns_bfloat16"])
+        assert r["none_everywhere_unchanged"], where
+        assert r["none_somewhere_err"] < FP32_TOL, (where, r["none_somewhere_err"])
+        if world > 1:
+            assert r["bad_width"] and "zero_width" in r["bad_width"], (where, r["bad_width"])
+            assert r["mismatch"] and "differ across ranks" in r["mismatch"], (where, r["mismatch"])
+            assert r["alive_after_errors"], where
+    # Momentum for every Muon element, sharded: each rank holds about 1/world of it (plus padding).
+    total = 4 * (sum(math.prod(s) for s in DENSE.values()) + sum(math.prod(s) for s in EXPERT.values())) \
+        + 8 * sum(math.prod(s) for s in ADAMW.values())
+    state = sum(r["state_bytes"] for r in results)
+    assert state >= total and (world == 1 or max(r["state_bytes"] for r in results) < total), (state, total)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return run_ranks(check_world, 4)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_matches_single_process_references(world, world4):
+    checkpoint = world4[0]["checkpoint"] if world == 2 else None
+    results = run_ranks(check_world, world, args=(checkpoint,))
+    assert_world(results, world)
+    if world == 2:
+        for r in results:
+            # W=4, width 2 checkpoint resumed at W=2, width 1: same as the uninterrupted run, to fp32 reassociation
+            assert r["resume_err"] < FP32_TOL, r["resume_err"]
+            assert r["roundtrip_exact"]
+
+
+def test_matches_single_process_references_world4(world4):
+    assert_world(world4, 4)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Single-process checks of the pure functions
+# ---------------------------------------------------------------------------------------------------
+
+def test_ns_coefficients():
+    assert mz.V4_NS_COEFFICIENTS == ((3.4445, -4.7750, 2.0315),) * 8 + ((2.0, -1.5, 0.5),) * 2
+    assert mz.STANDARD_NS_COEFFICIENTS == ((3.4445, -4.7750, 2.0315),) * 5
+
+
+def test_newton_schulz():
+    g = torch.Generator().manual_seed(0)
+    for shape in [(20, 12), (12, 20), (16, 16)]:
+        X = torch.randn(shape, generator=g)
+        # V4's schedule in fp32 lands on the polar factor (measured ~3e-4): its last two steps are the
+        # classic cubic iteration, which converges; the standard 5 steps stop ~20% away by design.
+        assert ((mz.newton_schulz(X, mz.V4_NS_COEFFICIENTS, torch.float32) - polar(X)).norm()
+                / polar(X).norm()) < 1e-3
+        # bf16: the same op sequence as torch.optim.Muon, so one step from zero momentum matches exactly
+        # (update = NS(lerp(G, (1-mu)G, mu)) * 0.2 * sqrt(max(n, m))).
+        W = torch.randn(shape, generator=g)
+        w = W.clone().requires_grad_()
+        w.grad = X.clone()
+        torch.optim.Muon([w], lr=0.1, adjust_lr_fn="match_rms_adamw").step()
+        buf = torch.zeros(shape)
+        update = mz.muon_update(X, buf, coefficients=mz.STANDARD_NS_COEFFICIENTS, update_rms=0.2)
+        mine = W * (1 - 0.1 * 0.1) - 0.1 * update
+        assert torch.allclose(mine, w.detach(), rtol=0, atol=1e-6), (mine - w).abs().max()
+        assert mz.newton_schulz(X, mz.STANDARD_NS_COEFFICIENTS).dtype == torch.bfloat16
+    # A batch [b, n, m] is b independent matrices, each normalised by its own norm.
+    stack = torch.randn(3, 12, 20, generator=g) * torch.tensor([1e-3, 1.0, 50.0]).view(3, 1, 1)
+    batched = mz.newton_schulz(stack, mz.V4_NS_COEFFICIENTS, torch.float32)
+    for i in range(3):
+        single = mz.newton_schulz(stack[i], mz.V4_NS_COEFFICIENTS, torch.float32)
+        assert torch.allclose(batched[i], single, atol=1e-6)
+    with pytest.raises(ValueError, match="newton_schulz takes"):
+        mz.newton_schulz(torch.zeros(5), mz.V4_NS_COEFFICIENTS)
+
+
+def test_stochastic_rounding_is_unbiased():
+    g = torch.Generator().manual_seed(0)
+    # 1) A fixed value between two bf16 neighbours: the mean of many roundings converges to it.
+    #    Each rounding is lo or hi; with p = (x - lo) / ulp the mean has std ulp·sqrt(p(1-p)/N), so
+    #    a 5-sigma bound fails by chance with probability < 1e-6. Round-to-nearest is off by p·ulp.
+    N = 200_000
+    for x0 in (1.0 + 0.3 * 2 ** -7, -3.0 - 0.9 * 2 ** -6, 1e-30 * 1.37):
+        x = torch.full((N,), x0, dtype=torch.float32)
+        r = mz.stochastic_round_to_bf16(x, generator=g).double()
+        lo, hi = r.min().item(), r.max().item()
+        assert len(set(r.tolist())) == 2 and lo <= x0 <= hi, "must round to one of the two neighbours"
+        p = (x0 - lo) / (hi - lo)
+        sigma = (hi - lo) * math.sqrt(p * (1 - p) / N)
+        assert abs(r.mean().item() - x0) < 5 * sigma, (x0, r.mean().item(), sigma)
+        nearest = x.to(torch.bfloat16).double().mean().item()
+        assert abs(nearest - x0) > 20 * sigma  # the bias stochastic rounding removes is real
+    # 2) Many values of every sign and magnitude: the mean error over the population is ~0 relative.
+    x = torch.randn(N, generator=g) * torch.exp(torch.randn(N, generator=g) * 5)
+    err = (mz.stochastic_round_to_bf16(x, generator=g).double() - x.double()) / x.double().abs()
+    assert abs(err.mean().item()) < 5 * err.std().item() / math.sqrt(N)
+    assert err.abs().max().item() < 2 ** -7  # never more than one bf16 ulp away
+
+
+def test_stochastic_rounding_special_values():
+    bf16_max = torch.finfo(torch.bfloat16).max
+    fp32_max = torch.finfo(torch.float32).max
+    x = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1.0, -2.5, bf16_max, -bf16_max,
+                      fp32_max, -fp32_max, 3.3961e38, 1e-45])
+    for seed in range(20):
+        r = mz.stochastic_round_to_bf16(x.repeat(50), generator=torch.Generator().manual_seed(seed)).view(50, -1)
+        assert r.dtype == torch.bfloat16
+        assert r[:, 0].isnan().all() and (r[:, 1] == float("inf")).all() and (r[:, 2] == -float("inf")).all()
+        assert torch.equal(r[:, 3:7].float(), x[3:7].expand(50, 4))   # bf16-exact values never move
+        assert r[:, 7:].isfinite().all(), "finite inputs near the bf16 maximum must not become Inf"
+        assert (r[:, 7:9].float().abs() == bf16_max).all()
+    with pytest.raises(ValueError, match="float32"):
+        mz.stochastic_round_to_bf16(torch.zeros(3, dtype=torch.float64))
+
+
+def test_param_groups_send_every_matrix_to_muon():
+    model = mz.TinyMoE(layers=2)
+    groups_ = mz.muon_param_groups(model)
+    role = {id(p): g["role"] for g in groups_ for p in g["params"]}
+    names = dict(model.named_parameters())
+    assert len(role) == len(names)
+    for name, p in names.items():
+        if name.startswith(("embed", "head")) or p.ndim < 2:
+            assert role[id(p)] == "adamw", name
+        elif p.ndim == 2:
+            assert role[id(p)] == "dense", name
+        else:
+            assert role[id(p)] == "expert_" + name.split("_")[-1], name
+    assert sum(p.ndim == 3 for g in groups_ if g["role"] == "adamw" for p in g["params"]) == 0
+    assert sum(1 for g in groups_ if g["role"] == "adamw" for p in g["params"] if p.ndim >= 2) == 2  # embed, head
+    # A 3-D stack whose role cannot be told must not fall silently to AdamW (or to Muon as one matrix).
+    weird = torch.nn.Module()
+    weird.stack = torch.nn.Parameter(torch.zeros(2, 3, 4))
+    with pytest.raises(ValueError, match="expert_roles"):
+        mz.muon_param_groups(weird)
+    assert mz.muon_param_groups(weird, expert_roles={"stack": "expert_up"})[0]["role"] == "expert_up"
+
+
+def test_pack_dense():
+    shapes = [(64, 48), (48, 64), (32, 48), (48, 48), (48, 48), (6, 48), (128, 16), (16, 16), (48, 48)]
+    buckets = mz.pack_dense(shapes, 3)
+    assert sorted(i for b in buckets for i in b) == list(range(len(shapes)))   # each matrix once, whole
+    costs = [sum(mz.ns_cost(shapes[i]) for i in b) for b in buckets]
+    # LPT guarantee: the heaviest bucket exceeds the ideal share by at most the largest single item.
+    assert max(costs) <= sum(costs) / 3 + max(mz.ns_cost(s) for s in shapes)
+    for b in buckets:  # identical shapes adjacent, so they batch into one NS call
+        keys = [shapes[i] for i in b]
+        assert keys == sorted(keys)
+    assert mz.ns_cost((48, 64)) == 2 * 48 * 48 * 64 + 48 ** 3 == mz.ns_cost((64, 48))
+    # Balanced on elements instead, the padding to the largest bucket shrinks or stays.
+    numel = [sum(shapes[i][0] * shapes[i][1] for i in b) for b in mz.pack_dense(shapes, 3, balance="numel")]
+    assert max(numel) <= sum(numel) / 3 + max(n * m for n, m in shapes)
+    with pytest.raises(ValueError, match="balance"):
+        mz.pack_dense(shapes, 3, balance="random")
+
+
+def test_split_experts_and_plan():
+    assert sorted(b - a for a, b in mz.split_experts([10] * 15, 4)) == [3, 4, 4, 4]
+    for n, w in [(15, 4), (33024, 256), (7, 7), (3, 5)]:
+        ranges = mz.split_experts([6] * n, w)
+        assert ranges[0][0] == 0 and ranges[-1][1] == n and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        sizes = [b - a for a, b in ranges]
+        assert max(sizes) - min(sizes) <= 1
+    plan = mz.plan_muon([(64, 48)] * 5 + [(32, 48)], [(48, 32)] * 6 + [(32, 48)] * 12, world_size=4, zero_width=2)
+    rows = plan.rows()
+    assert [r["dense"] for r in rows] == [len(plan.dense_buckets[0]), len(plan.dense_buckets[1])] * 2
+    assert sum(r["experts"] for r in rows) == 18 and sum(len(b) for b in plan.dense_buckets) == 6
+    assert [r["replica"] for r in rows] == [0, 0, 1, 1] and plan.owned(0)[0] == plan.owned(2)[0]
+    s = plan.summary()
+    assert s["expert_padding"] == (4 * 5 - 18) / 18 and 0 <= s["dense_padding"] and s["dense_imbalance"] >= 1
+    assert "rank" in plan.format() and len(plan.format().splitlines()) == 5
+    with pytest.raises(ValueError, match="zero_width=3 must divide"):
+        mz.plan_muon([(4, 4)], [], world_size=4, zero_width=3)
+
+
+def test_bad_input_single_process():
+    m = torch.zeros(4, 4, requires_grad=True)
+    with pytest.raises(ValueError, match="empty"):
+        mz.MuonZeRO([])
+    with pytest.raises(ValueError, match="Muon needs"):
+        mz.MuonZeRO([m, torch.zeros(4, requires_grad=True)])
+    with pytest.raises(ValueError, match="expert role"):
+        mz.MuonZeRO([torch.zeros(2, 4, 4, requires_grad=True)])
+    with pytest.raises(ValueError, match="expert stack"):
+        mz.MuonZeRO([{"params": [m], "role": "expert_up"}])
+    with pytest.raises(ValueError, match="role"):
+        mz.MuonZeRO([{"params": [m], "role": "sgd"}])
+    with pytest.raises(ValueError, match="grad_sync"):
+        mz.MuonZeRO([m], grad_sync="bf16")
+    with pytest.raises(ValueError, match="zero_width"):
+        mz.MuonZeRO([m], zero_width=2)
+    opt = mz.MuonZeRO([m])
+    with pytest.raises(ValueError, match="construction"):
+        opt.add_param_group({"params": [torch.zeros(3, 3, requires_grad=True)]})
+    opt.step()  # no gradient anywhere: a no-op, not an error
+    assert torch.equal(m, torch.zeros(4, 4))
+
+
+def test_adamw_update_matches_torch():
+    g = torch.Generator().manual_seed(0)
+    p0 = torch.randn(5, 3, generator=g)
+    ref = p0.clone().requires_grad_()
+    torch_opt = torch.optim.AdamW([ref], lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    mine, m, v = p0.clone(), torch.zeros(5, 3), torch.zeros(5, 3)
+    for step in range(1, 6):
+        grad = torch.randn(5, 3, generator=g)
+        ref.grad = grad.clone()
+        torch_opt.step()
+        mz.adamw_update(mine, grad, m, v, step, lr=0.01)
+    assert torch.allclose(mine, ref.detach(), atol=1e-6)
