@@ -1,4 +1,6 @@
 # Two commands do all the set-up: `make demo` and `make test`. Both create .venv if it is missing.
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -9,7 +11,6 @@ TECHNIQUES := muon_zero.py mhc.py cp_compress.py tensor_ckpt.py
 
 $(VENV)/.installed: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt
 	touch $@
 

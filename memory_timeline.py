@@ -472,46 +472,56 @@ def gather_timelines(timeline, dst=0, group=None):
 # Plots (matplotlib is imported only when plotting)
 # --------------------------------------------------------------------------------------------------
 
-def plot_timeline(tl, ax=None, title=None, show_reserved=True, legend=True, ymax=None):
-    """Stacked area by category over time, phase bands, step boundaries, and the reserved line(s)."""
+def plot_timeline(tl, ax=None, title=None, show_reserved=True, legend=True, ymax=None, x="events"):
+    """Stacked area by category, phase bands, step boundaries, and the reserved line(s).
+
+    x="events" (default) spaces allocations and frees evenly, as PyTorch's memory viz does, so a spike
+    that lasts a microsecond is as visible as a plateau; x="time" uses seconds while recording (which
+    include the recorder's own overhead)."""
     import matplotlib.pyplot as plt
     tl._check_done()
+    if x not in ("events", "time"):
+        raise ValueError(f"x must be 'events' or 'time', got {x!r}")
     if ax is None:
         _, ax = plt.subplots(figsize=(8, 3.5))
-    x = tl.times
-    stack = [tl.bytes[c] / MiB for c in CATEGORIES]
-    ax.stackplot(x, *stack, labels=CATEGORIES, colors=[COLORS[c] for c in CATEGORIES], step="post",
-                 linewidth=0)
+    xs = np.arange(tl.num_events) if x == "events" else tl.times
+
+    def at(i):  # x position of event index i (phase boundaries are event indices)
+        return xs[min(i, tl.num_events - 1)] if x == "time" else i
+
+    ax.stackplot(xs, *[tl.bytes[c] / MiB for c in CATEGORIES], labels=CATEGORIES,
+                 colors=[COLORS[c] for c in CATEGORIES], step="post", linewidth=0)
+    ax.plot(xs, tl.series() / MiB, color="k", lw=0.5, label="allocated (recorded)", drawstyle="steps-post")
     seen_steps = set()
-    for name, step, a, b, t0, t1 in tl.phases:
-        ax.axvspan(t0, t1, color=PHASE_COLORS.get(name, "#f2f2f2"), zorder=-1, lw=0)
+    for name, step, a, b, _, _ in tl.phases:
+        ax.axvspan(at(a), at(b), color=PHASE_COLORS.get(name, "#f2f2f2"), zorder=-1, lw=0)
         if step not in seen_steps:
             seen_steps.add(step)
-            ax.axvline(t0, color="0.4", lw=0.8, ls=":")
-            ax.text(t0, 1.0, f" step {step}", transform=ax.get_xaxis_transform(), va="top",
+            ax.axvline(at(a), color="0.4", lw=0.8, ls=":")
+            ax.text(at(a), 1.0, f" step {step}", transform=ax.get_xaxis_transform(), va="bottom",
                     fontsize=8, color="0.3")
     if show_reserved:
-        ax.plot(x, tl.reserved_model / MiB, color="k", lw=1, ls="--",
+        ax.plot(xs, tl.reserved_model / MiB, color="k", lw=1, ls="--",
                 label="reserved (modelled CUDA allocator)", drawstyle="steps-post")
         if tl.cuda_reserved is not None:
-            ax.plot(x, tl.cuda_allocated / MiB, color="0.2", lw=1, label="allocated (CUDA)",
+            ax.plot(xs, tl.cuda_allocated / MiB, color="0.2", lw=1, label="allocated (CUDA)",
                     drawstyle="steps-post")
-            ax.plot(x, tl.cuda_reserved / MiB, color="0.5", lw=1.2, label="reserved (CUDA)",
+            ax.plot(xs, tl.cuda_reserved / MiB, color="0.5", lw=1.2, label="reserved (CUDA)",
                     drawstyle="steps-post")
     if tl.limit_bytes is not None:
         ax.axhline(tl.limit_bytes / MiB, color="red", lw=1, label="memory limit")
-    ax.set_xlabel("time while recording (s; phases shaded: forward blue, backward orange, optimizer green)")
+    ax.set_xlabel("allocation events (forward blue, backward orange, optimizer green)" if x == "events"
+                  else "seconds while recording (forward blue, backward orange, optimizer green)")
     ax.set_ylabel("MiB")
-    ax.set_xlim(x[0] if len(x) else 0, x[-1] if len(x) else 1)
-    if ymax is not None:
-        ax.set_ylim(0, ymax)
-    ax.set_title(title if title is not None else (tl.name or "memory timeline"))
+    ax.set_xlim(xs[0], xs[-1])
+    ax.set_ylim(0, ymax if ymax is not None else None)
+    ax.set_title(title if title is not None else (tl.name or "memory timeline"), pad=14)
     if legend:
-        ax.legend(loc="upper left", fontsize=7, ncol=2, framealpha=0.8)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, framealpha=0.8)
     return ax
 
 
-def plot_timelines(timelines, titles=None, sharey=True, width=4.5, height=3.2):
+def plot_timelines(timelines, titles=None, sharey=True, width=4.2, height=3.2, x="events"):
     """Several timelines side by side, on one y scale so their heights compare."""
     import matplotlib.pyplot as plt
     if not timelines:
@@ -519,12 +529,15 @@ def plot_timelines(timelines, titles=None, sharey=True, width=4.5, height=3.2):
     for tl in timelines:
         tl._check_done()
     titles = titles or [tl.name for tl in timelines]
-    fig, axes = plt.subplots(1, len(timelines), figsize=(width * len(timelines), height), squeeze=False)
-    ymax = max(max(tl.series().max(), tl.reserved_model.max()) for tl in timelines) / MiB * 1.15
+    fig, axes = plt.subplots(1, len(timelines), figsize=(width * len(timelines) + 2.2, height),
+                             squeeze=False)
+    ymax = max(max(tl.series().max(), tl.reserved_model.max(), tl.limit_bytes or 0)
+               for tl in timelines) / MiB * 1.08
+    last = len(timelines) - 1
     for i, (tl, ax) in enumerate(zip(timelines, axes[0])):
-        plot_timeline(tl, ax=ax, title=titles[i], legend=(i == 0), ymax=ymax if sharey else None)
+        plot_timeline(tl, ax=ax, title=titles[i], legend=(i == last), ymax=ymax if sharey else None, x=x)
         if i:
             ax.set_ylabel("")
-        ax.set_xlabel("time (s)")
+        ax.set_xlabel("allocation events" if x == "events" else "seconds")
     fig.tight_layout()
     return fig
