@@ -291,13 +291,12 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
-        if dist.get_backend(ctx.group) == "nccl":
-            mine = grad.new_empty(grad.shape[1:])
-            dist.reduce_scatter_tensor(mine, grad, group=ctx.group)
-            return mine, None
-        dist.all_reduce(grad, group=ctx.group)   # gloo has no reduce-scatter: sum everywhere, keep ours
-        return grad[dist.get_rank(ctx.group)].clone(), None
+        mine = grad.new_empty(grad.shape[1:])
+        _reduce_scatter(mine.view(-1), grad.contiguous().view(-1), group=ctx.group)   # flat: gloo and NCCL
+        return mine, None
+
+
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # the newer name
 
 
 def all_gather_entries(x, group=None):
