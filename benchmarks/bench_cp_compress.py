@@ -74,6 +74,33 @@ def measure(rank, world, layer_name, total, reps=3):
     return row
 
 
+def rank_profile(rank, world, layer_name, total, record=True):
+    """For the notebook (run under tests/harness.run_ranks): per method, this rank's bytes sent and,
+    with `record`, the memory timeline of one forward+backward step."""
+    torch.manual_seed(0)
+    layer = cpc.CompressedAttention(**LAYERS[layer_name])
+    s = total // world
+    cu = cpc.packed_boundaries(total, s, layer.ratio)
+    x = cpc.shard_sequence(torch.randn(total, DIM), world, rank).clone().requires_grad_()
+    out = {}
+    for method in ("context_parallel", "allgather_baseline"):
+        tl = MemoryTimeline(model=layer, name=f"rank {rank}: {method}")
+        if record:
+            with tl.record():
+                with tl.phase("forward"):
+                    y, extras = getattr(layer, method)(x, cu)
+                    loss = y.square().mean()
+                with tl.phase("backward"):
+                    loss.backward()
+        else:
+            extras = step(layer, method, x, cu)
+        out[method] = dict(bytes=extras.bytes_sent, timeline=tl if record else None,
+                           counts=getattr(extras, "counts", None))
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+    return out
+
+
 def worker(rank, world, port, jobs, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
