@@ -400,7 +400,7 @@ def test_param_groups_send_every_matrix_to_muon():
 
 def test_pack_dense():
     shapes = [(64, 48), (48, 64), (32, 48), (48, 48), (48, 48), (6, 48), (128, 16), (16, 16), (48, 48)]
-    buckets = mz.pack_dense(shapes, 3)
+    buckets = mz.pack_dense(shapes, 3, balance="ns_cost")
     assert sorted(i for b in buckets for i in b) == list(range(len(shapes)))   # each matrix once, whole
     costs = [sum(mz.ns_cost(shapes[i]) for i in b) for b in buckets]
     # LPT guarantee: the heaviest bucket exceeds the ideal share by at most the largest single item.
@@ -409,9 +409,14 @@ def test_pack_dense():
         keys = [shapes[i] for i in b]
         assert keys == sorted(keys)
     assert mz.ns_cost((48, 64)) == 2 * 48 * 48 * 64 + 48 ** 3 == mz.ns_cost((64, 48))
-    # Balanced on elements instead, the padding to the largest bucket shrinks or stays.
     numel = [sum(shapes[i][0] * shapes[i][1] for i in b) for b in mz.pack_dense(shapes, 3, balance="numel")]
     assert max(numel) <= sum(numel) / 3 + max(n * m for n, m in shapes)
+    # "both" (the default) bounds each load's share by the ideal share plus the largest item's share.
+    both = mz.pack_dense(shapes, 3)
+    assert sorted(i for b in both for i in b) == list(range(len(shapes)))
+    for weight in (mz.ns_cost, lambda s: s[0] * s[1]):
+        loads = [sum(weight(shapes[i]) for i in b) for b in both]
+        assert max(loads) <= sum(loads) / 3 + 2 * max(weight(s) for s in shapes)
     with pytest.raises(ValueError, match="balance"):
         mz.pack_dense(shapes, 3, balance="random")
 
