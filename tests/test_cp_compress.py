@@ -161,7 +161,7 @@ def test_index_scores_and_top_k():
                            for e in range(6)] for t in range(5)])
     scores = cpc.index_scores(q, w, k)
     close(scores, naive, "index_scores")
-    scores[0, 3] = scores[0, 1] = scores[0].max() + 1                    # an exact tie for the top
+    scores[0] = torch.tensor([5.0, 1.0, 4.0, 1.0, 0.0, 1.0])            # a three-way tie for 3rd place
     visible = torch.tensor([[True] * 6, [True, True, False, False, False, False], [False] * 6,
                             [True] * 6, [False, False, False, False, False, True]])
     chosen = cpc.top_k_visible(scores, visible, 3)
@@ -169,6 +169,7 @@ def test_index_scores_and_top_k():
         vis_idx = visible[t].nonzero().flatten()
         best = sorted(sorted(vis_idx.tolist(), key=lambda e: (-scores[t, e].item(), e))[:3])  # ties: earlier
         assert chosen[t].tolist() == [-1] * (3 - len(best)) + best
+    assert chosen[0].tolist() == [0, 1, 2]                                # ties go to the earlier entry
     mask = cpc.chosen_mask(chosen, 6)
     assert mask.sum(1).tolist() == [3, 2, 0, 3, 1] and bool((mask <= visible).all())
 
