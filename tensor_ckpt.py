@@ -32,6 +32,7 @@ Usage:
     print(model.plan)                            # per forgotten tensor: recompute ops, FLOPs, bytes freed
     model(x).sum().backward()                    # gradients bitwise equal to the plain model's
 """
+import argparse
 import contextlib
 import datetime
 import functools
@@ -190,7 +191,7 @@ def profile(gm, example_inputs):
             if n.op == "output":
                 break
             if n.op != "placeholder":
-                touched = _tensors_in((n.args, n.kwargs))
+                touched = _tensors_in(fx.node.map_arg((n.args, n.kwargs), env.__getitem__))
                 if n.op == "call_module":
                     touched += list(gm.get_submodule(n.target).parameters())
                     touched += list(gm.get_submodule(n.target).buffers())
@@ -371,6 +372,11 @@ def make_plan(gm, infos, saved_keys, forget_names=None):
                 raise ValueError(f"tensor_ckpt: cannot recompute '{name}': its recompute subgraph contains "
                                  f"'{n.name}', which modifies a tensor in place (running it again would apply "
                                  "it twice). Make that op out-of-place, or forget a tensor after it.")
+            writers = [w.name for w in nodes if infos[n].is_tensor and infos[n].key in infos[w].mutates]
+            if writers:  # FX records the op but not that later readers see its effect
+                raise ValueError(f"tensor_ckpt: cannot recompute '{name}': it is computed from '{n.name}', "
+                                 f"which the in-place op '{writers[0]}' modifies, an order the traced graph does "
+                                 "not record. Make that op out-of-place.")
         start = position[sub[0]]
         for f in frontier:
             if infos[f].is_tensor:
@@ -437,15 +443,16 @@ class _UnitState:
 
 
 class _Saved:
-    """What autograd stores for a tensor saved inside a forgotten storage: where it sat in that storage.
+    """What autograd stores for each saved tensor: the tensor itself, or, for a tensor that lives in a
+    forgotten storage, a handle to that storage plus where the tensor sat in it.
 
     Ops that save their own output (softmax, attention) pack it before the op returns, i.e. before we
-    know its storage is forgotten; those start as a plain reference and become a handle when it returns.
+    know its storage is forgotten; those start as a reference and become a handle when the op returns.
     """
-    __slots__ = ("tensor", "state", "dtype", "size", "stride", "offset")
+    __slots__ = ("tensor", "version", "state", "dtype", "size", "stride", "offset")
 
     def __init__(self, t):
-        self.tensor, self.state = t, None
+        self.tensor, self.version, self.state = t.detach(), t._version, None
 
     def forget(self, state):
         t, self.tensor, self.state = self.tensor, None, state
@@ -455,9 +462,13 @@ class _Saved:
 
 
 def _unpack(saved):
-    if not isinstance(saved, _Saved):
-        return saved
     if saved.state is None:
+        # Saved-tensor hooks switch off autograd's own check for in-place changes; keep it.
+        if saved.tensor._version != saved.version:
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: a tensor of shape {tuple(saved.tensor.shape)} is at version "
+                f"{saved.tensor._version}; expected version {saved.version} (tensor_ckpt keeps autograd's check)")
         return saved.tensor
     root = saved.state.materialize()
     # Reuse the storage, no copy: every alias autograd saved (view, base, transpose) is rebuilt over
@@ -477,15 +488,13 @@ class _ForwardCall:
         self.packed_in_root = None  # tensors packed while a forgotten storage's first op is running
 
     def pack(self, t):
-        if t.layout != torch.strided:
-            return t.detach()
-        state = self.by_key.get(storage_key(t)) if self.by_key else None
+        state = self.by_key.get(storage_key(t)) if self.by_key and t.layout == torch.strided else None
         if state is not None:
             return _Saved(t).forget(state)
+        saved = _Saved(t)  # kept as usual (detached: a pack result must not reference its input)
         if self.packed_in_root is not None:
-            self.packed_in_root.append(_Saved(t.detach()))
-            return self.packed_in_root[-1]
-        return t.detach()  # kept as usual (detach: a pack result must not reference its input)
+            self.packed_in_root.append(saved)
+        return saved
 
     def register(self, state, v):
         """``v`` is the first tensor of a forgotten storage: from now on saving it saves a handle."""
@@ -494,7 +503,7 @@ class _ForwardCall:
         self.by_key[key] = state
         self.alive.append(v)  # keep it until forward ends, so its address names only it
         for saved in self.packed_in_root:
-            if storage_key(saved.tensor) == key:
+            if saved.tensor.layout == torch.strided and storage_key(saved.tensor) == key:
                 saved.forget(state)
         self.packed_in_root = None
 
@@ -699,4 +708,6 @@ def main(steps=30, batch=8, seq=64, vocab=64):
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    main(parser.parse_args().steps)
