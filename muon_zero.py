@@ -576,7 +576,7 @@ class MuonZeRO(torch.optim.Optimizer):
 
     def _update_runs(self, grad_sum, runs, momenta, my_slots, params, has_grad):
         """Muon on my matrices.  grad_sum: [S] summed over ranks -> [S] of updated parameter values."""
-        mean_grad = grad_sum / self.world_size
+        mean_grad = grad_sum.div_(self.world_size)  # in place: the receive buffer is ours to reuse
         values = self._pack([my_slots], grad_sum.numel(), params)[0]
         for run, M in zip(runs, momenta):
             g = self.param_groups[run["group"]]
@@ -623,12 +623,14 @@ class MuonZeRO(torch.optim.Optimizer):
 
     # -- memory and checkpoints ---------------------------------------------------------------------
 
+    def local_state_tensors(self):
+        """The state tensors this rank holds: its stacked Muon momenta and the AdamW moments."""
+        muon = [M for ms in (self._momentum or {}).values() for M in ms]
+        return muon + [t for s in self.state.values() for t in s.values() if torch.is_tensor(t)]
+
     def state_bytes(self):
-        """Optimizer-state bytes held by this rank (Muon momentum stacks + AdamW moments)."""
-        muon = sum(M.numel() * M.element_size() for ms in (self._momentum or {}).values() for M in ms)
-        adam = sum(t.numel() * t.element_size() for s in self.state.values() for t in s.values()
-                   if torch.is_tensor(t))
-        return muon + adam
+        """Optimizer-state bytes held by this rank."""
+        return sum(t.numel() * t.element_size() for t in self.local_state_tensors())
 
     def _full_momentum(self):
         """Every Muon parameter's momentum, full shape, on every rank (collective)."""

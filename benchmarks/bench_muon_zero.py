@@ -57,6 +57,34 @@ def v4_flash_inventory(layers=range(43), hidden=4096, heads=64, head_dim=512, q_
     return dense, down + up + gate, adamw
 
 
+def record_rank_timeline(rank, world, zero_width=None, steps=2, optimizer="muon_zero"):
+    """One rank's memory timeline for the notebook (run on W gloo ranks through tests/harness.py, or alone).
+
+    optimizer: "muon_zero" (sharded; at world 1 this is replicated Muon) or "adamw" (torch's, replicated).
+    """
+    from memory_timeline import MemoryTimeline
+    torch.manual_seed(0)
+    model = mz.TinyMoE(vocab=512, dim=96, heads=4, kv_dim=24, layers=2, experts=8, ffn=96)
+    if optimizer == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95))
+    else:
+        opt = mz.MuonZeRO(mz.muon_param_groups(model), lr=0.02, zero_width=zero_width)
+    x = torch.randint(0, 512, (4, 16), generator=torch.Generator().manual_seed(rank))
+    tl = MemoryTimeline(model=model, optimizer=opt, name=f"{optimizer} rank {rank} of {world}")
+    with tl.record():
+        for step in range(steps):
+            with tl.phase("forward", step):
+                loss = F.cross_entropy(model(x).flatten(0, 1), x.flatten())
+            with tl.phase("backward", step):
+                loss.backward()
+            with tl.phase("optimizer", step):
+                opt.step()
+                opt.zero_grad()
+                if optimizer != "adamw":  # MuonZeRO keeps its stacked momentum outside .state
+                    tl.tag(opt.local_state_tensors(), "optimizer_state")
+    return tl
+
+
 def table(rows, headers):
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
