@@ -24,6 +24,7 @@ Run it:
     torchrun --nproc_per_node=8 muon_zero.py      # GPUs: NCCL is picked when CUDA is available
     python muon_zero.py                           # one process, no process group
 """
+import argparse
 import bisect
 import datetime
 import hashlib
@@ -332,7 +333,7 @@ def plan_muon(dense_shapes, expert_shapes, world_size, zero_width=None, balance=
 
 
 # ---------------------------------------------------------------------------------------------------
-# 4. MuonZeRO: the optimizer
+# 4. MuonZeRO: sync, update owned stacks, gather
 # ---------------------------------------------------------------------------------------------------
 
 def _reduce_scatter_sum(chunks, group, grad_sync, generator):
@@ -368,6 +369,16 @@ class MuonZeRO(torch.optim.Optimizer):
     calls backward() on its own micro-batch and then step(): the optimizer averages gradients over the
     process group, updates the matrices this rank owns, and gathers the results, so every rank ends
     with identical parameters. step() is a collective: all ranks must call it.
+
+    lr, momentum, weight_decay, nesterov: as torch.optim.Muon (momentum kept in its lerp form).
+    ns_coefficients: one (a, b, c) per Newton-Schulz iteration; ns_dtype: NS precision (bf16, as V4).
+    update_rms: target RMS of each matrix's update (V4: 0.18; torch's "match_rms_adamw": 0.2).
+    betas, eps: AdamW's, for role="adamw" groups (which can set their own lr and weight_decay).
+    zero_width: ranks that share the dense matrices (default: all); must divide the world size.
+    grad_sync: "bf16_sr" (V4: stochastic rounding to bf16, all-to-all, fp32 sum) or "fp32" (exact).
+        It applies to every all-to-all; the cross-replica sum of dense buckets is an fp32 all-reduce.
+    process_group: the data-parallel group (default: the world; no group at all runs single-process).
+    balance: dense packing objective, see pack_dense. seed: base seed of the rounding noise.
     """
 
     def __init__(self, params, lr=0.02, momentum=0.95, weight_decay=0.1, nesterov=True,
@@ -553,7 +564,7 @@ class MuonZeRO(torch.optim.Optimizer):
         if self._momentum is None:
             self._init_momentum()
         self._step_adamw(has_grad)
-        grads = [p.grad if p.grad is not None else None for p in self.params]
+        grads = [p.grad for p in self.params]
         params = [p.detach() for p in self.params]
         if self.dense:
             # Stage 1: reduce-scatter inside my replica group (zero_width peers, one bucket each);
@@ -748,6 +759,9 @@ def demo_batch(batch, seq, vocab, generator):
 
 
 def main():
+    parser = argparse.ArgumentParser(description="Train a small MoE model with MuonZeRO on every rank.")
+    parser.add_argument("--steps", type=int, default=40)
+    args = parser.parse_args()
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if torchrun:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -774,7 +788,7 @@ def main():
     global_batch, seq = 24, 16
     data = torch.Generator(device="cpu").manual_seed(1)
     per_rank = global_batch // world
-    for step in range(40):
+    for step in range(args.steps):
         x, y = demo_batch(global_batch, seq, 64, data)
         x, y = x[rank * per_rank:(rank + 1) * per_rank].to(device), y[rank * per_rank:(rank + 1) * per_rank].to(device)
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
@@ -785,7 +799,7 @@ def main():
         if torchrun:
             dist.all_reduce(mean_loss)
             mean_loss /= world
-        if step % 5 == 0 or step == 39:
+        if step % 5 == 0 or step == args.steps - 1:
             say(f"step {step:3d}  loss {mean_loss.item():.4f}")
 
     muon_bytes = 4 * sum(p.numel() for g in opt.param_groups if g["role"] != "adamw" for p in g["params"])

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import muon_zero as mz
-from harness import run_ranks
+from harness import run_ranks, run_torchrun
 
 VOCAB, DIM, HIDDEN, EXPERTS, FFN = 16, 12, 20, 5, 8
 GLOBAL_BATCH, SEQ, STEPS = 12, 6, 5        # 12 samples split evenly over 1, 2, 3 and 4 ranks
@@ -226,6 +226,7 @@ def check_world(rank, world, checkpoint=None):
                                                         zero_width=world + 1))
         shape = (3, 3) if rank == 0 else (3, 4)
         out["mismatch"] = error_of(lambda: mz.MuonZeRO([torch.zeros(shape, requires_grad=True)]))
+        out["vector_as_matrix"] = error_of(lambda: mz.MuonZeRO([torch.zeros(3, requires_grad=True)]))
         out["alive_after_errors"] = all_equal_across_ranks([torch.ones(2)])
 
     # 6. Checkpoints: save mid-run, continue; or load someone else's checkpoint and continue.
@@ -269,6 +270,7 @@ def assert_world(results, world):
         if world > 1:
             assert r["bad_width"] and "zero_width" in r["bad_width"], (where, r["bad_width"])
             assert r["mismatch"] and "differ across ranks" in r["mismatch"], (where, r["mismatch"])
+            assert r["vector_as_matrix"] and "Muon needs" in r["vector_as_matrix"], (where, r["vector_as_matrix"])
             assert r["alive_after_errors"], where
     # Momentum for every Muon element, sharded: each rank holds about 1/world of it (plus padding).
     total = 4 * (sum(math.prod(s) for s in DENSE.values()) + sum(math.prod(s) for s in EXPERT.values())) \
@@ -475,3 +477,11 @@ def test_adamw_update_matches_torch():
         torch_opt.step()
         mz.adamw_update(mine, grad, m, v, step, lr=0.01)
     assert torch.allclose(mine, ref.detach(), atol=1e-6)
+
+
+def test_demo_under_torchrun():
+    out = run_torchrun("muon_zero.py", nproc=2, args=("--steps", "11"), timeout=120).stdout
+    losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step")]
+    assert len(losses) == 3 and losses[-1] < 0.7 * losses[0], out
+    assert "parameters bitwise identical on all 2 ranks: True" in out, out
+    assert "optimizer state per rank (bytes)" in out and "rank replica pos" in out, out
