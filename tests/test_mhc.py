@@ -78,6 +78,48 @@ def test_sinkhorn_is_doubly_stochastic_and_differentiable():
         mhc.sinkhorn_knopp(logits, iters=0)
 
 
+# ----------------------------------------------------------------------------- the layer, from the equations
+
+def test_layer_matches_the_equations_token_by_token():
+    """V4 §2.2 written out for one token at a time, independently of mhc_coefficients and the einsums."""
+    model = build(n_layers=1, dtype=torch.float64)
+    hc, sublayer, n, dim = model.hcs[0], model.sublayers[0], 4, 16
+    stream = torch.randn(2, 8, n, dim, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    f = sublayer(torch.stack([torch.stack([sum(
+        torch.sigmoid(hc.gate[0] * (stream[b, t].reshape(-1) / stream[b, t].reshape(-1).pow(2).mean().add(1e-6).sqrt()
+                                    @ hc.proj[:, i]) + hc.bias_pre[i]) * stream[b, t, i] for i in range(n))
+        for t in range(8)]) for b in range(2)]))
+    expected = torch.empty_like(stream)
+    for b in range(2):
+        for t in range(8):
+            x_hat = stream[b, t].reshape(-1) / stream[b, t].reshape(-1).pow(2).mean().add(1e-6).sqrt()
+            logits = x_hat @ hc.proj
+            c = 2 * torch.sigmoid(hc.gate[1] * logits[n:2 * n] + hc.bias_post)
+            mix = mhc.sinkhorn_knopp(hc.gate[2] * logits[2 * n:].reshape(n, n) + hc.bias_res, 20)
+            for i in range(n):   # output lane i = sum_j B_ij X_j + C_i f
+                expected[b, t, i] = sum(mix[i, j] * stream[b, t, j] for j in range(n)) + c[i] * f[b, t]
+    with torch.no_grad():
+        assert (mhc.mhc_layer_reference(stream, sublayer, hc) - expected).abs().max() < 1e-12
+        assert (mhc.mhc_layer_fused(stream, sublayer, hc) - expected).abs().max() < 1e-12
+        assert (mhc.run_recomputed_block(stream, [(sublayer, hc)]) - expected).abs().max() < 1e-12
+
+
+def test_streams_expand_once_and_collapse_once():
+    model = build(n_layers=2)
+    idx, tgt = batch(0)
+    stream = model.embed_stream(idx)
+    assert stream.shape == (4, 8, 4, 16) and all(torch.equal(stream[..., i, :], model.embed(idx)) for i in range(4))
+    lanes = torch.randn(4, 8, 4, 16)
+    expected = torch.nn.functional.cross_entropy(model.head(model.norm(lanes.mean(-2))).reshape(-1, 64), tgt.reshape(-1))
+    assert torch.allclose(model.head_loss(lanes, tgt), expected)
+    residual = build(n_layers=2, hyper=False)
+    x = residual.embed(idx)
+    for sublayer in residual.sublayers:
+        x = x + sublayer(x)
+    assert torch.allclose(residual(idx, tgt), torch.nn.functional.cross_entropy(
+        residual.head(residual.norm(x)).reshape(-1, 64), tgt.reshape(-1)))
+
+
 # ----------------------------------------------------------------------------- fused lane mixing
 
 def test_fused_mixing_ops_match_plain_math_and_gradcheck():
