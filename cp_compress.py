@@ -201,7 +201,6 @@ def compress_local(ext_kv, ext_score, ape, own_rows, prev_rows, slots):
     ext_kv, ext_score: [halo + s, sets, C]; own_rows / prev_rows from local_entry_rows. Returns
     [slots, C]: the n valid entries first, zero rows after, so every rank sends an equal-sized buffer.
     """
-    ratio = own_rows.shape[1]
     kv_win = ext_kv[own_rows, 0]                                         # [n, m, C]
     logit_win = ext_score[own_rows, 0] + ape[:, 0]
     if prev_rows is not None:
@@ -211,7 +210,7 @@ def compress_local(ext_kv, ext_score, ape, own_rows, prev_rows, slots):
         kv_win = torch.cat([kv_prev, kv_win], dim=1)                     # [n, 2m, C]
         logit_win = torch.cat([logit_prev, logit_win], dim=1)
     pooled = (kv_win * logit_win.softmax(dim=1)).sum(dim=1)
-    assert ratio > 0 and pooled.shape[0] <= slots
+    assert pooled.shape[0] <= slots, "at most s/m blocks end on a rank; the buffer has s/m + 1 slots"
     return F.pad(pooled, (0, 0, 0, slots - pooled.shape[0]))
 
 
@@ -439,12 +438,13 @@ class CompressedAttention(nn.Module):
         entries = self.normalise(compress_reference(p["kv"], p["gate"], self.ape, cu_seqlens, m, self.overlap))
         # this document-by-document walk is the reference's own bookkeeping (CP uses compressed_entry_ends)
         doc_of_token = torch.repeat_interleave(cu_seqlens[:-1], cu_seqlens.diff())
-        entry_end = torch.full((T // m,), T, device=x.device)
-        entry_doc = torch.full((T // m,), -1, device=x.device)
-        n = 0
+        ends, docs = [], []
         for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
-            for j in range((b - a) // m):
-                entry_end[n], entry_doc[n], n = a + (j + 1) * m - 1, a, n + 1
+            ends += [a + (j + 1) * m - 1 for j in range((b - a) // m)]
+            docs += [a] * ((b - a) // m)
+        pad = T // m - len(ends)                                  # padding entries: never visible
+        entry_end = torch.tensor(ends + [T] * pad, device=x.device)
+        entry_doc = torch.tensor(docs + [-1] * pad, device=x.device)
         pos = torch.arange(T, device=x.device)
         visible = visibility(pos, doc_of_token, entry_end, entry_doc)
         raw_allowed = ((doc_of_token[:, None] == doc_of_token[None, :]) & (pos[None, :] <= pos[:, None])
