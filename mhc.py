@@ -465,14 +465,16 @@ def one_f_one_b(n_stages, stage, n_micro):
     return order
 
 
-def pipeline_step(model, idx, targets, n_micro, fused=True, recompute=0):
+def pipeline_step(model, idx, targets, n_micro, fused=True, recompute=0, overlap=True):
     """One training step's forward and backward over the pipeline stages (the ranks of the default group).
 
     idx, targets [B, T] (the same on every rank; only stage 0 reads idx, only the last reads targets).
     Fills .grad of this stage's parameters (the mean loss over the whole batch, as in one process) and
     returns (loss on the last stage else None, stats). Streams [B/n_micro, T, n, C] go forward and their
     gradients backward; every receive is posted one micro-batch ahead and every send is asynchronous,
-    so the transfers run while the stage computes.
+    so the transfers run while the stage computes. overlap=False is the baseline that hides nothing:
+    each receive is posted only when its data is needed and waited at once (sends stay asynchronous, as
+    any deadlock-free 1F1B exchange must: two neighbours may send to each other at the same moment).
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     stage = dist.get_rank() if dist.is_initialized() else 0
@@ -512,16 +514,18 @@ def pipeline_step(model, idx, targets, n_micro, fused=True, recompute=0):
         sends.append((dist.isend(tensor, dst=peer, tag=i), tensor))   # keep the tensor alive until sent
         stats[key] += tensor.numel() * tensor.element_size()
 
-    if stage > 0:
+    if overlap and stage > 0:
         post_recv(recv_fwd, 0, stage - 1)
-    if not last:
+    if overlap and not last:
         post_recv(recv_bwd, 0, stage + 1)
     for kind, i in schedule:
         if kind == "F":
             if stage == 0:
                 stream = model.embed_stream(idx_micro[i])
             else:
-                post_recv(recv_fwd, i + 1, stage - 1)    # the next micro-batch arrives while we compute
+                if overlap:
+                    post_recv(recv_fwd, i + 1, stage - 1)    # the next micro-batch arrives while we compute
+                post_recv(recv_fwd, i, stage - 1)
                 stream = take(recv_fwd, i).requires_grad_()
             held_in[i] = stream
             out = model.run_layers(stream, first, stop, fused, recompute)
@@ -536,7 +540,9 @@ def pipeline_step(model, idx, targets, n_micro, fused=True, recompute=0):
             if last:
                 held_out.pop(i).backward()
             else:
-                post_recv(recv_bwd, i + 1, stage + 1)
+                if overlap:
+                    post_recv(recv_bwd, i + 1, stage + 1)
+                post_recv(recv_bwd, i, stage + 1)
                 held_out.pop(i).backward(take(recv_bwd, i))
             stream = held_in.pop(i)
             if stage > 0:

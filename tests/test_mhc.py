@@ -235,14 +235,15 @@ def test_one_f_one_b_schedule():
 
 # ----------------------------------------------------------------------------- pipeline parallelism
 
-def _pipeline_rank(rank, world_size, n_layers, hyper, steps):
+def _pipeline_rank(rank, world_size, n_layers, hyper, steps, overlap=True):
     model = build(n_layers=n_layers, hyper=hyper)
     first, stop = mhc.stage_layers(n_layers, world_size, rank)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     out = []
     for step in range(steps):
         idx, tgt = batch(step, size=8)
-        loss, stats = mhc.pipeline_step(model, idx, tgt, n_micro=4, fused=True, recompute=2 if hyper else 0)
+        loss, stats = mhc.pipeline_step(model, idx, tgt, n_micro=4, fused=True,
+                                          recompute=2 if hyper else 0, overlap=overlap)
         mine = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         out.append((None if loss is None else loss.item(), mine, stats))
         opt.step()
@@ -250,8 +251,8 @@ def _pipeline_rank(rank, world_size, n_layers, hyper, steps):
     return (first, stop), out
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_pipeline_equals_single_process(world_size):
+@pytest.mark.parametrize("world_size,overlap", [(1, True), (2, True), (2, False), (3, True), (4, True)])
+def test_pipeline_equals_single_process(world_size, overlap):
     n_layers, steps = 12, 2
     reference = build(n_layers=n_layers)
     opt = torch.optim.SGD(reference.parameters(), lr=0.1)
@@ -263,7 +264,7 @@ def test_pipeline_equals_single_process(world_size):
         ref_steps.append((loss.item(), grads_of(reference)))
         opt.step()
         opt.zero_grad(set_to_none=True)
-    results = run_ranks(_pipeline_rank, world_size, args=(n_layers, True, steps), timeout=120)
+    results = run_ranks(_pipeline_rank, world_size, args=(n_layers, True, steps, overlap), timeout=120)
     for step, (ref_loss, ref_grads) in enumerate(ref_steps):
         merged = {}
         for rank, ((first, stop), per_step) in enumerate(results):
