@@ -39,6 +39,7 @@ Run:
 """
 import math
 import os
+import socket
 import time
 from dataclasses import dataclass
 
@@ -566,8 +567,11 @@ def packed_boundaries(seq_len, seq_per_rank, ratio, seed=0):
 
 
 def _setup():
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
+    if "RANK" not in os.environ:                            # plain `python cp_compress.py`: one rank
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     device = torch.device("cpu")
     if backend == "nccl":
