@@ -148,7 +148,8 @@ def validate_layout(seq_per_rank, cu_seqlens, cp_size, ratio, overlap, top_k, wi
 
 def agree_across_ranks(seq_per_rank, cu_seqlens, config, group=None):
     """One all-gather of a few integers that every rank reaches whatever its input, so a mismatch makes
-    every rank raise the same ValueError and none is left waiting inside the protocol's collectives."""
+    every rank raise the same ValueError and none is left waiting inside the protocol's collectives.
+    (It runs on every call here for safety; a training loop would check once per batch layout.)"""
     cu = cu_seqlens.to(torch.int64).cpu()
     digest = int((cu * torch.arange(1, cu.numel() + 1)).sum()) % (2 ** 61)
     mine = torch.tensor([seq_per_rank, cu.numel(), int(cu[-1]), digest, *config], dtype=torch.int64)
