@@ -130,22 +130,22 @@ print(run_torchrun("cp_compress.py", nproc=2, args=(128,), timeout=240).stdout.s
 
 # %% [markdown]
 # ## 4. Memory per rank
-# One forward+backward of the CSA layer (T = 2048 tokens) recorded on each of 4 ranks with
+# One forward+backward of the CSA layer (T = 1024 tokens) recorded on each of 4 ranks with
 # `memory_timeline`, and on a single rank for comparison. Queries stay local, so activations shrink
 # about as 1/cp; the all-gathered compressed sequence (T/m entries) is the part every rank holds in full.
 
 # %%
-T = 2048
+T = 1024
 four = run_ranks(bench.rank_profile, 4, args=("CSA m=4", T), timeout=300)
 one = run_ranks(bench.rank_profile, 1, args=("CSA m=4", T), timeout=300)
 fig = plot_timelines([one[0]["context_parallel"]["timeline"]] + [r["context_parallel"]["timeline"] for r in four],
                      titles=["cp=1"] + [f"cp=4, rank {r}" for r in range(4)], width=3.0)
 plt.show()
-print(f"{'':24} {'peak MiB':>9}")
-print(f"{'cp=1':24} {one[0]['context_parallel']['timeline'].peak() / MiB:>9.2f}")
+print(f"{'':34} {'peak MiB':>9}")
+print(f"{'cp=1':34} {one[0]['context_parallel']['timeline'].peak() / MiB:>9.2f}")
 for r, res in enumerate(four):
     for method in ("context_parallel", "allgather_baseline"):
-        print(f"{f'cp=4 rank {r} {method}':24} {res[method]['timeline'].peak() / MiB:>9.2f}")
+        print(f"{f'cp=4 rank {r} {method}':34} {res[method]['timeline'].peak() / MiB:>9.2f}")
 
 # %% [markdown]
 # ## 5. Communication against sequence length
