@@ -485,3 +485,25 @@ def test_demo_under_torchrun():
     assert len(losses) == 3 and losses[-1] < 0.7 * losses[0], out
     assert "parameters bitwise identical on all 2 ranks: True" in out, out
     assert "optimizer state per rank (bytes)" in out and "rank replica pos" in out, out
+
+
+def test_same_shape_matrices_share_one_stack_and_one_ns_call(monkeypatch):
+    L = leaves(make_params())
+    opt = mz.MuonZeRO(groups(L), lr=LR_MUON, grad_sync="fp32")
+    calls = []
+    real = mz.newton_schulz
+    monkeypatch.setattr(mz, "newton_schulz", lambda X, *a, **k: calls.append(tuple(X.shape)) or real(X, *a, **k))
+    x, y = batch(0)
+    pointers = None
+    for _ in range(2):
+        forward_loss(L, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        stacks = [t for t in opt.local_state_tensors() if t.ndim == 3]
+        if pointers is not None:  # updated in place: the stacked buffers are the resting layout
+            assert [t.data_ptr() for t in stacks] == pointers
+        pointers = [t.data_ptr() for t in stacks]
+    # One rank owns everything: dense runs (5,12) (12,12)x2 (12,20) (20,12); experts down, up, gate.
+    expect = [(1, 5, 12), (2, 12, 12), (1, 12, 20), (1, 20, 12), (5, 12, 8), (5, 8, 12), (5, 8, 12)]
+    assert sorted(tuple(t.shape) for t in stacks) == sorted(expect)
+    assert sorted(calls) == sorted(expect * 2)  # one batched NS call per stack per step, not one per matrix
