@@ -18,6 +18,20 @@ store a small handle instead of the forgotten storage, and the first gradient th
 recompute subgraph; every saved alias is rebuilt as a view over that one recomputed storage (no copy),
 and the storage is dropped when the last gradient that needs it has run.
 
+Choices the report leaves open, made here:
+- "Reuses storage (no copies)": the forgotten storage is released after forward, so the recompute
+  allocates the root once (the GPU caching allocator hands back the block just freed) and every saved
+  alias is rebuilt over that same storage with `set_` (view, base, transposes: no copy, one recompute).
+- "Kept anyway" means: an input, a parameter, or a storage autograd saves and nobody forgets; a Python
+  value (a size) is kept by value. The walk stops there; everything else on the way is recomputed.
+- Recomputed once per backward and cached until the last saved alias is unpacked; a retained graph
+  recomputes again on the next backward. Double backward works: autograd re-attaches the graph to what
+  the unpack hook returns. Dropout in a recompute subgraph replays the forward RNG state.
+- Refused with a ValueError that names the tensor and the fix: forgetting an input/parameter alias or
+  a module output, in-place ops on a forgotten tensor or on anything its recompute reads, and code FX
+  cannot trace (fix: `leaf_modules`). Changing a kept tensor in place after forward raises in backward,
+  as autograd itself does (saved-tensor hooks would otherwise skip that check).
+
     torchrun --nproc_per_node=4 tensor_ckpt.py   # CPU (gloo) data parallel, each rank its own replica
     torchrun --nproc_per_node=8 tensor_ckpt.py   # GPUs: NCCL and cuda:LOCAL_RANK are picked automatically
     python tensor_ckpt.py                        # one process
@@ -245,11 +259,6 @@ def recompute_subgraph(root, is_kept):
                 nodes.add(m)
                 stack.append(m)
     return nodes, frontier
-
-
-def _describe(n):
-    target = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
-    return f"{n.name} = {target}(...)" if n.op != "get_attr" else n.name
 
 
 @dataclass
@@ -484,11 +493,20 @@ class _ForwardCall:
 
     def __init__(self, module):
         self.states = {u.root: _UnitState(module, u) for u in module.plan.units}
-        self.by_key, self.alive, self.frontier, self.rng = {}, [], {}, {}
+        self.by_key, self.frontier, self.rng = {}, {}, {}
         self.packed_in_root = None  # tensors packed while a forgotten storage's first op is running
 
+    def forgotten_state(self, t):
+        """The _UnitState of the forgotten storage ``t`` lives in, or None."""
+        if not self.by_key or t.layout != torch.strided:
+            return None
+        storage = t.untyped_storage()
+        entry = self.by_key.get((t.device, storage.data_ptr()))
+        # A forgotten storage is freed at its last use in forward; a later tensor may reuse its address.
+        return entry[1] if entry is not None and entry[0]() is storage else None
+
     def pack(self, t):
-        state = self.by_key.get(storage_key(t)) if self.by_key and t.layout == torch.strided else None
+        state = self.forgotten_state(t)
         if state is not None:
             return _Saved(t).forget(state)
         saved = _Saved(t)  # kept as usual (detached: a pack result must not reference its input)
@@ -498,12 +516,10 @@ class _ForwardCall:
 
     def register(self, state, v):
         """``v`` is the first tensor of a forgotten storage: from now on saving it saves a handle."""
-        key = storage_key(v)
         state.layout = (v.dtype, tuple(v.shape), v.stride(), v.storage_offset(), v.untyped_storage().nbytes())
-        self.by_key[key] = state
-        self.alive.append(v)  # keep it until forward ends, so its address names only it
+        self.by_key[storage_key(v)] = (weakref.ref(v.untyped_storage()), state)
         for saved in self.packed_in_root:
-            if saved.tensor.layout == torch.strided and storage_key(saved.tensor) == key:
+            if self.forgotten_state(saved.tensor) is state:
                 saved.forget(state)
         self.packed_in_root = None
 
@@ -538,8 +554,7 @@ class TensorCheckpoint(nn.Module):
             state.versions = {f: v._version for f, v in state.inputs.items() if isinstance(v, torch.Tensor)}
             state.rng = {n: call.rng[n] for n in u.nodes if n in call.rng}
             state.pending = state.handles
-        call.alive.clear()  # the forgotten storages die here: autograd holds only handles to them
-        return out
+        return out  # each forgotten storage died at its last use in forward: autograd holds only handles
 
     def _run(self, inputs, call):
         placeholders = [n for n in self.nodes if n.op == "placeholder"]

@@ -41,7 +41,8 @@ class Attention(nn.Module):
     def __init__(self, forget_qkv=False, forget_probs=False, forget_merge=False):
         super().__init__()
         self.qkv, self.proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
-        self.register_buffer("mask", torch.ones(T, T, dtype=torch.bool).tril())
+        # the blocked (future) positions, stored as is: FX folds ops on buffers into trace-time constants
+        self.register_buffer("future", torch.ones(T, T, dtype=torch.bool).triu(1))
         self.forget_qkv, self.forget_probs, self.forget_merge = forget_qkv, forget_probs, forget_merge
 
     def forward(self, x):
@@ -51,7 +52,7 @@ class Attention(nn.Module):
             qkv, q = forget(qkv), forget(q)
         q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in (q, k, v))
         att = (q @ k.transpose(-2, -1)) * (C // H) ** -0.5
-        att = att.masked_fill(~self.mask, float("-inf")).softmax(dim=-1)
+        att = att.masked_fill(self.future, float("-inf")).softmax(dim=-1)
         if self.forget_probs:
             att = forget(att)
         y = (att @ v).transpose(1, 2).reshape(B, T, C)
@@ -103,7 +104,7 @@ def assert_bitwise(a, b):
 def activation_bytes(model, fn, x):
     """Measured: bytes that one forward leaves alive for backward (memory_timeline's 'activations')."""
     tl = MemoryTimeline(model=model, name="fwd")
-    tl.tag([x], "other")  # created before recording: an input, not an activation
+    tl.tag([x, *model.buffers()], "other")  # made before recording: input and buffers are not activations
     with tl.record():
         with tl.phase("forward", 0):
             out = fn(x)
@@ -185,6 +186,29 @@ def test_activation_memory_drops_by_the_forgotten_bytes():
         ckpt = checkpoint_tensors(model, (x,))
         freed = activation_bytes(model, model, x) - activation_bytes(model, ckpt, x)
         assert freed == expected, f"{type(model).__name__}: freed {freed}, expected {expected}"
+        # the demo's own meter (tensor_ckpt.activation_bytes) must agree with memory_timeline
+        assert tc.activation_bytes(model, x)[0] - tc.activation_bytes(ckpt, x)[0] == expected
+
+
+def test_forgotten_tensors_die_at_their_last_use_in_forward():
+    # Not at the end of forward: otherwise the forward's own peak would be the plain model's. In the
+    # block the two norm outputs are dead long before forward ends, so the peak drops by at least them.
+    x = torch.randn(B, T, C, requires_grad=True)
+    model = tc.Block(C, H)
+    ckpt = checkpoint_tensors(model, (x,))
+
+    def forward_peak(fn):
+        model.zero_grad(set_to_none=True)
+        tl = MemoryTimeline(model=model)
+        tl.tag([x], "other")
+        with tl.record():
+            with tl.phase("forward", 0):
+                out = fn(x)
+            with tl.phase("backward", 0):
+                out.sum().backward()
+        return tl.peak(step=0, phase="forward")
+
+    assert forward_peak(model) - forward_peak(ckpt) >= 2 * B * T * C * F32
 
 
 def backward_flops(fn, x):
