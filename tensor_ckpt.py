@@ -25,7 +25,8 @@ Choices the report leaves open, made here:
 - "Kept anyway" means: an input, a parameter, or a storage autograd saves and nobody forgets; a Python
   value (a size) is kept by value. The walk stops there; everything else on the way is recomputed.
 - Recomputed once per backward and cached until the last saved alias is unpacked; a retained graph
-  recomputes again on the next backward. Double backward works: autograd re-attaches the graph to what
+  recomputes again on the next backward. A recompute that reads another forgotten storage takes that
+  storage's recomputed value instead of re-running its ops, so each forgotten storage runs once. Double backward works: autograd re-attaches the graph to what
   the unpack hook returns. Dropout in a recompute subgraph replays the forward RNG state.
 - Refused with a ValueError that names the tensor and the fix: forgetting an input/parameter alias or
   a module output, in-place ops on a forgotten tensor or on anything its recompute reads, and code FX
@@ -269,6 +270,7 @@ class ForgottenUnit:
     root: fx.Node
     nodes: list                    # recompute subgraph, in execution order (root last)
     frontier: list                 # kept nodes the subgraph reads (their values are stashed)
+    deps: list                     # roots of other forgotten storages it reads (recomputed, shared)
     shape: tuple
     nbytes: int                    # bytes of the storage
     saved: bool                    # autograd saves it (otherwise forgetting it frees nothing)
@@ -299,15 +301,17 @@ class Plan:
                  f"{self.recompute_flops / 1e6:.1f} MFLOP recomputed per backward"
                  + (f", {_mib(self.held_bytes)} held for recompute" if self.held_bytes else "")]
         lines.append(f"  {'forgotten (aliases)':<34} {'shape':<18} {'freed':>10} {'MFLOP':>8}  "
-                     "recompute ops <- from kept")
+                     "recompute ops <- from kept (* = another forgotten storage, recomputed first)")
         for u in self.units:
             aliases = ", ".join(m for m in u.members if m != u.name)
             label = u.name + (f" ({aliases})" if aliases else "")
             freed = _mib(u.bytes_freed) if u.saved else "0 (unsaved)"
-            ops = ", ".join(f"{name}" + (f"[{fl / 1e6:.1f}M]" if fl else "") for name, fl in u.op_flops)
+            ops = ", ".join(f"{name}" + (f"[{fl / 1e6:.1f}M]" if fl else "") for name, fl in u.op_flops
+                            if not name.startswith("forget"))  # the marks are identities
             rng = f"  [RNG replayed: {', '.join(u.random_nodes)}]" if u.random_nodes else ""
             lines.append(f"  {label[:34]:<34} {str(tuple(u.shape)):<18} {freed:>10} {u.flops / 1e6:>8.1f}  "
-                         f"{ops} <- {', '.join(f.name for f in u.frontier) or '-'}{rng}")
+                         f"{ops} <- {', '.join([f.name for f in u.frontier] + [d.name + '*' for d in u.deps])}"
+                         f"{rng}")
         return "\n".join(lines)
 
 
@@ -370,12 +374,16 @@ def make_plan(gm, infos, saved_keys, forget_names=None):
             return False
         return info.key in saved_keys or any(m.op in ("placeholder", "get_attr") for m in units[info.key])
 
+    # A recompute that reads another forgotten storage reads its recomputed value (not its ops again):
+    # forgetting fc1's output and the GELU of it runs fc1 once, not once per forgotten storage.
+    roots = {units[key][0] for key in forgotten}
     plan_units, held = [], {}
     for key, name in forgotten.items():
         root = units[key][0]
-        sub, frontier = recompute_subgraph(root, is_kept)
+        sub, frontier = recompute_subgraph(root, lambda m: is_kept(m) or (m in roots and m is not root))
         sub = sorted(sub, key=position.get)
-        frontier = sorted(frontier, key=position.get)
+        deps = sorted((f for f in frontier if f in roots), key=position.get)
+        frontier = sorted((f for f in frontier if f not in roots), key=position.get)
         for n in sub:
             if infos[n].mutates:
                 raise ValueError(f"tensor_ckpt: cannot recompute '{name}': its recompute subgraph contains "
@@ -398,7 +406,7 @@ def make_plan(gm, infos, saved_keys, forget_names=None):
                     held[infos[f].key] = infos[f].nbytes
         plan_units.append(ForgottenUnit(
             name=root.name, members=[n.name for n in units[key] if n.target is not forget],
-            root=root, nodes=sub, frontier=frontier, shape=infos[root].layout[1],
+            root=root, nodes=sub, frontier=frontier, deps=deps, shape=infos[root].layout[1],
             nbytes=infos[root].nbytes, saved=key in saved_keys, flops=sum(infos[n].flops for n in sub),
             op_flops=[(n.name, infos[n].flops) for n in sub],
             random_nodes=[n.name for n in sub if infos[n].random]))
@@ -414,10 +422,11 @@ class _UnitState:
 
     def __init__(self, module, unit):
         self.module, self.unit = module, unit
-        self.inputs, self.versions, self.rng = {}, {}, {}
+        self.inputs, self.versions, self.rng, self.deps = {}, {}, {}, {}
         self.layout = None
         self.handles = 0          # saved tensors autograd holds on this storage
-        self.pending = 0          # of those, still to be unpacked in this backward
+        self.uses = 0             # handles, plus recomputes of other forgotten storages that read it
+        self.pending = 0          # uses still to come in this backward
         self.value = None         # the recomputed root, alive while some gradient still needs it
 
     def materialize(self):
@@ -428,6 +437,7 @@ class _UnitState:
                                        f"'{self.unit.name}', was modified in place after forward; "
                                        "its gradient would be wrong. Do not modify it before backward.")
             env = dict(self.inputs)
+            env.update({root: dep.materialize() for root, dep in self.deps.items()})
             with torch.no_grad():
                 for n in self.unit.nodes:
                     if n in self.rng:
@@ -443,12 +453,14 @@ class _UnitState:
                                    f"forward had {self.layout}")
             self.value = value
             self.module.recomputations += 1
+            for dep in self.deps.values():
+                dep.release()
         return self.value
 
     def release(self):
         self.pending -= 1
         if self.pending <= 0:       # the last gradient that needs it has it: let the storage go
-            self.value, self.pending = None, self.handles  # (a retained graph recomputes once more)
+            self.value, self.pending = None, self.uses  # (a retained graph recomputes once more)
 
 
 class _Saved:
@@ -553,7 +565,13 @@ class TensorCheckpoint(nn.Module):
             state.inputs = {f: call.frontier[f] for f in u.frontier}
             state.versions = {f: v._version for f, v in state.inputs.items() if isinstance(v, torch.Tensor)}
             state.rng = {n: call.rng[n] for n in u.nodes if n in call.rng}
-            state.pending = state.handles
+            state.uses += state.handles
+            if state.handles:
+                state.deps = {d: call.states[d] for d in u.deps}
+                for dep in state.deps.values():
+                    dep.uses += 1
+        for state in call.states.values():
+            state.pending = state.uses
         return out  # each forgotten storage died at its last use in forward: autograd holds only handles
 
     def _run(self, inputs, call):

@@ -235,6 +235,20 @@ def test_forgetting_gelu_recomputes_no_matmul_and_view_plus_base_recomputes_once
     assert ckpt.recomputations == 1
 
 
+def test_a_recompute_reading_another_forgotten_tensor_reuses_its_recompute():
+    # Forget fc1's output and the GELU of it: the GELU's recompute reads fc1's recomputed value, so
+    # fc1 runs once per backward, not once for itself and once more inside the GELU's subgraph.
+    x = torch.randn(B, T, C, requires_grad=True)
+    model = MLP()
+    ckpt = checkpoint_tensors(model, (x,), forget=["fc1", "gelu"])
+    gelu = next(u for u in ckpt.plan.units if u.name == "gelu")
+    assert [n.name for n in gelu.nodes] == ["gelu"] and [d.name for d in gelu.deps] == ["fc1"]
+    extra = backward_flops(ckpt, x) - backward_flops(model, x)
+    assert extra == ckpt.plan.recompute_flops == 2 * B * T * C * 4 * C
+    assert ckpt.recomputations == 2
+    assert_bitwise(grads_of(model, x, model), grads_of(model, x, ckpt))
+
+
 def test_tensor_needed_by_several_gradients_is_recomputed_once_per_backward():
     model = MLP(shared=True)
     x = torch.randn(B, T, C, requires_grad=True)
