@@ -75,8 +75,9 @@ def grads(stack, fn, x, grad):
 
 
 def memory(stack, fn, x, grad):
+    stack.zero_grad(set_to_none=True)  # gradients appear in backward, as in a training step
     tl = MemoryTimeline(model=stack, name="step")
-    tl.tag([x, grad], "other")
+    tl.tag([x, grad, *stack.buffers()], "other")
     with tl.record():
         with tl.phase("forward", 0):
             out = fn(x)
