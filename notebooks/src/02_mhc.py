@@ -1,0 +1,199 @@
+# %% [markdown]
+# # mHC made affordable (DeepSeek-V4 §3.4.2)
+#
+# Hyper-connections widen the residual stream to n = 4 lanes: `X' = B X + C F(A X)`, with `B` a doubly
+# stochastic matrix made by Sinkhorn-Knopp. The layer is cheap in FLOPs but its stream is n times the
+# residual's: n times the activations held for backward and n times the pipeline traffic. This notebook
+# looks at what that costs and what `mhc.py`'s reductions buy back:
+#
+# 1. memory timelines of residual, naive mHC and optimised mHC (fused mixing + selective recomputation);
+# 2. the bytes each layer keeps for backward;
+# 3. why 20 Sinkhorn iterations are enough;
+# 4. why B is constrained at all: the composite gain of many stacked mixings;
+# 5. the recompute block size L_r: memory against block length, with sqrt(nL/(n+2)) marked.
+
+# %%
+import math
+
+import matplotlib.pyplot as plt
+import torch
+
+import mhc
+from memory_timeline import MemoryTimeline, plot_timelines
+
+plt.rcParams["figure.dpi"] = 72
+torch.set_num_threads(1)  # tiny tensors: threads only add contention
+cfg = mhc.Config(vocab_size=128, seq_len=32, dim=64, n_heads=2, n_layers=4, n_hc=4)
+BATCH = 4
+
+
+def record(hyper, steps=2, **options):
+    torch.manual_seed(0)
+    model = mhc.Transformer(cfg, hyper=hyper)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tl = MemoryTimeline(model=model, optimizer=opt)
+    gen = torch.Generator().manual_seed(0)
+    with tl.record():
+        for step in range(steps):
+            data = mhc.synthetic_batch(cfg, BATCH, gen, "cpu")
+            with tl.phase("forward", step):
+                loss = model(data[:, :-1], data[:, 1:], **options)
+            with tl.phase("backward", step):
+                loss.backward()
+            with tl.phase("optimizer", step):
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    return tl
+
+
+L_r = mhc.default_recompute_block(cfg.n_hc, cfg.n_layers)
+timelines = [record(False), record(True), record(True, fused=True, recompute=L_r)]
+titles = ["residual", "naive mHC", f"optimised mHC (fused, L_r={L_r})"]
+plot_timelines(timelines, titles=titles)
+plt.show()
+for title, tl in zip(titles, timelines):
+    print(f"{title:<32} peak activations {tl.peak('activations', step=1) / 2**20:6.2f} MiB, "
+          f"peak activations+temporaries {(tl.series('activations') + tl.series('temporaries')).max() / 2**20:6.2f} MiB")
+
+# %% [markdown]
+# The red band (activations: what forward leaves alive for backward) is where the widened stream shows.
+# Naive mHC keeps every layer's n-lane input, its RMS-normalised copy and the Sinkhorn intermediates.
+# The optimised run keeps one n-lane stream per block of L_r layers and each F's output; in backward it
+# rebuilds the lane states block by block (purple temporaries), without calling F again.
+#
+# ## Bytes kept per layer
+# Measured with saved-tensor hooks, as the slope over depth: the bytes autograd keeps for a 4-layer model
+# minus a 2-layer one, per layer and per token, next to the size of one lane (C floats).
+
+# %%
+def per_layer_per_token(hyper, **options):
+    sizes = []
+    for n_layers in (2, 4):
+        torch.manual_seed(0)
+        model = mhc.Transformer(mhc.Config(**{**cfg.__dict__, "n_layers": n_layers}), hyper=hyper)
+        data = mhc.synthetic_batch(cfg, BATCH, torch.Generator().manual_seed(0), "cpu")
+        _, saved = mhc.saved_activation_bytes(model, lambda: model(data[:, :-1], data[:, 1:], **options))
+        sizes.append(saved)
+    return (sizes[1] - sizes[0]) / 2 / (BATCH * cfg.seq_len)
+
+
+rows = {"residual": per_layer_per_token(False), "naive mHC": per_layer_per_token(True),
+        "fused": per_layer_per_token(True, fused=True),
+        "recompute L_r=2": per_layer_per_token(True, recompute=2),
+        "fused + recompute L_r=2": per_layer_per_token(True, fused=True, recompute=2)}
+fig, ax = plt.subplots(figsize=(7, 2.8))
+ax.barh(list(rows), [v / (4 * cfg.dim) for v in rows.values()], color=["#4c72b0", "#c44e52", "#dd8452", "#8172b3", "#55a868"])
+ax.axvline(cfg.n_hc, color="k", ls=":", lw=1)
+ax.text(cfg.n_hc, -0.6, " one n-lane stream", fontsize=9)
+ax.set_xlabel(f"bytes kept per layer per token, in units of one lane (C={cfg.dim} fp32)")
+ax.invert_yaxis()
+plt.tight_layout()
+plt.show()
+for name, value in rows.items():
+    print(f"{name:<26} {value:8.0f} B/token/layer = {value / (4 * cfg.dim):5.2f} lanes")
+
+# %% [markdown]
+# At this small C the naive layer's Sinkhorn intermediates (2 x 20 normalisations of a 4 x 4 matrix
+# and their sums, ~800 floats per token) weigh about three n-lane streams; `mhc.py`'s fused path replays them in backward
+# instead. The recomputed paths keep F's own activations (never recomputed) and little else.
+#
+# ## Sinkhorn-Knopp: how many iterations
+# `sinkhorn_knopp` starts from a row softmax and alternates column and row normalisation; it ends on
+# rows, so rows are exact and the column error is what converges. The larger the logits (a B far from
+# uniform), the slower the convergence.
+
+# %%
+fig, ax = plt.subplots(figsize=(6, 3))
+gen = torch.Generator().manual_seed(0)
+for scale in (0.5, 1, 2, 4):
+    matrix = mhc.sinkhorn_knopp(scale * torch.randn(1024, 4, 4, dtype=torch.float64, generator=gen), 1)
+    errors = []
+    for k in range(1, 41):  # one more iteration each time: sinkhorn_knopp(log P, 1) continues from P
+        errors.append((matrix.sum(-2) - 1).abs().max().item())
+        matrix = mhc.sinkhorn_knopp(matrix.log(), 1)
+    ax.semilogy(range(1, 41), errors, label=f"logits ~ N(0, {scale}²)")
+ax.axvline(20, color="k", ls=":", lw=1)
+ax.set_xlabel("iterations (column + row normalisation)")
+ax.set_ylabel("worst |column sum - 1|")
+ax.legend(fontsize=8)
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Twenty iterations are plenty near the initialisation (small gated logits: B close to uniform plus the
+# static bias) and for logits of order 1; for large logits some matrices converge slowly and B is only
+# approximately doubly stochastic after 20 rounds. The rows are still exact, so each output lane stays a
+# convex combination of the input lanes, which is what bounds the stream.
+#
+# ## Why constrain B: the composite gain of stacked mixing
+# Across L layers the residual path multiplies the mixing matrices: `X_L = B_L ... B_1 X_0 + ...`. A
+# doubly stochastic B has every row and column sum 1, and products of doubly stochastic matrices stay
+# doubly stochastic: the gain (largest absolute row sum) is exactly 1 at any depth. Unconstrained
+# hyper-connections learn B freely around the identity; even small deviations compound with depth.
+
+# %%
+def composite_gain(make_b, depth, tokens=256):
+    product, gains = torch.eye(4, dtype=torch.float64).expand(tokens, 4, 4), []
+    for _ in range(depth):
+        product = make_b() @ product
+        gains.append(product.abs().sum(-1).amax(-1).max().item())
+    return gains
+
+
+gen = torch.Generator().manual_seed(0)
+depth = 64
+constrained = composite_gain(lambda: mhc.sinkhorn_knopp(
+    3 * torch.eye(4, dtype=torch.float64) + torch.randn(256, 4, 4, dtype=torch.float64, generator=gen), 20), depth)
+free = {s: composite_gain(lambda: torch.eye(4, dtype=torch.float64) + s * torch.randn(256, 4, 4, dtype=torch.float64, generator=gen), depth)
+        for s in (0.05, 0.1, 0.2)}
+fig, ax = plt.subplots(figsize=(6, 3))
+ax.semilogy(range(1, depth + 1), constrained, lw=2, label="mHC: Sinkhorn-projected B")
+for s, gains in free.items():
+    ax.semilogy(range(1, depth + 1), gains, label=f"HC: B = I + N(0, {s}²)")
+ax.set_xlabel("layers stacked")
+ax.set_ylabel("max abs row sum of B_L...B_1")
+ax.legend(fontsize=8)
+plt.tight_layout()
+plt.show()
+print(f"mHC gain after {depth} layers: {constrained[-1]:.6f};  HC gains: " +
+      ", ".join(f"{g[-1]:.3g}" for g in free.values()))
+
+# %% [markdown]
+# ## Choosing L_r
+# With blocks of L_r layers, forward keeps one block input (nC) per block: n C L / L_r. Backward rebuilds
+# one block at a time and holds about (n + 2) C per layer of it: (n + 2) C L_r. Each layer's mixing is
+# recomputed exactly once whatever L_r is, so L_r trades stored against transient memory only; the sum is
+# smallest at L_r = sqrt(n L / (n + 2)). Below: that model for L = 16, and the measured peak of
+# activations + backward temporaries (memory_timeline) of a 16-layer model, shifted onto the model's minimum.
+
+# %%
+n, depth = cfg.n_hc, 16
+blocks = [1, 2, 3, 4, 6, 8, 16]
+model_cost = [n * depth / b + (n + 2) * b for b in blocks]
+cfg_deep = mhc.Config(**{**cfg.__dict__, "n_layers": depth, "dim": 32, "seq_len": 16})
+measured = []
+for block in blocks:
+    torch.manual_seed(0)
+    model = mhc.Transformer(cfg_deep)
+    tl = MemoryTimeline(model=model)
+    data = mhc.synthetic_batch(cfg_deep, 2, torch.Generator().manual_seed(0), "cpu")
+    with tl.record():
+        with tl.phase("forward"):
+            loss = model(data[:, :-1], data[:, 1:], fused=True, recompute=block)
+        with tl.phase("backward"):
+            loss.backward()
+    measured.append((tl.series("activations") + tl.series("temporaries")).max())
+lane_bytes = 4 * cfg_deep.dim * 2 * cfg_deep.seq_len
+best = math.sqrt(n * depth / (n + 2))
+fig, ax = plt.subplots(figsize=(6, 3))
+ax.plot(blocks, model_cost, "o-", label="model: nL/L_r + (n+2)L_r  (lanes)")
+ax.plot(blocks, [(m - min(measured)) / lane_bytes + min(model_cost) for m in measured], "s--",
+        label="measured peak, shifted to the model's minimum")
+ax.axvline(best, color="k", ls=":", lw=1)
+ax.text(best, max(model_cost) * 0.9, f" sqrt(nL/(n+2)) = {best:.2f}", fontsize=9)
+ax.set_xlabel("recompute block L_r (layers)")
+ax.set_ylabel("memory, in lanes of C")
+ax.legend(fontsize=8)
+plt.tight_layout()
+plt.show()
+print(f"default L_r for n={n}, L={depth}:", mhc.default_recompute_block(n, depth))
