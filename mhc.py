@@ -192,7 +192,7 @@ class FusedPostMixMerge(torch.autograd.Function):
     """X' = B X + C f: B [..., n, n], X [..., n, C], C [..., n], f [..., C] -> X' [..., n, C].
 
     One output buffer, no B X or C f temporaries: reads (n+1)C and writes nC per token instead of
-    (3n+1)C and 3nC (mHC paper §4.3). Eager CPU still takes two passes over the output (matmul, then
+    (3n+1)C and 3nC (mHC paper §4). Eager CPU still takes two passes over the output (matmul, then
     an in-place addcmul); on GPU torch.compile or a hand kernel makes it one. Saves B, X, C, f: X is
     the layer input and f the sublayer output, both alive anyway.
     """
@@ -243,11 +243,11 @@ def mixing_bytes_per_token(n, dim, fused, bytes_per_element=4):
 # ----------------------------------------------------------------------------- 2. selective recomputation
 
 def default_recompute_block(n, n_layers):
-    """L_r ~ sqrt(n L / (n + 2)) (mHC paper §4.3), at least 1.
+    """L_r ~ sqrt(n L / (n + 2)) (mHC paper §4), at least 1.
 
     Keeping one block input (nC) per block costs nC L / L_r; rebuilding one block in backward holds
-    about (n + 2) C per layer of it (lane state, normalised input, mixed input): the sum is smallest at
-    L_r = sqrt(n L / (n + 2)).
+    about (n + 2) C per layer of it (the paper's count: the n-lane state plus F's input and output):
+    the sum is smallest at L_r = sqrt(n L / (n + 2)).
     """
     return max(1, round(math.sqrt(n * n_layers / (n + 2))))
 
@@ -304,14 +304,18 @@ class RecomputedBlock(torch.autograd.Function):
                 h, out = layer_input(leaf, hc, f_leaf, ctx.iters)
                 replay.append((leaf, h, f_leaf, out))
                 stream = out
-        for (sublayer, hc), (h_kept, f_kept), (leaf, h, f_leaf, out) in zip(
-                reversed(ctx.layers), reversed(ctx.graph), reversed(replay)):
+        for (sublayer, hc), (h_kept, f_kept) in zip(reversed(ctx.layers), reversed(ctx.graph)):
+            leaf, h, f_leaf, out = replay.pop()   # popping frees each layer's replay once it is used
             (grad_f,) = torch.autograd.grad(out, f_leaf, grad_stream, retain_graph=True)
-            torch.autograd.backward(f_kept, grad_f, inputs=[h_kept, *sublayer.parameters()])
-            torch.autograd.backward([out, h], [grad_stream, h_kept.grad], inputs=[leaf, *hc.parameters()])
+            torch.autograd.backward(f_kept, grad_f, inputs=[h_kept, *trainable(sublayer)])
+            torch.autograd.backward([out, h], [grad_stream, h_kept.grad], inputs=[leaf, *trainable(hc)])
             grad_stream = leaf.grad
         ctx.graph = ctx.layers = None
         return grad_stream, None, None, None
+
+
+def trainable(module):
+    return [p for p in module.parameters() if p.requires_grad]
 
 
 def layer_mixing_reference(stream, hc, f, iters):

@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/bench_mhc.py --quick    # smaller, for a smoke test
 
 Model (documented size): 8 layers (4 attention + 4 MLP sublayers F), C = 256, 4 heads, T = 128,
-batch 4, n_hc = 4, fp32, CPU eager. Three tables, all measured in this one run:
+batch 4, n_hc = 4, fp32, CPU eager, 1 thread per process. Three tables, all measured in this one run:
   1. one process: plain residual, naive mHC, fused mixing alone, selective recomputation alone, both.
      Peak activation memory from memory_timeline (storages made in forward and alive at its end),
      the peak of activations + backward temporaries (recomputation lives there), median step time
@@ -12,7 +12,8 @@ batch 4, n_hc = 4, fp32, CPU eager. Three tables, all measured in this one run:
      lane-mixing bytes moved per layer (analytic count, mhc.mixing_bytes_per_token).
   2. a 2-stage 1F1B pipeline on gloo: residual vs mHC, with the stream exchange blocking or posted
      ahead (async), the third reduction alone and with the other two.
-  3. step-time overhead of optimised mHC over the residual as a curve over C: the mixing work grows
+  3. step-time overhead of optimised mHC over the residual as a curve over C (4 layers, batch 2, T = 128):
+     the mixing work grows
      with C, the layer's with C^2, so one size would hide the trend.
 The paper's 6.7% is for GPUs with fused kernels overlapped in DualPipe; see the closing note printed.
 """
@@ -193,15 +194,16 @@ def table_curve(dims, batch, repeats, n_layers):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (smoke test)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadiest on a shared machine)")
     args = parser.parse_args()
-    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    torch.set_num_threads(args.threads)
     dim, repeats = (64, 2) if args.quick else (256, 7)
     cfg = mhc.Config(dim=dim, n_layers=8, n_heads=max(1, dim // 64), seq_len=128)
     batch = 4
     print(f"mHC benchmark, torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs")
     table_one_process(cfg, batch, repeats)
     table_pipeline(cfg, batch, repeats)
-    table_curve((64, 128) if args.quick else (128, 256, 512, 1024), batch, max(2, repeats - 2), 4 if args.quick else 8)
+    table_curve((64, 128) if args.quick else (128, 256, 512, 1024), 2, max(2, repeats - 2), 4)
     print("\nThe paper's target is 6.7% step-time overhead over the residual (V4, GPUs, fused kernels in DualPipe).\n"
           "On CPU eager, every mixing op is a separate pass plus Python dispatch: the 20-iteration Sinkhorn\n"
           "alone is ~80 tiny ops per layer, a fixed cost that a fused GPU kernel does in one launch.")
