@@ -181,6 +181,7 @@ def test_activation_memory_drops_by_the_forgotten_bytes():
         (ViewAndBase(), B * T * 2 * C * F32),                             # a base and its view: once
         (Attention(forget_probs=True, forget_merge=True),
          (B * H * T * T + B * T * C) * F32),                              # softmax probs + merged heads
+        (Attention(forget_qkv=True), 0),  # batched matmul saves copies of q, k: qkv is never saved
     ]
     for model, expected in cases:
         ckpt = checkpoint_tensors(model, (x,))
@@ -188,6 +189,7 @@ def test_activation_memory_drops_by_the_forgotten_bytes():
         assert freed == expected, f"{type(model).__name__}: freed {freed}, expected {expected}"
         # the demo's own meter (tensor_ckpt.activation_bytes) must agree with memory_timeline
         assert tc.activation_bytes(model, x)[0] - tc.activation_bytes(ckpt, x)[0] == expected
+        assert ckpt.plan.bytes_freed == expected  # and the plan must predict what was measured
 
 
 def test_forgotten_tensors_die_at_their_last_use_in_forward():
@@ -404,8 +406,15 @@ def test_refused_cases_raise_clear_errors(model, words):
         assert w in str(err.value), f"{w!r} missing from: {err.value}"
 
 
+class ForgetsASize(nn.Module):
+    def forward(self, x):
+        return x * forget(x.size(-1))
+
+
 def test_bad_arguments_are_refused():
     x = torch.randn(B, T, C, requires_grad=True)
+    with pytest.raises(ValueError, match="forget\\(\\) needs a tensor"):
+        checkpoint_tensors(ForgetsASize(), (x,))
     with pytest.raises(ValueError, match="no node named"):
         checkpoint_tensors(MLP(), (x,), forget=["nonexistent"])
     with pytest.raises(ValueError, match="1 inputs"):
