@@ -681,8 +681,9 @@ def main():
             dist.barrier()
         if world > 1 and rank == 0:
             print(f"  {name:<9} bytes sent per step across each stage boundary: {stats['bytes_sent_forward'] / 2**20:.3f} "
-                  f"MiB forward + the same backward; stage 0 blocked on receives {1e3 * waited / args.steps:.1f} ms "
-                  f"of {1e3 * (time.perf_counter() - began) / args.steps:.1f} ms per step", flush=True)
+                  f"MiB forward + the same backward; stage 0 waited on receives (bubble + transfer) "
+                  f"{1e3 * waited / args.steps:.1f} ms of {1e3 * (time.perf_counter() - began) / args.steps:.1f} ms "
+                  f"per step", flush=True)
         if distributed:
             dist.barrier()
     if distributed:

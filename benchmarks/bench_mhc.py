@@ -191,6 +191,49 @@ def table_curve(dims, batch, repeats, n_layers):
         print(f"{dim:>6} {1e3 * r:>12.1f} {1e3 * n_:>10.1f} {1e3 * o:>10.1f}   {100 * (n_ / r - 1):>6.1f}% / {100 * (o / r - 1):>6.1f}%")
 
 
+def _median_ms(fn, repeats):
+    times = []
+    for rep in range(repeats + 1):
+        began = time.perf_counter()
+        fn()
+        if rep:
+            times.append(time.perf_counter() - began)
+    return 1e3 * statistics.median(times)
+
+
+def table_breakdown(dims, batch, repeats):
+    """Forward + backward time of one layer's parts, alone: where mHC's overhead comes from on this machine."""
+    print(f"\n4. one layer's parts, forward + backward, T=128, batch {batch}, median of {repeats} (ms)")
+    print(f"{'C':>6} {'F attn+MLP/2':>13} {'coeff naive':>12} {'coeff opt':>10} {'pre naive':>10} {'pre fused':>10} "
+          f"{'post naive':>11} {'post fused':>11}")
+    for dim in dims:
+        cfg = mhc.Config(dim=dim, n_layers=2, n_heads=max(1, dim // 64), seq_len=128)
+        torch.manual_seed(0)
+        model = mhc.Transformer(cfg)
+        hc, n = model.hcs[0], cfg.n_hc
+        stream = torch.randn(batch, cfg.seq_len, n, dim, requires_grad=True)
+        h = torch.randn(batch, cfg.seq_len, dim, requires_grad=True)
+        a, c = torch.rand(batch, cfg.seq_len, n, requires_grad=True), torch.rand(batch, cfg.seq_len, n, requires_grad=True)
+        b = torch.rand(batch, cfg.seq_len, n, n, requires_grad=True)
+
+        def sublayers():
+            for sublayer in model.sublayers:
+                sublayer(h).sum().backward()
+
+        def coefficients(optimised):
+            a_, b_, c_ = mhc.mhc_coefficients(stream, hc, cfg.sinkhorn_iters, optimised=optimised)
+            (a_.sum() + b_.pow(2).sum() + c_.sum()).backward()
+
+        row = [_median_ms(sublayers, repeats) / 2,
+               _median_ms(lambda: coefficients(False), repeats), _median_ms(lambda: coefficients(True), repeats),
+               _median_ms(lambda: torch.einsum("...n,...nc->...c", a, stream).sum().backward(), repeats),
+               _median_ms(lambda: mhc.FusedPreMix.apply(a, stream).sum().backward(), repeats),
+               _median_ms(lambda: (torch.einsum("...ij,...jc->...ic", b, stream)
+                                   + c.unsqueeze(-1) * h.unsqueeze(-2)).sum().backward(), repeats),
+               _median_ms(lambda: mhc.FusedPostMixMerge.apply(b, stream, c, h).sum().backward(), repeats)]
+        print(f"{dim:>6} " + " ".join(f"{v:>{w}.2f}" for v, w in zip(row, (13, 12, 10, 10, 10, 11, 11))))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (smoke test)")
@@ -204,6 +247,7 @@ def main():
     table_one_process(cfg, batch, repeats)
     table_pipeline(cfg, batch, repeats)
     table_curve((64, 128) if args.quick else (128, 256, 512, 1024), 2, max(2, repeats - 2), 4)
+    table_breakdown((128, 1024) if args.quick else (256, 1024), batch, repeats)
     print("\nThe paper's target is 6.7% step-time overhead over the residual (V4, GPUs, fused kernels in DualPipe).\n"
           "On CPU eager, every mixing op is a separate pass plus Python dispatch: the 20-iteration Sinkhorn\n"
           "alone is ~80 tiny ops per layer, a fixed cost that a fused GPU kernel does in one launch.")
