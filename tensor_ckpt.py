@@ -572,6 +572,9 @@ class TensorCheckpoint(nn.Module):
                     dep.uses += 1
         for state in call.states.values():
             state.pending = state.uses
+        # Every saved tensor keeps a reference to the hook pair, hence to `call`: empty it, so that each
+        # unit's state (and what its recompute reads) dies with the last gradient that needs it.
+        call.states, call.by_key, call.frontier, call.rng = {}, {}, {}, {}
         return out  # each forgotten storage died at its last use in forward: autograd holds only handles
 
     def _run(self, inputs, call):

@@ -192,25 +192,32 @@ def test_activation_memory_drops_by_the_forgotten_bytes():
         assert ckpt.plan.bytes_freed == expected  # and the plan must predict what was measured
 
 
-def test_forgotten_tensors_die_at_their_last_use_in_forward():
-    # Not at the end of forward: otherwise the forward's own peak would be the plain model's. In the
-    # block the two norm outputs are dead long before forward ends, so the peak drops by at least them.
+def test_peaks_drop_in_forward_and_in_backward():
+    # Forward: each forgotten tensor dies at its last use in forward, not at the end of forward (else
+    # forward's own peak would be the plain model's); the two norm outputs of the last layer alone are
+    # dead long before forward ends. Backward: a recomputed tensor, and the kept tensors its recompute
+    # reads, die with the last gradient that needs them (else backward holds more than the plain run).
+    torch.manual_seed(0)
     x = torch.randn(B, T, C, requires_grad=True)
-    model = tc.Block(C, H)
-    ckpt = checkpoint_tensors(model, (x,))
+    stack = nn.Sequential(*[tc.Block(C, H) for _ in range(4)])
+    ckpt = checkpoint_tensors(stack, (x,))
 
-    def forward_peak(fn):
-        model.zero_grad(set_to_none=True)
-        tl = MemoryTimeline(model=model)
+    def peaks(fn):
+        stack.zero_grad(set_to_none=True)
+        tl = MemoryTimeline(model=stack)
         tl.tag([x], "other")
         with tl.record():
             with tl.phase("forward", 0):
                 out = fn(x)
             with tl.phase("backward", 0):
                 out.sum().backward()
-        return tl.peak(step=0, phase="forward")
+                del out
+        return tl.peak(step=0, phase="forward"), tl.peak(step=0, phase="backward")
 
-    assert forward_peak(model) - forward_peak(ckpt) >= 2 * B * T * C * F32
+    (plain_fwd, plain_bwd), (ckpt_fwd, ckpt_bwd) = peaks(stack), peaks(ckpt)
+    assert plain_fwd - ckpt_fwd >= 2 * B * T * C * F32
+    largest = max(u.bytes_freed for u in ckpt.plan.units)
+    assert plain_bwd - ckpt_bwd >= largest, (plain_bwd, ckpt_bwd)
 
 
 def backward_flops(fn, x):
@@ -257,6 +264,7 @@ def test_tensor_needed_by_several_gradients_is_recomputed_once_per_backward():
     ckpt = checkpoint_tensors(model, (x,))
     plain_out = model(x)
     out = ckpt(x)
+    assert ckpt.recomputations == 0  # nothing is recomputed until a gradient needs it
     for backward in (1, 2):  # a retained graph: the second backward recomputes again, once
         g_plain = torch.autograd.grad(plain_out.sum(), list(model.parameters()), retain_graph=True)
         g = torch.autograd.grad(out.sum(), list(model.parameters()), retain_graph=True)
