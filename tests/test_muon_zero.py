@@ -229,15 +229,18 @@ def check_world(rank, world, checkpoint=None):
         out["vector_as_matrix"] = error_of(lambda: mz.MuonZeRO([torch.zeros(3, requires_grad=True)]))
         out["alive_after_errors"] = all_equal_across_ranks([torch.ones(2)])
 
-    # 6. Checkpoints: save mid-run, continue; or load someone else's checkpoint and continue.
+    # 6. Checkpoints: save after 3 of 5 steps at W=4 / width 2; resume at W=2 / width 1 (the world-2 run);
+    #    compare with the uninterrupted 5-step run.
     if checkpoint is None and world == 4:
         mid, opt = run_muon_zero(P0, rank, world, steps=3, ns_dtype=torch.float32, grad_sync="fp32", zero_width=2)
         state = opt.state_dict()
-        end, _ = run_muon_zero(mid, rank, world, steps=2, start=3, state=state, ns_dtype=torch.float32,
-                               grad_sync="fp32", zero_width=2)
+        end, _ = run_muon_zero(P0, rank, world, steps=5, ns_dtype=torch.float32, grad_sync="fp32", zero_width=2)
         out["checkpoint"] = dict(mid=mid, state=state, end=end)
     elif checkpoint is not None:
         mid, state, end = checkpoint["mid"], checkpoint["state"], checkpoint["end"]
+        keys = [set(state["state"].get(i, {})) for i in range(len(P0))]
+        out["state_complete"] = keys == [{"momentum_buffer"}] * (len(DENSE) + len(EXPERT)) \
+            + [{"step", "exp_avg", "exp_avg_sq"}] * len(ADAMW)
         got, opt = run_muon_zero(mid, rank, world, steps=2, start=3, state=state, ns_dtype=torch.float32,
                                  grad_sync="fp32", zero_width=1)
         out["resume_err"] = rel_change_error(mid, got, end)
@@ -293,7 +296,7 @@ def test_matches_single_process_references(world, world4):
         for r in results:
             # W=4, width 2 checkpoint resumed at W=2, width 1: same as the uninterrupted run, to fp32 reassociation
             assert r["resume_err"] < FP32_TOL, r["resume_err"]
-            assert r["roundtrip_exact"]
+            assert r["state_complete"] and r["roundtrip_exact"]
 
 
 def test_matches_single_process_references_world4(world4):
