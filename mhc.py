@@ -113,22 +113,47 @@ class HyperConnection(nn.Module):
 def mhc_coefficients(stream, hc, iters=20, optimised=False):
     """stream [..., n, C] -> (A [..., n], B [..., n, n], C [..., n]) for one layer.
 
-    optimised=True moves the RMSNorm division after the projection ((X W) / rms(X) instead of
-    (X / rms(X)) W, as the mHC paper's kernel does): the normalised stream, n*C per token, is never
-    written, and autograd keeps only the stream itself, which is alive anyway. It also runs
+    optimised=True uses NormThenProject, which divides by the RMS after the projection, and runs
     Sinkhorn-Knopp with a backward that replays the iterations instead of storing 2*iters n x n
     intermediates per token.
     """
     n = hc.n
     flat = stream.flatten(-2)
-    inv_rms = torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + EPS)
-    logits = (flat @ hc.proj) * inv_rms if optimised else (flat * inv_rms) @ hc.proj
+    if optimised:
+        logits = NormThenProject.apply(flat, hc.proj)
+    else:
+        logits = (flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + EPS)) @ hc.proj
     pre, post, res = logits.split([n, n, n * n], dim=-1)
     a = torch.sigmoid(hc.gate[0] * pre + hc.bias_pre)
     c = 2 * torch.sigmoid(hc.gate[1] * post + hc.bias_post)
     res_logits = hc.gate[2] * res.unflatten(-1, (n, n)) + hc.bias_res
     b = SinkhornReplay.apply(res_logits, iters) if optimised else sinkhorn_knopp(res_logits, iters)
     return a, b, c
+
+
+class NormThenProject(torch.autograd.Function):
+    """RMSNorm(x) W computed as (x W) * r, r = 1/rms(x): x [..., D], W [D, k] -> [..., k].
+
+    The division moves after the matmul (mHC paper §4), so the normalised stream (D = n*C per token)
+    is never written; saved: x (the layer's stream, alive anyway), W, r and x W (k per token).
+    Backward in two passes over x: dx = (g r) W^T - (sum(g * xW) r^3 / D) x.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        projected = x @ weight
+        inv_rms = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+        ctx.save_for_backward(x, weight, inv_rms, projected)
+        return projected * inv_rms
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, inv_rms, projected = ctx.saved_tensors
+        scaled = grad_out * inv_rms                                             # [..., k]
+        grad_weight = x.reshape(-1, x.shape[-1]).T @ scaled.reshape(-1, scaled.shape[-1])
+        through_rms = (grad_out * projected).sum(-1, keepdim=True) * inv_rms.pow(3) / x.shape[-1]
+        grad_x = torch.addcmul(scaled @ weight.T, through_rms, x, value=-1)
+        return grad_x, grad_weight
 
 
 class SinkhornReplay(torch.autograd.Function):
@@ -225,7 +250,8 @@ def mixing_bytes_per_token(n, dim, fused, bytes_per_element=4):
 
     Counted op by op as eager autograd runs it (naive) or as one pass per operation (fused):
       coefficients  naive: sum of squares (read nC), X/rms (read nC, write nC), projection (read nC)
-                    fused: one pass reads nC (squares and projection together); both write 2n+n^2 logits
+                    fused (NormThenProject): one pass reads nC (squares and projection together);
+                    both write the 2n+n^2 logits
       pre-mix       naive: A_i X_i (read nC, write nC), sum over lanes (read nC, write C); fused: read nC, write C
       post-mix      naive: B X (read nC, write nC), C f (read C, write nC), add (read 2nC, write nC)
                     fused: read nC + C, write nC   (the mHC paper's (3n+1)C -> (n+1)C, 3nC -> nC)

@@ -122,7 +122,7 @@ def test_streams_expand_once_and_collapse_once():
 
 # ----------------------------------------------------------------------------- fused lane mixing
 
-def test_fused_mixing_ops_match_plain_math_and_gradcheck():
+def test_fused_ops_match_plain_math_and_gradcheck():
     gen = torch.Generator().manual_seed(0)
     a, stream = torch.rand(2, 3, 4, generator=gen, dtype=torch.float64), torch.randn(2, 3, 4, 5, generator=gen, dtype=torch.float64)
     b, c, f = torch.rand(2, 3, 4, 4, generator=gen, dtype=torch.float64), torch.rand(2, 3, 4, generator=gen, dtype=torch.float64), torch.randn(2, 3, 5, generator=gen, dtype=torch.float64)
@@ -131,6 +131,11 @@ def test_fused_mixing_ops_match_plain_math_and_gradcheck():
                               for i in range(4)], dim=-2)
     assert torch.allclose(mhc.FusedPreMix.apply(a, stream), plain_pre, atol=1e-12)
     assert torch.allclose(mhc.FusedPostMixMerge.apply(b, stream, c, f), plain_post, atol=1e-12)
+    weight = torch.randn(20, 24, generator=gen, dtype=torch.float64)
+    flat = stream.flatten(-2)
+    plain_logits = (flat / flat.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()) @ weight
+    assert torch.allclose(mhc.NormThenProject.apply(flat, weight), plain_logits, atol=1e-12)
+    assert torch.autograd.gradcheck(mhc.NormThenProject.apply, (flat.clone().requires_grad_(), weight.requires_grad_()))
     inputs = [t.clone().requires_grad_() for t in (a, stream, b, c, f)]
     assert torch.autograd.gradcheck(mhc.FusedPreMix.apply, (inputs[0], inputs[1]))
     assert torch.autograd.gradcheck(mhc.FusedPostMixMerge.apply, (inputs[2], inputs[1], inputs[3], inputs[4]))
