@@ -121,8 +121,8 @@ for name, tl in zip(["AdamW", "Muon replicated", "MuonZeRO rank 0", "MuonZeRO ra
 # temporaries (purple): the flat gradient and parameter buffers that the all-to-all and all-gather move, and
 # Newton-Schulz's work arrays for a whole stack of same-shape matrices at once. At this toy size those
 # transients outweigh the state saved; they scale with a rank's buckets, while the state they replace scales
-# with the model: at V4-Flash scale replicated Muon momentum is ~1 TiB, MuonZeRO's share at 64 ranks 17 GiB
-# (benchmark table 2).
+# with the model: at V4-Flash scale replicated Muon momentum is ~1 TiB, while MuonZeRO's share at 64 ranks
+# is 17 GiB, plus 8 GiB of AdamW moments for the embedding and head (benchmark table 2).
 
 # %% [markdown]
 # ## Stochastic rounding, and why V4 sums in fp32 after an all-to-all
