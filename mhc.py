@@ -15,8 +15,9 @@ pipeline traffic, and the lane mixing is memory-bound elementwise work that a pl
 a string of separate ops, each reading and writing the whole widened stream.
 
 The fix, three reductions (each a section below, each checked against the plain autograd layer):
-  1. fused lane mixing: the pre-mix A X and the post-mix + residual merge B X + C f each as one
-     operation with a hand-written backward, reading the lanes once and writing them once;
+  1. fused lane mixing: the pre-mix A X, the post-mix + residual merge B X + C f, and the coefficient
+     projection (RMS division moved after the matmul) each as one operation with a hand-written
+     backward, reading the lanes once and writing them once;
   2. selective recomputation: keep one block input (n*C) every L_r layers and every F output (C);
      rebuild the lane states, A X and the normalised stream in backward; never run F twice;
   3. a 1F1B pipeline whose stages exchange the n-lane stream with sends/receives posted ahead, so the
@@ -131,6 +132,22 @@ def mhc_coefficients(stream, hc, iters=20, optimised=False):
     return a, b, c
 
 
+# ----------------------------------------------------------------------------- reference implementation
+
+def mhc_layer_reference(stream, sublayer, hc, iters=20):
+    """The plain autograd mHC layer: X [..., n, C] -> B X + C F(A X)  [..., n, C].
+
+    Obviously correct and nothing else: every optimised path in this file is tested against it.
+    """
+    hc.check_stream(stream)
+    a, b, c = mhc_coefficients(stream, hc, iters)
+    h = torch.einsum("...n,...nc->...c", a, stream)
+    f = sublayer(h)
+    return torch.einsum("...ij,...jc->...ic", b, stream) + c.unsqueeze(-1) * f.unsqueeze(-2)
+
+
+# ----------------------------------------------------------------------------- 1. fused lane mixing
+
 class NormThenProject(torch.autograd.Function):
     """RMSNorm(x) W computed as (x W) * r, r = 1/rms(x): x [..., D], W [D, k] -> [..., k].
 
@@ -177,22 +194,6 @@ class SinkhornReplay(torch.autograd.Function):
             (grad,) = torch.autograd.grad(sinkhorn_knopp(leaf, ctx.iters), leaf, grad_out)
         return grad, None
 
-
-# ----------------------------------------------------------------------------- reference implementation
-
-def mhc_layer_reference(stream, sublayer, hc, iters=20):
-    """The plain autograd mHC layer: X [..., n, C] -> B X + C F(A X)  [..., n, C].
-
-    Obviously correct and nothing else: every optimised path in this file is tested against it.
-    """
-    hc.check_stream(stream)
-    a, b, c = mhc_coefficients(stream, hc, iters)
-    h = torch.einsum("...n,...nc->...c", a, stream)
-    f = sublayer(h)
-    return torch.einsum("...ij,...jc->...ic", b, stream) + c.unsqueeze(-1) * f.unsqueeze(-2)
-
-
-# ----------------------------------------------------------------------------- 1. fused lane mixing
 
 class FusedPreMix(torch.autograd.Function):
     """h = A X: A [..., n], X [..., n, C] -> h [..., C]. Reads X once, writes C; saves A and X only.
