@@ -270,8 +270,9 @@ class MuonPlan:
         return self.dense_buckets[self.position(rank)], list(range(a, b))
 
     def rows(self):
-        """One dict per rank: matrices, elements, padding and NS cost of what it owns."""
-        rows = []
+        """One dict per rank: matrices, elements, padding and NS cost of what it owns, and its shape runs
+        (runs of identical shape: one batched NS call each, split further if they span param groups)."""
+        rows, bucket_numel, chunk_numel = [], self.dense_bucket_numel, self.expert_chunk_numel
         for r in range(self.world_size):
             dense, experts = self.owned(r)
             shapes = [self.dense_shapes[i] for i in dense] + [self.expert_shapes[i] for i in experts]
@@ -280,10 +281,10 @@ class MuonPlan:
             rows.append(dict(rank=r, replica=r // self.zero_width, position=self.position(r),
                              dense=len(dense), experts=len(experts),
                              numel=dense_numel + expert_numel,
-                             dense_padding=self.dense_bucket_numel - dense_numel,
-                             expert_padding=self.expert_chunk_numel - expert_numel,
+                             dense_padding=bucket_numel - dense_numel,
+                             expert_padding=chunk_numel - expert_numel,
                              ns_cost=sum(ns_cost(s) for s in shapes),
-                             ns_calls=len(shape_runs(shapes))))
+                             shape_runs=len(shape_runs(shapes))))
         return rows
 
     def summary(self):
@@ -301,12 +302,12 @@ class MuonPlan:
     def format(self):
         """A printable table, one line per rank."""
         head = f"{'rank':>4} {'replica':>7} {'pos':>3} {'dense':>5} {'experts':>7} {'elements':>10} " \
-               f"{'dense pad':>9} {'expert pad':>10} {'NS cost/iter':>12} {'NS calls':>8}"
+               f"{'dense pad':>9} {'expert pad':>10} {'NS cost/iter':>12} {'shape runs':>10}"
         lines = [head]
         for r in self.rows():
             lines.append(f"{r['rank']:>4} {r['replica']:>7} {r['position']:>3} {r['dense']:>5} {r['experts']:>7} "
                          f"{r['numel']:>10,} {r['dense_padding']:>9,} {r['expert_padding']:>10,} "
-                         f"{r['ns_cost']:>12.3g} {r['ns_calls']:>8}")
+                         f"{r['ns_cost']:>12.3g} {r['shape_runs']:>10}")
         return "\n".join(lines)
 
 
