@@ -122,9 +122,9 @@ def bench_plan():
     print(table(plan_rows(dense, experts, settings), PLAN_HEADERS))
     stage = range(8, 14)  # one of 8 pipeline stages: 6 of the 43 layers (layers 8-13)
     s_dense, s_experts, _ = v4_flash_inventory(layers=stage)
-    print(f"\nTable 1b. The same for one pipeline stage (layers 8-13 of 43, as with 8 stages): {len(s_dense)} dense "
-          f"matrices. Whole matrices cannot pad below (largest matrix) / (mean bucket) - 1, so padding\n"
-          f"falls once a bucket holds several matrices; this is where '<= 5 per rank, < 10% padding' can hold.")
+    print(f"\nTable 1b. The same for one pipeline stage (layers 8-13 of 43, as with 8 stages): {len(s_dense)} dense\n"
+          "matrices. Whole matrices cannot pad below (largest matrix) / (mean bucket) - 1; compare with V4's\n"
+          "'<= 5 matrices per rank, < 10% padding'.")
     print(table(plan_rows(s_dense, s_experts, [(dp, dp) for dp in (8, 16, 32, 64)]), PLAN_HEADERS))
     memory = []
     for dp in (8, 16, 32, 64, 128, 256):
