@@ -251,25 +251,38 @@ class MemoryTimeline:
         self._current_phase = None
         self._t0 = None
         self._pending_tags = []
+        self.cuda_snapshot = None  # the allocator history, when record(cuda_history=True) on CUDA
 
     # --- recording ----------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def record(self):
+    def record(self, cuda_history=False):
+        """Records everything run inside the `with` block.
+
+        cuda_history=True (CUDA only) also keeps the allocator's own event history, with stack traces,
+        in `tl.cuda_snapshot`: save it with pickle and drop it on https://pytorch.org/memory_viz."""
         if self._recording:
             raise RuntimeError("this MemoryTimeline is already recording: record() cannot be nested. "
                                "Use one `with tl.record():` around the whole loop.")
         if self._done:
             raise RuntimeError("this MemoryTimeline has already recorded a run; make a new one.")
+        if cuda_history and self.device.type != "cuda":
+            raise ValueError("cuda_history=True needs a CUDA timeline (device='cuda'); on CPU the "
+                             "modelled reserved line stands in for the allocator")
         self._recording, self._t0 = True, time.perf_counter()
         for tensors, category in self._pending_tags:
             self.tag(tensors, category)
         self._pending_tags = []
         self._scan_known_tensors()
+        if cuda_history:
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
         try:
             with _StorageWatcher(self):
                 yield self
         finally:
+            if cuda_history:
+                self.cuda_snapshot = torch.cuda.memory._snapshot()
+                torch.cuda.memory._record_memory_history(enabled=None)
             self._scan_known_tensors()
             self._recording, self._done = False, True
             self._finish()

@@ -216,6 +216,9 @@ def test_bad_input_gives_clear_errors():
         plot_timeline(empty)
     with pytest.raises(ValueError, match="at least one"):
         plot_timelines([])
+    with pytest.raises(ValueError, match="cuda_history=True needs a CUDA timeline"):
+        with MemoryTimeline(device="cpu").record(cuda_history=True):
+            pass
     with pytest.raises(ValueError, match="unknown category"):
         recorded(torch.optim.SGD, steps=1, lr=0.1)[1].peak("weights")
 
