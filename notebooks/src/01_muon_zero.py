@@ -91,8 +91,9 @@ plt.show()
 # Cost-only packing balances compute perfectly and wastes memory (up to 93% at width 128); element-only
 # packing does the reverse. Balancing the larger share keeps both within ~12% up to width 64. Past that,
 # no packing helps: with ~2.6 matrices per rank, the largest matrix alone exceeds a fair share. That is why
-# a width cap exists, and why V4's "<= 5 matrices per rank, < 10% padding" belongs to a pipeline stage's
-# worth of matrices, not to the whole model.
+# a width cap exists. V4 reports "<= 5 matrices per rank, < 10% padding"; with our reconstruction of the
+# Flash shapes (`bench_muon_zero.py`, tables 1 and 1b) padding stays near 10% only with ~20-30 matrices per
+# rank, so V4's real shapes, grouping of parameters or packing must differ from this sketch somewhere.
 
 # %% [markdown]
 # ## Memory per rank: MuonZeRO vs replicated Muon vs AdamW
