@@ -10,7 +10,6 @@ Tables, all from one run:
      sum (V4) vs a bf16 ring reduce-scatter vs fp32 (numerics simulated exactly, rank by rank);
   4. batched vs per-matrix Newton-Schulz time; MuonZeRO step time vs torch.optim.Muon (one process).
 """
-import math
 import os
 import sys
 import time
