@@ -4,10 +4,9 @@ References: the same module run eagerly with no checkpointing (forget() is the i
 torch.utils.checkpoint. Gradients are compared with torch.equal: recomputation re-runs the same fp32
 kernels on the same inputs, so anything short of bitwise equality is a bug, not rounding. Memory is
 measured by memory_timeline (storages alive at the end of forward), never read off the plan; FLOPs by
-FlopCounterMode over the backward.
+FlopCounterMode over the backward. The one tolerance: data-parallel gradients against one process on the
+whole batch, where the batch sum is split differently (fp32, rtol 1e-5).
 """
-import functools
-
 import pytest
 import torch
 import torch.nn as nn
