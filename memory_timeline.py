@@ -50,6 +50,7 @@ COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer_state": "#
           "activations": "#c44e52", "temporaries": "#8172b3", "other": "#937860"}
 PHASE_COLORS = {"forward": "#e8f0fb", "backward": "#fdeee4", "optimizer": "#e9f5ea"}
 MiB = 2 ** 20
+_UNTRACKED = -1  # a storage that existed before recording and is not ours to count
 
 
 class SimulatedOutOfMemoryError(RuntimeError):
@@ -191,11 +192,27 @@ class _StorageWatcher(TorchDispatchMode):
         self.timeline = timeline
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = []  # filled lazily: only an output storage we have never seen needs the check
+
+        def input_storages():
+            if not inputs:
+                inputs.append({_storage_key(a) for a in tree_flatten((args, kwargs))[0]
+                               if isinstance(a, torch.Tensor)})
+            return inputs[0]
+
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                self.timeline._see(t)
+                self.timeline._see(t, input_storages)
         return out
+
+
+def _storage_key(t):
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _tensors_in(obj):
@@ -325,8 +342,12 @@ class MemoryTimeline:
     def _now(self):
         return time.perf_counter() - self._t0
 
-    def _see(self, t):
-        """Registers t's storage if it is new; returns its id (None for storages we do not track)."""
+    def _see(self, t, input_storages=None):
+        """Registers t's storage if it is new; returns its id (None for storages we do not track).
+
+        input_storages: when t is an op's output, a callable giving the op's input storages. An output
+        that aliases an input we never registered (a view or in-place result of a tensor made before
+        recording) allocated nothing: it is remembered as untracked rather than counted as new."""
         if t.device != self.device or t.is_sparse:
             return None
         try:
@@ -334,12 +355,20 @@ class MemoryTimeline:
         except (RuntimeError, NotImplementedError):  # tensor subclasses without a plain storage
             return None
         sid = self._ids.get(st)
+        if sid == _UNTRACKED:
+            if input_storages is not None:
+                return None
+            del self._ids[st]  # tagged or scanned explicitly: from now on it counts
+            sid = None
         nbytes = st.nbytes()
         if sid is not None:
             if nbytes != self._sizes[sid]:  # resized in place (storage resize_): free + allocate
                 self._free(sid)
                 self._alloc(sid, nbytes)
             return sid
+        if input_storages is not None and st._cdata in input_storages():
+            self._ids[st] = _UNTRACKED
+            return None
         sid = next(self._next_id)
         self._ids[st] = sid
         self._refs[sid] = weakref.ref(st, lambda _, sid=sid: self._on_collect(sid))

@@ -250,3 +250,22 @@ def _record_on_rank(rank, world_size):
 def test_each_rank_records_its_own_and_rank0_gathers():
     out = run_ranks(_record_on_rank, 3)
     assert out[0] == [(f"rank {r}", (32 * (r + 1) * 8 + 8) * 4) for r in range(3)]
+
+
+def test_views_and_inplace_results_of_earlier_tensors_allocate_nothing():
+    x = torch.randn(256, 256)                  # made before recording: not ours to count
+    nbytes = 256 * 256 * 4
+    for tag_it in (False, True):
+        tl = MemoryTimeline()
+        with tl.record():
+            with tl.phase("forward"):
+                v = x.view(-1)                 # a view allocates nothing
+                x.mul_(2.0)                    # neither does an in-place op
+                d = x.detach()
+                y = x + 1                      # a new result does, held past the phase's end
+            if tag_it:
+                tl.tag(x, "other")             # tagging an earlier tensor makes it count from now on
+        assert tl.peak("activations") == nbytes
+        assert tl.peak("other") == (nbytes if tag_it else 0)
+        assert tl.peak() == (2 if tag_it else 1) * nbytes
+        del v, d, y
