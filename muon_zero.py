@@ -28,6 +28,7 @@ Run it:
 import argparse
 import bisect
 import datetime
+import gc
 import hashlib
 import math
 import os
@@ -818,6 +819,10 @@ def main():
         say(f"parameters bitwise identical on all {world} ranks: {same}")
         if not same:
             raise SystemExit("replicas diverged")
+        # The optimizer holds its process groups, and the first optimizer of a process sits in a reference
+        # cycle inside torch; free it now, or gloo groups die during interpreter shutdown and may abort.
+        del opt
+        gc.collect()
         dist.destroy_process_group()
 
 
