@@ -360,8 +360,7 @@ def _all_gather(chunk, group, size):
     if size == 1:
         return chunk.unsqueeze(0)
     out = chunk.new_empty(size * chunk.numel())
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, chunk, group=group)
+    dist.all_gather_into_tensor(out, chunk, group=group)
     return out.view(size, -1)
 
 
