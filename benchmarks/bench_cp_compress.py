@@ -42,13 +42,19 @@ def step(layer, method, x, cu):
     return extras
 
 
-def measure(rank, world, layer_name, total, reps=3):
-    """This rank's numbers for both methods at one (layer, sequence length)."""
+def setup(rank, world, layer_name, total):
+    """The same layer and packed sequence on every rank; this rank's shard of it, as a leaf."""
     torch.manual_seed(0)
     layer = cpc.CompressedAttention(**LAYERS[layer_name])
     s = total // world
     cu = cpc.packed_boundaries(total, s, layer.ratio)
     x = cpc.shard_sequence(torch.randn(total, DIM), world, rank).clone().requires_grad_()
+    return layer, s, cu, x
+
+
+def measure(rank, world, layer_name, total, reps=3):
+    """This rank's numbers for both methods at one (layer, sequence length)."""
+    layer, s, cu, x = setup(rank, world, layer_name, total)
     row = {}
     for method in ("context_parallel", "allgather_baseline"):
         extras = step(layer, method, x, cu)                      # warm-up, and the byte counts
@@ -78,11 +84,7 @@ def measure(rank, world, layer_name, total, reps=3):
 def rank_profile(rank, world, layer_name, total, record=True):
     """For the notebook (run under tests/harness.run_ranks): per method, this rank's bytes sent and,
     with `record`, the memory timeline of one forward+backward step."""
-    torch.manual_seed(0)
-    layer = cpc.CompressedAttention(**LAYERS[layer_name])
-    s = total // world
-    cu = cpc.packed_boundaries(total, s, layer.ratio)
-    x = cpc.shard_sequence(torch.randn(total, DIM), world, rank).clone().requires_grad_()
+    layer, s, cu, x = setup(rank, world, layer_name, total)
     out = {}
     for method in ("context_parallel", "allgather_baseline"):
         tl = MemoryTimeline(model=layer, name=f"rank {rank}: {method}")
