@@ -360,7 +360,9 @@ def _all_gather(chunk, group, size):
     if size == 1:
         return chunk.unsqueeze(0)
     out = chunk.new_empty(size * chunk.numel())
-    dist.all_gather_into_tensor(out, chunk, group=group)
+    # all_gather_single is the current name; older torch only has the now-deprecated all_gather_into_tensor
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, chunk, group=group)
     return out.view(size, -1)
 
 
