@@ -75,9 +75,10 @@ def test_arguments_and_results_round_trip():
 
 def test_run_torchrun_returns_output_and_surfaces_failure(tmp_path):
     good = tmp_path / "good.py"
-    good.write_text("import torch.distributed as dist\n"
+    # one os.write per line: the ranks share a pipe, and print() may split a line into two writes
+    good.write_text("import os\nimport torch.distributed as dist\n"
                     "dist.init_process_group('gloo')\n"
-                    "print('hello from', dist.get_rank(), 'of', dist.get_world_size())\n"
+                    "os.write(1, f'hello from {dist.get_rank()} of {dist.get_world_size()}\\n'.encode())\n"
                     "dist.destroy_process_group()\n")
     out = run_torchrun(str(good), nproc=2, timeout=120).stdout
     assert "hello from 0 of 2" in out and "hello from 1 of 2" in out
