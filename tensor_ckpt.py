@@ -26,8 +26,9 @@ Choices the report leaves open, made here:
   value (a size) is kept by value. The walk stops there; everything else on the way is recomputed.
 - Recomputed once per backward and cached until the last saved alias is unpacked; a retained graph
   recomputes again on the next backward. A recompute that reads another forgotten storage takes that
-  storage's recomputed value instead of re-running its ops, so each forgotten storage runs once. Double backward works: autograd re-attaches the graph to what
-  the unpack hook returns. Dropout in a recompute subgraph replays the forward RNG state.
+  storage's recomputed value instead of re-running its ops, so each forgotten storage runs once.
+  Double backward works: autograd re-attaches the graph to what the unpack hook returns. Dropout in a
+  recompute subgraph replays the forward RNG state.
 - Refused with a ValueError that names the tensor and the fix: forgetting an input/parameter alias or
   a module output, in-place ops on a forgotten tensor or on anything its recompute reads, and code FX
   cannot trace (fix: `leaf_modules`). Changing a kept tensor in place after forward raises in backward,
