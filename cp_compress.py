@@ -463,16 +463,20 @@ class CompressedAttention(nn.Module):
         out = attention_reference(p["q"], entries[:, :D], p["window_kv"], entry_allowed, raw_allowed, self.sink)
         return out, extras
 
+    def _checked_projection(self, x, cu_seqlens, group):
+        """Every rank agrees on the layout and validates it before any data moves; then project.
+        -> (rank, cp_size, cu_seqlens on x's device, the projections of x)."""
+        rank, cp = dist.get_rank(group), dist.get_world_size(group)
+        agree_across_ranks(x.shape[0], cu_seqlens, self.config(), group)
+        validate_layout(x.shape[0], cu_seqlens, cp, self.ratio, self.overlap, self.top_k, self.window)
+        return rank, cp, cu_seqlens.to(x.device), self.project(x)
+
     # --- context parallel: the two-stage protocol ----------------------------------------------------
     def context_parallel(self, x, cu_seqlens, group=None):
         """x [s, dim]: this rank's contiguous shard; cu_seqlens [D+1] of the whole packed sequence.
         -> ([s, H, D] for the local queries, Extras with the global entries and bytes sent)."""
-        rank, cp = dist.get_rank(group), dist.get_world_size(group)
+        rank, cp, cu_seqlens, p = self._checked_projection(x, cu_seqlens, group)
         s, D, m = x.shape[0], self.head_dim, self.ratio
-        agree_across_ranks(s, cu_seqlens, self.config(), group)
-        validate_layout(s, cu_seqlens, cp, m, self.overlap, self.top_k, self.window)
-        cu_seqlens = cu_seqlens.to(x.device)
-        p = self.project(x)
         slots, total = s // m + 1, cp * s // m
 
         # stage 1: halo from the previous rank, then pool the blocks that end here into s/m + 1 slots
@@ -532,12 +536,8 @@ class CompressedAttention(nn.Module):
         """Same result as context_parallel, by all-gathering the raw compressor rows (and window K/V) of
         every token and compressing the whole sequence on every rank; the attention is the same code.
         -> ([s, H, D], Extras with bytes_sent). The benchmark prices the two-stage protocol against it."""
-        rank, cp = dist.get_rank(group), dist.get_world_size(group)
+        rank, cp, cu_seqlens, p = self._checked_projection(x, cu_seqlens, group)
         s, D, m = x.shape[0], self.head_dim, self.ratio
-        agree_across_ranks(s, cu_seqlens, self.config(), group)
-        validate_layout(s, cu_seqlens, cp, m, self.overlap, self.top_k, self.window)
-        cu_seqlens = cu_seqlens.to(x.device)
-        p = self.project(x)
         raw_local = torch.stack([p["kv"], p["gate"]], dim=1)
         raw = all_gather_entries(raw_local, group).flatten(0, 1)               # [T, 2, sets, C]
         window_all = all_gather_entries(p["window_kv"], group).flatten(0, 1)   # [T, D]

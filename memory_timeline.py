@@ -473,7 +473,17 @@ class MemoryTimeline:
 
     def peak(self, category=None, step=None, phase=None):
         """Peak bytes of a category (None: total) over the whole run, or within a step and/or phase."""
-        values = self.series(category)
+        return self._peak_of(self.series(category), step, phase)
+
+    def peaks(self, step=None, phase=None):
+        return {c: self.peak(c, step, phase) for c in CATEGORIES}
+
+    def peak_reserved_model(self, step=None, phase=None):
+        """Peak of the modelled reserved line, over the run or within a step and/or phase."""
+        self._check_done()
+        return self._peak_of(self.reserved_model, step, phase)
+
+    def _peak_of(self, values, step, phase):
         if step is None and phase is None:
             return int(values.max())
         ranges = self.window(step, phase)
@@ -481,17 +491,7 @@ class MemoryTimeline:
             raise ValueError(f"no recorded phase matches step={step!r}, phase={phase!r}; "
                              f"recorded: {sorted({(p[1], p[0]) for p in self.phases})}")
         # the level on entry counts too: it is what the phase starts from
-        return int(max(max(values[max(a - 1, 0):max(b, a + 1)]) for a, b in ranges))
-
-    def peaks(self, step=None, phase=None):
-        return {c: self.peak(c, step, phase) for c in CATEGORIES}
-
-    def peak_reserved_model(self, step=None, phase=None):
-        self._check_done()
-        if step is None and phase is None:
-            return int(self.reserved_model.max())
-        return int(max(self.reserved_model[max(a - 1, 0):max(b, a + 1)].max()
-                       for a, b in self.window(step, phase)))
+        return int(max(values[max(a - 1, 0):max(b, a + 1)].max() for a, b in ranges))
 
     def summary(self):
         """One line per category: peak MiB over the run."""

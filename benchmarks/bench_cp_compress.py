@@ -42,6 +42,18 @@ def step(layer, method, x, cu):
     return extras
 
 
+def recorded_step(layer, method, x, cu, name):
+    """step(), inside a memory timeline: -> (the finished timeline, the method's Extras)."""
+    tl = MemoryTimeline(model=layer, name=name)
+    with tl.record():
+        with tl.phase("forward"):
+            out, extras = getattr(layer, method)(x, cu)
+            loss = out.square().mean()
+        with tl.phase("backward"):
+            loss.backward()
+    return tl, extras
+
+
 def setup(rank, world, layer_name, total):
     """The same layer and packed sequence on every rank; this rank's shard of it, as a leaf."""
     torch.manual_seed(0)
@@ -64,15 +76,9 @@ def measure(rank, world, layer_name, total, reps=3):
             t0 = time.perf_counter()
             step(layer, method, x, cu)
             times.append(time.perf_counter() - t0)
-        tl = MemoryTimeline(model=layer, name=method)
         layer.zero_grad(set_to_none=True)
         x.grad = None
-        with tl.record():
-            with tl.phase("forward"):
-                out, _ = getattr(layer, method)(x, cu)
-                loss = out.square().mean()
-            with tl.phase("backward"):
-                loss.backward()
+        tl, _ = recorded_step(layer, method, x, cu, name=method)
         row[method] = dict(bytes=sum(extras.bytes_sent.values()), detail=extras.bytes_sent,
                            time=statistics.median(times), peak=tl.peak())
     channels = layer.normalise(torch.zeros(1, layer.wkv_compress.shape[1] // (2 if layer.overlap else 1))).shape[1]
@@ -87,17 +93,11 @@ def rank_profile(rank, world, layer_name, total, record=True):
     layer, s, cu, x = setup(rank, world, layer_name, total)
     out = {}
     for method in ("context_parallel", "allgather_baseline"):
-        tl = MemoryTimeline(model=layer, name=f"rank {rank}: {method}")
         if record:
-            with tl.record():
-                with tl.phase("forward"):
-                    y, extras = getattr(layer, method)(x, cu)
-                    loss = y.square().mean()
-                with tl.phase("backward"):
-                    loss.backward()
+            tl, extras = recorded_step(layer, method, x, cu, name=f"rank {rank}: {method}")
         else:
-            extras = step(layer, method, x, cu)
-        out[method] = dict(bytes=extras.bytes_sent, timeline=tl if record else None,
+            tl, extras = None, step(layer, method, x, cu)
+        out[method] = dict(bytes=extras.bytes_sent, timeline=tl,
                            counts=getattr(extras, "counts", None))
         layer.zero_grad(set_to_none=True)
         x.grad = None
