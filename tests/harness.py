@@ -42,7 +42,14 @@ def free_port():
 
 
 class RankFailure(AssertionError):
-    """One or more ranks raised; the message holds each failing rank's traceback."""
+    """One or more ranks raised; the message holds each failing rank's traceback.
+
+    ``errors`` maps rank -> that rank's traceback text, for tests that check what each rank saw.
+    """
+
+    def __init__(self, message, errors=None):
+        super().__init__(message)
+        self.errors = dict(errors or {})
 
 
 class RankTimeout(AssertionError):
@@ -110,7 +117,8 @@ def run_ranks(fn, world_size, args=(), kwargs=None, timeout=120.0):
     errors = {r: msg for r, (status, msg) in sorted(outcomes.items()) if status == "error"}
     if errors:
         body = "\n".join(f"----- rank {r} of {world_size} -----\n{msg}" for r, msg in errors.items())
-        raise RankFailure(f"{len(errors)} of {world_size} ranks failed running {fn.__name__}:\n{body}")
+        raise RankFailure(f"{len(errors)} of {world_size} ranks failed running {fn.__name__}:\n{body}",
+                          errors)
     missing = [r for r in range(world_size) if r not in outcomes]
     if missing:
         raise RankTimeout(f"ranks {missing} of {world_size} did not finish {fn.__name__} "
@@ -130,7 +138,9 @@ def run_torchrun(file, nproc=4, args=(), timeout=300.0, env=None, check=True):
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
            os.path.join(ROOT, file), *map(str, args)]
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    # CUDA_VISIBLE_DEVICES="" pins the suite to gloo on the CPU even where GPUs exist
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="",
+                    **(env or {}))
     proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
