@@ -83,6 +83,8 @@ class OutOfMemoryPoint:
     nbytes: int  # bytes it asked for
     phase: str | None
     step: int | None
+    reserved: int  # modelled reserved bytes when it failed
+    reserved_needed: int  # what reserved would have become with the new segment (> the limit)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -359,8 +361,14 @@ class MemoryTimeline:
         try:
             update_model()  # may raise SimulatedOutOfMemoryError: the op that allocated fails
         except SimulatedOutOfMemoryError:
+            model = self.allocator_model
             self.out_of_memory = OutOfMemoryPoint(
-                len(self._events), delta, self._current_phase, self._current_step
+                len(self._events),
+                delta,
+                self._current_phase,
+                self._current_step,
+                model.reserved,
+                model.reserved + model.segment_size(model.round_size(delta)),
             )
             raise
         self._events.append((self._now(), sid, delta))
@@ -663,14 +671,18 @@ def plot_timeline(tl, ax=None, title=None, show_reserved=True, legend=True, ymax
     oom = tl.out_of_memory
     if oom is not None:
         x_end = oom.event if x == "events" else xs[-1]
-        y = total[-1] + oom.nbytes / MiB
+        # where modelled reserved memory would have gone: the new segment crosses the limit
+        y0, y = oom.reserved / MiB, oom.reserved_needed / MiB
+        ax.plot([x_end, x_end], [y0, y], color="red", lw=1.2, ls=":")
         ax.plot([x_end], [y], "X", color="red", ms=12, mec="k", label="simulated out of memory")
         ax.annotate(
-            f"step {oom.step} {oom.phase}: +{oom.nbytes / MiB:.1f} MiB does not fit",
+            f"step {oom.step} {oom.phase}: a new {(y - y0):.0f} MiB segment would\n"
+            f"reserve {y:.0f} MiB, over the {tl.limit_bytes / MiB:.0f} MiB limit",
             (x_end, y),
-            xytext=(-12, 6),
+            xytext=(-14, 0),
             textcoords="offset points",
             ha="right",
+            va="center",
             fontsize=10,
             color="darkred",
         )
@@ -725,15 +737,12 @@ def plot_timelines(timelines, titles=None, sharey=True, width=5.5, height=3.8, x
     )
     ymax = None
     if sharey:
-        ymax = (
-            1.1
-            * max(
-                max(tl.series().max(), tl.reserved_model.max(), tl.limit_bytes or 0)
-                + (tl.out_of_memory.nbytes if tl.out_of_memory else 0)
-                for tl in timelines
-            )
-            / MiB
-        )
+        highest = [
+            [tl.series().max(), tl.reserved_model.max(), tl.limit_bytes or 0]
+            + ([tl.out_of_memory.reserved_needed] if tl.out_of_memory else [])
+            for tl in timelines
+        ]
+        ymax = 1.1 * max(max(h) for h in highest) / MiB
     used = axes.flat[: len(timelines)]
     for tl, title, ax in zip(timelines, titles, used):
         plot_timeline(tl, ax=ax, title=title, legend=False, ymax=ymax, x=x)
