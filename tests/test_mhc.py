@@ -435,7 +435,9 @@ def test_pipeline_equals_single_process(world_size, overlap):
     results = run_ranks(
         _pipeline_rank, world_size, args=(n_layers, True, steps, overlap), timeout=120
     )
-    check_against_reference(results, ref_steps, world_size, 2e-5, 1e-6)
+    # 1e-4: the head's gate gradient is one scalar summed over every token, in another grouping
+    # (per micro-batch) with cancellation: measured 3.5e-5 relative in fp32 (float64: 1e-9 below)
+    check_against_reference(results, ref_steps, world_size, 1e-4, 1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
