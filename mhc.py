@@ -1169,7 +1169,8 @@ def parse_args(argv=None):
         default=None,
         help="attention heads; must divide --dim (default dim // 32)",
     )
-    parser.add_argument("--steps", type=int, default=10, help="training steps per run (10)")
+    parser.add_argument("--seq-len", type=int, default=32, help="tokens per sequence, T (32)")
+    parser.add_argument("--steps", type=int, default=6, help="training steps per run (6)")
     parser.add_argument(
         "--batch",
         type=int,
@@ -1200,9 +1201,9 @@ def parse_args(argv=None):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     args.heads = args.heads or max(1, args.dim // 32)
     args.micro = args.micro or 2 * world
-    for name in ("dim", "layers", "heads", "steps", "batch", "micro"):
+    for name in ("dim", "layers", "heads", "seq_len", "steps", "batch", "micro"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.dim % args.heads:
         parser.error(f"--heads {args.heads} must divide --dim {args.dim}")
     if args.layers % world or args.layers < world:
@@ -1249,12 +1250,12 @@ def compare_in_one_process(cfg, args, device):
 def say_expected_overhead(cfg):
     here, big = (expected_overhead(cfg.n_hc, c, cfg.seq_len) for c in (cfg.dim, 1024))
     print(
-        f"\nwhat to expect at C={cfg.dim}: per token and layer the lane mixing is ~n*C work "
-        f"({here.mixing} operations) against F's ~C^2 ({here.f} multiply-adds), ratio "
-        f"{100 * here.ratio:.0f}%; and mixing is memory-bound elementwise work, slower per "
-        f"operation than F's matmuls, so at this size mHC costs tens of percent. The ratio falls "
-        f"as 1/C ({100 * big.ratio:.1f}% at C=1024): run `python benchmarks/bench_mhc.py "
-        f"--curve` for the measured overhead over C."
+        f"\nwhat to expect at C={cfg.dim}: per token and layer, the lane mixing is ~n*C work "
+        f"({here.mixing} operations)\n  against F's ~C^2 ({here.f} multiply-adds): "
+        f"{100 * here.ratio:.0f}%. Mixing is memory-bound elementwise work, slower per\n"
+        f"  operation than F's matmuls, so at this size mHC costs tens of percent. The ratio "
+        f"falls as 1/C\n  ({100 * big.ratio:.1f}% at C=1024): `python benchmarks/bench_mhc.py "
+        f"--curve` measures the overhead over C."
     )
 
 
@@ -1327,10 +1328,10 @@ def show_overlap(cfg, args, rank, device):
         f"  posting ahead changes the step by {ahead.step_ms - block.step_ms:+.1f} ms: waiting "
         f"{ahead.wait_ms - block.wait_ms:+.1f} ms, compute "
         f"{ahead.compute_ms - block.compute_ms:+.1f} ms, other "
-        f"{ahead.other_ms - block.other_ms:+.1f} ms; one stream alone takes "
-        f"{one:.2f} ms to cross a boundary, {messages} messages per step per boundary = "
-        f"{messages * one:.1f} ms of transfer that overlap can hide (the rest of the wait is the "
-        f"pipeline bubble). Timings on a shared machine are noisy.",
+        f"{ahead.other_ms - block.other_ms:+.1f} ms.\n  One stream alone takes {one:.2f} ms to "
+        f"cross a boundary; {messages} messages per step per boundary = {messages * one:.1f} ms "
+        f"of transfer\n  that posting ahead can hide; the rest of the wait is the pipeline "
+        f"bubble. Timings on a shared machine are noisy.",
         flush=True,
     )
 
@@ -1339,7 +1340,7 @@ def main(argv=None):
     args = parse_args(argv)
     rank, world, device = setup(args.backend, args.device, seed=args.seed, timeout_s=600)
     try:
-        cfg = Config(dim=args.dim, n_layers=args.layers, n_heads=args.heads)
+        cfg = Config(seq_len=args.seq_len, dim=args.dim, n_layers=args.layers, n_heads=args.heads)
         if rank == 0:
             print(
                 f"mHC demo: {cfg.n_layers} layers, C={cfg.dim}, n_hc={cfg.n_hc}, "
