@@ -1250,12 +1250,14 @@ def compare_in_one_process(cfg, args, device):
 def say_expected_overhead(cfg):
     here, big = (expected_overhead(cfg.n_hc, c, cfg.seq_len) for c in (cfg.dim, 1024))
     print(
-        f"\nwhat to expect at C={cfg.dim}: per token and layer, the lane mixing is ~n*C work "
+        f"\nwhat to expect at C={cfg.dim}: per token and layer the lane mixing does ~n*C work "
         f"({here.mixing} operations)\n  against F's ~C^2 ({here.f} multiply-adds): "
-        f"{100 * here.ratio:.0f}%. Mixing is memory-bound elementwise work, slower per\n"
-        f"  operation than F's matmuls, so at this size mHC costs tens of percent. The ratio "
-        f"falls as 1/C\n  ({100 * big.ratio:.1f}% at C=1024): `python benchmarks/bench_mhc.py "
-        f"--curve` measures the overhead over C."
+        f"{100 * here.ratio:.0f}%. But eager mode runs the mixing as over a hundred\n"
+        f"  small ops per layer (the 20 Sinkhorn rounds alone are 120), each a pass over memory "
+        f"plus\n  Python dispatch, while F is a few large matmuls: at this C mHC takes a multiple "
+        f"of the\n  residual's step time, and the optimised path buys memory more than time. The "
+        f"arithmetic\n  ratio falls as 1/C ({100 * big.ratio:.1f}% at C=1024); "
+        f"`python benchmarks/bench_mhc.py --curve`\n  measures the overhead over C."
     )
 
 
@@ -1329,9 +1331,9 @@ def show_overlap(cfg, args, rank, device):
         f"{ahead.wait_ms - block.wait_ms:+.1f} ms, compute "
         f"{ahead.compute_ms - block.compute_ms:+.1f} ms, other "
         f"{ahead.other_ms - block.other_ms:+.1f} ms.\n  One stream alone takes {one:.2f} ms to "
-        f"cross a boundary; {messages} messages per step per boundary = {messages * one:.1f} ms "
-        f"of transfer\n  that posting ahead can hide; the rest of the wait is the pipeline "
-        f"bubble. Timings on a shared machine are noisy.",
+        f"cross a boundary; {messages} messages per step per boundary\n  = {messages * one:.1f} "
+        f"ms of transfer that posting ahead can hide; the rest of the wait is the pipeline\n"
+        f"  bubble. Timings on a shared machine are noisy.",
         flush=True,
     )
 
