@@ -101,7 +101,7 @@ ax.barh(
     color=["#4c72b0", "#c44e52", "#dd8452", "#8172b3", "#55a868"],
 )
 ax.axvline(cfg.n_hc, color="k", ls=":", lw=1)
-ax.text(cfg.n_hc, -0.6, " one n-lane stream", fontsize=10)
+ax.text(cfg.n_hc, len(rows) - 0.6, " one n-lane stream", fontsize=10)
 ax.set_title("Bytes autograd keeps per layer and token")
 ax.set_xlabel(f"bytes kept per layer per token, in units of one lane (C={cfg.dim} fp32)")
 ax.invert_yaxis()
@@ -109,11 +109,15 @@ plt.tight_layout()
 plt.show()
 for name, value in rows.items():
     print(f"{name:<26} {value:8.0f} B/token/layer = {value / (4 * cfg.dim):5.2f} lanes")
+extra = (rows["naive mHC"] - rows["fused"]) / (4 * cfg.dim * cfg.n_hc)
+print(f"naive - fused = {extra:.1f} n-lane streams per layer (mostly Sinkhorn intermediates)")
 
-# %% [markdown] At this small C the naive layer's Sinkhorn intermediates (2 x 20 normalisations of a
-# 4 x 4 matrix and their sums, ~800 floats per token) weigh about three n-lane streams; `mhc.py`'s
-# fused path replays them in backward instead. The recomputed paths keep F's own activations (never
-# recomputed) and little else.
+# %% [markdown]
+# At this small C the naive layer's Sinkhorn intermediates (2 x 20 normalisations of a 4 x 4 matrix,
+# their sums and V4's eps: hundreds of floats per token) are most of the difference between the
+# naive and the fused bars (printed above in n-lane streams); `mhc.py`'s fused path replays them in
+# backward instead. The recomputed paths keep F's own activations (never recomputed) and little
+# else.
 #
 # ## 3. Sinkhorn-Knopp: how many iterations
 # `sinkhorn_knopp` starts from a softmax down each column of B (the public V4 code's order: it
@@ -142,15 +146,18 @@ ax.legend(fontsize=10)
 plt.tight_layout()
 plt.show()
 
-# %% [markdown] Twenty iterations are plenty near the initialisation (small gated logits: B close to
-# uniform plus the static bias) and for logits of order 1; for large logits some matrices converge
-# slowly and B is only approximately doubly stochastic after 20 rounds. The rows are still exact, so
-# each output lane stays a convex combination of the input lanes, which is what bounds the stream.
+# %% [markdown]
+# Twenty iterations are plenty near the initialisation (small gated logits: B close to uniform plus
+# the static bias) and for logits of order 1; for large logits some matrices converge slowly and B
+# is only approximately doubly stochastic after 20 rounds. The floor at 1e-6 is V4's eps, added to
+# every sum. The rows are still exact up to that eps, so each output lane stays a convex combination
+# of the input lanes, which is what bounds the stream.
 #
 # ## 4. Why constrain B: the composite gain of stacked mixing
 # Across L layers the residual path multiplies the mixing matrices: `X_L = B_L ... B_1 X_0 + ...`. A
 # doubly stochastic B has every row and column sum 1, and products of doubly stochastic matrices
-# stay doubly stochastic: the gain (largest absolute row sum) is exactly 1 at any depth.
+# stay doubly stochastic: the gain (largest absolute row sum) is 1 at any depth (with V4's eps, each
+# row sums to 1 - 1e-6, so the gain printed below sits just under 1).
 # Unconstrained hyper-connections learn B freely around the identity; even small deviations compound
 # with depth.
 
