@@ -100,8 +100,8 @@ ax.barh(
     [v / (4 * cfg.dim) for v in rows.values()],
     color=["#4c72b0", "#c44e52", "#dd8452", "#8172b3", "#55a868"],
 )
-ax.axvline(cfg.n_hc, color="k", ls=":", lw=1)
-ax.text(cfg.n_hc, len(rows) - 0.6, " one n-lane stream", fontsize=10)
+ax.axvline(cfg.n_hc, color="k", ls=":", lw=1, label=f"one n-lane stream ({cfg.n_hc} lanes)")
+ax.legend(loc="lower right", fontsize=10)
 ax.set_title("Bytes autograd keeps per layer and token")
 ax.set_xlabel(f"bytes kept per layer per token, in units of one lane (C={cfg.dim} fp32)")
 ax.invert_yaxis()
