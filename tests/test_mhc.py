@@ -462,6 +462,56 @@ def test_pipeline_receives_in_the_models_dtype(dtype):
         assert results[0][1][0][2].bytes_sent_forward == 4 * 2 * 8 * 4 * 16 * size
 
 
+def _recorded_p2p_rank(rank, world_size, overlap):
+    """Run one pipeline step recording every point-to-point op: (kind, peer, link, size, dtype)."""
+    import torch.distributed as dist
+
+    model, ops = build(n_layers=4), []
+    groups = mhc.pipeline_groups()
+    links = {id(groups.forward): "activations", id(groups.backward): "gradients"}
+    originals = dist.isend, dist.irecv
+
+    def record(kind, original):
+        def op(tensor, *args, group=None, **kw):
+            peer = args[0] if args else kw.get("dst", kw.get("src"))
+            link = links.get(id(group), "default group")
+            ops.append((kind, peer, link, tensor.numel(), str(tensor.dtype)))
+            return original(tensor, *args, group=group, **kw)
+
+        return op
+
+    dist.isend, dist.irecv = record("send", originals[0]), record("recv", originals[1])
+    try:
+        mhc.pipeline_step(model, *batch(0, size=8), n_micro=4, overlap=overlap)
+    finally:
+        dist.isend, dist.irecv = originals
+    return ops
+
+
+@pytest.mark.parametrize("world_size,overlap", [(2, True), (2, False), (4, True)])
+def test_pipeline_is_safe_under_nccls_rules(world_size, overlap):
+    """Issue 14.1: NCCL runs a pair's sends and receives in issue order on one stream, ignores
+    tags and does not buffer sends. Safe if every (link, rank pair) carries data one way only and
+    the k-th send on it matches the k-th receive in size and dtype: then in-order execution
+    cannot wait on anything issued later on the same link. Checked on the ops a gloo run issued."""
+    ops = run_ranks(_recorded_p2p_rank, world_size, args=(overlap,), timeout=120)
+    channels = {}
+    for rank, mine in enumerate(ops):
+        for kind, peer, link, size, dtype in mine:
+            assert link != "default group", "a point-to-point op outside the two pipeline links"
+            src, dst = (rank, peer) if kind == "send" else (peer, rank)
+            channels.setdefault((link, min(src, dst), max(src, dst)), []).append(
+                (rank, kind, src, dst, size, dtype)
+            )
+    assert channels
+    for (link, low, high), traffic in channels.items():
+        directions = {(src, dst) for _, _, src, dst, _, _ in traffic}
+        assert len(directions) == 1, f"{link} between {low} and {high} carries data both ways"
+        sends = [(size, dtype) for _, kind, *_, size, dtype in traffic if kind == "send"]
+        recvs = [(size, dtype) for _, kind, *_, size, dtype in traffic if kind == "recv"]
+        assert sends == recvs and len(sends) == 4, (link, low, high, sends, recvs)
+
+
 def test_residual_pipeline_sends_n_times_less():
     results = run_ranks(_pipeline_rank, 2, args=(4, False, 1), timeout=60)
     assert results[0][1][0][2].bytes_sent_forward == 4 * 2 * 8 * 16 * 4  # [2, 8, C] per micro
