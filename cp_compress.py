@@ -38,6 +38,7 @@ Run:
     torchrun --nproc_per_node=2 cp_compress.py 128   # optional argument: tokens per rank
 """
 import gc
+import hashlib
 import math
 import os
 import socket
@@ -120,49 +121,116 @@ def shard_sequence(x, cp_size, rank):
 
 
 def validate_layout(seq_per_rank, cu_seqlens, cp_size, ratio, overlap, top_k, window):
-    """Raise ValueError (saying how to fix it) unless this shard layout is one the protocol supports."""
+    """Raise ValueError (saying how to fix it) unless this shard layout is one the protocol supports.
+
+    Local to one rank: no collective. `top_k` may exceed the number of entries (V4's 512 with a short
+    packed batch): the selection then pads with -1, as V4's indexer does.
+    """
     s = seq_per_rank
+    cu = cu_seqlens
+    if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2:
+        shape = tuple(cu.shape) if isinstance(cu, torch.Tensor) else type(cu).__name__
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor [0, ..., T], got shape {shape}")
+    if cu.dtype.is_floating_point or cu.dtype.is_complex or cu.dtype == torch.bool:
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor [0, ..., T], got dtype {cu.dtype}")
+    if ratio < 1:
+        raise ValueError(f"the compression ratio m must be >= 1, got {ratio}")
+    if window < 1:
+        raise ValueError(f"window must be >= 1 (the sliding window includes the query's own token), "
+                         f"got window={window}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got top_k={top_k}")
     if s <= 0 or s % ratio:
         raise ValueError(f"each rank holds s={s} tokens, which is not a positive multiple of the "
                          f"compression ratio m={ratio}; pad the sequence so s is a multiple of {ratio}")
-    if halo_rows(ratio, overlap) > s:
+    if cp_size > 1 and halo_rows(ratio, overlap) > s:
         raise ValueError(f"the compression halo ({halo_rows(ratio, overlap)} rows for m={ratio}"
-                         f"{' with overlap' if overlap else ''}) is longer than a shard (s={s}): it would "
-                         f"have to come from more than one rank; use s >= {2 * ratio} or fewer ranks")
-    if window - 1 > s:
-        raise ValueError(f"the sliding window ({window}) needs {window - 1} rows from the previous rank "
-                         f"but a shard has only s={s}; use s >= {window - 1} or fewer ranks")
-    cu = cu_seqlens
-    if cu.dim() != 1 or cu.numel() < 2 or cu.dtype.is_floating_point:
-        raise ValueError(f"cu_seqlens must be a 1-D integer tensor [0, ..., T], got shape "
-                         f"{tuple(cu.shape)} dtype {cu.dtype}")
+                         f"{' with overlap' if overlap else ''}) is longer than a shard (s={s}): it "
+                         f"would have to come from more than one rank; use s >= {2 * ratio} or fewer "
+                         f"ranks")
+    if cp_size > 1 and window - 1 > s:
+        raise ValueError(f"the sliding window ({window}) needs {window - 1} rows from the previous "
+                         f"rank but a shard has only s={s}; use s >= {window - 1} or fewer ranks")
     if cu[0] != 0 or bool((cu[1:] <= cu[:-1]).any()):
         raise ValueError(f"cu_seqlens must start at 0 and strictly increase, got {cu.tolist()}")
     total = cp_size * s
     if cu[-1] != total:
-        raise ValueError(f"document lengths sum to {int(cu[-1])} tokens but cp_size*s = {cp_size}*{s} = "
-                         f"{total}; the last entry of cu_seqlens must be the full packed length")
-    if top_k is not None and top_k > total // ratio:
-        raise ValueError(f"top_k={top_k} is larger than the number of compressed entries "
-                         f"({total} tokens / m={ratio} = {total // ratio}); lower top_k")
+        raise ValueError(f"document lengths sum to {int(cu[-1])} tokens but cp_size*s = {cp_size}*{s}"
+                         f" = {total}; the last entry of cu_seqlens must be the full packed length")
 
 
-def agree_across_ranks(seq_per_rank, cu_seqlens, config, group=None):
-    """One all-gather of a few integers that every rank reaches whatever its input, so a mismatch makes
-    every rank raise the same ValueError and none is left waiting inside the protocol's collectives.
-    (It runs on every call here for safety; a training loop would check once per batch layout.)"""
-    cu = cu_seqlens.to(torch.int64).cpu()
-    digest = int((cu * torch.arange(1, cu.numel() + 1)).sum()) % (2 ** 61)
-    mine = torch.tensor([seq_per_rank, cu.numel(), int(cu[-1]), digest, *config], dtype=torch.int64)
-    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-    everyone = torch.zeros(dist.get_world_size(group), mine.numel(), dtype=torch.int64, device=device)
-    dist.all_gather(list(everyone.unbind(0)), mine.to(device), group=group)
-    everyone = everyone.cpu()
-    if not bool((everyone == everyone[0]).all()):
-        per_rank = {r: dict(s=v[0], docs=v[1] - 1, total=v[2]) for r, v in enumerate(everyone.tolist())}
-        raise ValueError(f"ranks disagree on the shard layout (tokens per rank, documents, total, or "
-                         f"layer config): {per_rank}; every rank must hold an equal contiguous shard of "
-                         f"the same packed sequence with the same cu_seqlens")
+def validate_input(layer, x, cu_seqlens, cp_size):
+    """This rank's own input, checked before the guard: shapes and dtypes the layer can take."""
+    dim = layer.wq.shape[0]
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != dim:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x must be [tokens, features] with features = the layer's dim = {dim}, "
+                         f"got shape {shape}")
+    if x.dtype != layer.wq.dtype:
+        raise ValueError(f"x has dtype {x.dtype} but the layer's weights are {layer.wq.dtype}; "
+                         f"cast one to the other")
+    validate_layout(x.shape[0], cu_seqlens, cp_size, layer.ratio, layer.overlap, layer.top_k,
+                    layer.window)
+
+
+def agreement_fields(layer, x, cu_seqlens):
+    """Everything that must be equal on every rank, as readable values (in the order reported).
+
+    Built from any input, even one validation refused, so a bad rank can still join the guard.
+    """
+    fields = {
+        "tokens per rank": x.shape[0] if x.dim() else None,
+        "x features": tuple(x.shape[1:]),
+        "x dtype": str(x.dtype),
+        "cu_seqlens": cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens,
+    }
+    for name in ("kind", "ratio", "window", "top_k", "heads", "head_dim", "index_heads",
+                 "index_dim"):
+        fields[name] = getattr(layer, name)
+    fields["dim"] = layer.wq.shape[0]
+    # a cheap checksum of every weight: its exact float64 sum and sum of squares, one sync in all
+    params = dict(layer.named_parameters())
+    sums = torch.stack([torch.stack([p.double().sum(), p.double().square().sum()])
+                        for p in params.values()]).tolist()
+    for (name, p), (total, squares) in zip(params.items(), sums):
+        fields[f"weight {name}"] = f"{p.dtype} {list(p.shape)} sum {total!r} sum sq {squares!r}"
+    return fields
+
+
+def _short(value, limit=120):
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def agreement_guard(fields, local_error, group=None):
+    """All ranks, before the first collective: exchange a digest and the readable fields, compare
+    exactly, and raise on EVERY rank the same ValueError naming what differs and where.
+
+    A rank whose own validation failed (local_error) still joins, so no rank is left waiting.
+    (It runs on every call here for safety; a training loop would check once per batch layout.)
+    """
+    digest = hashlib.sha256(repr(list(fields.items())).encode()).hexdigest()
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, (digest, fields, local_error), group=group)
+    problems = []
+    if len({d for d, _, _ in everyone}) > 1:
+        for name in everyone[0][1].keys() | set().union(*(f.keys() for _, f, _ in everyone)):
+            values = [f.get(name) for _, f, _ in everyone]
+            if len({repr(v) for v in values}) == 1:
+                continue
+            by_value = {}
+            for r, v in enumerate(values):
+                by_value.setdefault(repr(v), (v, []))[1].append(r)
+            parts = [f"rank {','.join(map(str, ranks))} {'have' if len(ranks) > 1 else 'has'} "
+                     f"{_short(v)}" for v, ranks in by_value.values()]
+            problems.append((name, f"{name} differs across ranks: {', '.join(parts)}"))
+    problems = [text for _, text in sorted(problems, key=lambda p: list(fields).index(p[0])
+                                           if p[0] in fields else len(fields))]
+    problems += [f"rank {r} refused its input: {err}" for r, (_, _, err) in enumerate(everyone)
+                 if err]
+    if problems:
+        raise ValueError("; ".join(problems) + " (every rank must hold an equal contiguous shard "
+                         "of the same packed sequence, with the same layer and weights)")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -467,8 +535,12 @@ class CompressedAttention(nn.Module):
         """Every rank agrees on the layout and validates it before any data moves; then project.
         -> (rank, cp_size, cu_seqlens on x's device, the projections of x)."""
         rank, cp = dist.get_rank(group), dist.get_world_size(group)
-        agree_across_ranks(x.shape[0], cu_seqlens, self.config(), group)
-        validate_layout(x.shape[0], cu_seqlens, cp, self.ratio, self.overlap, self.top_k, self.window)
+        try:
+            validate_input(self, x, cu_seqlens, cp)
+            error = None
+        except ValueError as err:
+            error = str(err)
+        agreement_guard(agreement_fields(self, x, cu_seqlens), error, group)
         return rank, cp, cu_seqlens.to(x.device), self.project(x)
 
     # --- context parallel: the two-stage protocol ----------------------------------------------------
@@ -610,7 +682,8 @@ def _demo_layer(layer, x_full, cu_seqlens, device):
     probe_loss(out_cp, extras, shard_sequence(grad_out, cp, rank), shard_sequence(grad_scores, cp, rank)).backward()
     elapsed = time.perf_counter() - t0
     rel = lambda a, b: ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
-    out_err = rel(out_cp, shard_sequence(out_ref, cp, rank))
+    out_err = max(rel(out_cp, shard_sequence(out_ref, cp, rank)),
+                  rel(extras.entries, ex_ref.entries))
     grad_err = rel(x_cp.grad, shard_sequence(x_ref.grad, cp, rank))
     for n, p in layer.named_parameters():   # each rank holds its own queries' share of a weight's gradient
         grad = torch.zeros_like(p) if p.grad is None else p.grad
@@ -635,6 +708,9 @@ def main(seq_per_rank=512):
         layer.to(device)
         cu = packed_boundaries(T, seq_per_rank, layer.ratio).to(device)
         out_err, grad_err, ex, elapsed = _demo_layer(layer, x, cu, device)
+        if sum(ex.counts) == 0:   # a comparison of nothing would print "yes" and prove nothing
+            raise ValueError(f"{name}: this packing leaves no compressed entry to compare; use more "
+                             f"tokens per rank than {seq_per_rank}")
         row = torch.tensor([ex.bytes_sent["stage1_halo"], ex.bytes_sent["window_halo"],
                             ex.bytes_sent["stage2_allgather"], ex.counts[rank], out_err, grad_err, elapsed],
                            dtype=torch.float64, device=device)
@@ -643,7 +719,7 @@ def main(seq_per_rank=512):
         if rank == 0:
             print(f"\n{name}: {cu.numel() - 1} packed documents, {T // layer.ratio} compressed slots "
                   f"({cp} x s/m = {cp} x {seq_per_rank // layer.ratio}), buffer s/m+1 = "
-                  f"{seq_per_rank // layer.ratio + 1} per rank")
+                  f"{seq_per_rank // layer.ratio + 1} per rank; compared {sum(ex.counts)} entries")
             print(f"{'rank':>4} {'stage1 halo B':>13} {'window halo B':>13} {'stage2 gather B':>15} "
                   f"{'entries (pre-pad)':>17} {'out rel err':>13} {'grad rel err':>14} {'fwd+bwd s':>9}")
             for r, v in enumerate(rows):

@@ -6,6 +6,7 @@ ulps: we allow 1e-5 relative to the largest magnitude of the reference tensor (1
 Top-k indices, entry counts and every boundary-value check are integers and must match exactly.
 """
 import math
+import time
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import cp_compress as cpc
-from harness import run_ranks
+from harness import RankFailure, run_ranks
 
 S = 24            # tokens per rank: a multiple of m = 4 (CSA) and m' = 8 (HCA in tests)
 M, M_HCA = 4, 8
@@ -213,8 +214,11 @@ def test_validate_layout_refuses_bad_input():
         cpc.validate_layout(16, torch.tensor([0, 10, 30]), 2, 4, True, 8, 6)
     with pytest.raises(ValueError, match="strictly increase"):
         cpc.validate_layout(16, torch.tensor([0, 10, 10, 32]), 2, 4, True, 8, 6)
-    with pytest.raises(ValueError, match="top_k=9 is larger than the number of compressed entries"):
-        cpc.validate_layout(16, cu, 2, 4, True, 9, 6)
+    cpc.validate_layout(16, cu, 2, 4, True, 512, 6)      # top_k > T/m: allowed, padded with -1
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        cpc.validate_layout(16, cu, 2, 4, True, 8, 0)
+    with pytest.raises(ValueError, match="cu_seqlens must be a 1-D integer tensor"):
+        cpc.validate_layout(16, cu[None], 2, 4, True, 8, 6)
     with pytest.raises(ValueError, match="sliding window"):
         cpc.validate_layout(16, cu, 2, 4, True, 8, 20)
 
@@ -340,12 +344,9 @@ def _bad_inputs(rank, world_size):
         "mismatched shards": (torch.randn(s + (4 if rank == 1 else 0), 16), torch.tensor([0, T])),
         "s not a multiple of m": (torch.randn(s - 2, 16), torch.tensor([0, world_size * (s - 2)])),
         "lengths do not sum": (x, torch.tensor([0, 5, T - 1])),
-        "top_k too large": (x, torch.tensor([0, T])),
     }
     messages = {}
     for case, (x_in, cu) in cases.items():
-        if case == "top_k too large":
-            layer.top_k = T // M + 1
         try:
             layer.context_parallel(x_in, cu)
             messages[case] = None
@@ -360,13 +361,159 @@ def _bad_inputs(rank, world_size):
 def test_bad_input_raises_on_every_rank():
     results = run_ranks(_bad_inputs, 3, timeout=60)
     for msgs in results:
-        assert "ranks disagree on the shard layout" in msgs["mismatched shards"]
+        assert "tokens per rank differs across ranks" in msgs["mismatched shards"]
         assert "not a positive multiple of the compression ratio m=4" in msgs["s not a multiple of m"]
         assert "document lengths sum to" in msgs["lengths do not sum"]
-        assert "larger than the number of compressed entries" in msgs["top_k too large"]
 
 
-def test_demo_runs_under_torchrun():
+
+
+# --------------------------------------------------------------------------------------------------
+# Agreement guard and validation (issue 9 items 11-15) and the fault matrix
+# --------------------------------------------------------------------------------------------------
+
+GUARD_S = 16      # tokens per rank in the guard tests: a multiple of m = 4, >= 2m and >= window - 1
+
+
+def _guard_inputs(rank, world_size, case):
+    """(layer, x, cu_seqlens) for one rank; the last rank gets the odd input of `case`."""
+    T = world_size * GUARD_S
+    odd = rank == world_size - 1
+    dim = 20 if case == "feature dim" and odd else 16
+    torch.manual_seed(1234)
+    layer = cpc.CompressedAttention("csa", dim=dim, heads=2, head_dim=8, ratio=M, window=WINDOW,
+                                    top_k=TOP_K, index_heads=2, index_dim=4)
+    x = torch.randn(T, dim, generator=torch.Generator().manual_seed(5))[rank::world_size][:GUARD_S]
+    cu = torch.tensor([0, 4, 9, 12, T])
+    if odd and case == "cu_seqlens":
+        cu = torch.tensor([0, 5, 7, 13, T])       # the same length, total and weighted sum as above
+    if odd and case == "x features":
+        x = torch.randn(GUARD_S, 20)
+    if odd and case == "dtype":
+        layer, x = layer.double(), x.double()
+    if odd and case == "tokens per rank":
+        x = torch.randn(GUARD_S + M, 16)
+    if odd and case == "window":
+        layer.window = WINDOW + 2
+    if odd and case == "top_k":
+        layer.top_k = TOP_K + 1
+    if odd and case == "init":
+        with torch.no_grad():
+            layer.wkv_compress[0, 0] += 1e-3
+    if case == "window=0":
+        layer.window = 0
+    if case == "2-D cu_seqlens" or (case == "2-D cu_seqlens on one rank" and odd):
+        cu = cu[None]
+    return layer, x, cu
+
+
+GUARD_CASES = {   # case -> what every rank's error must say
+    "cu_seqlens": "cu_seqlens differs across ranks",
+    "feature dim": "dim differs across ranks",
+    "x features": "features",
+    "dtype": "dtype differs across ranks",
+    "tokens per rank": "tokens per rank differs across ranks",
+    "window": "window differs across ranks",
+    "top_k": "top_k differs across ranks",
+    "init": "wkv_compress differs across ranks",
+    "window=0": "window must be >= 1",
+    "2-D cu_seqlens": "cu_seqlens must be a 1-D integer tensor",
+    "2-D cu_seqlens on one rank": "cu_seqlens",
+}
+
+
+def _guard_all_cases(rank, world_size):
+    """Every case in turn: each must raise a ValueError on every rank and leave no rank behind."""
+    messages = {}
+    for case in GUARD_CASES:
+        layer, x, cu = _guard_inputs(rank, world_size, case)
+        try:
+            layer.context_parallel(x, cu)
+            messages[case] = None
+        except ValueError as err:
+            messages[case] = str(err)
+    alive = torch.ones(1)
+    dist.all_reduce(alive)                       # every rank got here: nobody is stuck in a collective
+    assert alive.item() == world_size
+    return messages
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_guard_every_rank_raises_the_same_error_naming_the_cause(world_size):
+    results = run_ranks(_guard_all_cases, world_size, timeout=60)
+    for case, expected in GUARD_CASES.items():
+        seen = [msgs[case] for msgs in results]
+        assert all(m is not None and expected in m for m in seen), (case, seen)
+        assert len(set(seen)) == 1, f"{case}: ranks raised different errors: {seen}"
+
+
+def test_guard_names_the_ranks_and_values():
+    results = run_ranks(_guard_all_cases, 3, timeout=60)
+    msg = results[0]["cu_seqlens"]
+    assert "rank 0,1 have [0, 4, 9, 12, 48]" in msg and "rank 2 has [0, 5, 7, 13, 48]" in msg, msg
+
+
+def _one_case(rank, world_size, case):
+    layer, x, cu = _guard_inputs(rank, world_size, case)
+    layer.context_parallel(x, cu)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("case", ["feature dim", "cu_seqlens", "init", "2-D cu_seqlens on one rank"])
+def test_fault_matrix_different_input_fails_every_rank(world_size, case):
+    """(b) one rank gets different input: RankFailure (not a timeout) with every rank's ValueError."""
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_one_case, world_size, args=(case,), timeout=60)
+    errors = info.value.errors
+    assert sorted(errors) == list(range(world_size)), errors
+    for text in errors.values():
+        assert "ValueError" in text and GUARD_CASES[case] in text, text
+
+
+def _raise_mid_step(rank, world_size):
+    layer, x, cu = _guard_inputs(rank, world_size, "none")
+    if rank == world_size - 1:
+        def broken(*args, **kwargs):
+            raise RuntimeError(f"injected failure on rank {rank}")
+        cpc.compress_local = broken              # fails after the halo exchange, before the all-gather
+    layer.context_parallel(x, cu)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_fault_matrix_one_rank_raises_mid_step(world_size):
+    """(a) one rank raises inside the protocol: the harness reports it well within the timeout."""
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_raise_mid_step, world_size, timeout=60)
+    assert time.monotonic() - t0 < 30
+    last = world_size - 1
+    assert f"injected failure on rank {last}" in info.value.errors[last]
+
+
+def _top_k_beyond_entries(rank, world_size):
+    """V4's top-k (512) exceeds T/m for short packed batches: allowed, the extra slots hold -1."""
+    layer = make_layer("csa")
+    layer.top_k = 512
+    T = world_size * S
+    cu = torch.tensor([0, 5, T // 2 + 3, T])
+    x = torch.randn(T, 16, generator=torch.Generator().manual_seed(9))
+    out_ref, ex_ref = layer.reference(x, cu)
+    mine = lambda t: cpc.shard_sequence(t, world_size, rank)
+    out_cp, ex = layer.context_parallel(mine(x), cu)
+    close(out_cp, mine(out_ref), "output with top_k > T/m")
+    assert torch.equal(ex.top_k, mine(ex_ref.top_k))
+    assert ex.top_k.shape[1] == T // M and bool((ex.top_k == -1).any())
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_top_k_larger_than_entries_pads_with_minus_one(world_size):
+    run_ranks(_top_k_beyond_entries, world_size, timeout=60)
+
+
+def test_demo_hca_compares_entries_at_three_ranks():
     from harness import run_torchrun
-    out = run_torchrun("cp_compress.py", nproc=2, args=(128,), timeout=240).stdout
+    out = run_torchrun("cp_compress.py", nproc=3, timeout=240).stdout
     assert out.count("matches the single-device reference: yes") == 2, out
+    hca = out[out.index("HCA"):]
+    compared = int(hca.split("compared ")[1].split()[0])
+    assert compared > 0, out
