@@ -48,11 +48,11 @@ Run:
     python cp_compress.py                        # one process, world size 1
     torchrun --nproc_per_node=2 cp_compress.py 128   # optional argument: tokens per rank
 """
+import datetime
 import gc
 import hashlib
 import math
 import os
-import socket
 import time
 from dataclasses import dataclass
 
@@ -753,19 +753,74 @@ def packed_boundaries(seq_len, seq_per_rank, ratio, seed=0):
     return torch.tensor(sorted(c for c in cuts if 0 <= c <= seq_len))
 
 
-def _setup():
-    if "RANK" not in os.environ:                            # plain `python cp_compress.py`: one rank
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    device = torch.device("cpu")
-    if backend == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend)
-    return device
+def choose_backend(backend=None, device=None):
+    """Pick (backend, device type) for this launch and say why, in one line.
+
+    Defaults: NCCL on CUDA when every local rank can have a GPU of its own, else gloo on the CPU.
+    gloo with --device cuda lets several ranks share a GPU (a one-GPU machine can run N = 4).
+    Refuses combinations that cannot work, before any process group exists.
+    """
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device not in (None, "cpu", "cuda"):
+        raise ValueError(f"--device must be cpu or cuda, got {device!r}")
+    if backend not in (None, "gloo", "nccl"):
+        raise ValueError(f"--backend must be gloo or nccl, got {backend!r}")
+    if device is None:
+        device = "cuda" if backend != "gloo" and 0 < local_ranks <= gpus else "cpu"
+        if device == "cuda":
+            why = f"{gpus} GPU(s) for {local_ranks} local rank(s)"
+        elif backend == "gloo" or gpus == 0:
+            why = "--backend gloo" if backend == "gloo" else "no GPU visible"
+        else:
+            why = f"{gpus} GPU(s) are too few for {local_ranks} local ranks"
+    else:
+        why = f"--device {device}"
+    if device == "cuda" and gpus == 0:
+        raise ValueError("--device cuda: no CUDA GPU is visible; pass --device cpu")
+    backend = backend or ("nccl" if device == "cuda" else "gloo")
+    if backend == "nccl" and device != "cuda":
+        raise ValueError("--backend nccl moves only CUDA tensors: pass --device cuda, or gloo")
+    if backend == "nccl" and local_ranks > gpus:
+        raise ValueError(
+            f"NCCL needs one GPU per local rank: {local_ranks} ranks, {gpus} GPU(s); "
+            "launch fewer ranks, or pass --backend gloo to share GPUs"
+        )
+    return backend, device, f"backend {backend}, device {device} ({why})"
+
+
+def setup(backend=None, device=None, seed=0, timeout_s=120):
+    """Join torchrun's process group, or make a group of one when run as plain `python FILE`.
+
+    Returns (rank, world_size, device). The CUDA device is set before the group is created, so
+    NCCL binds each rank to its own GPU.
+    """
+    backend, device_type, why = choose_backend(backend, device)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    gpus = torch.cuda.device_count() if device_type == "cuda" else 1
+    dev = torch.device("cuda", local_rank % gpus) if device_type == "cuda" else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "RANK" in os.environ:  # launched by torchrun: its environment carries the rendezvous
+        dist.init_process_group(
+            backend, timeout=timeout, device_id=dev if backend == "nccl" else None
+        )
+    else:  # plain `python FILE`: a group of one, no network
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
+    torch.manual_seed(seed)
+    if dist.get_rank() == 0:
+        print(f"[setup] {dist.get_world_size()} rank(s), {why}", flush=True)
+    return dist.get_rank(), dist.get_world_size(), dev
+
+
+def teardown():
+    """Collect cycles that hold communicators, then destroy the group (torch warns otherwise)."""
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def probe_loss(out, extras, grad_out, grad_scores):
@@ -806,9 +861,8 @@ def _demo_layer(layer, x_full, cu_seqlens, device):
     return out_err, grad_err, extras, elapsed
 
 
-def main(seq_per_rank=512):
-    device = _setup()
-    rank, cp = dist.get_rank(), dist.get_world_size()
+def main(seq_per_rank=512, backend=None, device=None):
+    rank, cp, device = setup(backend, device, seed=0)
     dim = 64
     T = cp * seq_per_rank
     torch.manual_seed(0)                                    # same weights and inputs on every rank
@@ -842,10 +896,14 @@ def main(seq_per_rank=512):
             worst = max(max(v[4], v[5]) for v in (r.tolist() for r in rows))
             print(f"matches the single-device reference: {'yes' if worst < 1e-5 else 'NO'} "
                   f"(worst relative error {worst:.2e}, fp32; errors are max|cp - ref| / max|ref|)")
-    gc.collect()  # drop cycles that still reach gloo state now, not during interpreter shutdown (it can abort)
-    dist.destroy_process_group()
+    teardown()
 
 
 if __name__ == "__main__":
-    import sys
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 512)   # optional: tokens per rank (a multiple of 128)
+    import argparse
+    parser = argparse.ArgumentParser()
+    parser.add_argument("seq_per_rank", nargs="?", type=int, default=512)
+    parser.add_argument("--backend", choices=["gloo", "nccl"], default=None)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    args = parser.parse_args()
+    main(args.seq_per_rank, args.backend, args.device)
