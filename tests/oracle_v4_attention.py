@@ -1,16 +1,18 @@
 """The public DeepSeek-V4 attention (Hugging Face transformers) as an oracle for cp_compress.py.
 
-Tiny random V4 attention layers are built from transformers' own DeepSeek-V4 classes, their weights are
-loaded into cp_compress through `from_v4_state_dict`, and the two compute, for ONE document (the
-public code has no notion of packed documents: it pools across document boundaries and lets a query
-see entries of other documents; cp_compress compresses each document on its own, deliberately):
+Tiny random V4 attention layers are built from transformers' own DeepSeek-V4 classes, their
+weights are loaded into cp_compress through `from_v4_state_dict`, and the two compute, for ONE
+document (the public code has no notion of packed documents: it pools across document boundaries
+and lets a query see entries of other documents; cp_compress compresses each document on its own,
+deliberately):
 
-- the compressed entries of CSA (m = 4; main channels and the indexer's) and HCA, read at the output of
-  V4's kv_norm, i.e. before V4 applies RoPE (which cp_compress leaves out), and the window K/V;
+- the compressed entries of CSA (m = 4; main channels and the indexer's) and HCA (m' = 8 and V4's
+  128), read at the output of V4's kv_norm, i.e. before V4 applies RoPE (which cp_compress leaves
+  out), and the window K/V;
 - the indexer's entries after V4's RoPE (the project's entries rotated with V4's own function);
 - the visibility sets (which entries each query may see);
-- the indexer's scores, for V4's queries and keys (cp_compress has no low-rank query path and no RoPE,
-  so the queries come from V4; the weights w come from the adapter, with the Hi^-1/2 scale folded in);
+- the indexer's scores, for V4's queries and keys (cp_compress has no low-rank query path and no
+  RoPE, so the queries come from V4; the weights w come from the adapter, Hi^-1/2 folded in);
 - the indexer's top-k, as sets per query, up to exact ties.
 
 Tolerances, fp32 throughout: 1e-6 absolute on the entries and the window K/V (unit-RMS times the
@@ -22,6 +24,7 @@ scores in fp32 whatever the input dtype. Integer quantities (visibility, top-k) 
     from tests.oracle_v4_attention import comparison_rows
     rows = comparison_rows()   # [{quantity, max_abs_diff, tolerance}, ...]
 """
+
 import torch
 from transformers import DeepseekV4Config
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
@@ -31,18 +34,30 @@ import cp_compress as cpc
 DIM, HEADS, HEAD_DIM, Q_RANK = 32, 2, 16, 24
 INDEX_HEADS, INDEX_DIM, TOP_K = 2, 8, 5
 M_CSA, M_HCA, WINDOW, T = 4, 8, 8, 64
-TOL_FP32 = 1e-6          # entries, window K/V
-TOL_SCORES = 1e-5        # indexer scores
+TOL_FP32 = 1e-6  # entries, window K/V
+TOL_SCORES = 1e-5  # indexer scores
 
 
 def v4_config():
     return DeepseekV4Config(
-        hidden_size=DIM, num_attention_heads=HEADS, head_dim=HEAD_DIM, q_lora_rank=Q_RANK,
-        index_n_heads=INDEX_HEADS, index_head_dim=INDEX_DIM, index_topk=TOP_K,
-        compress_rates={"compressed_sparse_attention": M_CSA, "heavily_compressed_attention": M_HCA},
-        num_hidden_layers=2, layer_types=["compressed_sparse_attention",
-                                          "heavily_compressed_attention"],
-        sliding_window=WINDOW, partial_rotary_factor=0.5, o_groups=2, o_lora_rank=8)
+        hidden_size=DIM,
+        num_attention_heads=HEADS,
+        head_dim=HEAD_DIM,
+        q_lora_rank=Q_RANK,
+        index_n_heads=INDEX_HEADS,
+        index_head_dim=INDEX_DIM,
+        index_topk=TOP_K,
+        compress_rates={
+            "compressed_sparse_attention": M_CSA,
+            "heavily_compressed_attention": M_HCA,
+        },
+        num_hidden_layers=2,
+        layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
+        sliding_window=WINDOW,
+        partial_rotary_factor=0.5,
+        o_groups=2,
+        o_lora_rank=8,
+    )
 
 
 def random_v4_attention(config, layer_idx, seed):
@@ -68,6 +83,7 @@ class Capture:
     def _hook(self, module):
         def hook(mod, inputs, output):
             self.seen[module] = (inputs, output)
+
         return hook
 
     def close(self):
@@ -81,8 +97,11 @@ def v4_run(attn, x):
     position_ids = torch.arange(x.shape[0])[None]
     q_residual = attn.q_a_norm(attn.q_a_proj(hidden))
     comp = attn.compressor
-    mods = [comp.kv_norm] + ([comp.indexer, comp.indexer.kv_norm, comp.indexer.scorer]
-                             if hasattr(comp, "indexer") else [])
+    mods = [comp.kv_norm] + (
+        [comp.indexer, comp.indexer.kv_norm, comp.indexer.scorer]
+        if hasattr(comp, "indexer")
+        else []
+    )
     cap = Capture(*mods)
     with torch.no_grad():
         _, block_bias = comp(hidden, q_residual, position_ids, None, attn.layer_idx)
@@ -114,7 +133,7 @@ def comparison_rows(seed=0):
     """Every compared quantity: [{"quantity", "max_abs_diff", "tolerance"}, ...] (fp32)."""
     config = v4_config()
     x = torch.randn(T, DIM, generator=torch.Generator().manual_seed(seed + 1))
-    cu = torch.tensor([0, T])                             # one document
+    cu = torch.tensor([0, T])  # one document
     pos = torch.arange(T)
     rows = []
 
@@ -127,13 +146,21 @@ def comparison_rows(seed=0):
     layer, _ = cpc.from_v4_state_dict(attn.state_dict(), "csa", M_CSA, WINDOW, top_k=TOP_K)
     with torch.no_grad():
         p = layer.project(x)
-        entries = layer.normalise(cpc.compress_reference(p["kv"], p["gate"], layer.ape, cu, M_CSA,
-                                                         True))
+        entries = layer.normalise(
+            cpc.compress_reference(p["kv"], p["gate"], layer.ape, cu, M_CSA, True)
+        )
     comp = attn.compressor
-    row("CSA m=4 entries, main channels", _max_diff(entries[:, :HEAD_DIM], seen[comp.kv_norm][1][0]),
-        TOL_FP32)
+    row(
+        "CSA m=4 entries, main channels",
+        _max_diff(entries[:, :HEAD_DIM], seen[comp.kv_norm][1][0]),
+        TOL_FP32,
+    )
     index_keys_v4 = seen[comp.indexer.kv_norm][1][0]
-    row("CSA m=4 entries, indexer channels", _max_diff(entries[:, HEAD_DIM:], index_keys_v4), TOL_FP32)
+    row(
+        "CSA m=4 entries, indexer channels",
+        _max_diff(entries[:, HEAD_DIM:], index_keys_v4),
+        TOL_FP32,
+    )
     row("window K/V (before RoPE)", _max_diff(p["window_kv"], window_v4), TOL_FP32)
 
     (q_rope, keys_rope, _), scores_v4 = seen[comp.indexer.scorer]
@@ -152,12 +179,18 @@ def comparison_rows(seed=0):
     row("indexer scores (V4's queries and keys)", _max_diff(scores, scores_v4[0]), TOL_SCORES)
     chosen_v4 = seen[comp.indexer][1][0]
     chosen = cpc.top_k_visible(scores_v4[0], visible, TOP_K)
-    row("indexer top-k: queries whose sets differ (beyond exact ties)",
-        top_k_mismatch(chosen, chosen_v4, scores_v4[0]), 0)
-    everything = cpc.top_k_visible(scores_v4[0], visible, 10**6)   # k >= entries: the visible set
+    row(
+        "indexer top-k: queries whose sets differ (beyond exact ties)",
+        top_k_mismatch(chosen, chosen_v4, scores_v4[0]),
+        0,
+    )
+    everything = cpc.top_k_visible(scores_v4[0], visible, 10**6)  # k >= entries: the visible set
     v4_all = v4_visible & (torch.arange(T // M_CSA)[None] < T // M_CSA)
-    row("indexer top-k with k > entries: pairs that differ from the visible set",
-        (cpc.chosen_mask(everything, T // M_CSA) != v4_all).sum(), 0)
+    row(
+        "indexer top-k with k > entries: pairs that differ from the visible set",
+        (cpc.chosen_mask(everything, T // M_CSA) != v4_all).sum(),
+        0,
+    )
 
     # HCA at a small ratio and at V4's m' = 128 (on 4 blocks): entries and visibility
     for m_hca in (M_HCA, 128):
@@ -171,14 +204,21 @@ def comparison_rows(seed=0):
         cu_hca, pos_hca = torch.tensor([0, length]), torch.arange(length)
         with torch.no_grad():
             p = layer.project(x_hca)
-            entries = layer.normalise(cpc.compress_reference(p["kv"], p["gate"], layer.ape, cu_hca,
-                                                             m_hca, False))
-        row(f"HCA m'={m_hca} entries", _max_diff(entries, seen[attn.compressor.kv_norm][1][0]),
-            TOL_FP32)
+            entries = layer.normalise(
+                cpc.compress_reference(p["kv"], p["gate"], layer.ape, cu_hca, m_hca, False)
+            )
+        row(
+            f"HCA m'={m_hca} entries",
+            _max_diff(entries, seen[attn.compressor.kv_norm][1][0]),
+            TOL_FP32,
+        )
         ends, starts = cpc.compressed_entry_ends(cu_hca, m_hca)
         visible = cpc.visibility(pos_hca, torch.zeros(length, dtype=torch.long), ends, starts)
-        row(f"HCA m'={m_hca} visibility (query, entry) pairs that differ",
-            (visible != block_bias[0, 0].isfinite()).sum(), 0)
+        row(
+            f"HCA m'={m_hca} visibility (query, entry) pairs that differ",
+            (visible != block_bias[0, 0].isfinite()).sum(),
+            0,
+        )
     return rows
 
 
