@@ -413,6 +413,18 @@ def attention_gathered(q, keys, allowed, sink):
 
 
 @dataclass
+class Projections:
+    """Everything a layer computes per token from x [T, dim]: no communication needed."""
+
+    q: torch.Tensor  # [T, H, D] attention queries
+    window_kv: torch.Tensor  # [T, D] the sliding window's K/V (keys double as values)
+    kv: torch.Tensor  # [T, sets, C] the compressor's raw rows
+    gate: torch.Tensor  # [T, sets, C] the compressor's logits
+    q_index: torch.Tensor = None  # [T, Hi, Di] the indexer's queries (CSA)
+    w_index: torch.Tensor = None  # [T, Hi] the indexer's head weights (CSA)
+
+
+@dataclass
 class Extras:
     entries: torch.Tensor  # [T/m, C] the global compressed sequence (main, then indexer channels)
     top_k: torch.Tensor = None  # [Tq, k] selected global entry indices, -1 = none (CSA)
@@ -471,18 +483,18 @@ class CompressedAttention(nn.Module):
             self.norm_index = nn.Parameter(torch.ones(index_dim))
 
     def project(self, x):
-        """Per-token projections of x [T, dim]."""
+        """Per-token projections of x [T, dim] -> Projections."""
         T, sets = x.shape[0], 2 if self.overlap else 1
-        out = dict(
+        proj = Projections(
             q=(x @ self.wq).view(T, self.heads, self.head_dim),
             window_kv=rms_norm(x @ self.wkv_window, self.norm_window),
             kv=(x @ self.wkv_compress).view(T, sets, -1),
             gate=(x @ self.wgate_compress).view(T, sets, -1),
         )
         if self.overlap:
-            out["q_index"] = (x @ self.wq_index).view(T, self.index_heads, self.index_dim)
-            out["w_index"] = x @ self.w_index
-        return out
+            proj.q_index = (x @ self.wq_index).view(T, self.index_heads, self.index_dim)
+            proj.w_index = x @ self.w_index
+        return proj
 
     def normalise(self, pooled):
         """RMS-normalise the main and the indexer channels of pooled entries separately."""
@@ -498,10 +510,10 @@ class CompressedAttention(nn.Module):
         check_inputs(self, x, cu_seqlens, group)  # every rank, before any data moves (appendix)
         rank, s = dist.get_rank(group), x.shape[0]
         cu_seqlens = cu_seqlens.to(x.device)
-        p = self.project(x)
+        proj = self.project(x)
         shard = context_parallel_compress(
-            p["kv"],
-            p["gate"],
+            proj.kv,
+            proj.gate,
             self.ape,
             self.normalise,
             cu_seqlens,
@@ -510,10 +522,10 @@ class CompressedAttention(nn.Module):
             group,
         )
         # the sliding window needs window-1 raw K/V rows from the previous rank
-        window_halo = halo_from_previous(p["window_kv"], self.window - 1, group)
-        window_ext = torch.cat([window_halo, p["window_kv"]])
+        window_halo = halo_from_previous(proj.window_kv, self.window - 1, group)
+        window_ext = torch.cat([window_halo, proj.window_kv])
         out, extras = self._attend_local(
-            p, shard.entries, shard.visible, window_ext, rank * s, cu_seqlens
+            proj, shard.entries, shard.visible, window_ext, rank * s, cu_seqlens
         )
         extras.counts = shard.counts
         last = rank + 1 == dist.get_world_size(group)
@@ -521,11 +533,11 @@ class CompressedAttention(nn.Module):
         extras.bytes_sent = {**shard.bytes_sent, "window_halo": window_sent}
         return out, extras
 
-    def _attend_local(self, p, entries, visible, window_ext, first, cu_seqlens):
+    def _attend_local(self, proj, entries, visible, window_ext, first, cu_seqlens):
         """Local queries [first, first+s) against the global entries [N, C] and the window rows
         window_ext [window-1+s, D]. CSA carries its choice to the sparse attention as top-k
         indices; HCA attends to every visible entry."""
-        s, D, device = p["q"].shape[0], self.head_dim, entries.device
+        s, D, device = proj.q.shape[0], self.head_dim, entries.device
         pos = first + torch.arange(s, device=device)
         window_keys = window_ext.unfold(0, self.window, 1).transpose(1, 2)  # [s, window, D]
         window_pos = pos[:, None] - self.window + 1 + torch.arange(self.window, device=device)
@@ -533,14 +545,14 @@ class CompressedAttention(nn.Module):
 
         extras = Extras(entries=entries)
         if self.overlap:
-            scores = index_scores(p["q_index"], p["w_index"], entries[:, D:])
+            scores = index_scores(proj.q_index, proj.w_index, entries[:, D:])
             chosen = top_k_visible(scores, visible, self.top_k)
             entry_keys, entry_allowed = entries[chosen.clamp(min=0), :D], chosen >= 0
             extras.top_k, extras.scores = chosen, scores.masked_fill(~visible, float("-inf"))
         else:
             entry_keys, entry_allowed = entries[None, :, :D].expand(s, -1, -1), visible
         out = attention_gathered(
-            p["q"],
+            proj.q,
             torch.cat([entry_keys, window_keys], dim=1),
             torch.cat([entry_allowed, window_allowed], dim=1),
             self.sink,
@@ -552,10 +564,9 @@ class CompressedAttention(nn.Module):
         """x [T, dim], cu_seqlens [D+1] -> ([T, H, D], Extras). No communication, dense masks."""
         T, D, m = x.shape[0], self.head_dim, self.ratio
         validate_layout(T, cu_seqlens, 1, m, self.overlap, self.top_k, self.window)
-        p = self.project(x)
-        kv, gate = p["kv"], p["gate"]
+        proj = self.project(x)
         entries = self.normalise(
-            compress_reference(kv, gate, self.ape, cu_seqlens, m, self.overlap)
+            compress_reference(proj.kv, proj.gate, self.ape, cu_seqlens, m, self.overlap)
         )
         # this document-by-document walk is the reference's own bookkeeping
         doc_of_token = torch.repeat_interleave(cu_seqlens[:-1], cu_seqlens.diff())
@@ -572,14 +583,14 @@ class CompressedAttention(nn.Module):
         in_window = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - self.window)
         extras = Extras(entries=entries)
         if self.overlap:
-            scores = index_scores(p["q_index"], p["w_index"], entries[:, D:])
+            scores = index_scores(proj.q_index, proj.w_index, entries[:, D:])
             chosen = top_k_visible(scores, visible, self.top_k)
             entry_allowed = chosen_mask(chosen, T // m)
             extras.top_k, extras.scores = chosen, scores.masked_fill(~visible, float("-inf"))
         else:
             entry_allowed = visible
         out = attention_reference(
-            p["q"], entries[:, :D], p["window_kv"], entry_allowed, same_doc & in_window, self.sink
+            proj.q, entries[:, :D], proj.window_kv, entry_allowed, same_doc & in_window, self.sink
         )
         return out, extras
 
@@ -589,14 +600,14 @@ class CompressedAttention(nn.Module):
         K/V) of every token and compressing the whole sequence on every rank; the attention is the
         same code. -> ([s, H, D], Extras with bytes_sent). The benchmark prices the protocol
         against it."""
-        check_inputs(self, x, cu_seqlens, group)
+        check_inputs(self, x, cu_seqlens, group, entry="allgather_baseline")
         rank, cp = dist.get_rank(group), dist.get_world_size(group)
         s, D, m = x.shape[0], self.head_dim, self.ratio
         cu_seqlens = cu_seqlens.to(x.device)
-        p = self.project(x)
-        raw_local = torch.stack([p["kv"], p["gate"]], dim=1)
+        proj = self.project(x)
+        raw_local = torch.stack([proj.kv, proj.gate], dim=1)
         raw = all_gather_entries(raw_local, group).flatten(0, 1)  # [T, 2, sets, C]
-        window_all = all_gather_entries(p["window_kv"], group).flatten(0, 1)  # [T, D]
+        window_all = all_gather_entries(proj.window_kv, group).flatten(0, 1)  # [T, D]
         entries = self.normalise(
             compress_reference(raw[:, 0], raw[:, 1], self.ape, cu_seqlens, m, self.overlap)
         )
@@ -608,11 +619,11 @@ class CompressedAttention(nn.Module):
         visible = visibility(pos, doc_start_of(pos, cu_seqlens), entry_end, entry_doc)
         window_all = torch.cat([window_all.new_zeros(self.window - 1, D), window_all])
         window_ext = window_all[rank * s : rank * s + s + self.window - 1]
-        out, extras = self._attend_local(p, entries, visible, window_ext, rank * s, cu_seqlens)
+        out, extras = self._attend_local(proj, entries, visible, window_ext, rank * s, cu_seqlens)
         size = raw.element_size()
         extras.bytes_sent = {
             "allgather_raw": (cp - 1) * raw_local.numel() * size,
-            "allgather_window": (cp - 1) * p["window_kv"].numel() * size,
+            "allgather_window": (cp - 1) * proj.window_kv.numel() * size,
         }
         return out, extras
 
@@ -751,25 +762,20 @@ def agreement_guard(fields, local_error, group=None):
     dist.all_gather_object(everyone, (digest, fields, local_error), group=group)
     problems = []
     if len({d for d, _, _ in everyone}) > 1:
-        for name in everyone[0][1].keys() | set().union(*(f.keys() for _, f, _ in everyone)):
-            values = [f.get(name) for _, f, _ in everyone]
-            if len({repr(v) for v in values}) == 1:
-                continue
-            by_value = {}
+        # every field any rank sent, in first-seen order: the same list, so the same text, on all
+        for name in dict.fromkeys(name for _, f, _ in everyone for name in f):
+            values = [f.get(name, "<missing>") for _, f, _ in everyone]
+            ranks_by_value = {}
             for r, v in enumerate(values):
-                by_value.setdefault(repr(v), (v, []))[1].append(r)
+                ranks_by_value.setdefault(repr(v), []).append(r)
+            if len(ranks_by_value) == 1:
+                continue
             parts = [
                 f"rank {','.join(map(str, ranks))} {'have' if len(ranks) > 1 else 'has'} "
-                f"{_short(v)}"
-                for v, ranks in by_value.values()
+                f"{_short(values[ranks[0]])}"
+                for ranks in ranks_by_value.values()
             ]
-            problems.append((name, f"{name} differs across ranks: {', '.join(parts)}"))
-    problems = [
-        text
-        for _, text in sorted(
-            problems, key=lambda p: list(fields).index(p[0]) if p[0] in fields else len(fields)
-        )
-    ]
+            problems.append(f"{name} differs across ranks: {', '.join(parts)}")
     problems += [
         f"rank {r} refused its input: {err}" for r, (_, _, err) in enumerate(everyone) if err
     ]
@@ -780,14 +786,18 @@ def agreement_guard(fields, local_error, group=None):
         )
 
 
-def check_inputs(layer, x, cu_seqlens, group=None):
+def check_inputs(layer, x, cu_seqlens, group=None, entry="context_parallel"):
     """Validate this rank's input, then run the agreement guard: every rank raises or none does."""
     try:
         validate_input(layer, x, cu_seqlens, dist.get_world_size(group))
         error = None
     except ValueError as err:
         error = str(err)
-    agreement_guard(agreement_fields(layer, x, cu_seqlens), error, group)
+    try:
+        fields = {"entry point": entry, **agreement_fields(layer, x, cu_seqlens)}
+    except Exception as err:  # an input too odd to describe still joins the guard, with its error
+        fields, error = {"entry point": entry}, error or f"unreadable input: {err!r}"
+    agreement_guard(fields, error, group)
 
 
 V4_NOT_LOADED = {  # V4 attention parameters this file has no place for, and why

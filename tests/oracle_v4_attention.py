@@ -145,9 +145,9 @@ def comparison_rows(seed=0):
     seen, _, window_v4 = v4_run(attn, x)
     layer, _ = cpc.from_v4_state_dict(attn.state_dict(), "csa", M_CSA, WINDOW, top_k=TOP_K)
     with torch.no_grad():
-        p = layer.project(x)
+        proj = layer.project(x)
         entries = layer.normalise(
-            cpc.compress_reference(p["kv"], p["gate"], layer.ape, cu, M_CSA, True)
+            cpc.compress_reference(proj.kv, proj.gate, layer.ape, cu, M_CSA, True)
         )
     comp = attn.compressor
     row(
@@ -161,7 +161,7 @@ def comparison_rows(seed=0):
         _max_diff(entries[:, HEAD_DIM:], index_keys_v4),
         TOL_FP32,
     )
-    row("window K/V (before RoPE)", _max_diff(p["window_kv"], window_v4), TOL_FP32)
+    row("window K/V (before RoPE)", _max_diff(proj.window_kv, window_v4), TOL_FP32)
 
     (q_rope, keys_rope, _), scores_v4 = seen[comp.indexer.scorer]
     positions = (torch.arange(T // M_CSA) * M_CSA)[None]
@@ -203,9 +203,9 @@ def comparison_rows(seed=0):
         layer, _ = cpc.from_v4_state_dict(attn.state_dict(), "hca", m_hca, WINDOW)
         cu_hca, pos_hca = torch.tensor([0, length]), torch.arange(length)
         with torch.no_grad():
-            p = layer.project(x_hca)
+            proj = layer.project(x_hca)
             entries = layer.normalise(
-                cpc.compress_reference(p["kv"], p["gate"], layer.ape, cu_hca, m_hca, False)
+                cpc.compress_reference(proj.kv, proj.gate, layer.ape, cu_hca, m_hca, False)
             )
         row(
             f"HCA m'={m_hca} entries",

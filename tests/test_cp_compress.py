@@ -502,6 +502,8 @@ def _guard_inputs(rank, world_size, case):
             layer.wkv_compress[0, 0] += 1e-3
     if case == "window=0":
         layer.window = 0
+    if odd and case == "x not a tensor":
+        x = x.tolist()
     if case == "2-D cu_seqlens" or (case == "2-D cu_seqlens on one rank" and odd):
         cu = cu[None]
     return layer, x, cu
@@ -519,6 +521,8 @@ GUARD_CASES = {  # case -> what every rank's error must say
     "window=0": "window must be >= 1",
     "2-D cu_seqlens": "cu_seqlens must be a 1-D integer tensor",
     "2-D cu_seqlens on one rank": "cu_seqlens",
+    "x not a tensor": "x must be [tokens, features]",
+    "entry point": "entry point differs across ranks",
 }
 
 
@@ -528,7 +532,9 @@ def _guard_all_cases(rank, world_size):
     for case in GUARD_CASES:
         layer, x, cu = _guard_inputs(rank, world_size, case)
         try:
-            layer.context_parallel(x, cu)
+            odd = rank == world_size - 1
+            method = "allgather_baseline" if case == "entry point" and odd else "context_parallel"
+            getattr(layer, method)(x, cu)
             messages[case] = None
         except ValueError as err:
             messages[case] = str(err)
