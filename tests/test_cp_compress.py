@@ -7,7 +7,6 @@ Top-k indices, entry counts and every boundary-value check are integers and must
 """
 
 import math
-import os
 import time
 
 import pytest
@@ -691,20 +690,11 @@ def test_cp_matches_plain_sdpa_attention(world_size):
     assert run_ranks(_cp_vs_plain_sdpa, world_size, timeout=120) == [10] * world_size
 
 
-def test_command_line_checks_arguments_before_any_work():
-    import subprocess
-    import sys
-
-    def run(*args):
-        return subprocess.run(
-            [sys.executable, "cp_compress.py", *args],
-            cwd=os.path.dirname(os.path.abspath(cpc.__file__)),
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-
-    help_text = run("--help").stdout
+def test_command_line_checks_arguments_before_any_work(capsys, monkeypatch):
+    """parse_args runs before any process group exists: a bad value exits 2 with one line."""
+    with pytest.raises(SystemExit):
+        cpc.parse_args(["--help"])
+    help_text = capsys.readouterr().out
     for option in (
         "--seq-per-rank",
         "--m-csa",
@@ -716,7 +706,15 @@ def test_command_line_checks_arguments_before_any_work():
         "--device",
     ):
         assert option in help_text
-    bad = run("--seq-per-rank", "130")
-    assert bad.returncode == 2 and "not a multiple of m=4" in bad.stderr
-    assert "Traceback" not in bad.stderr and "[setup]" not in bad.stdout
-    assert "must be >= 1" in run("--window", "0").stderr
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    for argv, says in (
+        (["--seq-per-rank", "130"], "not a multiple of m=4"),
+        (["--window", "0"], "must be >= 1"),
+        (["--seq-per-rank", "128", "--m-hca", "128"], "no entry for m=128"),
+        (["--seq-per-rank", "4", "--m-hca", "4"], "shorter than a halo"),
+    ):
+        with pytest.raises(SystemExit) as info:
+            cpc.parse_args(argv)
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and says in err and "Traceback" not in err, (argv, err)
+    assert not dist.is_initialized()
