@@ -206,8 +206,10 @@ def run_torchrun(file, nproc=4, args=(), timeout=300.0, env=None, check=True):
     )
     try:
         out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    except BaseException as error:  # also pytest-timeout's, or Ctrl-C: never leave ranks behind
         os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every worker it started
+        if not isinstance(error, subprocess.TimeoutExpired):
+            raise
         out, _ = proc.communicate()
         raise AssertionError(
             f"{' '.join(cmd)} did not finish within {timeout:.0f}s:\n{out}"
