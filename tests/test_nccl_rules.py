@@ -121,15 +121,6 @@ def test_no_technique_chooses_devices_from_the_backend_name(name, request):
     assert nccl_rules.static_check(os.path.join(ROOT, name)) == []
 
 
-def _small_args(name):
-    """Arguments that make a demo short; the options a file declares are the ones given."""
-    source = _source(name)
-    args = ["--steps", "1"] if '"--steps"' in source else []
-    if name == "cp_compress.py" and '"--seq-per-rank"' not in source:
-        args = ["128"]  # an older command line: tokens per rank as the only argument
-    return args
-
-
 def _mhc_posts_receives_ahead():
     return "batch_isend_irecv" not in _source("mhc.py")
 
@@ -145,7 +136,7 @@ def test_demo_replays_under_nccl_rules(name, world_size, tmp_path, request):
             )
         )
     out = str(tmp_path / "log")
-    cmd = ["record", "--out", out, "--", os.path.join(ROOT, name), *_small_args(name)]
+    cmd = ["record", "--out", out, "--", os.path.join(ROOT, name), *nccl_rules.demo_args(name)]
     run_torchrun(os.path.join("tools", "nccl_rules.py"), nproc=world_size, args=cmd, timeout=240)
     logs = nccl_rules.load(out)
     assert sorted(logs) == list(range(world_size)), "every rank must write its log"
