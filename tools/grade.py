@@ -29,8 +29,10 @@ sys.path.insert(0, TOOLS)
 from assignments import ROOT, all_regions, write_student  # noqa: E402
 
 
-def _pytest(root, args, report, submission=None, timeout=1800.0):
-    """Run pytest in ``root`` with the grade plugin; return (exit code, seconds, timed out)."""
+def _pytest(root, args, report, submission=None, timeout=1800.0, quiet=False):
+    """Run pytest in ``root`` with the grade plugin; return (exit code, seconds, timed out).
+
+    ``quiet`` keeps pytest's own output back unless it fails (for collection)."""
     env = dict(os.environ, GRADE_REPORT=report, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (TOOLS, env.get("PYTHONPATH")) if p)
     env.pop("GRADE_SUBMISSION", None)
@@ -38,12 +40,19 @@ def _pytest(root, args, report, submission=None, timeout=1800.0):
         env["GRADE_SUBMISSION"] = os.path.abspath(submission)
     cmd = [sys.executable, "-m", "pytest", "-p", "grade_plugin", "-p", "no:cacheprovider", *args]
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=root, env=env, start_new_session=True)
+    pipe = subprocess.PIPE if quiet else None
+    proc = subprocess.Popen(
+        cmd, cwd=root, env=env, start_new_session=True, stdout=pipe, stderr=subprocess.STDOUT
+    )
     try:
-        code, timed_out = proc.wait(timeout=timeout), False
+        output, _ = proc.communicate(timeout=timeout)
+        code, timed_out = proc.returncode, False
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # pytest and every rank it started
-        code, timed_out = proc.wait(), True
+        output, _ = proc.communicate()
+        code, timed_out = proc.returncode, True
+    if quiet and code not in (0, 5):
+        print(output.decode(errors="replace"), file=sys.stderr)
     return code, time.monotonic() - start, timed_out
 
 
@@ -57,7 +66,8 @@ def collect(root=ROOT):
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "report.jsonl")
         open(report, "w").close()
-        code, _, _ = _pytest(root, ["--collect-only", "-q", "-m", "grade"], report, timeout=600)
+        args = ["--collect-only", "-q", "-m", "grade"]
+        code, _, _ = _pytest(root, args, report, timeout=600, quiet=True)
         graded = [e for e in _events(report) if e["event"] == "collected"]
     if code not in (0, 5):  # 5: nothing collected
         raise RuntimeError(f"collecting the graded tests failed (pytest exit code {code})")
