@@ -4,7 +4,9 @@ gloo forgives what NCCL does not: gloo buffers sends and matches point-to-point 
 so a schedule that posts its receives ahead works on a CPU and hangs on GPUs. This tool logs each
 rank's torch.distributed calls during a real (gloo) run, then replays the logs under NCCL's rules:
 
-- each rank's operations run in issue order, one at a time, as on one CUDA stream;
+- each process group has one NCCL stream for collectives and one per peer pair for point-to-point;
+  a rank's launches run in issue order on their stream, and a launch also waits for every
+  operation the rank waited on (Work.wait(), or a blocking call) before issuing it;
 - point-to-point messages between a pair match in issue order, without tags, and a send finishes
   only when its receive is running (nothing is buffered);
 - the operations of one batch_isend_irecv run together, as one NCCL group;
@@ -95,6 +97,10 @@ class Recorder:
         dist = self.dist
         return list(dist.get_process_group_ranks(group or dist.group.WORLD))
 
+    def gid(self, group):
+        """The group's identity: two groups over the same ranks are two NCCL communicators."""
+        return str((group or self.dist.group.WORLD).group_name)
+
     @staticmethod
     def tensor_fields(tensors):
         tensors = [t for t in tensors if t is not None and hasattr(t, "numel")]
@@ -108,8 +114,8 @@ class Recorder:
         direction = "send" if name in ("send", "isend") else "recv"
         fields = self.tensor_fields([tensor])
         return dict(
-            kind="p2p", op=name, dir=direction, peer=peer, group=self.ranks(group), batch=batch,
-            **fields,
+            kind="p2p", op=name, dir=direction, peer=peer, group=self.ranks(group),
+            gid=self.gid(group), batch=batch, **fields,
         )  # fmt: skip
 
     def install(self):
@@ -135,6 +141,7 @@ class Recorder:
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
             a = bound.arguments
+            first = self.seq
             if name == "batch_isend_irecv":
                 self.batch += 1
                 for op in a["p2p_op_list"]:
@@ -148,18 +155,28 @@ class Recorder:
                 self.write(self.p2p_record(name, a.get("tensor"), peer, a.get("group")))
             else:
                 self.write(self.collective_record(name, a))
+            seqs = list(range(first, self.seq))
             self.local.inside = True
             try:
-                return original(*args, **kwargs)
+                result = original(*args, **kwargs)
             finally:
                 self.local.inside = False
+            if name == "batch_isend_irecv":
+                return [_Work(w, [q], self) for w, q in zip(result, seqs)]
+            if name in ("isend", "irecv") or a.get("async_op"):
+                return _Work(result, seqs, self) if result is not None else result
+            self.write({"kind": "wait", "on": seqs})  # a blocking call waits for itself
+            return result
 
         return wrapper
 
     def collective_record(self, name, a):
         if name == "new_group":  # every rank of the world calls it, in the same order
             ranks = sorted(a.get("ranks") or range(self.dist.get_world_size()))
-            return dict(kind="coll", op=name, group=self.ranks(None), size=ranks, devices=[])
+            return dict(
+                kind="coll", op=name, group=self.ranks(None), gid=self.gid(None), size=ranks,
+                devices=[],
+            )  # fmt: skip
         tensors = []
         for key in ("tensor", "input_tensor", "output_tensor", "output", "input"):
             if hasattr(a.get(key), "numel"):
@@ -173,7 +190,24 @@ class Recorder:
             size = [a[size_arg].numel(), str(a[size_arg].dtype).replace("torch.", "")]
         elif name == "all_to_all_single":
             size = [None, fields["dtype"]]  # uneven splits are allowed; the dtype must agree
-        return dict(kind="coll", op=name, group=self.ranks(a.get("group")), size=size, **fields)
+        group = a.get("group")
+        return dict(
+            kind="coll", op=name, group=self.ranks(group), gid=self.gid(group), size=size, **fields
+        )
+
+
+class _Work:
+    """A torch.distributed Work whose wait() is logged: the compute stream waits for the op."""
+
+    def __init__(self, work, seqs, recorder):
+        self._work, self._seqs, self._recorder = work, seqs, recorder
+
+    def wait(self, *args, **kwargs):
+        self._recorder.write({"kind": "wait", "on": self._seqs})
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
 
 
 def record(out, file, args):
@@ -205,10 +239,12 @@ def demo_args(name, root=None):
 
 @dataclass
 class Unit:
-    """What a rank's stream runs as one step: one op, or one batch_isend_irecv."""
+    """What one NCCL launch runs: one op, or one batch_isend_irecv (posted together)."""
 
     rank: int
     ops: list
+    stream: tuple = ()
+    after: frozenset = frozenset()  # ops the rank waited on before issuing this one
     matched: list = field(default_factory=list)
 
     def describe(self):
@@ -241,23 +277,51 @@ def load(directory):
     return logs
 
 
-def units_of(ops, rank):
-    units, batches = [], {}
-    for op in ops:
-        if op.get("batch") is not None:
-            if op["batch"] not in batches:
-                batches[op["batch"]] = Unit(rank, [])
-                units.append(batches[op["batch"]])
-            batches[op["batch"]].ops.append(op)
-        else:
-            units.append(Unit(rank, [op]))
+def _gid(op):
+    """A process group's identity in the logs (its name; the rank list in older logs)."""
+    return op.get("gid") or str(op["group"])
+
+
+def _stream(rank, ops):
+    """NCCL's stream for a launch: per process group, one for collectives and one per peer pair."""
+    group = _gid(ops[0])
+    if ops[0]["kind"] == "coll":
+        return (group, "collectives")
+    peers = {op["peer"] for op in ops}
+    if len(peers) > 1:
+        return (group, "collectives")  # a batch over several peers runs as one group launch
+    return (group, tuple(sorted((rank, peers.pop()))))
+
+
+def units_of(events, rank):
+    """A rank's launches in issue order; each knows its stream and the waits issued before it."""
+    units, batches, waited = [], {}, set()
+    for event in events:
+        if event["kind"] == "wait":
+            waited.update(event["on"])
+            continue
+        if event.get("batch") is not None and event["batch"] in batches:
+            batches[event["batch"]].ops.append(event)
+            continue
+        unit = Unit(rank, [event], after=frozenset(waited))
+        units.append(unit)
+        if event.get("batch") is not None:
+            batches[event["batch"]] = unit
     for unit in units:
+        unit.stream = _stream(rank, unit.ops)
         unit.matched = [False] * len(unit.ops)
     return units
 
 
 def replay(logs, device=None):
-    """Replay the logs under NCCL's rules; return a list of problems (empty when all is well)."""
+    """Replay the logs under NCCL's rules; return a list of problems (empty when all is well).
+
+    Each rank's launches queue on their NCCL stream (per process group: one for collectives, one
+    per peer pair) and run in order there; a launch also waits for every op the rank had waited
+    on before issuing it (Work.wait(), or a blocking call, makes the compute stream wait, and each
+    NCCL launch waits for the compute stream). A launch is running when it heads its stream and
+    those ops are done; a send and its receive complete together only when both are running.
+    """
     problems = []
     world = sorted(logs)
     for rank in world:
@@ -271,63 +335,66 @@ def replay(logs, device=None):
                     f"this run computes on {device}"
                 )
     problems += _static_matching(logs)
-    queues = {r: deque(units_of(logs[r], r)) for r in world}
-    channel_next = defaultdict(int)  # (src, dst) -> index of the next message to match
-    sent = defaultdict(int)  # counters to number each message on its channel
-    received = defaultdict(int)
-    number = {}
+    streams = defaultdict(deque)  # (rank, stream) -> launches in issue order
+    number, counters = {}, defaultdict(int)  # each message's index on its (group, src, dst)
     for r in world:
-        for unit in queues[r]:
+        for unit in units_of(logs[r], r):
+            streams[(r, unit.stream)].append(unit)
             for op in unit.ops:
                 if op["kind"] == "p2p":
-                    pair = (r, op["peer"]) if op["dir"] == "send" else (op["peer"], r)
-                    counter = sent if op["dir"] == "send" else received
-                    number[(r, op["seq"])] = counter[pair]
-                    counter[pair] += 1
-    group_next = defaultdict(int)
-    while any(queues.values()):
+                    src, dst = (r, op["peer"]) if op["dir"] == "send" else (op["peer"], r)
+                    key = (_gid(op), src, dst, op["dir"])
+                    number[(r, op["seq"])] = counters[key]
+                    counters[key] += 1
+    done = {r: set() for r in world}
+    channel_next = defaultdict(int)
+    while any(streams.values()):
+        running = [
+            q[0] for (r, _), q in streams.items() if q and q[0].after <= done[r]
+        ]  # fmt: skip
+        by_rank = defaultdict(list)
+        for unit in running:
+            by_rank[unit.rank].append(unit)
         progress = False
-        heads = {r: q[0] for r, q in queues.items() if q}
-        # point-to-point: the next message of a channel matches when both its ends are running
-        for r, unit in heads.items():
+        for unit in running:  # point-to-point: the channel's next message, both ends running
             for i, op in enumerate(unit.ops):
                 if op["kind"] != "p2p" or op["dir"] != "send" or unit.matched[i]:
                     continue
-                pair, k = (r, op["peer"]), number[(r, op["seq"])]
-                peer_unit = heads.get(op["peer"])
-                if channel_next[pair] != k or peer_unit is None:
+                k = number[(unit.rank, op["seq"])]
+                channel = (_gid(op), unit.rank, op["peer"])
+                if channel_next[channel] != k:
                     continue
-                for j, other in enumerate(peer_unit.ops):
-                    if (
-                        other["kind"] == "p2p"
-                        and other["dir"] == "recv"
-                        and other["peer"] == r
-                        and number[(op["peer"], other["seq"])] == k
-                    ):
-                        unit.matched[i] = peer_unit.matched[j] = True
-                        channel_next[pair] += 1
-                        progress = True
-        # collectives: run when every member's stream is at the group's next collective
-        for r, unit in heads.items():
+                for other in by_rank.get(op["peer"], []):
+                    for j, theirs in enumerate(other.ops):
+                        if (
+                            theirs["kind"] == "p2p"
+                            and theirs["dir"] == "recv"
+                            and theirs["peer"] == unit.rank
+                            and _gid(theirs) == channel[0]
+                            and number[(other.rank, theirs["seq"])] == k
+                        ):
+                            unit.matched[i] = other.matched[j] = True
+                            channel_next[channel] += 1
+                            progress = True
+        for unit in running:  # a collective: every member's collectives stream is at it
             op = unit.ops[0]
             if op["kind"] != "coll" or unit.matched[0]:
                 continue
-            group = tuple(op["group"])
-            members = [heads.get(m) for m in group]
-            if all(
-                m is not None and m.ops[0]["kind"] == "coll" and tuple(m.ops[0]["group"]) == group
-                for m in members
-            ):
+            members = [
+                next((u for u in by_rank.get(m, []) if u.stream == unit.stream), None)
+                for m in op["group"]
+            ]
+            if all(m is not None for m in members):
                 for m in members:
                     m.matched[0] = True
-                group_next[group] += 1
                 progress = True
-        for r in list(heads):
-            if all(queues[r][0].matched):
-                queues[r].popleft()
+        for unit in running:
+            if all(unit.matched):
+                streams[(unit.rank, unit.stream)].popleft()
+                done[unit.rank].update(op["seq"] for op in unit.ops)
                 progress = True
         if not progress:
-            problems.append(_deadlock(queues))
+            problems.append(_deadlock(streams, done))
             break
     return problems
 
@@ -338,12 +405,13 @@ def _static_matching(logs):
     for rank, ops in logs.items():
         for op in ops:
             if op["kind"] == "p2p" and op["peer"] is not None:
+                group = _gid(op)
                 if op["dir"] == "send":
-                    sends[(rank, op["peer"])].append(op)
+                    sends[(rank, op["peer"], group)].append(op)
                 else:
-                    recvs[(op["peer"], rank)].append(op)
+                    recvs[(op["peer"], rank, group)].append(op)
             elif op["kind"] == "coll":
-                colls[tuple(op["group"])].setdefault(rank, []).append(op)
+                colls[(_gid(op), tuple(op["group"]))].setdefault(rank, []).append(op)
     for pair in sorted(set(sends) | set(recvs)):
         s, r = sends.get(pair, []), recvs.get(pair, [])
         if len(s) != len(r):
@@ -357,7 +425,7 @@ def _static_matching(logs):
                     f"message {k} from rank {pair[0]} to rank {pair[1]}: sent {_size(a)} "
                     f"(op #{a['seq']}), received into {_size(b)} (op #{b['seq']})"
                 )
-    for group, per_rank in sorted(colls.items()):
+    for (_, group), per_rank in sorted(colls.items()):
         counts = {r: len(ops) for r, ops in per_rank.items()}
         missing = [m for m in group if m not in per_rank]
         if missing or len(set(counts.values())) > 1:
@@ -377,13 +445,22 @@ def _static_matching(logs):
     return problems
 
 
-def _deadlock(queues):
+def _deadlock(streams, done):
     lines = ["deadlock under NCCL's rules:"]
-    for r, q in sorted(queues.items()):
-        if q:
-            lines.append(f"  rank {r} waits in {q[0].describe()}")
-        else:
+    ranks = sorted({r for r, _ in streams})
+    for r in ranks:
+        heads = [q[0] for (rank, _), q in sorted(streams.items(), key=str) if rank == r and q]
+        if not heads:
             lines.append(f"  rank {r} has finished")
+        for unit in heads:
+            missing = sorted(unit.after - done[r])
+            if missing:
+                lines.append(
+                    f"  rank {r} cannot start {unit.describe()}: "
+                    f"it first waited on op #{missing[0]}"
+                )
+            else:
+                lines.append(f"  rank {r} waits in {unit.describe()}")
     return "\n".join(lines)
 
 
