@@ -51,7 +51,7 @@ def _pytest(root, args, report, submission=None, timeout=1800.0, quiet=False):
         os.killpg(proc.pid, signal.SIGKILL)  # pytest and every rank it started
         output, _ = proc.communicate()
         code, timed_out = proc.returncode, True
-    if quiet and code not in (0, 5):
+    if quiet and code not in (0, 1, 5):  # 1: tests failed, 5: none collected
         print(output.decode(errors="replace"), file=sys.stderr)
     return code, time.monotonic() - start, timed_out
 
@@ -93,9 +93,9 @@ def run_graded(root, submission=None, nodeids=None, per_test_s=180, overall_s=18
         report = os.path.join(tmp, "report.jsonl")
         open(report, "w").close()
         args = ["-m", "grade", f"--timeout={per_test_s}", "-q" if quiet else "-v"]
-        args += ["--no-header", "-rN"] if quiet else []
+        args += ["--no-header", "-rN", "--tb=no"] if quiet else []
         args += list(nodeids or ["tests"])
-        _, seconds, timed_out = _pytest(root, args, report, submission, overall_s)
+        _, seconds, timed_out = _pytest(root, args, report, submission, overall_s, quiet)
         events = _events(report)
     graded = [e for e in events if e["event"] == "collected"]
     return graded, outcomes(events), seconds, timed_out
