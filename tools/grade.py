@@ -88,17 +88,35 @@ def outcomes(events):
 
 
 def run_graded(root, submission=None, nodeids=None, per_test_s=180, overall_s=1800, quiet=False):
-    """Run the graded tests (or just ``nodeids``); return (graded, outcomes, seconds, timed out)."""
+    """Run the graded tests (or just ``nodeids``); return (graded, outcomes, seconds, timed out).
+
+    A test file that cannot be collected (the submission fails on import) leaves its tests out
+    of ``graded`` but not of ``outcomes``: each of its tests that the reference has (from
+    ``collect()``) is entered there as failed, with the collection error as its output."""
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "report.jsonl")
         open(report, "w").close()
         args = ["-m", "grade", f"--timeout={per_test_s}", "-q" if quiet else "-v"]
+        args += ["--continue-on-collection-errors"]
         args += ["--no-header", "-rN", "--tb=no"] if quiet else []
         args += list(nodeids or ["tests"])
         _, seconds, timed_out = _pytest(root, args, report, submission, overall_s, quiet)
         events = _events(report)
     graded = [e for e in events if e["event"] == "collected"]
-    return graded, outcomes(events), seconds, timed_out
+    results = outcomes(events)
+    for e in (e for e in events if e["event"] == "collect_error"):
+        results[("collect_error", e["nodeid"])] = (False, "could not be collected:\n" + e["output"])
+    return graded, results, seconds, timed_out
+
+
+def result_of(results, nodeid):
+    """(passed, output) of a test; a test never run scores zero and says why."""
+    if nodeid in results:
+        return results[nodeid]
+    for key, value in results.items():
+        if isinstance(key, tuple) and nodeid.startswith(key[1]):
+            return value
+    return False, "not run: the grader's time ran out"
 
 
 def stage(submission, root=ROOT, out=None):
@@ -116,7 +134,7 @@ def results_json(graded, results, timed_out, note=""):
     """Gradescope's autograder format: top-level score, and one entry per graded test."""
     tests = []
     for g in graded:
-        passed, output = results.get(g["nodeid"], (False, "not run: the grader's time ran out"))
+        passed, output = result_of(results, g["nodeid"])
         tests.append(
             {
                 "name": f"{', '.join(g['solutions'])}: {g['nodeid']}",
@@ -170,6 +188,8 @@ def grade(root, submission, out, per_test_s, overall_s):
             note += f" Not handed in (graded as the unfilled stub): {', '.join(missing)}."
         print(note, flush=True)
     graded, results, seconds, timed_out = run_graded(root, staged, None, per_test_s, overall_s)
+    if submission is not None:  # every student is scored on the reference's graded tests
+        graded = collect(root)
     if not graded:
         print("grade: no graded tests found (no test carries @pytest.mark.grade)")
         return 1
@@ -202,7 +222,7 @@ def check_regions(root, per_test_s, overall_s):
         with tempfile.TemporaryDirectory() as staged:
             write_student(staged, root, only={qualname})
             _, results, seconds, _ = run_graded(root, staged, tests, per_test_s, overall_s, True)
-        passing = [t for t in tests if results.get(t, (False, ""))[0]]
+        passing = [t for t in tests if result_of(results, t)[0]]
         verdict = "FAIL" if passing else "ok  "
         print(
             f"{verdict} {qualname}: {len(tests) - len(passing)} of {len(tests)} graded tests "

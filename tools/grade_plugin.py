@@ -39,6 +39,13 @@ def pytest_collection_modifyitems(session, config, items):
             )
 
 
+def pytest_collectreport(report):
+    # a test file that cannot be imported (say, the student's module raises): its tests score zero
+    if report.failed:
+        text = (report.longreprtext or "")[-4000:]
+        _write({"event": "collect_error", "nodeid": report.nodeid, "output": text})
+
+
 def pytest_runtest_logreport(report):
     # a test passes when its call passed and set-up/teardown did not fail
     if report.when == "call" or report.outcome != "passed":
