@@ -1,37 +1,73 @@
-# Two commands do all the set-up: `make demo` and `make test`. Both create .venv if it is missing.
+# Two commands do all the set-up: `make demo` and `make test`. Both create .venv when needed
+# (tools/venv.sh: Python >= 3.11 checked, a venv made by another Python or left half-installed is
+# made again or finished, never silently reused).
+#
+# torch==2.13.0 from the default package index is the CUDA build: with its nvidia-* libraries it
+# downloads several GB (about 1.5 GB for the whole venv with the CPU-only build). Without a GPU,
+# take the CPU-only wheel index address from PyTorch's install selector (pip, Linux, CPU) and run
+#     make demo TORCH_INDEX=<that address>
+# Other Python: make demo PYTHON=python3.12. Another venv folder: make test VENV=/tmp/venv.
 SHELL := /bin/bash
 .SHELLFLAGS := -o pipefail -c
 PYTHON ?= python3
-VENV := .venv
+VENV ?= .venv
+TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 NPROC ?= 4
 TECHNIQUES := muon_zero.py mhc.py cp_compress.py tensor_ckpt.py
+# a student's folder of files to grade (default: the reference itself)
+SUBMISSION ?=
 
-.PHONY: demo test bench notebooks clean
+.PHONY: venv venv-test demo test lint bench notebooks lab assignments grade grade-check \
+	gpu-check clean
 
-$(VENV)/.installed: requirements.txt
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -r requirements.txt
-	touch $@
+venv:
+	@tools/venv.sh "$(PYTHON)" "$(VENV)" "$(TORCH_INDEX)" requirements.txt
 
-demo: $(VENV)/.installed
+venv-test:
+	@tools/venv.sh "$(PYTHON)" "$(VENV)" "$(TORCH_INDEX)" requirements.txt requirements-test.txt
+
+demo: venv
 	@mkdir -p results
 	@for f in $(TECHNIQUES); do \
 	  if [ -f $$f ]; then \
 	    echo "=== torchrun --nproc_per_node=$(NPROC) $$f"; \
-	    OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --nproc_per_node=$(NPROC) $$f 2>&1 | tee results/$${f%.py}.txt || exit 1; \
+	    OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --nproc_per_node=$(NPROC) $$f 2>&1 \
+	      | tee results/$${f%.py}.txt || exit 1; \
 	  fi; \
 	done
 	@echo; echo "Results (each demo's full output):"; ls -1 results/*.txt
 
-test: $(VENV)/.installed
-	$(PY) -m pytest
+lint: venv-test
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
-bench: $(VENV)/.installed
+# one line per test as it finishes, then the ten slowest
+test: lint
+	$(PY) -m pytest -v --durations=10
+
+bench: venv
 	@for b in benchmarks/bench_*.py; do echo "=== $$b"; $(PY) $$b || exit 1; done
 
-notebooks: $(VENV)/.installed
+notebooks: venv
 	$(PY) notebooks/build.py
 
+# Jupyter in notebooks/: each kernel starts there and imports the files (the venv knows the root)
+lab: venv
+	cd notebooks && $(abspath $(VENV))/bin/jupyter lab
+
+assignments: venv
+	$(PY) tools/assignments.py
+
+grade: venv-test
+	$(PY) tools/grade.py $(if $(SUBMISSION),--submission "$(SUBMISSION)")
+
+# every solution region, stubbed alone, must make each graded test that names it fail
+grade-check: venv-test
+	$(PY) tools/grade.py --check-regions
+
+gpu-check: venv-test
+	$(PY) tools/gpu_check.py
+
 clean:
-	rm -rf $(VENV) results
+	rm -rf $(VENV) results build

@@ -1,11 +1,11 @@
 """The harness is itself graded: it must fail when a rank fails and never hang."""
+
 import os
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-
 from harness import RankFailure, RankTimeout, run_ranks, run_torchrun
 
 
@@ -27,7 +27,8 @@ def test_collective_across_ranks(world_size):
 def _rank_two_raises(rank, world_size):
     if rank == 2:
         assert 1 + 1 == 3, "rank two is wrong on purpose"
-    dist.barrier()  # the healthy ranks wait here for the dead one: the harness must not hang on them
+    # the healthy ranks wait here for the dead one: the harness must not hang on them
+    dist.barrier()
 
 
 def test_failing_rank_becomes_the_failure():
@@ -76,13 +77,17 @@ def test_arguments_and_results_round_trip():
 def test_run_torchrun_returns_output_and_surfaces_failure(tmp_path):
     good = tmp_path / "good.py"
     # one os.write per line: the ranks share a pipe, and print() may split a line into two writes
-    good.write_text("import os\nimport torch.distributed as dist\n"
-                    "dist.init_process_group('gloo')\n"
-                    "os.write(1, f'hello from {dist.get_rank()} of {dist.get_world_size()}\\n'.encode())\n"
-                    "dist.destroy_process_group()\n")
+    good.write_text(
+        "import os\nimport torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "os.write(1, f'hello from {dist.get_rank()} of {dist.get_world_size()}\\n'.encode())\n"
+        "dist.destroy_process_group()\n"
+    )
     out = run_torchrun(str(good), nproc=2, timeout=120).stdout
     assert "hello from 0 of 2" in out and "hello from 1 of 2" in out
     bad = tmp_path / "bad.py"
-    bad.write_text("import os\nif os.environ['RANK'] == '1':\n    raise SystemExit('rank one refuses')\n")
+    bad.write_text(
+        "import os\nif os.environ['RANK'] == '1':\n    raise SystemExit('rank one refuses')\n"
+    )
     with pytest.raises(AssertionError, match="rank one refuses"):
         run_torchrun(str(bad), nproc=2, timeout=120)
