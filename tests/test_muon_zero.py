@@ -510,3 +510,169 @@ def test_same_shape_matrices_share_one_stack_and_one_ns_call(monkeypatch):
     expect = [(1, 5, 12), (2, 12, 12), (1, 12, 20), (1, 20, 12), (5, 12, 8), (5, 8, 12), (5, 8, 12)]
     assert sorted(tuple(t.shape) for t in stacks) == sorted(expect)
     assert sorted(calls) == sorted(expect * 2)  # one batched NS call per stack per step, not one per matrix
+
+
+# ---------------------------------------------------------------------------------------------------
+# No hang, no silent wrong answer (each case reproduced before it was fixed)
+# ---------------------------------------------------------------------------------------------------
+
+def check_data_parallel_subgroups(rank, world):
+    """Pipeline x data parallelism on 4 ranks: stages {0, 1} and {2, 3}, each its own MuonZeRO."""
+    stages = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes both, same order
+    stage = rank // 2
+    P0 = make_params(seed=stage)  # each stage holds different parameters
+    L = leaves(P0)
+    # different widths per stage: the stages make different subgroup calls (only members take part)
+    opt = mz.MuonZeRO(groups(L), lr=LR_MUON, ns_dtype=torch.float32, grad_sync="fp32",
+                      process_group=stages[stage], zero_width=1 if stage == 0 else 2)
+    dp_rank, per = rank % 2, GLOBAL_BATCH // 2
+    for s in range(STEPS):
+        x, y = batch(s)
+        forward_loss(L, x[dp_rank * per:(dp_rank + 1) * per], y[dp_rank * per:(dp_rank + 1) * per]).backward()
+        opt.step()
+        opt.zero_grad()
+    got = {k: v.detach() for k, v in L.items()}
+    return rel_change_error(P0, got, reference_fp32(P0))
+
+
+def test_data_parallel_subgroups_of_a_wider_world():
+    errs = run_ranks(check_data_parallel_subgroups, 4, timeout=90)
+    assert max(errs) < FP32_TOL, errs
+
+
+class _HFStyle(torch.nn.Module):
+    """An HF-style causal LM: model.embed_tokens, an mHC-like block, lm_head (not tied)."""
+
+    def __init__(self, tie=False):
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = torch.nn.Embedding(16, 8)
+        self.model.proj = torch.nn.Linear(8, 8, bias=False)
+        hc = torch.nn.Module()
+        hc.proj = torch.nn.Parameter(torch.zeros(32, 24))       # a matrix: Muon
+        hc.bias_res = torch.nn.Parameter(torch.eye(4))          # a 2-D static bias: AdamW
+        hc.gate = torch.nn.Parameter(torch.zeros(3))
+        hc.mixing = torch.nn.Parameter(torch.zeros(4, 4))       # declared non-Muon by its module
+        hc.no_muon = {"mixing"}
+        self.model.hcs = torch.nn.ModuleList([hc])
+        self.marked = torch.nn.Parameter(torch.zeros(5, 5))
+        self.marked.no_muon = True                              # declared non-Muon on the tensor
+        self.lm_head = torch.nn.Linear(8, 16, bias=False)
+        if tie:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_param_groups_route_by_what_a_tensor_is(tie):
+    model = _HFStyle(tie)
+    role = {id(p): g["role"] for g in mz.muon_param_groups(model) for p in g["params"]}
+    hc = model.model.hcs[0]
+    assert role[id(model.lm_head.weight)] == "adamw"          # HF output head
+    assert role[id(model.model.embed_tokens.weight)] == "adamw"
+    assert role[id(hc.bias_res)] == "adamw" and role[id(hc.gate)] == "adamw"
+    assert role[id(hc.mixing)] == "adamw" and role[id(model.marked)] == "adamw"
+    assert role[id(hc.proj)] == "dense" and role[id(model.model.proj.weight)] == "dense"
+    # the name override still sends a matrix to AdamW
+    role = {id(p): g["role"] for g in mz.muon_param_groups(model, adamw_names=("model.proj",))
+            for p in g["params"]}
+    assert role[id(model.model.proj.weight)] == "adamw"
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(lr=float("nan")), "lr"), (dict(lr=float("inf")), "lr"), (dict(lr=-0.1), "lr"),
+    (dict(momentum=1.0), "momentum"), (dict(weight_decay=float("nan")), "weight_decay"),
+    (dict(update_rms=0.0), "update_rms"), (dict(eps=0.0), "eps"), (dict(betas=(0.9, 1.0)), "betas"),
+    (dict(ns_coefficients=()), "ns_coefficients")])
+def test_bad_hyperparameters_refused(bad, match):
+    with pytest.raises(ValueError, match=match):
+        mz.MuonZeRO([torch.zeros(4, 4, requires_grad=True)], **bad)
+    with pytest.raises(ValueError, match=f"param group 1.*{match}"):  # per group, too
+        mz.MuonZeRO([{"params": [torch.zeros(4, 4, requires_grad=True)]},
+                     {"params": [torch.zeros(3, 3, requires_grad=True)], **bad}])
+
+
+def test_bad_tensors_refused():
+    with pytest.raises(ValueError, match="float32"):
+        mz.MuonZeRO([torch.zeros(4, 4, dtype=torch.float64, requires_grad=True)])
+    with pytest.raises(ValueError, match="float32"):
+        mz.MuonZeRO([torch.zeros(4, 4, dtype=torch.bfloat16, requires_grad=True)])
+    with pytest.raises(ValueError, match="empty"):
+        mz.MuonZeRO([torch.zeros(0, 4, requires_grad=True)])
+    with pytest.raises(ValueError, match="empty"):
+        mz.MuonZeRO([{"params": [torch.zeros(2, 0, 4, requires_grad=True)], "role": "expert_up"}])
+
+
+def check_mismatch(rank, world, field):
+    """Rank 1 differs from the others in one thing; every rank must raise the same ValueError."""
+    P0 = make_params()
+    kw = dict(lr=LR_MUON)
+    odd = rank == 1
+    if field == "lr" and odd:
+        kw["lr"] = 2 * LR_MUON
+    if field == "adamw_lr":
+        pass
+    if field == "init" and odd:
+        P0["w_in"] = P0["w_in"] + 1e-3
+    if field == "shape" and odd:
+        P0["w_sq1"] = torch.zeros(DIM, DIM + 1)
+    if field == "dtype" and odd:
+        P0["head"] = P0["head"].double()
+    L = leaves(P0)
+    gs = groups(L)
+    if field == "adamw_lr" and odd:
+        gs[-1]["lr"] = 0.5
+    try:
+        mz.MuonZeRO(gs, **kw)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("field, words", [("lr", "lr"), ("adamw_lr", "lr"), ("init", "initial values"),
+                                          ("shape", "shape"), ("dtype", "float32")])
+def test_every_rank_refuses_a_mismatch(field, words):
+    msgs = run_ranks(check_mismatch, 3, args=(field,), timeout=60)
+    assert msgs[0] is not None and all(m == msgs[0] for m in msgs), msgs
+    assert words in msgs[0] and "rank 1" in msgs[0], msgs[0]
+
+
+def check_state_dict_is_local(rank, world):
+    P0 = make_params()
+    got, opt = run_muon_zero(P0, rank, world, steps=2, ns_dtype=torch.float32, grad_sync="fp32")
+    if rank == 0:  # the usual pattern: only rank 0 saves
+        local = opt.state_dict()
+        assert local["state"]
+    full = opt.gather_state_dict()  # the explicit collective: every rank gets every momentum
+    # string keys, as after a JSON round trip of the keys: momentum must load, not vanish
+    stringly = {"state": {str(k): v for k, v in full["state"].items()}, "param_groups": full["param_groups"]}
+    L = leaves(got)
+    fresh = mz.MuonZeRO(groups(L), lr=LR_MUON, ns_dtype=torch.float32, grad_sync="fp32")
+    fresh.load_state_dict(stringly)
+    again = fresh.gather_state_dict()
+    same = all(torch.equal(full["state"][i][k], again["state"][i][k]) for i in full["state"]
+               for k in full["state"][i] if torch.is_tensor(full["state"][i][k]))
+    return same
+
+
+def test_state_dict_on_rank_zero_alone_does_not_hang():
+    assert run_ranks(check_state_dict_is_local, 2, timeout=60) == [True, True]
+
+
+def test_load_state_dict_never_drops_momentum_silently():
+    P0 = make_params()
+    got, opt = run_muon_zero(P0, 0, 1, steps=1)
+    sd = opt.state_dict()
+    first = next(i for i, s in sd["state"].items() if "momentum_buffer" in s)
+    del sd["state"][first]
+    fresh = mz.MuonZeRO(groups(leaves(got)), lr=LR_MUON)
+    with pytest.raises(ValueError, match="momentum"):
+        fresh.load_state_dict(sd)
+    sd["state"]["not a number"] = {}
+    with pytest.raises(ValueError, match="key"):
+        fresh.load_state_dict(sd)
+
+
+def test_demo_never_drops_samples():
+    out = run_torchrun("muon_zero.py", nproc=3, args=("--steps", "1", "--batch", "25"), timeout=120,
+                       check=False)
+    assert out.returncode != 0 and "--batch 25 does not split" in out.stdout, out.stdout
