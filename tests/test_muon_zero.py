@@ -11,6 +11,7 @@ Tolerances (relative error of the parameter change after 5 steps, ||Δ_test - Δ
   ≈ 4e-3 relative). Our momentum is torch's lerp form, so the NS inputs agree up to fp32 summation order
   and a bf16 rounding only flips near a tie (measured: ~1e-6); 1e-2 allows a few flips on the way.
 """
+
 import math
 
 import pytest
@@ -22,14 +23,19 @@ import muon_zero as mz
 from harness import run_ranks, run_torchrun
 
 VOCAB, DIM, HIDDEN, EXPERTS, FFN = 16, 12, 20, 5, 8
-GLOBAL_BATCH, SEQ, STEPS = 12, 6, 5        # 12 samples split evenly over 1, 2, 3 and 4 ranks
+GLOBAL_BATCH, SEQ, STEPS = 12, 6, 5  # 12 samples split evenly over 1, 2, 3 and 4 ranks
 LR_MUON, LR_ADAM = 0.05, 0.01
 FP32_TOL, BF16_TOL = 1e-5, 1e-2
 
 # Dense matrices: tall, wide, square twice (a same-shape pair for batched NS), the router; 5 of them,
 # which divides neither 2, 3 nor 4. Expert stacks of 5 experts: 15 matrices, divides 3 only.
-DENSE = {"w_in": (HIDDEN, DIM), "w_out": (DIM, HIDDEN), "w_sq1": (DIM, DIM), "w_sq2": (DIM, DIM),
-         "router": (EXPERTS, DIM)}
+DENSE = {
+    "w_in": (HIDDEN, DIM),
+    "w_out": (DIM, HIDDEN),
+    "w_sq1": (DIM, DIM),
+    "w_sq2": (DIM, DIM),
+    "router": (EXPERTS, DIM),
+}
 EXPERT = {"gate": (EXPERTS, FFN, DIM), "up": (EXPERTS, FFN, DIM), "down": (EXPERTS, DIM, FFN)}
 ADAMW = {"embed": (VOCAB, DIM), "norm": (DIM,), "head": (VOCAB, DIM)}
 
@@ -45,11 +51,15 @@ def make_params(seed=0):
 def forward_loss(P, tokens, targets):
     """A small MoE block; P's expert entries may be 3-D tensors or lists of 2-D leaves (the reference)."""
     E = {k: (torch.stack(P[k]) if isinstance(P[k], list) else P[k]) for k in EXPERT}
-    x = P["embed"][tokens]                                                     # [B, T, D]
+    x = P["embed"][tokens]  # [B, T, D]
     x = x + torch.tanh(x @ P["w_in"].T) @ P["w_out"].T
     x = x + torch.tanh(x @ P["w_sq1"].T) @ P["w_sq2"].T
-    route = torch.sigmoid(x @ P["router"].T)  # [B, T, E]; softmax would leave the router gradient rank-deficient
-    h = F.silu(torch.einsum("btd,efd->btef", x, E["gate"])) * torch.einsum("btd,efd->btef", x, E["up"])
+    route = torch.sigmoid(
+        x @ P["router"].T
+    )  # [B, T, E]; softmax would leave the router gradient rank-deficient
+    h = F.silu(torch.einsum("btd,efd->btef", x, E["gate"])) * torch.einsum(
+        "btd,efd->btef", x, E["up"]
+    )
     x = x + torch.einsum("btef,edf,bte->btd", h, E["down"], route)
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * P["norm"]
     return F.cross_entropy((x @ P["head"].T).flatten(0, 1), targets.flatten())
@@ -76,15 +86,24 @@ def groups(L, roles=True):
 # References
 # ---------------------------------------------------------------------------------------------------
 
+
 def reference_torch(P, steps=STEPS):
     """torch.optim.Muon on every 2-D matrix (each expert its own leaf) + torch.optim.AdamW, full batch."""
     L = {k: v.clone().requires_grad_() for k, v in P.items() if k not in EXPERT}
     for k in EXPERT:
         L[k] = [m.clone().requires_grad_() for m in P[k]]
     mats = [L[k] for k in DENSE] + [m for k in EXPERT for m in L[k]]
-    muon = torch.optim.Muon(mats, lr=LR_MUON, weight_decay=0.1, momentum=0.95, nesterov=True,
-                            adjust_lr_fn="match_rms_adamw")
-    adam = torch.optim.AdamW([L[k] for k in ADAMW], lr=LR_ADAM, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    muon = torch.optim.Muon(
+        mats,
+        lr=LR_MUON,
+        weight_decay=0.1,
+        momentum=0.95,
+        nesterov=True,
+        adjust_lr_fn="match_rms_adamw",
+    )
+    adam = torch.optim.AdamW(
+        [L[k] for k in ADAMW], lr=LR_ADAM, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1
+    )
     for s in range(steps):
         forward_loss(L, *batch(s)).backward()
         muon.step(), adam.step(), muon.zero_grad(), adam.zero_grad()
@@ -94,14 +113,19 @@ def reference_torch(P, steps=STEPS):
 def reference_fp32(P, steps=STEPS, coefficients=mz.V4_NS_COEFFICIENTS, rms=0.18):
     """V4 Algorithm 1 written out per matrix in fp32, plus torch.optim.AdamW."""
     L = {k: v.clone().requires_grad_() for k, v in P.items()}
-    adam = torch.optim.AdamW([L[k] for k in ADAMW], lr=LR_ADAM, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    adam = torch.optim.AdamW(
+        [L[k] for k in ADAMW], lr=LR_ADAM, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1
+    )
     momentum = {k: torch.zeros_like(P[k]) for k in (*DENSE, *EXPERT)}
     for s in range(steps):
         forward_loss(L, *batch(s)).backward()
         with torch.no_grad():
             for k in (*DENSE, *EXPERT):
-                for W, G, M in ([(L[k], L[k].grad, momentum[k])] if k in DENSE else
-                                zip(L[k], L[k].grad, momentum[k])):
+                for W, G, M in (
+                    [(L[k], L[k].grad, momentum[k])]
+                    if k in DENSE
+                    else zip(L[k], L[k].grad, momentum[k])
+                ):
                     M.mul_(0.95).add_(G)
                     X = G + 0.95 * M
                     X = X.T if X.shape[0] > X.shape[1] else X
@@ -131,7 +155,9 @@ def run_muon_zero(P, rank, world, steps=STEPS, start=0, state=None, **kw):
     per = GLOBAL_BATCH // world
     for s in range(start, start + steps):
         x, y = batch(s)
-        forward_loss(L, x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]).backward()
+        forward_loss(
+            L, x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+        ).backward()
         opt.step()
         opt.zero_grad()
     return {k: v.detach() for k, v in L.items()}, opt
@@ -153,14 +179,23 @@ def all_equal_across_ranks(tensors):
 # The multi-rank check: one process launch per world size, many checks inside
 # ---------------------------------------------------------------------------------------------------
 
+
 def check_world(rank, world, checkpoint=None):
-    torch.manual_seed(1234 + rank)  # different per rank: nothing may depend on rank-local randomness
+    torch.manual_seed(
+        1234 + rank
+    )  # different per rank: nothing may depend on rank-local randomness
     P0 = make_params()
     out = {}
 
     # 1. Against torch.optim.Muon: bf16 NS, 5 standard steps, update_rms 0.2, exact fp32 sync.
-    got, _ = run_muon_zero(P0, rank, world, ns_coefficients=mz.STANDARD_NS_COEFFICIENTS, update_rms=0.2,
-                           grad_sync="fp32")
+    got, _ = run_muon_zero(
+        P0,
+        rank,
+        world,
+        ns_coefficients=mz.STANDARD_NS_COEFFICIENTS,
+        update_rms=0.2,
+        grad_sync="fp32",
+    )
     out["bf16_vs_torch"] = rel_change_error(P0, got, reference_torch(P0))
 
     # 2. V4's math in fp32 against the per-matrix loop, for every zero width that divides the world.
@@ -168,31 +203,41 @@ def check_world(rank, world, checkpoint=None):
     widths = [z for z in (1, 2, 3, 4) if world % z == 0]
     results = {}
     for z in widths:
-        got, opt = run_muon_zero(P0, rank, world, ns_dtype=torch.float32, grad_sync="fp32", zero_width=z)
+        got, opt = run_muon_zero(
+            P0, rank, world, ns_dtype=torch.float32, grad_sync="fp32", zero_width=z
+        )
         results[z] = got
         out[f"fp32_vs_loop_width{z}"] = rel_change_error(P0, got, ref)
         out[f"replicas_equal_width{z}"] = all_equal_across_ranks(list(got.values()))
-    out["width_invariance"] = max(rel_change_error(P0, results[z], results[widths[0]]) for z in widths)
+    out["width_invariance"] = max(
+        rel_change_error(P0, results[z], results[widths[0]]) for z in widths
+    )
 
     # 3. V4's numerics: bf16 stochastic-rounding sync (+ bf16 NS). Checked on one step with full-rank
     #    random gradients, different on every rank: on a training trajectory, Muon maps any noise in a
     #    near-null direction of the gradient to a unit singular value, so trajectories say little.
-    got, opt = run_muon_zero(P0, rank, world, grad_sync="bf16_sr", zero_width=widths[-2] if world > 1 else 1)
+    got, opt = run_muon_zero(
+        P0, rank, world, grad_sync="bf16_sr", zero_width=widths[-2] if world > 1 else 1
+    )
     out["replicas_equal_bf16_sr"] = all_equal_across_ranks(list(got.values()))
     out["state_bytes"] = opt.state_bytes()
     for ns_dtype in (torch.float32, torch.bfloat16):
         L = leaves(P0)
         opt = mz.MuonZeRO(groups(L), lr=LR_MUON, grad_sync="bf16_sr", ns_dtype=ns_dtype)
-        grads = {k: torch.randn((world,) + P0[k].shape, generator=torch.Generator().manual_seed(50 + i))
-                 for i, k in enumerate((*DENSE, *EXPERT))}
+        grads = {
+            k: torch.randn((world,) + P0[k].shape, generator=torch.Generator().manual_seed(50 + i))
+            for i, k in enumerate((*DENSE, *EXPERT))
+        }
         for k in grads:
             L[k].grad = grads[k][rank].clone()
         opt.step()
         err = 0.0
         for k in grads:
             G = grads[k].double().mean(0).float()
-            for W0, W1, g in ([(P0[k], L[k], G)] if k in DENSE else zip(P0[k], L[k], G)):
-                expect = W0 * (1 - LR_MUON * 0.1) - LR_MUON * 0.18 * math.sqrt(max(W0.shape)) * polar(g)
+            for W0, W1, g in [(P0[k], L[k], G)] if k in DENSE else zip(P0[k], L[k], G):
+                expect = W0 * (1 - LR_MUON * 0.1) - LR_MUON * 0.18 * math.sqrt(
+                    max(W0.shape)
+                ) * polar(g)
                 err = max(err, ((W1.detach() - expect).norm() / (expect - W0).norm()).item())
         out[f"bf16_sr_one_step_ns_{str(ns_dtype)[6:]}"] = err
 
@@ -221,36 +266,59 @@ def check_world(rank, world, checkpoint=None):
         except ValueError as e:
             return str(e)
         return None
+
     if world > 1:
-        out["bad_width"] = error_of(lambda: mz.MuonZeRO([torch.zeros(3, 3, requires_grad=True)],
-                                                        zero_width=world + 1))
+        out["bad_width"] = error_of(
+            lambda: mz.MuonZeRO([torch.zeros(3, 3, requires_grad=True)], zero_width=world + 1)
+        )
         shape = (3, 3) if rank == 0 else (3, 4)
         out["mismatch"] = error_of(lambda: mz.MuonZeRO([torch.zeros(shape, requires_grad=True)]))
-        out["vector_as_matrix"] = error_of(lambda: mz.MuonZeRO([torch.zeros(3, requires_grad=True)]))
+        out["vector_as_matrix"] = error_of(
+            lambda: mz.MuonZeRO([torch.zeros(3, requires_grad=True)])
+        )
         out["alive_after_errors"] = all_equal_across_ranks([torch.ones(2)])
 
     # 6. Checkpoints: save after 3 of 5 steps at W=4 / width 2; resume at W=2 / width 1 (the world-2 run);
     #    compare with the uninterrupted 5-step run.
     if checkpoint is None and world == 4:
-        mid, opt = run_muon_zero(P0, rank, world, steps=3, ns_dtype=torch.float32, grad_sync="fp32", zero_width=2)
-        state = opt.state_dict()
-        end, _ = run_muon_zero(P0, rank, world, steps=5, ns_dtype=torch.float32, grad_sync="fp32", zero_width=2)
+        mid, opt = run_muon_zero(
+            P0, rank, world, steps=3, ns_dtype=torch.float32, grad_sync="fp32", zero_width=2
+        )
+        state = opt.gather_state_dict()
+        end, _ = run_muon_zero(
+            P0, rank, world, steps=5, ns_dtype=torch.float32, grad_sync="fp32", zero_width=2
+        )
         out["checkpoint"] = dict(mid=mid, state=state, end=end)
     elif checkpoint is not None:
         mid, state, end = checkpoint["mid"], checkpoint["state"], checkpoint["end"]
         keys = [set(state["state"].get(i, {})) for i in range(len(P0))]
-        out["state_complete"] = keys == [{"momentum_buffer"}] * (len(DENSE) + len(EXPERT)) \
-            + [{"step", "exp_avg", "exp_avg_sq"}] * len(ADAMW)
-        got, opt = run_muon_zero(mid, rank, world, steps=2, start=3, state=state, ns_dtype=torch.float32,
-                                 grad_sync="fp32", zero_width=1)
+        out["state_complete"] = keys == [{"momentum_buffer"}] * (len(DENSE) + len(EXPERT)) + [
+            {"step", "exp_avg", "exp_avg_sq"}
+        ] * len(ADAMW)
+        got, opt = run_muon_zero(
+            mid,
+            rank,
+            world,
+            steps=2,
+            start=3,
+            state=state,
+            ns_dtype=torch.float32,
+            grad_sync="fp32",
+            zero_width=1,
+        )
         out["resume_err"] = rel_change_error(mid, got, end)
         L = leaves(mid)
-        fresh = mz.MuonZeRO(groups(L), lr=LR_MUON, ns_dtype=torch.float32, grad_sync="fp32", zero_width=1)
+        fresh = mz.MuonZeRO(
+            groups(L), lr=LR_MUON, ns_dtype=torch.float32, grad_sync="fp32", zero_width=1
+        )
         fresh.load_state_dict(state)
-        again = fresh.state_dict()
-        out["roundtrip_exact"] = all(torch.equal(state["state"][i][k], again["state"][i][k])
-                                     for i in state["state"] for k in state["state"][i]
-                                     if torch.is_tensor(state["state"][i][k]))
+        again = fresh.gather_state_dict()
+        out["roundtrip_exact"] = all(
+            torch.equal(state["state"][i][k], again["state"][i][k])
+            for i in state["state"]
+            for k in state["state"][i]
+            if torch.is_tensor(state["state"][i][k])
+        )
     return out
 
 
@@ -272,14 +340,21 @@ def assert_world(results, world):
         assert r["none_somewhere_err"] < FP32_TOL, (where, r["none_somewhere_err"])
         if world > 1:
             assert r["bad_width"] and "zero_width" in r["bad_width"], (where, r["bad_width"])
-            assert r["mismatch"] and "differ across ranks" in r["mismatch"], (where, r["mismatch"])
-            assert r["vector_as_matrix"] and "Muon needs" in r["vector_as_matrix"], (where, r["vector_as_matrix"])
+            assert r["mismatch"] and "differs across ranks" in r["mismatch"], (where, r["mismatch"])
+            assert r["vector_as_matrix"] and "Muon needs" in r["vector_as_matrix"], (
+                where,
+                r["vector_as_matrix"],
+            )
             assert r["alive_after_errors"], where
     # Momentum for every Muon element, sharded: each rank holds about 1/world of it (plus padding).
-    total = 4 * (sum(math.prod(s) for s in DENSE.values()) + sum(math.prod(s) for s in EXPERT.values())) \
-        + 8 * sum(math.prod(s) for s in ADAMW.values())
+    total = 4 * (
+        sum(math.prod(s) for s in DENSE.values()) + sum(math.prod(s) for s in EXPERT.values())
+    ) + 8 * sum(math.prod(s) for s in ADAMW.values())
     state = sum(r["state_bytes"] for r in results)
-    assert state >= total and (world == 1 or max(r["state_bytes"] for r in results) < total), (state, total)
+    assert state >= total and (world == 1 or max(r["state_bytes"] for r in results) < total), (
+        state,
+        total,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -307,6 +382,7 @@ def test_matches_single_process_references_world4(world4):
 # Single-process checks of the pure functions
 # ---------------------------------------------------------------------------------------------------
 
+
 def test_ns_coefficients():
     assert mz.V4_NS_COEFFICIENTS == ((3.4445, -4.7750, 2.0315),) * 8 + ((2.0, -1.5, 0.5),) * 2
     assert mz.STANDARD_NS_COEFFICIENTS == ((3.4445, -4.7750, 2.0315),) * 5
@@ -318,8 +394,10 @@ def test_newton_schulz():
         X = torch.randn(shape, generator=g)
         # V4's schedule in fp32 lands on the polar factor (measured ~3e-4): its last two steps are the
         # classic cubic iteration, which converges; the standard 5 steps stop ~20% away by design.
-        assert ((mz.newton_schulz(X, mz.V4_NS_COEFFICIENTS, torch.float32) - polar(X)).norm()
-                / polar(X).norm()) < 1e-3
+        assert (
+            (mz.newton_schulz(X, mz.V4_NS_COEFFICIENTS, torch.float32) - polar(X)).norm()
+            / polar(X).norm()
+        ) < 1e-3
         # bf16: the same op sequence as torch.optim.Muon, so one step from zero momentum matches exactly
         # (update = NS(lerp(G, (1-mu)G, mu)) * 0.2 * sqrt(max(n, m))).
         W = torch.randn(shape, generator=g)
@@ -347,11 +425,13 @@ def test_stochastic_rounding_is_unbiased():
     #    Each rounding is lo or hi; with p = (x - lo) / ulp the mean has std ulp·sqrt(p(1-p)/N), so
     #    a 5-sigma bound fails by chance with probability < 1e-6. Round-to-nearest is off by p·ulp.
     N = 200_000
-    for x0 in (1.0 + 0.3 * 2 ** -7, -3.0 - 0.9 * 2 ** -6, 1e-30 * 1.37):
+    for x0 in (1.0 + 0.3 * 2**-7, -3.0 - 0.9 * 2**-6, 1e-30 * 1.37):
         x = torch.full((N,), x0, dtype=torch.float32)
         r = mz.stochastic_round_to_bf16(x, generator=g).double()
         lo, hi = r.min().item(), r.max().item()
-        assert len(set(r.tolist())) == 2 and lo <= x0 <= hi, "must round to one of the two neighbours"
+        assert len(set(r.tolist())) == 2 and lo <= x0 <= hi, (
+            "must round to one of the two neighbours"
+        )
         p = (x0 - lo) / (hi - lo)
         sigma = (hi - lo) * math.sqrt(p * (1 - p) / N)
         assert abs(r.mean().item() - x0) < 5 * sigma, (x0, r.mean().item(), sigma)
@@ -361,19 +441,40 @@ def test_stochastic_rounding_is_unbiased():
     x = torch.randn(N, generator=g) * torch.exp(torch.randn(N, generator=g) * 5)
     err = (mz.stochastic_round_to_bf16(x, generator=g).double() - x.double()) / x.double().abs()
     assert abs(err.mean().item()) < 5 * err.std().item() / math.sqrt(N)
-    assert err.abs().max().item() < 2 ** -7  # never more than one bf16 ulp away
+    assert err.abs().max().item() < 2**-7  # never more than one bf16 ulp away
 
 
 def test_stochastic_rounding_special_values():
     bf16_max = torch.finfo(torch.bfloat16).max
     fp32_max = torch.finfo(torch.float32).max
-    x = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1.0, -2.5, bf16_max, -bf16_max,
-                      fp32_max, -fp32_max, 3.3961e38, 1e-45])
+    x = torch.tensor(
+        [
+            float("nan"),
+            float("inf"),
+            -float("inf"),
+            0.0,
+            -0.0,
+            1.0,
+            -2.5,
+            bf16_max,
+            -bf16_max,
+            fp32_max,
+            -fp32_max,
+            3.3961e38,
+            1e-45,
+        ]
+    )
     for seed in range(20):
-        r = mz.stochastic_round_to_bf16(x.repeat(50), generator=torch.Generator().manual_seed(seed)).view(50, -1)
+        r = mz.stochastic_round_to_bf16(
+            x.repeat(50), generator=torch.Generator().manual_seed(seed)
+        ).view(50, -1)
         assert r.dtype == torch.bfloat16
-        assert r[:, 0].isnan().all() and (r[:, 1] == float("inf")).all() and (r[:, 2] == -float("inf")).all()
-        assert torch.equal(r[:, 3:7].float(), x[3:7].expand(50, 4))   # bf16-exact values never move
+        assert (
+            r[:, 0].isnan().all()
+            and (r[:, 1] == float("inf")).all()
+            and (r[:, 2] == -float("inf")).all()
+        )
+        assert torch.equal(r[:, 3:7].float(), x[3:7].expand(50, 4))  # bf16-exact values never move
         assert r[:, 7:].isfinite().all(), "finite inputs near the bf16 maximum must not become Inf"
         assert (r[:, 7:9].float().abs() == bf16_max).all()
     with pytest.raises(ValueError, match="float32"):
@@ -394,27 +495,46 @@ def test_param_groups_send_every_matrix_to_muon():
         else:
             assert role[id(p)] == "expert_" + name.split("_")[-1], name
     assert sum(p.ndim == 3 for g in groups_ if g["role"] == "adamw" for p in g["params"]) == 0
-    assert sum(1 for g in groups_ if g["role"] == "adamw" for p in g["params"] if p.ndim >= 2) == 2  # embed, head
+    assert (
+        sum(1 for g in groups_ if g["role"] == "adamw" for p in g["params"] if p.ndim >= 2) == 2
+    )  # embed, head
     # A 3-D stack whose role cannot be told must not fall silently to AdamW (or to Muon as one matrix).
     weird = torch.nn.Module()
     weird.stack = torch.nn.Parameter(torch.zeros(2, 3, 4))
     with pytest.raises(ValueError, match="expert_roles"):
         mz.muon_param_groups(weird)
-    assert mz.muon_param_groups(weird, expert_roles={"stack": "expert_up"})[0]["role"] == "expert_up"
+    assert (
+        mz.muon_param_groups(weird, expert_roles={"stack": "expert_up"})[0]["role"] == "expert_up"
+    )
 
 
 def test_pack_dense():
-    shapes = [(64, 48), (48, 64), (32, 48), (48, 48), (48, 48), (6, 48), (128, 16), (16, 16), (48, 48)]
+    shapes = [
+        (64, 48),
+        (48, 64),
+        (32, 48),
+        (48, 48),
+        (48, 48),
+        (6, 48),
+        (128, 16),
+        (16, 16),
+        (48, 48),
+    ]
     buckets = mz.pack_dense(shapes, 3, balance="ns_cost")
-    assert sorted(i for b in buckets for i in b) == list(range(len(shapes)))   # each matrix once, whole
+    assert sorted(i for b in buckets for i in b) == list(
+        range(len(shapes))
+    )  # each matrix once, whole
     costs = [sum(mz.ns_cost(shapes[i]) for i in b) for b in buckets]
     # LPT guarantee: the heaviest bucket exceeds the ideal share by at most the largest single item.
     assert max(costs) <= sum(costs) / 3 + max(mz.ns_cost(s) for s in shapes)
     for b in buckets:  # identical shapes adjacent, so they batch into one NS call
         keys = [shapes[i] for i in b]
         assert keys == sorted(keys)
-    assert mz.ns_cost((48, 64)) == 2 * 48 * 48 * 64 + 48 ** 3 == mz.ns_cost((64, 48))
-    numel = [sum(shapes[i][0] * shapes[i][1] for i in b) for b in mz.pack_dense(shapes, 3, balance="numel")]
+    assert mz.ns_cost((48, 64)) == 2 * 48 * 48 * 64 + 48**3 == mz.ns_cost((64, 48))
+    numel = [
+        sum(shapes[i][0] * shapes[i][1] for i in b)
+        for b in mz.pack_dense(shapes, 3, balance="numel")
+    ]
     assert max(numel) <= sum(numel) / 3 + max(n * m for n, m in shapes)
     # "both" (the default) bounds each load's share by the ideal share plus the largest item's share.
     both = mz.pack_dense(shapes, 3)
@@ -430,16 +550,29 @@ def test_split_experts_and_plan():
     assert sorted(b - a for a, b in mz.split_experts([10] * 15, 4)) == [3, 4, 4, 4]
     for n, w in [(15, 4), (33024, 256), (7, 7), (3, 5)]:
         ranges = mz.split_experts([6] * n, w)
-        assert ranges[0][0] == 0 and ranges[-1][1] == n and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        assert (
+            ranges[0][0] == 0
+            and ranges[-1][1] == n
+            and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        )
         sizes = [b - a for a, b in ranges]
         assert max(sizes) - min(sizes) <= 1
-    plan = mz.plan_muon([(64, 48)] * 5 + [(32, 48)], [(48, 32)] * 6 + [(32, 48)] * 12, world_size=4, zero_width=2)
+    plan = mz.plan_muon(
+        [(64, 48)] * 5 + [(32, 48)], [(48, 32)] * 6 + [(32, 48)] * 12, world_size=4, zero_width=2
+    )
     rows = plan.rows()
-    assert [r["dense"] for r in rows] == [len(plan.dense_buckets[0]), len(plan.dense_buckets[1])] * 2
+    assert [r["dense"] for r in rows] == [
+        len(plan.dense_buckets[0]),
+        len(plan.dense_buckets[1]),
+    ] * 2
     assert sum(r["experts"] for r in rows) == 18 and sum(len(b) for b in plan.dense_buckets) == 6
     assert [r["replica"] for r in rows] == [0, 0, 1, 1] and plan.owned(0)[0] == plan.owned(2)[0]
     s = plan.summary()
-    assert s["expert_padding"] == (4 * 5 - 18) / 18 and 0 <= s["dense_padding"] and s["dense_imbalance"] >= 1
+    assert (
+        s["expert_padding"] == (4 * 5 - 18) / 18
+        and 0 <= s["dense_padding"]
+        and s["dense_imbalance"] >= 1
+    )
     assert "rank" in plan.format() and len(plan.format().splitlines()) == 5
     with pytest.raises(ValueError, match="zero_width=3 must divide"):
         mz.plan_muon([(4, 4)], [], world_size=4, zero_width=3)
@@ -484,10 +617,10 @@ def test_adamw_update_matches_torch():
 
 def test_demo_under_torchrun():
     out = run_torchrun("muon_zero.py", nproc=2, args=("--steps", "11"), timeout=120).stdout
-    losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step")]
+    losses = [float(line.split()[3]) for line in out.splitlines() if line.startswith("step")]
     assert len(losses) == 3 and losses[-1] < 0.7 * losses[0], out
     assert "parameters bitwise identical on all 2 ranks: True" in out, out
-    assert "optimizer state per rank (bytes)" in out and "rank replica pos" in out, out
+    assert "optimizer state held per rank (bytes)" in out and "rank replica" in out, out
 
 
 def test_same_shape_matrices_share_one_stack_and_one_ns_call(monkeypatch):
@@ -495,7 +628,9 @@ def test_same_shape_matrices_share_one_stack_and_one_ns_call(monkeypatch):
     opt = mz.MuonZeRO(groups(L), lr=LR_MUON, grad_sync="fp32")
     calls = []
     real = mz.newton_schulz
-    monkeypatch.setattr(mz, "newton_schulz", lambda X, *a, **k: calls.append(tuple(X.shape)) or real(X, *a, **k))
+    monkeypatch.setattr(
+        mz, "newton_schulz", lambda X, *a, **k: calls.append(tuple(X.shape)) or real(X, *a, **k)
+    )
     x, y = batch(0)
     pointers = None
     for _ in range(2):
@@ -506,15 +641,19 @@ def test_same_shape_matrices_share_one_stack_and_one_ns_call(monkeypatch):
         if pointers is not None:  # updated in place: the stacked buffers are the resting layout
             assert [t.data_ptr() for t in stacks] == pointers
         pointers = [t.data_ptr() for t in stacks]
-    # One rank owns everything: dense runs (5,12) (12,12)x2 (12,20) (20,12); experts down, up, gate.
-    expect = [(1, 5, 12), (2, 12, 12), (1, 12, 20), (1, 20, 12), (5, 12, 8), (5, 8, 12), (5, 8, 12)]
+    # One rank owns everything: dense runs (5,12) (12,12)x2 (12,20) (20,12); experts: the downs, then
+    # ups and gates of one shape in one run although they are separate param groups (issue 11).
+    expect = [(1, 5, 12), (2, 12, 12), (1, 12, 20), (1, 20, 12), (5, 12, 8), (10, 8, 12)]
     assert sorted(tuple(t.shape) for t in stacks) == sorted(expect)
-    assert sorted(calls) == sorted(expect * 2)  # one batched NS call per stack per step, not one per matrix
+    assert sorted(calls) == sorted(
+        expect * 2
+    )  # one batched NS call per stack per step, not one per matrix
 
 
 # ---------------------------------------------------------------------------------------------------
 # No hang, no silent wrong answer (each case reproduced before it was fixed)
 # ---------------------------------------------------------------------------------------------------
+
 
 def check_data_parallel_subgroups(rank, world):
     """Pipeline x data parallelism on 4 ranks: stages {0, 1} and {2, 3}, each its own MuonZeRO."""
@@ -523,12 +662,20 @@ def check_data_parallel_subgroups(rank, world):
     P0 = make_params(seed=stage)  # each stage holds different parameters
     L = leaves(P0)
     # different widths per stage: the stages make different subgroup calls (only members take part)
-    opt = mz.MuonZeRO(groups(L), lr=LR_MUON, ns_dtype=torch.float32, grad_sync="fp32",
-                      process_group=stages[stage], zero_width=1 if stage == 0 else 2)
+    opt = mz.MuonZeRO(
+        groups(L),
+        lr=LR_MUON,
+        ns_dtype=torch.float32,
+        grad_sync="fp32",
+        process_group=stages[stage],
+        zero_width=1 if stage == 0 else 2,
+    )
     dp_rank, per = rank % 2, GLOBAL_BATCH // 2
     for s in range(STEPS):
         x, y = batch(s)
-        forward_loss(L, x[dp_rank * per:(dp_rank + 1) * per], y[dp_rank * per:(dp_rank + 1) * per]).backward()
+        forward_loss(
+            L, x[dp_rank * per : (dp_rank + 1) * per], y[dp_rank * per : (dp_rank + 1) * per]
+        ).backward()
         opt.step()
         opt.zero_grad()
     got = {k: v.detach() for k, v in L.items()}
@@ -549,14 +696,14 @@ class _HFStyle(torch.nn.Module):
         self.model.embed_tokens = torch.nn.Embedding(16, 8)
         self.model.proj = torch.nn.Linear(8, 8, bias=False)
         hc = torch.nn.Module()
-        hc.proj = torch.nn.Parameter(torch.zeros(32, 24))       # a matrix: Muon
-        hc.bias_res = torch.nn.Parameter(torch.eye(4))          # a 2-D static bias: AdamW
+        hc.proj = torch.nn.Parameter(torch.zeros(32, 24))  # a matrix: Muon
+        hc.bias_res = torch.nn.Parameter(torch.eye(4))  # a 2-D static bias: AdamW
         hc.gate = torch.nn.Parameter(torch.zeros(3))
-        hc.mixing = torch.nn.Parameter(torch.zeros(4, 4))       # declared non-Muon by its module
+        hc.mixing = torch.nn.Parameter(torch.zeros(4, 4))  # declared non-Muon by its module
         hc.no_muon = {"mixing"}
         self.model.hcs = torch.nn.ModuleList([hc])
         self.marked = torch.nn.Parameter(torch.zeros(5, 5))
-        self.marked.no_muon = True                              # declared non-Muon on the tensor
+        self.marked.no_muon = True  # declared non-Muon on the tensor
         self.lm_head = torch.nn.Linear(8, 16, bias=False)
         if tie:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -567,28 +714,44 @@ def test_param_groups_route_by_what_a_tensor_is(tie):
     model = _HFStyle(tie)
     role = {id(p): g["role"] for g in mz.muon_param_groups(model) for p in g["params"]}
     hc = model.model.hcs[0]
-    assert role[id(model.lm_head.weight)] == "adamw"          # HF output head
+    assert role[id(model.lm_head.weight)] == "adamw"  # HF output head
     assert role[id(model.model.embed_tokens.weight)] == "adamw"
     assert role[id(hc.bias_res)] == "adamw" and role[id(hc.gate)] == "adamw"
     assert role[id(hc.mixing)] == "adamw" and role[id(model.marked)] == "adamw"
     assert role[id(hc.proj)] == "dense" and role[id(model.model.proj.weight)] == "dense"
     # the name override still sends a matrix to AdamW
-    role = {id(p): g["role"] for g in mz.muon_param_groups(model, adamw_names=("model.proj",))
-            for p in g["params"]}
+    role = {
+        id(p): g["role"]
+        for g in mz.muon_param_groups(model, adamw_names=("model.proj",))
+        for p in g["params"]
+    }
     assert role[id(model.model.proj.weight)] == "adamw"
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(lr=float("nan")), "lr"), (dict(lr=float("inf")), "lr"), (dict(lr=-0.1), "lr"),
-    (dict(momentum=1.0), "momentum"), (dict(weight_decay=float("nan")), "weight_decay"),
-    (dict(update_rms=0.0), "update_rms"), (dict(eps=0.0), "eps"), (dict(betas=(0.9, 1.0)), "betas"),
-    (dict(ns_coefficients=()), "ns_coefficients")])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(lr=float("nan")), "lr"),
+        (dict(lr=float("inf")), "lr"),
+        (dict(lr=-0.1), "lr"),
+        (dict(momentum=1.0), "momentum"),
+        (dict(weight_decay=float("nan")), "weight_decay"),
+        (dict(update_rms=0.0), "update_rms"),
+        (dict(eps=0.0), "eps"),
+        (dict(betas=(0.9, 1.0)), "betas"),
+        (dict(ns_coefficients=()), "ns_coefficients"),
+    ],
+)
 def test_bad_hyperparameters_refused(bad, match):
     with pytest.raises(ValueError, match=match):
         mz.MuonZeRO([torch.zeros(4, 4, requires_grad=True)], **bad)
     with pytest.raises(ValueError, match=f"param group 1.*{match}"):  # per group, too
-        mz.MuonZeRO([{"params": [torch.zeros(4, 4, requires_grad=True)]},
-                     {"params": [torch.zeros(3, 3, requires_grad=True)], **bad}])
+        mz.MuonZeRO(
+            [
+                {"params": [torch.zeros(4, 4, requires_grad=True)]},
+                {"params": [torch.zeros(3, 3, requires_grad=True)], **bad},
+            ]
+        )
 
 
 def test_bad_tensors_refused():
@@ -628,8 +791,16 @@ def check_mismatch(rank, world, field):
     return None
 
 
-@pytest.mark.parametrize("field, words", [("lr", "lr"), ("adamw_lr", "lr"), ("init", "initial values"),
-                                          ("shape", "shape"), ("dtype", "float32")])
+@pytest.mark.parametrize(
+    "field, words",
+    [
+        ("lr", "lr"),
+        ("adamw_lr", "lr"),
+        ("init", "initial values"),
+        ("shape", "shape"),
+        ("dtype", "float32"),
+    ],
+)
 def test_every_rank_refuses_a_mismatch(field, words):
     msgs = run_ranks(check_mismatch, 3, args=(field,), timeout=60)
     assert msgs[0] is not None and all(m == msgs[0] for m in msgs), msgs
@@ -644,13 +815,20 @@ def check_state_dict_is_local(rank, world):
         assert local["state"]
     full = opt.gather_state_dict()  # the explicit collective: every rank gets every momentum
     # string keys, as after a JSON round trip of the keys: momentum must load, not vanish
-    stringly = {"state": {str(k): v for k, v in full["state"].items()}, "param_groups": full["param_groups"]}
+    stringly = {
+        "state": {str(k): v for k, v in full["state"].items()},
+        "param_groups": full["param_groups"],
+    }
     L = leaves(got)
     fresh = mz.MuonZeRO(groups(L), lr=LR_MUON, ns_dtype=torch.float32, grad_sync="fp32")
     fresh.load_state_dict(stringly)
     again = fresh.gather_state_dict()
-    same = all(torch.equal(full["state"][i][k], again["state"][i][k]) for i in full["state"]
-               for k in full["state"][i] if torch.is_tensor(full["state"][i][k]))
+    same = all(
+        torch.equal(full["state"][i][k], again["state"][i][k])
+        for i in full["state"]
+        for k in full["state"][i]
+        if torch.is_tensor(full["state"][i][k])
+    )
     return same
 
 
@@ -673,6 +851,7 @@ def test_load_state_dict_never_drops_momentum_silently():
 
 
 def test_demo_never_drops_samples():
-    out = run_torchrun("muon_zero.py", nproc=3, args=("--steps", "1", "--batch", "25"), timeout=120,
-                       check=False)
+    out = run_torchrun(
+        "muon_zero.py", nproc=3, args=("--steps", "1", "--batch", "25"), timeout=120, check=False
+    )
     assert out.returncode != 0 and "--batch 25 does not split" in out.stdout, out.stdout
