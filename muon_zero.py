@@ -1344,9 +1344,10 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description="Train a small MoE model with MuonZeRO (V4 §3.4.1) on every rank; print the "
         "ownership plan, the loss, optimizer-state bytes per rank and a replica check.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--steps", type=int, default=40, help="optimizer steps to train")
+    parser.add_argument(
+        "--steps", type=int, default=40, help="optimizer steps to train (default: %(default)s)"
+    )
     parser.add_argument(
         "--batch",
         type=int,
@@ -1354,7 +1355,9 @@ def parse_args(argv=None):
         help="global batch in sequences, split evenly over the ranks (default: 24, "
         "or the next multiple of the rank count)",
     )
-    parser.add_argument("--seq", type=int, default=16, help="tokens per sequence")
+    parser.add_argument(
+        "--seq", type=int, default=16, help="tokens per sequence (default: %(default)s)"
+    )
     parser.add_argument(
         "--zero-width",
         type=int,
@@ -1366,10 +1369,14 @@ def parse_args(argv=None):
         "--grad-sync",
         choices=("bf16_sr", "fp32"),
         default="bf16_sr",
-        help="gradient exchange: V4's bf16 stochastic rounding, or exact fp32",
+        help="gradient exchange: V4's bf16 stochastic rounding, or exact fp32 "
+        "(default: %(default)s)",
     )
     parser.add_argument(
-        "--lr", type=float, default=0.02, help="Muon learning rate (AdamW tensors use 3e-3)"
+        "--lr",
+        type=float,
+        default=0.02,
+        help="Muon learning rate; AdamW tensors use 3e-3 (default: %(default)s)",
     )
     parser.add_argument(
         "--backend",

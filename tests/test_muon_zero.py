@@ -11,7 +11,7 @@ Tolerances (relative error of the parameter change after 5 steps, ||Δ_test - Δ
   per op.
 - bf16 NS against torch.optim.Muon: 1e-2. Both round the NS input and every NS matmul to bf16 (2^-8
   ≈ 4e-3 relative). Our momentum is torch's lerp form, so the NS inputs agree up to fp32 summation
-  order and a bf16 rounding only flips near a tie (measured: ~1e-6); 1e-2 allows a few flips on the way.
+  order and a bf16 rounding only flips near a tie (measured: ~1e-6); 1e-2 allows a few flips.
 """
 
 import math
