@@ -79,16 +79,9 @@ def newton_schulz(X, coefficients, dtype=torch.bfloat16, eps=1e-7):
     ### END SOLUTION
 
 
-def muon_update(
-    grad,
-    momentum_buffer,
-    *,
-    momentum=0.95,
-    nesterov=True,
-    coefficients=V4_NS_COEFFICIENTS,
-    ns_dtype=torch.bfloat16,
-    update_rms=0.18,
-):
+def muon_update(grad, momentum_buffer, *, momentum=0.95, nesterov=True,
+                coefficients=V4_NS_COEFFICIENTS, ns_dtype=torch.bfloat16,
+                update_rms=0.18):  # fmt: skip
     """Advance the momentum in place, return the fp32 update O.  grad, buffer: [n, m] or [b, n, m].
 
     V4 writes M <- mu·M + G and X = mu·M + G (Nesterov) or M. We keep the buffer as an average,
@@ -371,15 +364,10 @@ class MuonSettings:
 
     @staticmethod
     def of(group):
-        return MuonSettings(
-            group["lr"],
-            group["weight_decay"],
-            group["momentum"],
-            group["nesterov"],
-            tuple(map(tuple, group["ns_coefficients"])),
-            group["ns_dtype"],
-            group["update_rms"],
-        )
+        g = group
+        return MuonSettings(g["lr"], g["weight_decay"], g["momentum"], g["nesterov"],
+                            tuple(map(tuple, g["ns_coefficients"])), g["ns_dtype"],
+                            g["update_rms"])  # fmt: skip
 
 
 def lay_out(matrices):
@@ -493,21 +481,12 @@ def update_run(G, W, M, settings, active):
         while end < len(settings) and settings[end] == settings[start]:
             end += 1
         s = settings[start]
-        kwargs = dict(
-            momentum=s.momentum,
-            nesterov=s.nesterov,
-            coefficients=s.coefficients,
-            ns_dtype=s.ns_dtype,
-            update_rms=s.update_rms,
-        )
+        kwargs = dict(momentum=s.momentum, nesterov=s.nesterov, coefficients=s.coefficients,
+                      ns_dtype=s.ns_dtype, update_rms=s.update_rms)  # fmt: skip
         idx = [k for k in range(start, end) if active[k]]
         if len(idx) == end - start:  # all active: the stacked buffer is updated in place
-            apply_update(
-                W[start:end],
-                muon_update(G[start:end], M[start:end], **kwargs),
-                s.lr,
-                s.weight_decay,
-            )
+            update = muon_update(G[start:end], M[start:end], **kwargs)  # one batched NS
+            apply_update(W[start:end], update, s.lr, s.weight_decay)
         elif idx:
             sub = torch.tensor(idx, device=M.device)
             M_sub, W_sub = M[sub], W[sub]
@@ -545,36 +524,13 @@ class MuonZeRO(torch.optim.Optimizer):
     Parameters must be float32 and on one device (mixed precision keeps fp32 master weights).
     """
 
-    def __init__(
-        self,
-        params,
-        lr=0.02,
-        momentum=0.95,
-        weight_decay=0.1,
-        nesterov=True,
-        ns_coefficients=V4_NS_COEFFICIENTS,
-        ns_dtype=torch.bfloat16,
-        update_rms=0.18,
-        betas=(0.9, 0.95),
-        eps=1e-8,
-        zero_width=None,
-        grad_sync="bf16_sr",
-        process_group=None,
-        balance="both",
-        seed=0,
-    ):
-        defaults = dict(
-            lr=lr,
-            momentum=momentum,
-            weight_decay=weight_decay,
-            nesterov=nesterov,
-            ns_coefficients=ns_coefficients,
-            ns_dtype=ns_dtype,
-            update_rms=update_rms,
-            betas=betas,
-            eps=eps,
-            role="dense",
-        )
+    def __init__(self, params, lr=0.02, momentum=0.95, weight_decay=0.1, nesterov=True,
+                 ns_coefficients=V4_NS_COEFFICIENTS, ns_dtype=torch.bfloat16, update_rms=0.18,
+                 betas=(0.9, 0.95), eps=1e-8, zero_width=None, grad_sync="bf16_sr",
+                 process_group=None, balance="both", seed=0):  # fmt: skip
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov,
+                        ns_coefficients=ns_coefficients, ns_dtype=ns_dtype, update_rms=update_rms,
+                        betas=betas, eps=eps, role="dense")  # fmt: skip
         super().__init__(params, defaults)
         if process_group is None and dist.is_initialized():
             process_group = dist.group.WORLD
@@ -589,58 +545,35 @@ class MuonZeRO(torch.optim.Optimizer):
         self.device = self.params[0].device
 
         # V4's matrices: dense in parameter order; experts flattened, all downs, then ups, gates.
-        self.dense_matrices = [
-            Slot(i, None, k, tuple(p.shape)) for i, p, k in self._params_of(("dense",))
-        ]
-        self.expert_matrices = [
-            Slot(i, e, k, tuple(p.shape[1:]))
-            for role in EXPERT_ROLES
-            for i, p, k in self._params_of((role,))
-            for e in range(p.size(0))
-        ]
-        self.plan = plan_muon(
-            [s.shape for s in self.dense_matrices],
-            [s.shape for s in self.expert_matrices],
-            self.world_size,
-            zero_width,
-            balance,
-        )
+        self.dense_matrices = [Slot(i, None, k, tuple(p.shape))
+                               for i, p, k in self._params_of(("dense",))]  # fmt: skip
+        self.expert_matrices = [Slot(i, e, k, tuple(p.shape[1:])) for role in EXPERT_ROLES
+                                for i, p, k in self._params_of((role,))
+                                for e in range(p.size(0))]  # fmt: skip
+        self.plan = plan_muon([s.shape for s in self.dense_matrices],
+                              [s.shape for s in self.expert_matrices],
+                              self.world_size, zero_width, balance)  # fmt: skip
         self.zero_width = self.plan.zero_width
         shard_group, replica_group = build_groups(self.group, self.world_size, self.zero_width)
         me, position = self.rank, self.plan.position(self.rank)
         dense = [lay_out([self.dense_matrices[i] for i in b]) for b in self.plan.dense_buckets]
         experts = [lay_out(self.expert_matrices[a:b]) for a, b in self.plan.expert_ranges]
-        self.shards = {
-            "dense": Shards(
-                [c for c, _ in dense],
-                self.plan.dense_bucket_numel,
-                position,
-                make_runs(dense[position][0]),
-                shard_group,
-                self.zero_width,
-                replica_group,
-            ),
-            "experts": Shards(
-                [c for c, _ in experts],
-                self.plan.expert_chunk_numel,
-                me,
-                make_runs(experts[me][0]) if experts else [],
-                self.group,
-                self.world_size,
-            ),
-        }
+        self.shards = {  # dense: a reduce-scatter over my replica; experts: over every rank
+            "dense": Shards([c for c, _ in dense], self.plan.dense_bucket_numel, position,
+                            make_runs(dense[position][0]), shard_group, self.zero_width,
+                            replica_group),
+            "experts": Shards([c for c, _ in experts], self.plan.expert_chunk_numel, me,
+                              make_runs(experts[me][0]) if experts else [], self.group,
+                              self.world_size),
+        }  # fmt: skip
         self._momentum = None  # created lazily in the first step(), like torch's optimizers
         self._sr_generator = torch.Generator(device=self.device).manual_seed(seed * 65537 + me)
 
     def _params_of(self, roles):
         """(index into self.params, parameter, param-group index) of the groups with these roles."""
         index = {id(p): i for i, p in enumerate(self.params)}
-        return [
-            (index[id(p)], p, k)
-            for k, g in enumerate(self.param_groups)
-            if g["role"] in roles
-            for p in g["params"]
-        ]
+        return [(index[id(p)], p, k) for k, g in enumerate(self.param_groups)
+                if g["role"] in roles for p in g["params"]]  # fmt: skip
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -652,38 +585,22 @@ class MuonZeRO(torch.optim.Optimizer):
         if not any(has_grad):
             return loss
         if self._momentum is None:
-            self._momentum = {
-                kind: [
-                    torch.zeros(r.count, *r.shape, device=self.device)
-                    for r in self.shards[kind].runs
-                ]
-                for kind in self.shards
-            }
+            self._momentum = {kind: [torch.zeros(r.count, *r.shape, device=self.device)
+                                     for r in shards.runs]
+                              for kind, shards in self.shards.items()}  # fmt: skip
         adamw_step(self, has_grad)
         grads, params = [p.grad for p in self.params], [p.detach() for p in self.params]
         settings = [MuonSettings.of(g) for g in self.param_groups]
         for kind, matrices in (("dense", self.dense_matrices), ("experts", self.expert_matrices)):
-            if (
-                matrices
-            ):  # the same on every rank: a rank that owns none still joins the collectives
-                sharded_step(
-                    self.shards[kind],
-                    grads,
-                    params,
-                    self._momentum[kind],
-                    settings,
-                    has_grad,
-                    self.world_size,
-                    self.grad_sync,
-                    self._sr_generator,
-                )
+            if matrices:  # the same on every rank: one owning none still joins the collectives
+                sharded_step(self.shards[kind], grads, params, self._momentum[kind], settings,
+                             has_grad, self.world_size, self.grad_sync,
+                             self._sr_generator)  # fmt: skip
         return loss
 
     def add_param_group(self, param_group):
         if getattr(self, "plan", None) is not None:
-            raise ValueError(
-                "MuonZeRO plans ownership once, at construction; pass every group then"
-            )
+            raise ValueError("MuonZeRO plans ownership once, at construction: pass every group")
         super().add_param_group(param_group)
 
     # checkpoints and memory: see the appendix
@@ -724,17 +641,9 @@ def adamw_step(opt, has_grad):
         if not state:
             state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
         state["step"] += 1
-        adamw_update(
-            p.detach(),
-            grad,
-            state["exp_avg"],
-            state["exp_avg_sq"],
-            state["step"],
-            lr=g["lr"],
-            betas=g["betas"],
-            eps=g["eps"],
-            weight_decay=g["weight_decay"],
-        )
+        adamw_update(p.detach(), grad, state["exp_avg"], state["exp_avg_sq"], state["step"],
+                     lr=g["lr"], betas=g["betas"], eps=g["eps"],
+                     weight_decay=g["weight_decay"])  # fmt: skip
 
 
 # ---- appendix: roles, groups, agreement guard, validation, checkpoints, reporting, demo ----

@@ -79,7 +79,7 @@ def record_rank_timeline(rank, world, zero_width=None, steps=2, optimizer="muon_
     x = torch.randint(0, 512, (4, 16), generator=torch.Generator().manual_seed(rank))
     tl = MemoryTimeline(model=model, optimizer=opt, name=f"{optimizer} rank {rank} of {world}")
     with tl.record():
-        for step in range(steps):
+        for step in range(1, steps + 1):  # steps numbered from 1, as in every notebook
             with tl.phase("forward", step):
                 loss = F.cross_entropy(model(x).flatten(0, 1), x.flatten())
             with tl.phase("backward", step):
