@@ -649,37 +649,36 @@ def adamw_step(opt, has_grad):
 # ---- appendix: roles, groups, agreement guard, validation, checkpoints, reporting, demo ----
 
 
-def muon_param_groups(model, adamw_names=("head", "lm_head"), expert_roles=None):
+OUTPUT_HEAD_NAMES = ("head", "lm_head", "output", "output_layer")  # nanoGPT, HF, titan, Megatron
+
+
+def muon_param_groups(model, adamw_names=OUTPUT_HEAD_NAMES, expert_roles=None):
     """Split `model`'s parameters into MuonZeRO param groups, one per role, by what each tensor is.
 
     AdamW (V4): embeddings (nn.Embedding weights and anything tied to them), the output head (HF's
-    get_output_embeddings(), a Linear onto an embedding's vocabulary, or a module named in
-    `adamw_names`), tensors a module declares non-Muon (a `no_muon` or `_adamw_params` set of its
-    parameter names, or `tensor.no_muon = True`), static biases (a name starting with "bias",
-    such as mHC's 2-D bias_res) and every tensor with fewer than 2 dims (norms, biases, gates).
+    get_output_embeddings(), or a module named as in `adamw_names`: a dotted prefix such as
+    "model.proj" or a module name such as "lm_head" anywhere in the path), tensors a module
+    declares non-Muon (a `no_muon` or `_adamw_params` set of its parameter names, or
+    `tensor.no_muon = True`), static biases (a name starting with "bias", such as mHC's 2-D
+    bias_res) and every tensor with fewer than 2 dims (norms, biases, gates).
     Muon: every other matrix. 3-D tensors are expert stacks [E, n, m]; their role (down/up/gate)
     comes from `expert_roles[name]` or a name token ("w_down", "up_proj", "gate"). A 3-D tensor
     whose role cannot be told raises instead of falling silently to AdamW.
     """
     expert_roles = dict(expert_roles or {})
     adamw_ids = set()
-    vocabularies = set()
     for module in model.modules():
         if isinstance(module, nn.Embedding):
             adamw_ids.add(id(module.weight))
-            vocabularies.add(module.num_embeddings)
         declared = set(getattr(module, "no_muon", ())) | set(getattr(module, "_adamw_params", ()))
         adamw_ids |= {id(p) for n, p in module.named_parameters(recurse=False) if n in declared}
     head = getattr(model, "get_output_embeddings", lambda: None)()
     if isinstance(head, nn.Module):
         adamw_ids |= {id(p) for p in head.parameters()}
-    for module in model.modules():  # a Linear onto the vocabulary is an output head
-        if isinstance(module, nn.Linear) and module.out_features in vocabularies:
-            adamw_ids.add(id(module.weight))
 
-    def named_adamw(name):
-        dotted = "." + name
-        return any(name.startswith(a) or f".{a}." in dotted + "." for a in adamw_names)
+    def named_adamw(name):  # exact module names, never a substring ("output" is not "output_gate")
+        modules = name.split(".")[:-1]
+        return any(name.startswith(a + ".") or a in modules for a in adamw_names)
 
     by_role = {role: [] for role in ROLES}
     for name, p in model.named_parameters():

@@ -939,3 +939,26 @@ def test_muon_update_matches_torch_muon_over_steps():
     # same op sequence as torch's; fp32 reassociation in the lerps only (~1e-7 per op)
     assert torch.allclose(mine, ref.detach(), rtol=0, atol=1e-5), (mine - ref).abs().max()
     assert torch.allclose(buf, torch_opt.state[ref]["momentum_buffer"], atol=1e-6)
+
+
+def test_head_names_match_whole_module_names_only():
+    """`output` names an output head; `output_gate` or `heads` is a matrix like any other."""
+    model = torch.nn.Module()
+    model.output_gate = torch.nn.Linear(4, 4, bias=False)
+    model.heads = torch.nn.Linear(4, 4, bias=False)
+    model.output = torch.nn.Linear(4, 16, bias=False)
+    role = {id(p): g["role"] for g in mz.muon_param_groups(model) for p in g["params"]}
+    assert role[id(model.output_gate.weight)] == "dense" and role[id(model.heads.weight)] == "dense"
+    assert role[id(model.output.weight)] == "adamw"
+
+
+def test_mhc_static_biases_and_gates_go_to_adamw():
+    """mHC's HyperConnection: the projection is a Muon matrix; biases and gating factors AdamW."""
+    import mhc
+
+    hc = mhc.HyperConnection(4, 8)
+    role = {id(p): g["role"] for g in mz.muon_param_groups(hc) for p in g["params"]}
+    for name, p in hc.named_parameters():
+        want = "adamw" if name.startswith(("bias", "gate")) or p.ndim < 2 else "dense"
+        assert role[id(p)] == want, (name, tuple(p.shape), role[id(p)])
+    assert any(p.ndim == 2 and role[id(p)] == "adamw" for p in hc.parameters())  # bias_res
