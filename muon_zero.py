@@ -543,6 +543,7 @@ class MuonZeRO(torch.optim.Optimizer):
         error = validate(self, zero_width, balance)
         agree_across_ranks(self.group, agreement_fields(self, zero_width, balance), error)
         self.device = self.params[0].device
+        self._built_for = [(tuple(p.shape), p.dtype, p.device) for p in self.params]  # re-checked
 
         # V4's matrices: dense in parameter order; experts flattened, all downs, then ups, gates.
         self.dense_matrices = [Slot(i, None, k, tuple(p.shape))
@@ -796,21 +797,30 @@ def _digest(fields):
 
 
 def agreed_grad_mask(opt):
-    """Which parameters have a gradient on at least one rank, and a re-check of the settings.
+    """Which parameters have a gradient on at least one rank, and a re-check of what was agreed.
 
-    One all-reduce (MAX) of [has grad per parameter, digest, -digest]: a gradient that is None on
-    some ranks counts as zero there; None everywhere skips the parameter on every rank. If the
-    settings' digest differs anywhere (an lr changed on one rank), every rank sees max != min and
-    runs the full guard, which names the field."""
+    One all-reduce (MAX) of [has grad per parameter, digest, -digest, local error]: a gradient that
+    is None on some ranks counts as zero there; None everywhere skips the parameter on every rank.
+    If the settings' digest differs anywhere (an lr changed on one rank), or a rank's parameters
+    changed shape, dtype or device since construction, every rank runs the full guard, which
+    raises the same error everywhere."""
     fields = agreement_fields(opt, opt.zero_width, "-", values=False)
     digest = _digest(fields)
-    mask = [p.grad is not None for p in opt.params] + [digest, -digest]
+    error = None
+    for i, (built, p) in enumerate(zip(opt._built_for, opt.params)):
+        now = (tuple(p.shape), p.dtype, p.device)
+        if now != built:
+            error = (f"parameter {i} is now {now[0]} {now[1]} on {now[2]}, but MuonZeRO was built "
+                     f"for {built[0]} {built[1]} on {built[2]}: build the optimizer after moving "
+                     f"or converting the model")  # fmt: skip
+            break
+    mask = [p.grad is not None for p in opt.params] + [digest, -digest, error is not None]
     mask = torch.tensor(mask, dtype=torch.int64, device=opt.device)
     if opt.world_size > 1:
         dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=opt.group)
-    if mask[-2].item() != -mask[-1].item():
-        agree_across_ranks(opt.group, fields)
-    return mask[:-2].bool().tolist()
+    if mask[-3].item() != -mask[-2].item() or mask[-1].item():
+        agree_across_ranks(opt.group, fields, error)
+    return mask[:-3].bool().tolist()
 
 
 def _finite(x, low, high=math.inf, low_open=False, high_open=False):

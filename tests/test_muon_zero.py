@@ -962,3 +962,13 @@ def test_mhc_static_biases_and_gates_go_to_adamw():
         want = "adamw" if name.startswith(("bias", "gate")) or p.ndim < 2 else "dense"
         assert role[id(p)] == want, (name, tuple(p.shape), role[id(p)])
     assert any(p.ndim == 2 and role[id(p)] == "adamw" for p in hc.parameters())  # bias_res
+
+
+def test_a_model_converted_after_construction_is_refused():
+    """dtype and device are captured at construction: a later .double() must not round silently."""
+    m = torch.nn.Linear(4, 4, bias=False)
+    opt = mz.MuonZeRO(mz.muon_param_groups(m))
+    m.double()
+    m(torch.randn(2, 4, dtype=torch.float64)).sum().backward()
+    with pytest.raises(ValueError, match="float64"):
+        opt.step()
