@@ -1,42 +1,63 @@
-"""Categorised memory timelines of any training loop, on CPU or CUDA, for the notebooks and benchmarks.
+"""Categorised memory timelines of any training loop, on CPU or CUDA, for notebooks and benchmarks.
 
-    from memory_timeline import MemoryTimeline, plot_timeline
+What the standard tools assume: a GPU. `torch.cuda.memory._record_memory_history` needs CUDA; the
+profiler's memory timeline runs on a CPU but is deprecated; MemTracker categorises on a CPU but
+refuses a second iteration without a reset. A course machine often has no GPU, and the lesson this
+file serves (the first-step anomaly: optimizer state appears inside step 1 and sits under every
+later step) needs several steps, categorised, with a prediction to check. So this recorder:
+
+    from memory_timeline import MemoryTimeline, plot_timeline, predicted_optimizer_state_bytes
     tl = MemoryTimeline(model=model, optimizer=opt)
     with tl.record():
-        for step in range(3):
+        for step in range(1, 4):
             with tl.phase("forward", step):   loss = model(x).mean()
             with tl.phase("backward", step):  loss.backward()
             with tl.phase("optimizer", step): opt.step(); opt.zero_grad()
-    print(tl.peaks()); plot_timeline(tl)
+    print(tl.summary()); plot_timeline(tl)
+    jump = tl.peak(step=2) - tl.peak(step=1)   # == predicted_optimizer_state_bytes(opt, tl.device)
+
+Run it: `python memory_timeline.py` records a 3-step AdamW run and prints the summary and the
+step-2 prediction against the measurement (`--help` for the options, `--device cuda` on a GPU).
 
 How it sees memory. A TorchDispatchMode watches every aten op; each tensor storage an op returns is
-registered once, with a weakref callback that records its release. So the timeline exists on a machine
-with no GPU, and it counts storages (a view costs nothing; a reshape that copies does). Tensors created
-before `record()` are not seen, except the model's parameters and any gradients and optimizer state that
-already exist. On CUDA the real allocator is sampled beside it (`memory_allocated`, `memory_reserved`).
+registered once, with a weakref callback that records its release. So the timeline exists on a
+machine with no GPU, and it counts storages (a view costs nothing; a reshape that copies does).
+Tensors created before `record()` are not seen, except the model's parameters and any gradients and
+optimizer state that already exist. Only storages on the timeline's device count: on CUDA, AdamW's
+`step` counters (kept on the CPU unless fused or capturable) are not device memory. On CUDA the
+real allocator is sampled beside it (`memory_allocated`, `memory_reserved`), after each free has
+taken effect. That CUDA path has not yet run on a GPU in this project; the order in which it
+samples is checked on the CPU with a fake sampler that counts a storage until its memory is
+actually released (tests/test_memory_timeline.py).
 
-How it categorises (decided when recording ends, so a storage carries one category for its whole life):
+How it categorises (decided when recording ends, so a storage carries one category for its whole
+life):
 - parameters: storages of the model's parameters;
 - gradients: storages that end up as some parameter's `.grad`;
-- optimizer_state: tensors reachable from `optimizer.state`, or tagged with `tl.tag(tensors, category)`;
-- activations: allocated during a "forward" phase and still alive when that phase ends, i.e. held for the
-  backward (by autograd, or by a checkpointing scheme);
-- temporaries: every other storage allocated inside a phase (recomputation during backward lands here);
+- optimizer_state: tensors reachable from `optimizer.state`, or tagged with
+  `tl.tag(tensors, category)`;
+- activations: allocated during a "forward" phase and still alive when that phase ends, i.e. held
+  for the backward (by autograd, or by a checkpointing scheme);
+- temporaries: every other storage allocated inside a phase (recomputation during backward lands
+  here);
 - other: allocated outside any phase (input batches, data).
 
-The "reserved" line on CPU is a MODEL: each allocation and free is replayed through `CachingAllocatorModel`,
-a small model of PyTorch's CUDA caching allocator, so a student can see allocated vs reserved and the
-first-step set-up without a GPU. It is labelled as a model wherever it is drawn. `limit_bytes` turns that
-model into a budget: an allocation that would push modelled reserved memory past it raises
-`SimulatedOutOfMemoryError`, the way a real GPU raises `torch.OutOfMemoryError`.
+The "reserved" line on CPU is a MODEL: each allocation and free is replayed through
+`CachingAllocatorModel`, a small model of PyTorch's CUDA caching allocator, so a student can see
+allocated vs reserved and the first-step set-up without a GPU. It is labelled as a model wherever
+it is drawn. `limit_bytes` turns that model into a budget: an allocation that would push modelled
+reserved memory past it raises `SimulatedOutOfMemoryError`, the way a real GPU raises
+`torch.OutOfMemoryError`.
 
-The recorder costs Python time on every op: never time a step while recording.
-"""
+The recorder costs Python time on every op: never time a step while recording."""
+
+import argparse
 import bisect
 import contextlib
 import itertools
 import time
 import weakref
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -46,10 +67,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "other")
 PHASES = ("forward", "backward", "optimizer")
-COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer_state": "#55a868",
-          "activations": "#c44e52", "temporaries": "#8172b3", "other": "#937860"}
-PHASE_COLORS = {"forward": "#e8f0fb", "backward": "#fdeee4", "optimizer": "#e9f5ea"}
-MiB = 2 ** 20
+MiB = 2**20
 _UNTRACKED = -1  # a storage that existed before recording and is not ours to count
 
 
@@ -57,9 +75,687 @@ class SimulatedOutOfMemoryError(RuntimeError):
     """The modelled CUDA allocator could not stay within `limit_bytes`."""
 
 
+@dataclass
+class OutOfMemoryPoint:
+    """Where a recording under `limit_bytes` ran out: the allocation that did not fit."""
+
+    event: int  # index the failed allocation would have had in the event list
+    nbytes: int  # bytes it asked for
+    phase: str | None
+    step: int | None
+    reserved: int  # modelled reserved bytes when it failed
+    reserved_needed: int  # what reserved would have become with the new segment (> the limit)
+
+
 # --------------------------------------------------------------------------------------------------
-# A model of the CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp, default settings)
+# The recorder: every storage an op returns, registered once, freed by a weakref callback
 # --------------------------------------------------------------------------------------------------
+
+
+class _StorageWatcher(TorchDispatchMode):
+    """Registers every storage an op returns; the timeline does the bookkeeping."""
+
+    def __init__(self, timeline):
+        super().__init__()
+        self.timeline = timeline
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        # frees since the last op have been released by now: their device samples can be taken
+        self.timeline._settle_device_samples()
+        out = func(*args, **kwargs)
+        inputs = []  # filled lazily: only an output storage we have never seen needs the check
+
+        def input_storages():
+            if not inputs:
+                flat = tree_flatten((args, kwargs))[0]
+                inputs.append({_storage_key(a) for a in flat if isinstance(a, torch.Tensor)})
+            return inputs[0]
+
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.timeline._see(t, input_storages)
+        return out
+
+
+def _storage_key(t):
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _tensors_in(obj):
+    """Every tensor inside nested dicts / lists / tuples (optimizer state is such a nest)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors_in(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors_in(v)
+
+
+def _on_device(tensor_device, device):
+    """True when a tensor on `tensor_device` lives on `device` ("cuda" matches every cuda:i)."""
+    return tensor_device.type == device.type and device.index in (None, tensor_device.index)
+
+
+class MemoryTimeline:
+    """Records, per tensor storage, when it was allocated and freed and what it was for.
+
+    model:         an nn.Module or an iterable of parameters (their storages are "parameters").
+    optimizer:     an optimizer, a list of them, or None (tensors in `.state` are
+                   "optimizer_state").
+    device:        "cpu", "cuda[:i]" or "meta" (shapes only: no data, any size; it also stands in
+                   for a GPU in tests, as a device that is not the CPU); default: the parameters'.
+    limit_bytes:   a budget for the modelled reserved memory; exceeding it raises
+                   SimulatedOutOfMemoryError and leaves the point in `tl.out_of_memory`.
+    device_memory: a callable returning the device's (allocated, reserved) bytes, sampled beside
+                   every event; default on CUDA: torch.cuda.memory_allocated / memory_reserved, none
+                   elsewhere. Tests pass a fake to check when samples are taken.
+    """
+
+    def __init__(
+        self, model=None, optimizer=None, device=None, limit_bytes=None, name="", device_memory=None
+    ):
+        params = model.parameters() if isinstance(model, torch.nn.Module) else (model or [])
+        self._params = list(params)
+        if isinstance(optimizer, (list, tuple)):
+            self._optimizers = list(optimizer)
+        else:
+            self._optimizers = [optimizer] if optimizer is not None else []
+        if device is None:
+            device = self._params[0].device if self._params else torch.device("cpu")
+        self.device = torch.device(device)
+        if self.device.type not in ("cpu", "cuda", "meta"):
+            raise ValueError(
+                f"MemoryTimeline records cpu, cuda or meta tensors; got device {self.device}. "
+                "Pass device='cpu' or device='cuda'."
+            )
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if device_memory is None and self.device.type == "cuda":
+            dev = self.device
+            device_memory = lambda: (  # noqa: E731
+                torch.cuda.memory_allocated(dev),
+                torch.cuda.memory_reserved(dev),
+            )
+        self._device_memory = device_memory
+        self.name = name
+        self.limit_bytes = limit_bytes
+        self.allocator_model = CachingAllocatorModel(limit_bytes)
+        self.phases = []  # (phase, step, first event index, last event index + 1, t0, t1)
+        self._events = []  # (seconds since start, storage id, +bytes / -bytes)
+        self._reserved_model = []  # modelled reserved bytes after each event
+        self._device_samples = []  # (allocated, reserved) after each event, when sampled
+        self._unsettled = []  # indices of frees whose memory was not yet released when recorded
+        self._sizes = {}  # storage id -> bytes
+        self._origin = {}  # storage id -> phase it was allocated in (None outside phases)
+        self._alive_after_forward = set()
+        self._kind = {}  # storage id -> parameters / gradients / optimizer_state / a tag
+        self._ids = WeakIdKeyDictionary()
+        self._refs = {}
+        self._next_id = itertools.count()
+        self._recording = False
+        self._done = False
+        self._current_phase = self._current_step = None
+        self._t0 = None
+        self._pending_tags = []
+        self.out_of_memory = None  # an OutOfMemoryPoint when limit_bytes was exceeded
+        self.cuda_snapshot = None  # the allocator history, when record(cuda_history=True) on CUDA
+
+    # --- recording ----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def record(self, cuda_history=False):
+        """Records everything run inside the `with` block.
+
+        cuda_history=True (CUDA only) also keeps the allocator's own event history, with stack
+        traces, in `tl.cuda_snapshot`: save it with pickle and drop it on
+        https://pytorch.org/memory_viz."""
+        if self._recording:
+            raise RuntimeError(
+                "this MemoryTimeline is already recording: record() cannot be nested. "
+                "Use one `with tl.record():` around the whole loop."
+            )
+        if self._done:
+            raise RuntimeError("this MemoryTimeline has already recorded a run; make a new one.")
+        if cuda_history and self.device.type != "cuda":
+            raise ValueError(
+                "cuda_history=True needs a CUDA timeline (device='cuda'); on CPU the "
+                "modelled reserved line stands in for the allocator"
+            )
+        self._recording, self._t0 = True, time.perf_counter()
+        for tensors, category in self._pending_tags:
+            self.tag(tensors, category)
+        self._pending_tags = []
+        self._scan_known_tensors()
+        if cuda_history:
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
+        try:
+            with _StorageWatcher(self):
+                yield self
+        finally:
+            if cuda_history:
+                self.cuda_snapshot = torch.cuda.memory._snapshot()
+                torch.cuda.memory._record_memory_history(enabled=None)
+            self._scan_known_tensors()
+            self._settle_device_samples()
+            self._recording, self._done = False, True
+            self._finish()
+
+    @contextlib.contextmanager
+    def phase(self, name, step=0):
+        """Marks a phase ("forward", "backward", "optimizer" or any label) of step `step`."""
+        if not self._recording:
+            raise RuntimeError("tl.phase(...) is only meaningful inside `with tl.record():`")
+        if self._current_phase is not None:
+            raise RuntimeError(
+                f"phase {name!r} opened inside phase {self._current_phase!r}; phases do not nest"
+            )
+        self._current_phase, self._current_step = name, step
+        start, t0 = len(self._events), self._now()
+        try:
+            yield
+        finally:
+            self._current_phase = self._current_step = None
+            self._scan_known_tensors()
+            self._settle_device_samples()
+            if name == "forward":
+                self._alive_after_forward.update(self._held_for_backward())
+            self.phases.append((name, step, start, len(self._events), t0, self._now()))
+
+    def _held_for_backward(self):
+        """Ids of the storages allocated in a forward phase and still alive as it ends.
+
+        These are the activations: whatever survives the forward pass is kept by someone for later
+        (autograd's saved tensors, a checkpointing scheme's, the loss). Storages the forward made
+        and has already freed were temporaries.
+        """
+        # hint: self._origin says in which phase each storage id was allocated; a storage is alive
+        # while its id is a key of self._refs
+        ### BEGIN SOLUTION
+        return {
+            sid for sid, origin in self._origin.items() if origin == "forward" and sid in self._refs
+        }
+        ### END SOLUTION
+
+    def tag(self, tensors, category):
+        """Declares the category of tensors the recorder cannot infer (state kept outside .state).
+
+        Call it before or inside `record()`; a tag wins over every inferred category."""
+        if category not in CATEGORIES:
+            raise ValueError(f"unknown category {category!r}; choose one of {CATEGORIES}")
+        tensors = list(_tensors_in(tensors if isinstance(tensors, torch.Tensor) else list(tensors)))
+        if not self._recording:
+            self._pending_tags.append((tensors, category))
+            return
+        for t in tensors:
+            sid = self._see(t)
+            if sid is not None:
+                self._kind[sid] = category
+
+    def _now(self):
+        return time.perf_counter() - self._t0
+
+    def _see(self, t, input_storages=None):
+        """Registers t's storage if it is new; returns its id (None for storages we do not track).
+
+        input_storages: when t is an op's output, a callable giving the op's input storages. An
+        output that aliases an input we never registered (a view or in-place result of a tensor made
+        before recording) allocated nothing: it is remembered as untracked, not counted as new."""
+        if not _on_device(t.device, self.device) or t.is_sparse:
+            return None
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # tensor subclasses without a plain storage
+            return None
+        sid = self._ids.get(st)
+        if sid == _UNTRACKED:
+            if input_storages is not None:
+                return None
+            del self._ids[st]  # tagged or scanned explicitly: from now on it counts
+            sid = None
+        nbytes = st.nbytes()
+        if sid is not None:
+            if nbytes != self._sizes[sid]:  # resized in place (storage resize_): free + allocate
+                self._free(sid)
+                self._alloc(sid, nbytes)
+            return sid
+        if input_storages is not None and st._cdata in input_storages():
+            self._ids[st] = _UNTRACKED
+            return None
+        sid = next(self._next_id)
+        self._ids[st] = sid
+        self._refs[sid] = weakref.ref(st, lambda _, sid=sid: self._on_collect(sid))
+        self._origin[sid] = self._current_phase
+        self._alloc(sid, nbytes)
+        return sid
+
+    def _alloc(self, sid, nbytes):
+        self._sizes[sid] = 0  # stays 0 if the (modelled) allocation fails: nothing to free later
+        if nbytes:
+            self._event(sid, nbytes, lambda: self.allocator_model.malloc(sid, nbytes))
+        self._sizes[sid] = nbytes
+
+    def _free(self, sid, released=True):
+        nbytes = self._sizes[sid]
+        self._sizes[sid] = 0
+        if nbytes:
+            self._event(sid, -nbytes, lambda: self.allocator_model.free(sid), released)
+
+    def _on_collect(self, sid):
+        # Runs while the storage's Python object dies, BEFORE its memory goes back to the allocator.
+        if self._recording and sid in self._refs:
+            del self._refs[sid]
+            self._free(sid, released=False)
+
+    def _event(self, sid, delta, update_model, released=True):
+        """Appends one allocation (+bytes) or free (-bytes), with the lines sampled after it.
+
+        released=False: a free recorded from a weakref callback, whose memory the device allocator
+        still counts. Its sample is left open and taken at the next hook the recorder gets (another
+        event, the next op, a phase's end), when the release has taken effect."""
+        try:
+            update_model()  # may raise SimulatedOutOfMemoryError: the op that allocated fails
+        except SimulatedOutOfMemoryError:
+            model = self.allocator_model
+            self.out_of_memory = OutOfMemoryPoint(
+                len(self._events),
+                delta,
+                self._current_phase,
+                self._current_step,
+                model.reserved,
+                model.reserved + model.segment_size(model.round_size(delta)),
+            )
+            raise
+        self._events.append((self._now(), sid, delta))
+        self._reserved_model.append(self.allocator_model.reserved)
+        if self._device_memory is not None:
+            self._settle_device_samples()
+            self._device_samples.append(self._device_memory() if released else None)
+            if not released:
+                self._unsettled.append(len(self._device_samples) - 1)
+
+    def _settle_device_samples(self):
+        """Gives every free still waiting for its sample the device's reading now."""
+        if self._unsettled:
+            sample = self._device_memory()
+            for i in self._unsettled:
+                self._device_samples[i] = sample
+            self._unsettled.clear()
+
+    def _scan_known_tensors(self):
+        for p in self._params:
+            self._mark(p, "parameters")
+        for p in self._params:
+            if p.grad is not None:
+                self._mark(p.grad, "gradients")
+        for opt in self._optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        self._mark(p.grad, "gradients")
+            for t in _tensors_in(list(opt.state.values())):
+                self._mark(t, "optimizer_state")
+
+    def _mark(self, t, kind):
+        sid = self._see(t)
+        if sid is not None and sid not in self._kind:
+            self._kind[sid] = kind
+
+    # --- the recorded run ---------------------------------------------------------------------
+
+    def category_of(self, sid):
+        if sid in self._kind:
+            return self._kind[sid]
+        if sid in self._alive_after_forward:
+            return "activations"
+        return "temporaries" if self._origin.get(sid) is not None else "other"
+
+    def _finish(self):
+        """Turns the event list into per-category series; drops every reference to live tensors."""
+        n = len(self._events)
+        self.times = np.array([e[0] for e in self._events], dtype=float)
+        columns = {c: np.zeros(n, dtype=np.int64) for c in CATEGORIES}
+        for i, (_, sid, delta) in enumerate(self._events):
+            columns[self.category_of(sid)][i] = delta
+        self.bytes = {c: np.cumsum(col) for c, col in columns.items()}
+        self.reserved_model = np.array(self._reserved_model, dtype=np.int64)
+        if self._unsettled:  # a free at the very end: sampled now, after the recording
+            self._settle_device_samples()
+        samples = np.array(self._device_samples, dtype=np.int64).reshape(-1, 2)
+        # the device's own lines (CUDA's memory_allocated / memory_reserved), None where unsampled
+        self.cuda_allocated, self.cuda_reserved = (
+            (samples[:, 0], samples[:, 1]) if len(samples) else (None, None)
+        )
+        self.num_events = n
+        self._params, self._optimizers, self._ids, self._refs = [], [], WeakIdKeyDictionary(), {}
+        self._device_memory = None  # a closure over the device: not picklable, not needed now
+
+    def __getstate__(self):  # picklable once recorded (gather_timelines sends it between ranks)
+        if not self._done:
+            raise RuntimeError("only a finished MemoryTimeline can be pickled or gathered")
+        state = self.__dict__.copy()
+        dropped = (
+            "_ids",
+            "_refs",
+            "_next_id",
+            "_sizes",
+            "_origin",
+            "_kind",
+            "_alive_after_forward",
+        )
+        for key in dropped:
+            state.pop(key, None)
+        return state
+
+    def _check_done(self):
+        if not self._done:
+            raise RuntimeError("no recorded run yet: use `with tl.record(): ...` first")
+        if self.num_events == 0:
+            raise ValueError(
+                "the timeline is empty: nothing was allocated while recording. Did the training "
+                "loop run inside `with tl.record():`, on this timeline's device?"
+            )
+
+    def series(self, category=None):
+        """Bytes of one category (None: all categories) after each event, as an int64 array."""
+        self._check_done()
+        if category is None:
+            return sum(self.bytes[c] for c in CATEGORIES)
+        if category not in CATEGORIES:
+            raise ValueError(f"unknown category {category!r}; choose one of {CATEGORIES}")
+        return self.bytes[category]
+
+    def window(self, step=None, phase=None):
+        """Event-index ranges [start, end) of the phases matching step and phase."""
+        return [
+            (a, b)
+            for (name, s, a, b, _, _) in self.phases
+            if (step is None or s == step) and (phase is None or name == phase)
+        ]
+
+    def peak(self, category=None, step=None, phase=None):
+        """Peak bytes of a category (None: total) over the run, or within a step and/or phase."""
+        return self._peak_of(self.series(category), step, phase)
+
+    def peaks(self, step=None, phase=None):
+        return {c: self.peak(c, step, phase) for c in CATEGORIES}
+
+    def peak_reserved_model(self, step=None, phase=None):
+        """Peak of the modelled reserved line, over the run or within a step and/or phase."""
+        self._check_done()
+        return self._peak_of(self.reserved_model, step, phase)
+
+    def _peak_of(self, values, step, phase):
+        if step is None and phase is None:
+            return int(values.max())
+        ranges = self.window(step, phase)
+        if not ranges:
+            raise ValueError(
+                f"no recorded phase matches step={step!r}, phase={phase!r}; "
+                f"recorded: {sorted({(p[1], p[0]) for p in self.phases})}"
+            )
+        # the level on entry counts too: it is what the phase starts from
+        return int(max(values[max(a - 1, 0) : max(b, a + 1)].max() for a, b in ranges))
+
+    def summary(self):
+        """One line per category: peak MiB over the run."""
+        lines = [f"{c:>16}: {self.peak(c) / MiB:9.3f} MiB" for c in CATEGORIES]
+        lines.append(f"{'total':>16}: {self.peak() / MiB:9.3f} MiB")
+        lines.append(f"{'reserved (model)':>16}: {self.peak_reserved_model() / MiB:9.3f} MiB")
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------
+# The step-2 prediction: what the optimizer's lazily created state will cost, before any step
+# --------------------------------------------------------------------------------------------------
+
+
+def predicted_optimizer_state_bytes(optimizer, device):
+    """Bytes of state `optimizer` will hold on `device` once each of its parameters has had a step.
+
+    Read from the parameters and hyperparameters alone, before any step runs (the state does not
+    exist yet). With N parameter values in T tensors, all fp32:
+    - Adam / AdamW: exp_avg and exp_avg_sq (plus max_exp_avg_sq with amsgrad), each shaped like its
+      parameter, and a scalar `step` per tensor. PyTorch keeps `step` beside the parameter only
+      when fused=True or capturable=True; otherwise it lives on the CPU, because a GPU kernel
+      launch to add 1 costs more than the copy. So AdamW holds 8N + 4T bytes on the CPU, 8N on a
+      GPU.
+    - SGD: one momentum buffer shaped like the parameter when momentum != 0, else nothing.
+    - Muon: one momentum buffer shaped like the parameter.
+    optimizer: one optimizer or a list of them. device: where bytes count ("cpu", "cuda", "meta").
+    """
+    device = torch.device(device)
+    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    known = (torch.optim.Adam, torch.optim.SGD, torch.optim.Muon)  # AdamW subclasses Adam
+    for opt in optimizers:
+        if not isinstance(opt, known):
+            raise ValueError(
+                f"predicted_optimizer_state_bytes knows Adam, AdamW, SGD and Muon, not "
+                f"{type(opt).__name__}; measure its state with a MemoryTimeline instead"
+            )
+    # hint: sum, parameter by parameter, the bytes of each state tensor the optimizer will create,
+    # counting only those that will live on `device` (where does AdamW keep `step`?)
+    ### BEGIN SOLUTION
+    total = 0
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                like_p = p.numel() * p.element_size() if _on_device(p.device, device) else 0
+                if isinstance(opt, torch.optim.Adam):
+                    total += (3 if group["amsgrad"] else 2) * like_p
+                    on_device = bool(group["fused"] or group["capturable"])
+                    step_device = p.device if on_device else torch.device("cpu")
+                    # the counter is fp32, or fp64 when fp64 is the default dtype (never when fused)
+                    wide = torch.get_default_dtype() == torch.float64 and not group["fused"]
+                    if _on_device(step_device, device):
+                        total += 8 if wide else 4
+                elif isinstance(opt, torch.optim.SGD):
+                    total += like_p if group["momentum"] != 0 else 0
+                else:  # Muon
+                    total += like_p
+    return total
+    ### END SOLUTION
+
+
+def gather_timelines(timeline, dst=0, group=None):
+    """Inside a process group: every rank's finished timeline as a list on `dst`, None elsewhere."""
+    import torch.distributed as dist
+
+    timeline._check_done()
+    world = dist.get_world_size(group)
+    out = [None] * world if dist.get_rank(group) == dst else None
+    dist.gather_object(timeline, out, dst=dst, group=group)
+    return out
+
+
+# ---- appendix: plots, the modelled CUDA caching allocator, command line and demo ----
+
+COLORS = {
+    "parameters": "#4c72b0",
+    "gradients": "#dd8452",
+    "optimizer_state": "#55a868",
+    "activations": "#c44e52",
+    "temporaries": "#8172b3",
+    "other": "#937860",
+}
+# phase shading: neutral tints that no category uses, so a band never reads as memory
+PHASE_COLORS = {"forward": "#e4e4e4", "backward": "#fbf0bd", "optimizer": "#d5eef2"}
+EVENTS_XLABEL = "allocation events (one per allocation or free, evenly spaced)"
+TIME_XLABEL = "seconds while recording (includes the recorder's own overhead)"
+
+
+def plot_timeline(tl, ax=None, title=None, show_reserved=True, legend=True, ymax=None, x="events"):
+    """Stacked area by category, phase bands, step boundaries, the reserved line(s), the limit.
+
+    x="events" (default) spaces allocations and frees evenly, as PyTorch's memory viz does, so a
+    spike that lasts a microsecond is as visible as a plateau; x="time" uses seconds while recording
+    (which include the recorder's own overhead). A run that ran out of its simulated budget gets the
+    failed allocation marked with an X above the last event."""
+    import matplotlib.pyplot as plt
+
+    tl._check_done()
+    if x not in ("events", "time"):
+        raise ValueError(f"x must be 'events' or 'time', got {x!r}")
+    if ax is None:
+        _, ax = plt.subplots(figsize=(11, 4.2))
+    xs = np.arange(tl.num_events) if x == "events" else tl.times
+
+    def at(i):  # x position of event index i (phase boundaries are event indices)
+        return xs[min(i, tl.num_events - 1)] if x == "time" else i
+
+    ax.stackplot(
+        xs,
+        *[tl.bytes[c] / MiB for c in CATEGORIES],
+        labels=CATEGORIES,
+        colors=[COLORS[c] for c in CATEGORIES],
+        step="post",
+        linewidth=0,
+    )
+    total = tl.series() / MiB
+    ax.plot(xs, total, color="k", lw=0.6, label="allocated (recorded)", drawstyle="steps-post")
+    seen_steps = set()
+    for name, step, a, b, _, _ in tl.phases:
+        ax.axvspan(at(a), at(b), color=PHASE_COLORS.get(name, "#f2f2f2"), zorder=-1, lw=0)
+        if step not in seen_steps:
+            seen_steps.add(step)
+            ax.axvline(at(a), color="0.35", lw=0.9, ls=":")
+            ax.text(
+                at(a),
+                1.0,
+                f" step {step}",
+                transform=ax.get_xaxis_transform(),
+                va="bottom",
+                fontsize=10,
+                color="0.2",
+            )
+    top = max(total.max(), tl.reserved_model.max() / MiB if show_reserved else 0)
+    if show_reserved:
+        ax.plot(
+            xs,
+            tl.reserved_model / MiB,
+            color="k",
+            lw=1.2,
+            ls="--",
+            label="reserved (modelled CUDA allocator)",
+            drawstyle="steps-post",
+        )
+        if tl.cuda_reserved is not None:
+            where = tl.device.type
+            ax.plot(
+                xs,
+                tl.cuda_allocated / MiB,
+                color="0.25",
+                lw=1.2,
+                drawstyle="steps-post",
+                label=f"allocated ({where}, measured)",
+            )
+            ax.plot(
+                xs,
+                tl.cuda_reserved / MiB,
+                color="0.55",
+                lw=1.5,
+                drawstyle="steps-post",
+                label=f"reserved ({where}, measured)",
+            )
+            top = max(top, tl.cuda_reserved.max() / MiB)
+    if tl.limit_bytes is not None:
+        limit = tl.limit_bytes / MiB
+        ax.axhline(limit, color="red", lw=1.3, ls="-.", label=f"memory limit ({limit:.0f} MiB)")
+        top = max(top, limit)
+    x_end = xs[-1]
+    oom = tl.out_of_memory
+    if oom is not None:
+        x_end = oom.event if x == "events" else xs[-1]
+        # where modelled reserved memory would have gone: the new segment crosses the limit
+        y0, y = oom.reserved / MiB, oom.reserved_needed / MiB
+        ax.plot([x_end, x_end], [y0, y], color="red", lw=1.2, ls=":")
+        ax.plot([x_end], [y], "X", color="red", ms=12, mec="k", label="simulated out of memory")
+        ax.annotate(
+            f"step {oom.step} {oom.phase}: a new {(y - y0):.0f} MiB segment would\n"
+            f"reserve {y:.0f} MiB, over the {tl.limit_bytes / MiB:.0f} MiB limit",
+            (x_end, y),
+            xytext=(-14, 0),
+            textcoords="offset points",
+            ha="right",
+            va="center",
+            fontsize=10,
+            color="darkred",
+        )
+        top = max(top, y)
+    ax.set_xlabel(EVENTS_XLABEL if x == "events" else TIME_XLABEL, fontsize=10)
+    ax.set_ylabel("memory (MiB)", fontsize=10)
+    ax.set_xlim(xs[0], x_end + (0.02 * x_end if oom is not None else 0))
+    ax.set_ylim(0, ymax if ymax is not None else top * 1.1)
+    ax.tick_params(labelsize=10)
+    ax.set_title(
+        title if title is not None else (tl.name or "memory timeline"), pad=18, fontsize=11
+    )
+    if legend:
+        ax.legend(
+            handles=_legend_handles([ax], [tl]),
+            loc="upper left",
+            bbox_to_anchor=(1.01, 1.0),
+            fontsize=10,
+            framealpha=0.9,
+        )
+    return ax
+
+
+def _legend_handles(axes, timelines):
+    """One legend entry per label over several axes, then one patch per phase band's colour."""
+    from matplotlib.patches import Patch
+
+    handles = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    for name in dict.fromkeys(p[0] for tl in timelines for p in tl.phases):
+        handles[f"{name} phase"] = Patch(
+            color=PHASE_COLORS.get(name, "#f2f2f2"), label=f"{name} phase"
+        )
+    return list(handles.values())
+
+
+def plot_timelines(timelines, titles=None, sharey=True, width=5.5, height=3.8, x="events", ncols=2):
+    """Several timelines in a grid (`ncols` per row), on one y scale so their heights compare."""
+    import matplotlib.pyplot as plt
+
+    if not timelines:
+        raise ValueError("plot_timelines needs at least one recorded timeline")
+    for tl in timelines:
+        tl._check_done()
+    titles = titles or [tl.name for tl in timelines]
+    ncols = max(1, min(ncols, len(timelines)))
+    nrows = -(-len(timelines) // ncols)
+    fig, axes = plt.subplots(
+        nrows, ncols, figsize=(width * ncols + 0.5, height * nrows + 1.0), squeeze=False
+    )
+    ymax = None
+    if sharey:
+        highest = [
+            [tl.series().max(), tl.reserved_model.max(), tl.limit_bytes or 0]
+            + ([tl.out_of_memory.reserved_needed] if tl.out_of_memory else [])
+            for tl in timelines
+        ]
+        ymax = 1.1 * max(max(h) for h in highest) / MiB
+    used = axes.flat[: len(timelines)]
+    for tl, title, ax in zip(timelines, titles, used):
+        plot_timeline(tl, ax=ax, title=title, legend=False, ymax=ymax, x=x)
+    for ax in axes.flat[len(timelines) :]:
+        ax.set_visible(False)
+    handles = _legend_handles(used, timelines)
+    fig.legend(
+        handles=handles, loc="lower center", ncol=min(6, len(handles)), fontsize=10, frameon=False
+    )
+    legend_rows = -(-len(handles) // 6)
+    fig.tight_layout(rect=(0, 0.055 * legend_rows * 4 / (height * nrows + 1.0), 1, 1))
+    return fig
+
 
 class CachingAllocatorModel:
     """Replays allocations and frees the way PyTorch's CUDA caching allocator would serve them.
@@ -67,27 +763,28 @@ class CachingAllocatorModel:
     The rules modelled (the allocator's defaults; expandable segments off):
     - every request is rounded up to a multiple of 512 bytes;
     - requests of at most 1 MiB come from the small pool, larger ones from the large pool;
-    - a new segment (one cudaMalloc) is 2 MiB for the small pool, 20 MiB for large requests under 10 MiB,
-      and the request rounded up to 2 MiB otherwise;
+    - a new segment (one cudaMalloc) is 2 MiB for the small pool, 20 MiB for large requests under
+      10 MiB, and the request rounded up to 2 MiB otherwise;
     - a request takes the best-fitting free block of its pool and splits it when the remainder is at
       least 512 bytes (small pool) or more than 1 MiB (large pool);
-    - a freed block merges with free neighbours in its segment and stays cached: reserved memory never
-      shrinks, except when a request would exceed `limit_bytes`, where wholly free segments are released
-      first (as `empty_cache` does on an OOM retry) before giving up.
-    Not modelled: streams, events, the per-stream pools, garbage-collection thresholds, max_split_size.
+    - a freed block merges with free neighbours in its segment and stays cached: reserved memory
+      never shrinks, except when a request would exceed `limit_bytes`, where wholly free segments
+      are released first (as `empty_cache` does on an OOM retry) before giving up.
+    Not modelled: streams, events, per-stream pools, garbage-collection thresholds, max_split_size.
     """
+
     MIN_BLOCK, SMALL_SIZE, SMALL_BUFFER = 512, MiB, 2 * MiB
     LARGE_BUFFER, MIN_LARGE_ALLOC, ROUND_LARGE = 20 * MiB, 10 * MiB, 2 * MiB
 
     def __init__(self, limit_bytes=None):
         self.limit_bytes = limit_bytes
-        self.reserved = 0        # bytes held in segments
-        self.allocated = 0       # bytes in blocks handed out (rounded sizes)
-        self._segments = {}      # segment id -> [size, pool, number of blocks in use]
+        self.reserved = 0  # bytes held in segments
+        self.allocated = 0  # bytes in blocks handed out (rounded sizes)
+        self._segments = {}  # segment id -> [size, pool, number of blocks in use]
         self._free = {"small": [], "large": []}  # sorted (size, segment, offset) of free blocks
-        self._blocks = {}        # segment id -> {offset: [size, in_use]}
-        self._block_ending_at = {}  # segment id -> {end offset: start offset}, to find left neighbours
-        self._live = {}          # allocation key -> (segment, offset)
+        self._blocks = {}  # segment id -> {offset: [size, in_use]}
+        self._block_ending_at = {}  # segment id -> {end offset: start offset}: left neighbours
+        self._live = {}  # allocation key -> (segment, offset)
         self._segment_ids = itertools.count()
 
     @classmethod
@@ -160,11 +857,13 @@ class CachingAllocatorModel:
             self._release_free_segments()
             if self.reserved + seg_size > self.limit_bytes:
                 raise SimulatedOutOfMemoryError(
-                    f"modelled CUDA out of memory: tried to allocate {request / MiB:.2f} MiB (a new "
-                    f"{seg_size / MiB:.0f} MiB segment); {self.allocated / MiB:.2f} MiB allocated, "
-                    f"{self.reserved / MiB:.2f} MiB reserved, limit {self.limit_bytes / MiB:.2f} MiB. "
+                    f"modelled CUDA out of memory: tried to allocate {request / MiB:.2f} MiB "
+                    f"(a new {seg_size / MiB:.0f} MiB segment); {self.allocated / MiB:.2f} MiB "
+                    f"allocated, {self.reserved / MiB:.2f} MiB reserved, "
+                    f"limit {self.limit_bytes / MiB:.2f} MiB. "
                     "Fix: shrink the batch, shard or drop optimizer state, checkpoint activations, "
-                    "or raise limit_bytes.")
+                    "or raise limit_bytes."
+                )
         seg = next(self._segment_ids)
         self._segments[seg] = [seg_size, pool, 0]
         self._blocks[seg], self._block_ending_at[seg] = {}, {}
@@ -180,406 +879,113 @@ class CachingAllocatorModel:
                 self.reserved -= seg_size
 
 
-# --------------------------------------------------------------------------------------------------
-# The recorder
-# --------------------------------------------------------------------------------------------------
-
-class _StorageWatcher(TorchDispatchMode):
-    """Registers every storage an op returns; the timeline does the bookkeeping."""
-
-    def __init__(self, timeline):
-        super().__init__()
-        self.timeline = timeline
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        inputs = []  # filled lazily: only an output storage we have never seen needs the check
-
-        def input_storages():
-            if not inputs:
-                inputs.append({_storage_key(a) for a in tree_flatten((args, kwargs))[0]
-                               if isinstance(a, torch.Tensor)})
-            return inputs[0]
-
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self.timeline._see(t, input_storages)
-        return out
+def _demo_run(device, steps, batch):
+    """A 2-layer MLP whose activations outweigh its weights, trained with AdamW, recorded."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)
+    ).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    x = torch.randn(batch, 256, device=device)
+    predicted = predicted_optimizer_state_bytes(opt, device)  # before the state exists
+    tl = MemoryTimeline(model, opt, name=f"AdamW, {steps} steps on {device}")
+    with tl.record():
+        for step in range(1, steps + 1):  # steps numbered from 1, as people count them
+            with tl.phase("forward", step):
+                loss = model(x).square().mean()
+            with tl.phase("backward", step):
+                loss.backward()
+            with tl.phase("optimizer", step):
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    return model, tl, predicted
 
 
-def _storage_key(t):
-    try:
-        return t.untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError):
-        return None
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        description="Record a small AdamW training run's memory timeline, print the peak of each "
+        "category, and check the step-2 prediction: step 2's peak = step 1's + the optimizer state."
+    )
+    parser.add_argument(
+        "--steps", type=int, default=3, help="training steps to record, at least 2 (default 3)"
+    )
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=2048,
+        help="rows per batch; activations grow with it (default 2048)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default=None,
+        help="where the model runs (default: cuda when a GPU is visible, else cpu)",
+    )
+    parser.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        default=None,
+        help="also save the timeline plot to this PNG file (needs matplotlib)",
+    )
+    args = parser.parse_args(argv)
+    if args.steps < 2:
+        parser.error(f"--steps must be at least 2 to compare step 2 with step 1, got {args.steps}")
+    if args.batch < 1:
+        parser.error(f"--batch must be positive, got {args.batch}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA GPU is visible; pass --device cpu")
+    if args.plot is not None and not args.plot.endswith(".png"):
+        parser.error(f"--plot takes a .png file name, got {args.plot!r}")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    why = (
+        f"--device {args.device}"
+        if args.device
+        else "automatic: " + ("a GPU is visible" if device == "cuda" else "no GPU visible")
+    )
+    print(f"device: {device} ({why})")
+
+    t0 = time.perf_counter()
+    print(f"recording {args.steps} AdamW steps ...", flush=True)
+    model, tl, predicted = _demo_run(device, args.steps, args.batch)
+    n = sum(p.numel() for p in model.parameters())
+    t = len(list(model.parameters()))
+    print(
+        f"recorded {args.steps} steps, {tl.num_events} allocation events, "
+        f"in {time.perf_counter() - t0:.1f} s\n"
+    )
+    print("peak bytes per category over the run:")
+    print(tl.summary())
+    if tl.cuda_allocated is not None:
+        print(f"{'allocated (CUDA)':>16}: {tl.cuda_allocated.max() / MiB:9.3f} MiB (measured)")
+        print(f"{'reserved (CUDA)':>16}: {tl.cuda_reserved.max() / MiB:9.3f} MiB (measured)")
+    peaks = [tl.peak(step=s) for s in range(1, args.steps + 1)]
+    print("\npeak allocated per step (MiB):", " ".join(f"{p / MiB:.3f}" for p in peaks))
+    jump = peaks[1] - peaks[0]
+    step_on = "on the CPU, not counted here" if device != "cpu" else "counted"
+    print(
+        f"\nstep-2 prediction: AdamW state for N = {n:,} values in T = {t} tensors, 8 B per "
+        f"value\n(two fp32 moments) plus a 4 B step counter per tensor ({step_on}):"
+    )
+    print(f"  predicted jump {predicted:>12,} B = {predicted / MiB:.4f} MiB")
+    print(
+        f"  measured  jump {jump:>12,} B = {jump / MiB:.4f} MiB "
+        f"({peaks[0] / MiB:.3f} -> {peaks[1] / MiB:.3f} MiB), off by {jump - predicted:+,} B"
+    )
+    peak_phase = max(PHASES, key=lambda ph: tl.peak(step=1, phase=ph))
+    if peak_phase != "backward":
+        print(
+            f"  note: step 1 peaks in its {peak_phase} phase, not in backward, so the jump is not "
+            "the whole state (activations are too small next to the weights: raise --batch)"
+        )
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        ax = plot_timeline(tl)
+        ax.figure.tight_layout()
+        ax.figure.savefig(args.plot, dpi=120)
+        print(f"\nplot saved to {args.plot}")
 
 
-def _tensors_in(obj):
-    """Every tensor inside nested dicts / lists / tuples (optimizer state is such a nest)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors_in(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors_in(v)
-
-
-class MemoryTimeline:
-    """Records, per tensor storage, when it was allocated and freed and what it was for.
-
-    model:       an nn.Module or an iterable of parameters (their storages are "parameters").
-    optimizer:   an optimizer, a list of them, or None (tensors in `.state` are "optimizer_state").
-    device:      "cpu" or "cuda[:i]"; default: the parameters' device, else cpu.
-    limit_bytes: a budget for the modelled reserved memory; exceeding it raises SimulatedOutOfMemoryError.
-    """
-
-    def __init__(self, model=None, optimizer=None, device=None, limit_bytes=None, name=""):
-        params = model.parameters() if isinstance(model, torch.nn.Module) else (model or [])
-        self._params = list(params)
-        self._optimizers = optimizer if isinstance(optimizer, (list, tuple)) else \
-            ([optimizer] if optimizer is not None else [])
-        if device is None:
-            device = self._params[0].device if self._params else torch.device("cpu")
-        self.device = torch.device(device)
-        if self.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"MemoryTimeline records cpu or cuda tensors; got device {self.device}. "
-                             "Pass device='cpu' or device='cuda'.")
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        self.name = name
-        self.limit_bytes = limit_bytes
-        self.allocator_model = CachingAllocatorModel(limit_bytes)
-        self.phases = []        # (phase, step, first event index, last event index + 1, t0, t1)
-        self._events = []       # (seconds since start, storage id, +bytes / -bytes)
-        self._reserved_model = []  # modelled reserved bytes after each event
-        self._cuda = []         # (allocated, reserved) after each event, CUDA only
-        self._sizes = {}        # storage id -> bytes
-        self._origin = {}       # storage id -> phase it was allocated in (None outside phases)
-        self._alive_after_forward = set()
-        self._kind = {}         # storage id -> parameters / gradients / optimizer_state / a tag
-        self._ids = WeakIdKeyDictionary()
-        self._refs = {}
-        self._next_id = itertools.count()
-        self._recording = False
-        self._done = False
-        self._current_phase = None
-        self._t0 = None
-        self._pending_tags = []
-        self.cuda_snapshot = None  # the allocator history, when record(cuda_history=True) on CUDA
-
-    # --- recording ----------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def record(self, cuda_history=False):
-        """Records everything run inside the `with` block.
-
-        cuda_history=True (CUDA only) also keeps the allocator's own event history, with stack traces,
-        in `tl.cuda_snapshot`: save it with pickle and drop it on https://pytorch.org/memory_viz."""
-        if self._recording:
-            raise RuntimeError("this MemoryTimeline is already recording: record() cannot be nested. "
-                               "Use one `with tl.record():` around the whole loop.")
-        if self._done:
-            raise RuntimeError("this MemoryTimeline has already recorded a run; make a new one.")
-        if cuda_history and self.device.type != "cuda":
-            raise ValueError("cuda_history=True needs a CUDA timeline (device='cuda'); on CPU the "
-                             "modelled reserved line stands in for the allocator")
-        self._recording, self._t0 = True, time.perf_counter()
-        for tensors, category in self._pending_tags:
-            self.tag(tensors, category)
-        self._pending_tags = []
-        self._scan_known_tensors()
-        if cuda_history:
-            torch.cuda.memory._record_memory_history(max_entries=200_000)
-        try:
-            with _StorageWatcher(self):
-                yield self
-        finally:
-            if cuda_history:
-                self.cuda_snapshot = torch.cuda.memory._snapshot()
-                torch.cuda.memory._record_memory_history(enabled=None)
-            self._scan_known_tensors()
-            self._recording, self._done = False, True
-            self._finish()
-
-    @contextlib.contextmanager
-    def phase(self, name, step=0):
-        """Marks a phase ("forward", "backward", "optimizer" or any label) of training step `step`."""
-        if not self._recording:
-            raise RuntimeError("tl.phase(...) is only meaningful inside `with tl.record():`")
-        if self._current_phase is not None:
-            raise RuntimeError(f"phase {name!r} opened inside phase {self._current_phase!r}; "
-                               "phases do not nest")
-        self._current_phase, start, t0 = name, len(self._events), self._now()
-        try:
-            yield
-        finally:
-            self._current_phase = None
-            self._scan_known_tensors()
-            if name == "forward":
-                self._alive_after_forward.update(
-                    sid for sid, origin in self._origin.items()
-                    if origin == "forward" and sid in self._refs)
-            self.phases.append((name, step, start, len(self._events), t0, self._now()))
-
-    def tag(self, tensors, category):
-        """Declares the category of tensors the recorder cannot infer (state kept outside .state).
-
-        Call it before or inside `record()`; a tag wins over every inferred category."""
-        if category not in CATEGORIES:
-            raise ValueError(f"unknown category {category!r}; choose one of {CATEGORIES}")
-        tensors = list(_tensors_in(tensors if isinstance(tensors, torch.Tensor) else list(tensors)))
-        if not self._recording:
-            self._pending_tags.append((tensors, category))
-            return
-        for t in tensors:
-            sid = self._see(t)
-            if sid is not None:
-                self._kind[sid] = category
-
-    def _now(self):
-        return time.perf_counter() - self._t0
-
-    def _see(self, t, input_storages=None):
-        """Registers t's storage if it is new; returns its id (None for storages we do not track).
-
-        input_storages: when t is an op's output, a callable giving the op's input storages. An output
-        that aliases an input we never registered (a view or in-place result of a tensor made before
-        recording) allocated nothing: it is remembered as untracked rather than counted as new."""
-        if t.device != self.device or t.is_sparse:
-            return None
-        try:
-            st = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # tensor subclasses without a plain storage
-            return None
-        sid = self._ids.get(st)
-        if sid == _UNTRACKED:
-            if input_storages is not None:
-                return None
-            del self._ids[st]  # tagged or scanned explicitly: from now on it counts
-            sid = None
-        nbytes = st.nbytes()
-        if sid is not None:
-            if nbytes != self._sizes[sid]:  # resized in place (storage resize_): free + allocate
-                self._free(sid)
-                self._alloc(sid, nbytes)
-            return sid
-        if input_storages is not None and st._cdata in input_storages():
-            self._ids[st] = _UNTRACKED
-            return None
-        sid = next(self._next_id)
-        self._ids[st] = sid
-        self._refs[sid] = weakref.ref(st, lambda _, sid=sid: self._on_collect(sid))
-        self._origin[sid] = self._current_phase
-        self._alloc(sid, nbytes)
-        return sid
-
-    def _alloc(self, sid, nbytes):
-        self._sizes[sid] = nbytes
-        if nbytes:
-            self._event(sid, nbytes, lambda: self.allocator_model.malloc(sid, nbytes))
-
-    def _free(self, sid):
-        nbytes = self._sizes[sid]
-        self._sizes[sid] = 0
-        if nbytes:
-            self._event(sid, -nbytes, lambda: self.allocator_model.free(sid))
-
-    def _on_collect(self, sid):
-        if self._recording and sid in self._refs:
-            del self._refs[sid]
-            self._free(sid)
-
-    def _event(self, sid, delta, update_model):
-        update_model()  # may raise SimulatedOutOfMemoryError: the op that allocated fails, like on a GPU
-        self._events.append((self._now(), sid, delta))
-        self._reserved_model.append(self.allocator_model.reserved)
-        if self.device.type == "cuda":
-            self._cuda.append((torch.cuda.memory_allocated(self.device),
-                               torch.cuda.memory_reserved(self.device)))
-
-    def _scan_known_tensors(self):
-        for p in self._params:
-            self._mark(p, "parameters")
-        for p in self._params:
-            if p.grad is not None:
-                self._mark(p.grad, "gradients")
-        for opt in self._optimizers:
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        self._mark(p.grad, "gradients")
-            for t in _tensors_in(list(opt.state.values())):
-                self._mark(t, "optimizer_state")
-
-    def _mark(self, t, kind):
-        sid = self._see(t)
-        if sid is not None and sid not in self._kind:
-            self._kind[sid] = kind
-
-    # --- the recorded run ---------------------------------------------------------------------
-
-    def category_of(self, sid):
-        if sid in self._kind:
-            return self._kind[sid]
-        if sid in self._alive_after_forward:
-            return "activations"
-        return "temporaries" if self._origin.get(sid) is not None else "other"
-
-    def _finish(self):
-        """Turns the event list into per-category series; drops every reference to live tensors."""
-        n = len(self._events)
-        self.times = np.array([e[0] for e in self._events], dtype=float)
-        columns = {c: np.zeros(n, dtype=np.int64) for c in CATEGORIES}
-        for i, (_, sid, delta) in enumerate(self._events):
-            columns[self.category_of(sid)][i] = delta
-        self.bytes = {c: np.cumsum(col) for c, col in columns.items()}
-        self.reserved_model = np.array(self._reserved_model, dtype=np.int64)
-        cuda = np.array(self._cuda, dtype=np.int64).reshape(-1, 2)
-        self.cuda_allocated, self.cuda_reserved = (cuda[:, 0], cuda[:, 1]) if len(cuda) else (None, None)
-        self.num_events = n
-        self._params, self._optimizers, self._ids, self._refs = [], [], WeakIdKeyDictionary(), {}
-
-    def __getstate__(self):  # picklable once recorded (gather_timelines sends it between ranks)
-        if not self._done:
-            raise RuntimeError("only a finished MemoryTimeline can be pickled or gathered")
-        state = self.__dict__.copy()
-        for key in ("_ids", "_refs", "_next_id", "_sizes", "_origin", "_kind", "_alive_after_forward"):
-            state.pop(key, None)
-        return state
-
-    def _check_done(self):
-        if not self._done:
-            raise RuntimeError("no recorded run yet: use `with tl.record(): ...` first")
-        if self.num_events == 0:
-            raise ValueError("the timeline is empty: nothing was allocated while recording. Did the "
-                             "training loop run inside `with tl.record():`, on this timeline's device?")
-
-    def series(self, category=None):
-        """Bytes of one category (None: all categories) after each event, as an int64 array."""
-        self._check_done()
-        if category is None:
-            return sum(self.bytes[c] for c in CATEGORIES)
-        if category not in CATEGORIES:
-            raise ValueError(f"unknown category {category!r}; choose one of {CATEGORIES}")
-        return self.bytes[category]
-
-    def window(self, step=None, phase=None):
-        """Event-index ranges [start, end) of the phases matching step and phase."""
-        return [(a, b) for (name, s, a, b, _, _) in self.phases
-                if (step is None or s == step) and (phase is None or name == phase)]
-
-    def peak(self, category=None, step=None, phase=None):
-        """Peak bytes of a category (None: total) over the whole run, or within a step and/or phase."""
-        return self._peak_of(self.series(category), step, phase)
-
-    def peaks(self, step=None, phase=None):
-        return {c: self.peak(c, step, phase) for c in CATEGORIES}
-
-    def peak_reserved_model(self, step=None, phase=None):
-        """Peak of the modelled reserved line, over the run or within a step and/or phase."""
-        self._check_done()
-        return self._peak_of(self.reserved_model, step, phase)
-
-    def _peak_of(self, values, step, phase):
-        if step is None and phase is None:
-            return int(values.max())
-        ranges = self.window(step, phase)
-        if not ranges:
-            raise ValueError(f"no recorded phase matches step={step!r}, phase={phase!r}; "
-                             f"recorded: {sorted({(p[1], p[0]) for p in self.phases})}")
-        # the level on entry counts too: it is what the phase starts from
-        return int(max(values[max(a - 1, 0):max(b, a + 1)].max() for a, b in ranges))
-
-    def summary(self):
-        """One line per category: peak MiB over the run."""
-        return "\n".join(f"{c:>16}: {self.peak(c) / MiB:9.3f} MiB" for c in CATEGORIES) + \
-            f"\n{'total':>16}: {self.peak() / MiB:9.3f} MiB\n{'reserved (model)':>16}: " \
-            f"{self.peak_reserved_model() / MiB:9.3f} MiB"
-
-
-def gather_timelines(timeline, dst=0, group=None):
-    """Inside a process group: every rank's finished timeline, as a list on `dst` (None elsewhere)."""
-    import torch.distributed as dist
-    timeline._check_done()
-    world = dist.get_world_size(group)
-    out = [None] * world if dist.get_rank(group) == dst else None
-    dist.gather_object(timeline, out, dst=dst, group=group)
-    return out
-
-
-# --------------------------------------------------------------------------------------------------
-# Plots (matplotlib is imported only when plotting)
-# --------------------------------------------------------------------------------------------------
-
-def plot_timeline(tl, ax=None, title=None, show_reserved=True, legend=True, ymax=None, x="events"):
-    """Stacked area by category, phase bands, step boundaries, and the reserved line(s).
-
-    x="events" (default) spaces allocations and frees evenly, as PyTorch's memory viz does, so a spike
-    that lasts a microsecond is as visible as a plateau; x="time" uses seconds while recording (which
-    include the recorder's own overhead)."""
-    import matplotlib.pyplot as plt
-    tl._check_done()
-    if x not in ("events", "time"):
-        raise ValueError(f"x must be 'events' or 'time', got {x!r}")
-    if ax is None:
-        _, ax = plt.subplots(figsize=(8, 3.5))
-    xs = np.arange(tl.num_events) if x == "events" else tl.times
-
-    def at(i):  # x position of event index i (phase boundaries are event indices)
-        return xs[min(i, tl.num_events - 1)] if x == "time" else i
-
-    ax.stackplot(xs, *[tl.bytes[c] / MiB for c in CATEGORIES], labels=CATEGORIES,
-                 colors=[COLORS[c] for c in CATEGORIES], step="post", linewidth=0)
-    ax.plot(xs, tl.series() / MiB, color="k", lw=0.5, label="allocated (recorded)", drawstyle="steps-post")
-    seen_steps = set()
-    for name, step, a, b, _, _ in tl.phases:
-        ax.axvspan(at(a), at(b), color=PHASE_COLORS.get(name, "#f2f2f2"), zorder=-1, lw=0)
-        if step not in seen_steps:
-            seen_steps.add(step)
-            ax.axvline(at(a), color="0.4", lw=0.8, ls=":")
-            ax.text(at(a), 1.0, f" step {step}", transform=ax.get_xaxis_transform(), va="bottom",
-                    fontsize=8, color="0.3")
-    if show_reserved:
-        ax.plot(xs, tl.reserved_model / MiB, color="k", lw=1, ls="--",
-                label="reserved (modelled CUDA allocator)", drawstyle="steps-post")
-        if tl.cuda_reserved is not None:
-            ax.plot(xs, tl.cuda_allocated / MiB, color="0.2", lw=1, label="allocated (CUDA)",
-                    drawstyle="steps-post")
-            ax.plot(xs, tl.cuda_reserved / MiB, color="0.5", lw=1.2, label="reserved (CUDA)",
-                    drawstyle="steps-post")
-    if tl.limit_bytes is not None:
-        ax.axhline(tl.limit_bytes / MiB, color="red", lw=1, label="memory limit")
-    ax.set_xlabel("allocation events (forward blue, backward orange, optimizer green)" if x == "events"
-                  else "seconds while recording (forward blue, backward orange, optimizer green)")
-    ax.set_ylabel("MiB")
-    ax.set_xlim(xs[0], xs[-1])
-    ax.set_ylim(0, ymax if ymax is not None else None)
-    ax.set_title(title if title is not None else (tl.name or "memory timeline"), pad=14)
-    if legend:
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, framealpha=0.8)
-    return ax
-
-
-def plot_timelines(timelines, titles=None, sharey=True, width=4.2, height=3.2, x="events"):
-    """Several timelines side by side, on one y scale so their heights compare."""
-    import matplotlib.pyplot as plt
-    if not timelines:
-        raise ValueError("plot_timelines needs at least one recorded timeline")
-    for tl in timelines:
-        tl._check_done()
-    titles = titles or [tl.name for tl in timelines]
-    fig, axes = plt.subplots(1, len(timelines), figsize=(width * len(timelines) + 2.2, height),
-                             squeeze=False)
-    ymax = max(max(tl.series().max(), tl.reserved_model.max(), tl.limit_bytes or 0)
-               for tl in timelines) / MiB * 1.08
-    last = len(timelines) - 1
-    for i, (tl, ax) in enumerate(zip(timelines, axes[0])):
-        plot_timeline(tl, ax=ax, title=titles[i], legend=(i == last), ymax=ymax if sharey else None, x=x)
-        if i:
-            ax.set_ylabel("")
-        ax.set_xlabel("allocation events" if x == "events" else "seconds")
-    fig.tight_layout()
-    return fig
+if __name__ == "__main__":
+    main()

@@ -149,8 +149,8 @@ def _pipeline_worker(rank, world, port, cfg, batch, repeats, out_path):
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a pipeline step ends when its slowest stage does
             if rep:
                 times[name].append(elapsed.item())
-                waits[name].append(stats["wait_s"])
-            sent[name] = stats["bytes_sent_forward"]
+                waits[name].append(stats.wait_s)
+            sent[name] = stats.bytes_sent_forward
     if rank == 0:
         with open(out_path, "w") as f:
             for name in variants:

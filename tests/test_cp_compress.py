@@ -1,21 +1,23 @@
-"""cp_compress.py: the two-stage context-parallel protocol equals single-device compressed attention.
+"""cp_compress.py: the two-stage CP protocol equals single-device compressed attention.
 
-Tolerances. Everything runs in fp32. CP and the reference compute the same sums in a different order
-(gathered vs. dense-masked softmax, a rank's buffer vs. a per-document view), so values agree to a few
-ulps: we allow 1e-5 relative to the largest magnitude of the reference tensor (1e-5 * max|ref|).
+Tolerances. Everything runs in fp32. CP and the reference compute the same sums in a different
+order (gathered vs. dense-masked softmax, a rank's buffer vs. a per-document view), so values agree
+to a few ulps: we allow 1e-5 relative to the largest magnitude of the reference (1e-5 * max|ref|).
 Top-k indices, entry counts and every boundary-value check are integers and must match exactly.
 """
+
 import math
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from harness import RankFailure, run_ranks
 
 import cp_compress as cpc
-from harness import run_ranks
 
-S = 24            # tokens per rank: a multiple of m = 4 (CSA) and m' = 8 (HCA in tests)
+S = 24  # tokens per rank: a multiple of m = 4 (CSA) and m' = 8 (HCA in tests)
 M, M_HCA = 4, 8
 WINDOW, TOP_K = 6, 5
 
@@ -29,15 +31,23 @@ def close(actual, expected, what, rel=1e-5):
 def layouts(world_size, s, ratio):
     """cu_seqlens with document boundaries everywhere that matters for this world size."""
     T = world_size * s
-    boundaries = list(range(s, T, s)) or [s // 2]          # one rank: still test an inner boundary
-    worst_overlap = {b - (2 * ratio - 1) for b in boundaries}   # a block ending at b needs 2m-1 rows back
-    worst_straddle = {b - (ratio - 1) for b in boundaries}      # a document starting m-1 before b
+    boundaries = list(range(s, T, s)) or [s // 2]  # one rank: still test an inner boundary
+    worst_overlap = {
+        b - (2 * ratio - 1) for b in boundaries
+    }  # a block ending at b needs 2m-1 rows back
+    worst_straddle = {b - (ratio - 1) for b in boundaries}  # a document starting m-1 before b
     on_boundary = set(boundaries)
     short_docs = {b + 2 for b in boundaries} | {b + 3 for b in boundaries}  # a 1-token document
     g = torch.Generator().manual_seed(world_size * 100 + ratio)
     random_cuts = set(torch.randint(1, T, (T // 8,), generator=g).tolist())
     out = []
-    for cuts in (set(), worst_overlap, worst_straddle | short_docs, on_boundary | {1, 2}, random_cuts):
+    for cuts in (
+        set(),
+        worst_overlap,
+        worst_straddle | short_docs,
+        on_boundary | {1, 2},
+        random_cuts,
+    ):
         cuts = sorted({c for c in cuts if 0 < c < T} | {0, T})
         out.append(torch.tensor(cuts))
     return out
@@ -46,8 +56,17 @@ def layouts(world_size, s, ratio):
 def make_layer(kind):
     torch.manual_seed(1234)
     if kind == "csa":
-        return cpc.CompressedAttention("csa", dim=16, heads=2, head_dim=8, ratio=M, window=WINDOW,
-                                       top_k=TOP_K, index_heads=2, index_dim=4)
+        return cpc.CompressedAttention(
+            "csa",
+            dim=16,
+            heads=2,
+            head_dim=8,
+            ratio=M,
+            window=WINDOW,
+            top_k=TOP_K,
+            index_heads=2,
+            index_dim=4,
+        )
     return cpc.CompressedAttention("hca", dim=16, heads=2, head_dim=8, ratio=M_HCA, window=WINDOW)
 
 
@@ -55,8 +74,10 @@ def make_layer(kind):
 # Pure functions, one process
 # --------------------------------------------------------------------------------------------------
 
+
+@pytest.mark.grade(points=2, solution="cp_compress.halo_rows")
 def test_halo_rows_counts_the_overlap():
-    assert cpc.halo_rows(4, overlap=True) == 7      # own block may start 3 back, plus the block before
+    assert cpc.halo_rows(4, overlap=True) == 7  # own block may start 3 back, plus the block before
     assert cpc.halo_rows(4, overlap=False) == 3
     assert cpc.halo_rows(128, overlap=False) == 127
 
@@ -78,12 +99,14 @@ def test_local_entry_rows_worst_case():
     ends, starts = cpc.compressed_entry_ends(cu, 4)
     assert ends.tolist() == [4, 8, 12]
     own, prev = cpc.local_entry_rows(ends, starts, 1, 8, 4, overlap=True)
-    offset = 8 - 7                                         # ext row = global position - offset
+    offset = 8 - 7  # ext row = global position - offset
     assert (own + offset).tolist() == [[5, 6, 7, 8], [9, 10, 11, 12]]
     assert (prev + offset).tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]]
-    assert prev.min() == 0                                 # the halo is used to its first row
+    assert prev.min() == 0  # the halo is used to its first row
     own0, prev0 = cpc.local_entry_rows(ends, starts, 0, 8, 4, overlap=True)
-    assert (own0 - 7).tolist() == [[1, 2, 3, 4]] and prev0.tolist() == [[-1] * 4]  # first entry: padded
+    assert (own0 - 7).tolist() == [[1, 2, 3, 4]] and prev0.tolist() == [
+        [-1] * 4
+    ]  # first entry: padded
     own_h, prev_h = cpc.local_entry_rows(ends, starts, 1, 8, 4, overlap=False)
     assert prev_h is None and (own_h + 8 - 3).tolist() == [[5, 6, 7, 8], [9, 10, 11, 12]]
 
@@ -100,9 +123,11 @@ def _naive_compress(kv, score, ape, cu, m, overlap):
                 if overlap and j > 0:
                     rows += [(a + (j - 1) * m + i, 1, i) for i in range(m)]
                 logits = [float(score[p, k, c] + ape[i, k, c]) for p, k, i in rows]
-                z = sum(math.exp(l - max(logits)) for l in logits)
-                out[n, c] = sum(math.exp(l - max(logits)) / z * float(kv[p, k, c])
-                                for l, (p, k, i) in zip(logits, rows))
+                z = sum(math.exp(v - max(logits)) for v in logits)
+                out[n, c] = sum(
+                    math.exp(v - max(logits)) / z * float(kv[p, k, c])
+                    for v, (p, k, i) in zip(logits, rows)
+                )
             n += 1
     return out.float()
 
@@ -116,10 +141,11 @@ def test_compress_reference_matches_scalar_loops(overlap):
     cu = torch.tensor([0, 3, 13, 14, 24])
     got = cpc.compress_reference(kv, score, ape, cu, 4, overlap)
     assert got.shape == (6, 3)
-    assert got[4:].abs().max() == 0                       # 4 valid entries, zero padding at the tail
+    assert got[4:].abs().max() == 0  # 4 valid entries, zero padding at the tail
     close(got, _naive_compress(kv, score, ape, cu, 4, overlap), "compress_reference")
 
 
+@pytest.mark.grade(points=2, solution="cp_compress.compress_local")
 @pytest.mark.parametrize("overlap", [True, False])
 def test_compress_local_on_one_rank_matches_reference(overlap):
     g = torch.Generator().manual_seed(1)
@@ -128,48 +154,79 @@ def test_compress_local_on_one_rank_matches_reference(overlap):
     ape = torch.randn(m, sets, 3, generator=g)
     cu = torch.tensor([0, 3, 13, 14, 20])
     h = cpc.halo_rows(m, overlap)
-    ext_kv, ext_score = torch.cat([torch.zeros(h, sets, 3), kv]), torch.cat([torch.zeros(h, sets, 3), score])
+    ext_kv, ext_score = (
+        torch.cat([torch.zeros(h, sets, 3), kv]),
+        torch.cat([torch.zeros(h, sets, 3), score]),
+    )
     ends, starts = cpc.compressed_entry_ends(cu, m)
     own, prev = cpc.local_entry_rows(ends, starts, 0, s, m, overlap)
     buf = cpc.compress_local(ext_kv, ext_score, ape, own, prev, s // m + 1)
-    assert buf.shape == (s // m + 1, 3) and buf[ends.numel():].abs().max() == 0
-    close(buf[:ends.numel()], _naive_compress(kv, score, ape, cu, m, overlap)[:ends.numel()], "compress_local")
+    assert buf.shape == (s // m + 1, 3) and buf[ends.numel() :].abs().max() == 0
+    close(
+        buf[: ends.numel()],
+        _naive_compress(kv, score, ape, cu, m, overlap)[: ends.numel()],
+        "compress_local",
+    )
 
 
+@pytest.mark.grade(points=2, solution="cp_compress.select_and_pad")
 def test_select_and_pad():
-    gathered = torch.arange(1, 3 * 3 + 1, dtype=torch.float32).view(3, 3, 1)   # rank r: rows 3r+1..3r+3
+    gathered = torch.arange(1, 3 * 3 + 1, dtype=torch.float32).view(
+        3, 3, 1
+    )  # rank r: rows 3r+1..3r+3
     out = cpc.select_and_pad(gathered, [2, 0, 1], total=6)
     assert out.flatten().tolist() == [1, 2, 7, 0, 0, 0]
 
 
+@pytest.mark.grade(points=2, solution="cp_compress.visibility")
 def test_visibility_rule():
     cu = torch.tensor([0, 9, 16])
-    ends, starts = cpc.compressed_entry_ends(cu, 4)       # entries end at 3, 7 (doc 0) and 12 (doc 1)
+    ends, starts = cpc.compressed_entry_ends(cu, 4)  # entries end at 3, 7 (doc 0) and 12 (doc 1)
     pos = torch.arange(16)
     vis = cpc.visibility(pos, cpc.doc_start_of(pos, cu), ends, starts)
     assert vis[2].tolist() == [False, False, False]
-    assert vis[3].tolist() == [True, False, False]       # the last token of a block sees that block
+    assert vis[3].tolist() == [True, False, False]  # the last token of a block sees that block
     assert vis[8].tolist() == [True, True, False]
-    assert vis[11].tolist() == [False, False, False]     # another document: nothing
+    assert vis[11].tolist() == [False, False, False]  # another document: nothing
     assert vis[12].tolist() == [False, False, True]
 
 
 def test_index_scores_and_top_k():
     g = torch.Generator().manual_seed(2)
-    q, w, k = torch.randn(5, 3, 4, generator=g), torch.randn(5, 3, generator=g), torch.randn(6, 4, generator=g)
-    naive = torch.tensor([[sum(float(w[t, h]) * max(0.0, float(q[t, h] @ k[e]) / 2) for h in range(3))
-                           for e in range(6)] for t in range(5)])
+    q, w, k = (
+        torch.randn(5, 3, 4, generator=g),
+        torch.randn(5, 3, generator=g),
+        torch.randn(6, 4, generator=g),
+    )
+    naive = torch.tensor(
+        [
+            [
+                sum(float(w[t, h]) * max(0.0, float(q[t, h] @ k[e]) / 2) for h in range(3))
+                for e in range(6)
+            ]
+            for t in range(5)
+        ]
+    )
     scores = cpc.index_scores(q, w, k)
     close(scores, naive, "index_scores")
-    scores[0] = torch.tensor([5.0, 1.0, 4.0, 1.0, 0.0, 1.0])            # a three-way tie for 3rd place
-    visible = torch.tensor([[True] * 6, [True, True, False, False, False, False], [False] * 6,
-                            [True] * 6, [False, False, False, False, False, True]])
+    scores[0] = torch.tensor([5.0, 1.0, 4.0, 1.0, 0.0, 1.0])  # a three-way tie for 3rd place
+    visible = torch.tensor(
+        [
+            [True] * 6,
+            [True, True, False, False, False, False],
+            [False] * 6,
+            [True] * 6,
+            [False, False, False, False, False, True],
+        ]
+    )
     chosen = cpc.top_k_visible(scores, visible, 3)
     for t in range(5):
         vis_idx = visible[t].nonzero().flatten()
-        best = sorted(sorted(vis_idx.tolist(), key=lambda e: (-scores[t, e].item(), e))[:3])  # ties: earlier
+        best = sorted(
+            sorted(vis_idx.tolist(), key=lambda e: (-scores[t, e].item(), e))[:3]
+        )  # ties: earlier
         assert chosen[t].tolist() == [-1] * (3 - len(best)) + best
-    assert chosen[0].tolist() == [0, 1, 2]                                # ties go to the earlier entry
+    assert chosen[0].tolist() == [0, 1, 2]  # ties go to the earlier entry
     mask = cpc.chosen_mask(chosen, 6)
     assert mask.sum(1).tolist() == [3, 2, 0, 3, 1] and bool((mask <= visible).all())
 
@@ -177,19 +234,30 @@ def test_index_scores_and_top_k():
 def test_attention_matches_sdpa_and_sink_only_rescales():
     g = torch.Generator().manual_seed(3)
     T, N, H, D = 7, 5, 2, 8
-    q, ent, raw = torch.randn(T, H, D, generator=g), torch.randn(N, D, generator=g), torch.randn(T, D, generator=g)
+    q, ent, raw = (
+        torch.randn(T, H, D, generator=g),
+        torch.randn(N, D, generator=g),
+        torch.randn(T, D, generator=g),
+    )
     ent_ok = torch.rand(T, N, generator=g) > 0.5
     raw_ok = torch.ones(T, T, dtype=torch.bool).tril()
     keys, allowed = torch.cat([ent, raw]), torch.cat([ent_ok, raw_ok], 1)
-    sdpa = F.scaled_dot_product_attention(q.transpose(0, 1), keys.expand(H, -1, -1), keys.expand(H, -1, -1),
-                                          attn_mask=allowed).transpose(0, 1)
+    sdpa = F.scaled_dot_product_attention(
+        q.transpose(0, 1), keys.expand(H, -1, -1), keys.expand(H, -1, -1), attn_mask=allowed
+    ).transpose(0, 1)
     no_sink = torch.full((H,), float("-inf"))
-    close(cpc.attention_reference(q, ent, raw, ent_ok, raw_ok, no_sink), sdpa, "attention_reference vs SDPA")
+    close(
+        cpc.attention_reference(q, ent, raw, ent_ok, raw_ok, no_sink),
+        sdpa,
+        "attention_reference vs SDPA",
+    )
     sink = torch.tensor([0.5, -1.0])
     # a sink adds exp(sink) to the denominator only: out = sdpa * Z / (Z + exp(sink))
-    logits = torch.einsum("thd,nd->htn", q, keys).div(math.sqrt(D)).masked_fill(~allowed, float("-inf"))
-    lse = logits.logsumexp(-1).T                                          # [T, H]
-    shrink = torch.sigmoid(lse - sink)[..., None]                        # Z / (Z + e^sink)
+    logits = (
+        torch.einsum("thd,nd->htn", q, keys).div(math.sqrt(D)).masked_fill(~allowed, float("-inf"))
+    )
+    lse = logits.logsumexp(-1).T  # [T, H]
+    shrink = torch.sigmoid(lse - sink)[..., None]  # Z / (Z + e^sink)
     close(cpc.attention_reference(q, ent, raw, ent_ok, raw_ok, sink), sdpa * shrink, "sink")
     gathered = cpc.attention_gathered(q, keys.expand(T, -1, -1), allowed, sink)
     close(gathered, sdpa * shrink, "attention_gathered")
@@ -204,17 +272,20 @@ def test_shard_sequence():
 
 def test_validate_layout_refuses_bad_input():
     cu = torch.tensor([0, 10, 32])
-    cpc.validate_layout(16, cu, 2, 4, True, 8, 6)                       # fine
+    cpc.validate_layout(16, cu, 2, 4, True, 8, 6)  # fine
     with pytest.raises(ValueError, match="not a positive multiple of the compression ratio m=4"):
         cpc.validate_layout(18, torch.tensor([0, 36]), 2, 4, True, 8, 6)
     with pytest.raises(ValueError, match="halo"):
-        cpc.validate_layout(4, torch.tensor([0, 8]), 2, 4, True, 1, 2)     # 2m-1 = 7 rows > s = 4
+        cpc.validate_layout(4, torch.tensor([0, 8]), 2, 4, True, 1, 2)  # 2m-1 = 7 rows > s = 4
     with pytest.raises(ValueError, match="sum to 30 tokens but cp_size"):
         cpc.validate_layout(16, torch.tensor([0, 10, 30]), 2, 4, True, 8, 6)
     with pytest.raises(ValueError, match="strictly increase"):
         cpc.validate_layout(16, torch.tensor([0, 10, 10, 32]), 2, 4, True, 8, 6)
-    with pytest.raises(ValueError, match="top_k=9 is larger than the number of compressed entries"):
-        cpc.validate_layout(16, cu, 2, 4, True, 9, 6)
+    cpc.validate_layout(16, cu, 2, 4, True, 512, 6)  # top_k > T/m: allowed, padded with -1
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        cpc.validate_layout(16, cu, 2, 4, True, 8, 0)
+    with pytest.raises(ValueError, match="cu_seqlens must be a 1-D integer tensor"):
+        cpc.validate_layout(16, cu[None], 2, 4, True, 8, 6)
     with pytest.raises(ValueError, match="sliding window"):
         cpc.validate_layout(16, cu, 2, 4, True, 8, 20)
 
@@ -223,6 +294,7 @@ def test_validate_layout_refuses_bad_input():
 # Multi-rank: the protocol against the single-device reference, forward and backward
 # --------------------------------------------------------------------------------------------------
 
+
 def _equivalence(rank, world_size):
     """For CSA and HCA and every layout: entries, top-k, scores, output and all gradients."""
     checked = []
@@ -230,7 +302,7 @@ def _equivalence(rank, world_size):
         layer = make_layer(kind)
         for cu in layouts(world_size, S, ratio):
             T = world_size * S
-            g = torch.Generator().manual_seed(int(cu.sum()))                 # same inputs on every rank
+            g = torch.Generator().manual_seed(int(cu.sum()))  # same inputs on every rank
             x = torch.randn(T, 16, generator=g)
             grad_out = torch.randn(T, layer.heads, layer.head_dim, generator=g)
             grad_scores = torch.randn(T, T // ratio, generator=g)
@@ -241,7 +313,9 @@ def _equivalence(rank, world_size):
             ref_grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
             layer.zero_grad()
 
-            mine = lambda t: cpc.shard_sequence(t, world_size, rank)
+            def mine(t):
+                return cpc.shard_sequence(t, world_size, rank)
+
             x_cp = mine(x).clone().requires_grad_()
             out_cp, ex = layer.context_parallel(x_cp, cu)
             cpc.probe_loss(out_cp, ex, mine(grad_out), mine(grad_scores)).backward()
@@ -251,7 +325,9 @@ def _equivalence(rank, world_size):
             close(ex.entries, ex_ref.entries, f"entries {where}")
             n_valid = sum(ex.counts)
             assert ex.entries[n_valid:].abs().max() == 0 if n_valid < T // ratio else True
-            assert n_valid == sum((b - a) // ratio for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()))
+            assert n_valid == sum(
+                (b - a) // ratio for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())
+            )
             assert max(ex.counts) <= S // ratio, "a rank owns at most s/m entries"
             close(out_cp, mine(out_ref), f"output {where}")
             close(x_cp.grad, mine(x_ref.grad), f"d input {where}")
@@ -261,7 +337,7 @@ def _equivalence(rank, world_size):
                 assert torch.equal(finite, mine(ex_ref.scores).isfinite()), f"visibility {where}"
                 close(ex.scores[finite], mine(ex_ref.scores)[finite], f"index scores {where}")
             for name, p in layer.named_parameters():
-                dist.all_reduce(p.grad)                  # each rank holds its queries' share
+                dist.all_reduce(p.grad)  # each rank holds its queries' share
                 assert ref_grads[name].abs().max() > 0, f"{name} got no gradient in the reference"
                 close(p.grad, ref_grads[name], f"d {name} {where}")
             layer.zero_grad()
@@ -273,10 +349,11 @@ def _equivalence(rank, world_size):
     return checked
 
 
+@pytest.mark.grade(points=1, solution="cp_compress.context_parallel_compress")
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_cp_equals_single_device_reference(world_size):
     results = run_ranks(_equivalence, world_size, timeout=120)
-    assert all(len(r) == 10 for r in results)                 # 2 layer kinds x 5 layouts on every rank
+    assert all(len(r) == 10 for r in results)  # 2 layer kinds x 5 layouts on every rank
 
 
 def _boundary_values(rank, world_size):
@@ -284,7 +361,10 @@ def _boundary_values(rank, world_size):
     s, m = 16, 4
     out = {}
     value = (rank * 10000 + torch.arange(s, dtype=torch.float32))[:, None].requires_grad_()
-    expect = lambda p: (p // s) * 10000 + p % s                 # the value of global position p
+
+    def expect(p):
+        return (p // s) * 10000 + p % s  # the value of global position p
+
     for overlap in (True, False):
         h = cpc.halo_rows(m, overlap)
         halo = cpc.halo_from_previous(value, h)
@@ -298,19 +378,23 @@ def _boundary_values(rank, world_size):
         grad = value.grad.flatten().tolist()
         value.grad = None
         if rank + 1 < world_size:
-            assert grad[:s - h] == [0] * (s - h)
-            assert grad[s - h:] == [(rank + 1) * 100 + i for i in range(h)]
+            assert grad[: s - h] == [0] * (s - h)
+            assert grad[s - h :] == [(rank + 1) * 100 + i for i in range(h)]
         else:
             assert grad == [0] * s
         # a document starting 2m-1 tokens before every boundary: which raw rows feed which entry
-        cu = torch.tensor(sorted({0, world_size * s} | {b - (2 * m - 1) for b in range(s, world_size * s, s)}))
+        cu = torch.tensor(
+            sorted({0, world_size * s} | {b - (2 * m - 1) for b in range(s, world_size * s, s)})
+        )
         ends, starts = cpc.compressed_entry_ends(cu, m)
         own, prev = cpc.local_entry_rows(ends, starts, rank, s, m, overlap)
         ext = torch.cat([halo.detach(), value.detach()]).flatten()
         for e, end in enumerate(ends[(ends >= rank * s) & (ends < rank * s + s)].tolist()):
             assert ext[own[e]].tolist() == [expect(p) for p in range(end - m + 1, end + 1)]
             if prev is not None and prev[e, 0] >= 0:
-                assert ext[prev[e]].tolist() == [expect(p) for p in range(end - 2 * m + 1, end - m + 1)]
+                assert ext[prev[e]].tolist() == [
+                    expect(p) for p in range(end - 2 * m + 1, end - m + 1)
+                ]
         first = ends[ends >= rank * s][:1].tolist()
         if first and rank > 0 and overlap:
             out["first_entry_sources"] = ext[torch.cat([prev[0], own[0]])].tolist()
@@ -323,11 +407,21 @@ def _boundary_values(rank, world_size):
     return out
 
 
+@pytest.mark.grade(points=3, solution="cp_compress.exchange_halo")
 def test_boundary_values_show_exactly_what_crossed():
     results = run_ranks(_boundary_values, 4, timeout=60)
-    # rank 1's first entry (block [16, 19]... ends at 16): 7 rows from rank 0 (9..15) and its own row 0
+    # rank 1's first entry (ends at 16): 7 rows from rank 0 (9..15) and its own row 0
     assert results[1]["first_entry_sources"] == [9, 10, 11, 12, 13, 14, 15, 10000]
-    assert results[3]["first_entry_sources"] == [20009, 20010, 20011, 20012, 20013, 20014, 20015, 30000]
+    assert results[3]["first_entry_sources"] == [
+        20009,
+        20010,
+        20011,
+        20012,
+        20013,
+        20014,
+        20015,
+        30000,
+    ]
 
 
 def _bad_inputs(rank, world_size):
@@ -340,19 +434,16 @@ def _bad_inputs(rank, world_size):
         "mismatched shards": (torch.randn(s + (4 if rank == 1 else 0), 16), torch.tensor([0, T])),
         "s not a multiple of m": (torch.randn(s - 2, 16), torch.tensor([0, world_size * (s - 2)])),
         "lengths do not sum": (x, torch.tensor([0, 5, T - 1])),
-        "top_k too large": (x, torch.tensor([0, T])),
     }
     messages = {}
     for case, (x_in, cu) in cases.items():
-        if case == "top_k too large":
-            layer.top_k = T // M + 1
         try:
             layer.context_parallel(x_in, cu)
             messages[case] = None
         except ValueError as err:
             messages[case] = str(err)
     alive = torch.ones(1)
-    dist.all_reduce(alive)                       # every rank got here: nobody is stuck in a collective
+    dist.all_reduce(alive)  # every rank got here: nobody is stuck in a collective
     assert alive.item() == world_size
     return messages
 
@@ -360,13 +451,270 @@ def _bad_inputs(rank, world_size):
 def test_bad_input_raises_on_every_rank():
     results = run_ranks(_bad_inputs, 3, timeout=60)
     for msgs in results:
-        assert "ranks disagree on the shard layout" in msgs["mismatched shards"]
-        assert "not a positive multiple of the compression ratio m=4" in msgs["s not a multiple of m"]
+        assert "tokens per rank differs across ranks" in msgs["mismatched shards"]
+        assert (
+            "not a positive multiple of the compression ratio m=4" in msgs["s not a multiple of m"]
+        )
         assert "document lengths sum to" in msgs["lengths do not sum"]
-        assert "larger than the number of compressed entries" in msgs["top_k too large"]
 
 
-def test_demo_runs_under_torchrun():
+# --------------------------------------------------------------------------------------------------
+# Agreement guard and validation (issue 9 items 11-15) and the fault matrix
+# --------------------------------------------------------------------------------------------------
+
+GUARD_S = 16  # tokens per rank in the guard tests: a multiple of m = 4, >= 2m and >= window - 1
+
+
+def _guard_inputs(rank, world_size, case):
+    """(layer, x, cu_seqlens) for one rank; the last rank gets the odd input of `case`."""
+    T = world_size * GUARD_S
+    odd = rank == world_size - 1
+    dim = 20 if case == "feature dim" and odd else 16
+    torch.manual_seed(1234)
+    layer = cpc.CompressedAttention(
+        "csa",
+        dim=dim,
+        heads=2,
+        head_dim=8,
+        ratio=M,
+        window=WINDOW,
+        top_k=TOP_K,
+        index_heads=2,
+        index_dim=4,
+    )
+    x = torch.randn(T, dim, generator=torch.Generator().manual_seed(5))[rank::world_size][:GUARD_S]
+    cu = torch.tensor([0, 4, 9, 12, T])
+    if odd and case == "cu_seqlens":
+        cu = torch.tensor([0, 5, 7, 13, T])  # the same length, total and weighted sum as above
+    if odd and case == "x features":
+        x = torch.randn(GUARD_S, 20)
+    if odd and case == "dtype":
+        layer, x = layer.double(), x.double()
+    if odd and case == "tokens per rank":
+        x = torch.randn(GUARD_S + M, 16)
+    if odd and case == "window":
+        layer.window = WINDOW + 2
+    if odd and case == "top_k":
+        layer.top_k = TOP_K + 1
+    if odd and case == "init":
+        with torch.no_grad():
+            layer.wkv_compress[0, 0] += 1e-3
+    if case == "window=0":
+        layer.window = 0
+    if odd and case == "x not a tensor":
+        x = x.tolist()
+    if case == "2-D cu_seqlens" or (case == "2-D cu_seqlens on one rank" and odd):
+        cu = cu[None]
+    return layer, x, cu
+
+
+GUARD_CASES = {  # case -> what every rank's error must say
+    "cu_seqlens": "cu_seqlens differs across ranks",
+    "feature dim": "dim differs across ranks",
+    "x features": "features",
+    "dtype": "dtype differs across ranks",
+    "tokens per rank": "tokens per rank differs across ranks",
+    "window": "window differs across ranks",
+    "top_k": "top_k differs across ranks",
+    "init": "wkv_compress differs across ranks",
+    "window=0": "window must be >= 1",
+    "2-D cu_seqlens": "cu_seqlens must be a 1-D integer tensor",
+    "2-D cu_seqlens on one rank": "cu_seqlens",
+    "x not a tensor": "x must be [tokens, features]",
+    "entry point": "entry point differs across ranks",
+}
+
+
+def _guard_all_cases(rank, world_size):
+    """Every case in turn: each must raise a ValueError on every rank and leave no rank behind."""
+    messages = {}
+    for case in GUARD_CASES:
+        layer, x, cu = _guard_inputs(rank, world_size, case)
+        try:
+            odd = rank == world_size - 1
+            method = "allgather_baseline" if case == "entry point" and odd else "context_parallel"
+            getattr(layer, method)(x, cu)
+            messages[case] = None
+        except ValueError as err:
+            messages[case] = str(err)
+    alive = torch.ones(1)
+    dist.all_reduce(alive)  # every rank got here: nobody is stuck in a collective
+    assert alive.item() == world_size
+    return messages
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_guard_every_rank_raises_the_same_error_naming_the_cause(world_size):
+    results = run_ranks(_guard_all_cases, world_size, timeout=60)
+    for case, expected in GUARD_CASES.items():
+        seen = [msgs[case] for msgs in results]
+        assert all(m is not None and expected in m for m in seen), (case, seen)
+        assert len(set(seen)) == 1, f"{case}: ranks raised different errors: {seen}"
+
+
+def test_guard_names_the_ranks_and_values():
+    results = run_ranks(_guard_all_cases, 3, timeout=60)
+    msg = results[0]["cu_seqlens"]
+    assert "rank 0,1 have [0, 4, 9, 12, 48]" in msg and "rank 2 has [0, 5, 7, 13, 48]" in msg, msg
+
+
+def _one_case(rank, world_size, case):
+    layer, x, cu = _guard_inputs(rank, world_size, case)
+    layer.context_parallel(x, cu)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize(
+    "case", ["feature dim", "cu_seqlens", "init", "2-D cu_seqlens on one rank"]
+)
+def test_fault_matrix_different_input_fails_every_rank(world_size, case):
+    """(b) one rank gets different input: RankFailure (no timeout), every rank's ValueError."""
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_one_case, world_size, args=(case,), timeout=60)
+    errors = info.value.errors
+    assert sorted(errors) == list(range(world_size)), errors
+    for text in errors.values():
+        assert "ValueError" in text and GUARD_CASES[case] in text, text
+
+
+def _raise_mid_step(rank, world_size):
+    layer, x, cu = _guard_inputs(rank, world_size, "none")
+    if rank == world_size - 1:
+
+        def broken(*args, **kwargs):
+            raise RuntimeError(f"injected failure on rank {rank}")
+
+        cpc.compress_local = broken  # fails after the halo exchange, before the all-gather
+    layer.context_parallel(x, cu)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_fault_matrix_one_rank_raises_mid_step(world_size):
+    """(a) one rank raises inside the protocol: the harness reports it well within the timeout."""
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_raise_mid_step, world_size, timeout=60)
+    assert time.monotonic() - t0 < 30
+    last = world_size - 1
+    assert f"injected failure on rank {last}" in info.value.errors[last]
+
+
+def _top_k_beyond_entries(rank, world_size):
+    """V4's top-k (512) exceeds T/m for short packed batches: allowed, the extra slots hold -1."""
+    layer = make_layer("csa")
+    layer.top_k = 512
+    T = world_size * S
+    cu = torch.tensor([0, 5, T // 2 + 3, T])
+    x = torch.randn(T, 16, generator=torch.Generator().manual_seed(9))
+    out_ref, ex_ref = layer.reference(x, cu)
+
+    def mine(t):
+        return cpc.shard_sequence(t, world_size, rank)
+
+    out_cp, ex = layer.context_parallel(mine(x), cu)
+    close(out_cp, mine(out_ref), "output with top_k > T/m")
+    assert torch.equal(ex.top_k, mine(ex_ref.top_k))
+    assert ex.top_k.shape[1] == T // M and bool((ex.top_k == -1).any())
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_top_k_larger_than_entries_pads_with_minus_one(world_size):
+    run_ranks(_top_k_beyond_entries, world_size, timeout=60)
+
+
+def test_demo_hca_compares_entries_at_three_ranks():
     from harness import run_torchrun
-    out = run_torchrun("cp_compress.py", nproc=2, args=(128,), timeout=240).stdout
+
+    out = run_torchrun("cp_compress.py", nproc=3, timeout=240).stdout
     assert out.count("matches the single-device reference: yes") == 2, out
+    hca = out[out.index("HCA") :]
+    compared = int(hca.split("compared ")[1].split()[0])
+    assert compared > 0, out
+
+
+# --------------------------------------------------------------------------------------------------
+# Graded: the protocol against a plain full-sequence implementation built on SDPA
+# --------------------------------------------------------------------------------------------------
+
+
+def plain_attention(layer, x, cu):
+    """One process, the whole sequence, written from the spec and nothing of cp_compress but the
+    weights: scalar-loop compression, the visibility rule spelled out per (query, entry), the
+    window spelled out, then F.scaled_dot_product_attention (keys double as values; no sink)."""
+    T, H, D, m, overlap = x.shape[0], layer.heads, layer.head_dim, layer.ratio, layer.overlap
+    sets = 2 if overlap else 1
+    with torch.no_grad():
+        q = (x @ layer.wq).view(T, H, D)
+        window_kv = F.rms_norm(x @ layer.wkv_window, (D,), layer.norm_window, eps=1e-6)
+        kv = (x @ layer.wkv_compress).view(T, sets, -1)
+        gate = (x @ layer.wgate_compress).view(T, sets, -1)
+        pooled = _naive_compress(kv, gate, layer.ape, cu, m, overlap)
+        entries = F.rms_norm(pooled[:, :D], (D,), layer.norm_compress, eps=1e-6)
+    docs = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
+    entry_info = [(a + (j + 1) * m - 1, a) for a, b in docs for j in range((b - a) // m)]
+    allowed = torch.zeros(T, T // m + T, dtype=torch.bool)
+    for a, b in docs:
+        for t in range(a, b):
+            for e, (end, doc) in enumerate(entry_info):
+                allowed[t, e] = doc == a and end <= t  # same document, block complete
+            for j in range(max(a, t - layer.window + 1), t + 1):
+                allowed[t, T // m + j] = True  # the sliding window, own token included
+    keys = torch.cat([entries, window_kv])[None].expand(H, -1, -1)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, keys, attn_mask=allowed)
+    return out.transpose(0, 1)
+
+
+def _cp_vs_plain_sdpa(rank, world_size):
+    checked = 0
+    for kind, ratio in (("csa", M), ("hca", M_HCA)):
+        layer = make_layer(kind)
+        with torch.no_grad():
+            layer.sink.fill_(float("-inf"))  # SDPA has no sink: a sink of -inf is none
+            for norm in (layer.norm_window, layer.norm_compress):
+                norm.uniform_(0.5, 1.5)
+        if kind == "csa":
+            layer.top_k = 10**3  # every visible entry: top-k is the rule
+        for cu in layouts(world_size, S, ratio):
+            T = world_size * S
+            x = torch.randn(T, 16, generator=torch.Generator().manual_seed(int(cu.sum())))
+            expected = plain_attention(layer, x, cu)
+            out, _ = layer.context_parallel(cpc.shard_sequence(x, world_size, rank), cu)
+            close(out, cpc.shard_sequence(expected, world_size, rank), f"{kind} cu={cu.tolist()}")
+            checked += 1
+    return checked
+
+
+@pytest.mark.grade(points=2, solution="cp_compress.context_parallel_compress")
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_cp_matches_plain_sdpa_attention(world_size):
+    assert run_ranks(_cp_vs_plain_sdpa, world_size, timeout=120) == [10] * world_size
+
+
+def test_command_line_checks_arguments_before_any_work(capsys, monkeypatch):
+    """parse_args runs before any process group exists: a bad value exits 2 with one line."""
+    with pytest.raises(SystemExit):
+        cpc.parse_args(["--help"])
+    help_text = capsys.readouterr().out
+    for option in (
+        "--seq-per-rank",
+        "--m-csa",
+        "--m-hca",
+        "--top-k",
+        "--window",
+        "--seed",
+        "--backend",
+        "--device",
+    ):
+        assert option in help_text
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    for argv, says in (
+        (["--seq-per-rank", "130"], "not a multiple of m=4"),
+        (["--window", "0"], "must be >= 1"),
+        (["--seq-per-rank", "128", "--m-hca", "128"], "no entry for m=128"),
+        (["--seq-per-rank", "4", "--m-hca", "4"], "shorter than a halo"),
+    ):
+        with pytest.raises(SystemExit) as info:
+            cpc.parse_args(argv)
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and says in err and "Traceback" not in err, (argv, err)
+    assert not dist.is_initialized()

@@ -1,26 +1,47 @@
-"""memory_timeline.py against independent measurements (MemTracker, the profiler) and exact formulas."""
+"""memory_timeline.py against independent measurements (MemTracker, the profiler, the optimizer's
+own state) and exact formulas. Steps are numbered from 1, as in the notebooks."""
+
 import matplotlib
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 matplotlib.use("Agg")
 
 from harness import run_ranks  # noqa: E402
-from memory_timeline import (CATEGORIES, CachingAllocatorModel, MemoryTimeline,  # noqa: E402
-                             SimulatedOutOfMemoryError, gather_timelines, plot_timeline, plot_timelines)
 
-MiB = 2 ** 20
+import memory_timeline  # noqa: E402
+from memory_timeline import (  # noqa: E402
+    CATEGORIES,
+    CachingAllocatorModel,
+    MemoryTimeline,
+    SimulatedOutOfMemoryError,
+    gather_timelines,
+    plot_timeline,
+    plot_timelines,
+    predicted_optimizer_state_bytes,
+)
+
+MiB = 2**20
 
 
-def small_model():
+def small_model(device="cpu"):
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256), nn.LayerNorm(256),
-                         nn.Linear(256, 256))
+    return nn.Sequential(
+        nn.Linear(256, 1024),
+        nn.GELU(),
+        nn.Linear(1024, 256),
+        nn.LayerNorm(256),
+        nn.Linear(256, 256),
+    ).to(device)
 
 
 def train(model, opt, x, steps, tl=None):
-    for step in range(steps):
+    for step in range(1, steps + 1):
         with tl.phase("forward", step) if tl else _null():
             loss = model(x).square().mean()
         with tl.phase("backward", step) if tl else _null():
@@ -48,46 +69,195 @@ def recorded(opt_cls=torch.optim.AdamW, steps=3, **opt_kwargs):
     return model, tl
 
 
-def param_bytes(model):
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+def state_bytes_on(opt, device_type):
+    """The optimizer's real state after a step, read off its tensors (the reference)."""
+    return sum(
+        t.numel() * t.element_size()
+        for s in opt.state.values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor) and t.device.type == device_type
+    )
 
 
-# --- exact formulas --------------------------------------------------------------------------------
+# --- exact formulas -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("opt_cls, kwargs, state_per_param_bytes, extra_per_tensor", [
-    (torch.optim.AdamW, {}, 8, 4),                   # exp_avg + exp_avg_sq in fp32, plus a fp32 `step`
-    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, 4, 0),  # one momentum buffer
-])
-def test_parameter_gradient_optimizer_bytes_equal_the_formulas(opt_cls, kwargs, state_per_param_bytes,
-                                                              extra_per_tensor):
+
+@pytest.mark.parametrize(
+    "opt_cls, kwargs, state_per_param_bytes, extra_per_tensor",
+    [
+        (torch.optim.AdamW, {}, 8, 4),  # exp_avg + exp_avg_sq in fp32, plus a fp32 `step`
+        (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, 4, 0),  # one momentum buffer
+    ],
+)
+def test_parameter_gradient_optimizer_bytes_equal_the_formulas(
+    opt_cls, kwargs, state_per_param_bytes, extra_per_tensor
+):
     model, tl = recorded(opt_cls, **kwargs)
     n_params = sum(p.numel() for p in model.parameters())
     n_tensors = len(list(model.parameters()))
     assert tl.peak("parameters") == 4 * n_params
     assert tl.peak("gradients") == 4 * n_params
-    assert tl.peak("optimizer_state") == state_per_param_bytes * n_params + extra_per_tensor * n_tensors
-    # step 0 starts with no state and no gradients: the state appears inside the first optimizer phase
-    assert tl.peak("optimizer_state", step=0, phase="forward") == 0
-    assert tl.peak("gradients", step=0, phase="forward") == 0
-    assert tl.peak("optimizer_state", step=1, phase="forward") == tl.peak("optimizer_state")
+    state = state_per_param_bytes * n_params + extra_per_tensor * n_tensors
+    assert tl.peak("optimizer_state") == state
+    # step 1 starts with no state and no gradients: the state appears inside its optimizer phase
+    assert tl.peak("optimizer_state", step=1, phase="forward") == 0
+    assert tl.peak("gradients", step=1, phase="forward") == 0
+    assert tl.peak("optimizer_state", step=2, phase="forward") == tl.peak("optimizer_state")
 
 
+@pytest.mark.grade(points=3, solution="memory_timeline.MemoryTimeline._held_for_backward")
 def test_activations_are_exactly_the_tensors_saved_for_backward():
     model, tl = recorded(torch.optim.SGD, lr=0.1)
     b, h, d = 64, 1024, 256
-    saved = (b * h + b * h          # Linear1 output (saved by GELU), GELU output (saved by Linear2)
-             + b * d + 2 * b        # Linear2 output, LayerNorm mean and rstd
-             + b * d + b * d) * 4 + 4  # LayerNorm output (saved by Linear3), its output (square); the loss
-    assert tl.peak("activations", step=0) == saved
+    # Linear1 output (saved by GELU), GELU output (saved by Linear2), Linear2 output, LayerNorm mean
+    # and rstd, LayerNorm output (saved by Linear3), its output (saved by square); then the loss
+    saved = (b * h + b * h + b * d + 2 * b + b * d + b * d) * 4 + 4
+    assert tl.peak("activations", step=1) == saved
     # later steps briefly hold the previous step's 4-byte loss too, until `loss` is rebound
     assert tl.peak("activations") == saved + 4
-    for step in range(3):  # all but the loss (still bound to `loss`) are gone once backward has run
+    for step in range(1, 4):  # all but the loss (still bound to `loss`) are gone after backward
         a, b_end = tl.window(step, "backward")[0]
         assert tl.series("activations")[b_end - 1] == 4
 
 
-# --- against independent measurements ----------------------------------------------------------------
+# --- the step-2 prediction ------------------------------------------------------------------------
 
+
+def _stepped(model, opt, x):
+    model(x).square().mean().backward()
+    opt.step()
+    return opt
+
+
+@pytest.mark.grade(points=2, solution="memory_timeline.predicted_optimizer_state_bytes")
+def test_predicted_state_on_cpu_equals_the_formula_and_the_real_state():
+    model = small_model()
+    params = list(model.parameters())
+    n, t = sum(p.numel() for p in params), len(params)
+    hidden = [p for p in params if p.ndim == 2]
+    rest = [p for p in params if p.ndim != 2]
+    cases = [  # (optimizer, formula in bytes: N fp32 values in T tensors)
+        (torch.optim.AdamW(params, foreach=False), 8 * n + 4 * t),
+        (torch.optim.Adam(params, amsgrad=True), 12 * n + 4 * t),
+        (torch.optim.AdamW(params, fused=True), 8 * n + 4 * t),
+        (torch.optim.SGD(params, lr=0.1, momentum=0.9), 4 * n),
+        (torch.optim.SGD(params, lr=0.1), 0),
+        (
+            torch.optim.Muon(hidden, adjust_lr_fn="match_rms_adamw"),
+            4 * sum(p.numel() for p in hidden),
+        ),
+    ]
+    x = torch.randn(8, 256)
+    for opt, formula in cases:
+        predicted = predicted_optimizer_state_bytes(opt, "cpu")  # before any state exists
+        assert predicted == formula, (type(opt).__name__, predicted, formula)
+        model.zero_grad()
+        assert state_bytes_on(_stepped(model, opt, x), "cpu") == formula, type(opt).__name__
+    muon = torch.optim.Muon(hidden, adjust_lr_fn="match_rms_adamw")
+    adamw = torch.optim.AdamW(rest)
+    both = 4 * sum(p.numel() for p in hidden) + 8 * sum(p.numel() for p in rest) + 4 * len(rest)
+    assert predicted_optimizer_state_bytes([muon, adamw], "cpu") == both
+
+
+@pytest.mark.grade(points=2, solution="memory_timeline.predicted_optimizer_state_bytes")
+def test_predicted_state_off_the_cpu_leaves_adamw_step_counters_behind():
+    # 'meta' stands in for a GPU: a device that is not the CPU, where a real AdamW step keeps its
+    # moments beside the parameters and its `step` counters on the CPU (as on CUDA, unfused)
+    model = small_model("meta")
+    params = list(model.parameters())
+    n, t = sum(p.numel() for p in params), len(params)
+    opt = torch.optim.AdamW(params, foreach=False)
+    assert predicted_optimizer_state_bytes(opt, "meta") == 8 * n
+    assert predicted_optimizer_state_bytes(opt, "cpu") == 4 * t
+    assert predicted_optimizer_state_bytes(opt, "cuda") == 0  # nothing of it is on a GPU
+    _stepped(model, opt, torch.randn(8, 256, device="meta"))
+    assert state_bytes_on(opt, "meta") == 8 * n and state_bytes_on(opt, "cpu") == 4 * t
+    # fused or capturable: PyTorch keeps `step` beside the parameter (Adam's _init_group), so
+    # the formula is 8N + 4T on the parameters' device (a fused meta step cannot run to check it)
+    for flags in ({"fused": True}, {"capturable": True}):
+        opt = torch.optim.AdamW(params, **flags)
+        assert predicted_optimizer_state_bytes(opt, "meta") == 8 * n + 4 * t, flags
+        assert predicted_optimizer_state_bytes(opt, "cpu") == 0, flags
+
+
+def test_predicted_state_refuses_an_optimizer_it_does_not_know():
+    with pytest.raises(ValueError, match="knows Adam, AdamW, SGD and Muon, not Adagrad"):
+        predicted_optimizer_state_bytes(torch.optim.Adagrad(small_model().parameters()), "cpu")
+
+
+def test_step_two_jump_is_the_predicted_state_on_cpu_and_off_it():
+    """The notebook's claim, on the CPU and on a non-CPU device where `step` stays on the CPU."""
+    for device in ("cpu", "meta"):
+        model = small_model(device)
+        opt = torch.optim.AdamW(model.parameters(), foreach=False)
+        predicted = predicted_optimizer_state_bytes(opt, device)
+        tl = MemoryTimeline(model, opt, device=device)
+        with (
+            tl.record()
+        ):  # a batch whose activations outweigh the weights: step 1 peaks in backward
+            train(model, opt, torch.randn(2048, 256, device=device), 2, tl)
+        assert tl.peak("optimizer_state") == predicted, device
+        assert tl.peak(step=2) - tl.peak(step=1) == predicted, device
+    n = sum(p.numel() for p in model.parameters())
+    assert predicted == 8 * n  # the last device was meta: the CPU step counters are not its memory
+
+
+# --- the device's own line is sampled after each free takes effect --------------------------------
+
+
+class _AllocatorStandIn(TorchDispatchMode):
+    """On the CPU, what CUDA's memory_allocated reports: a storage counts until its memory is
+    released, which happens after the recorder's weakref callback has run (StorageWeakRef expires
+    only then). Registers every storage an op returns, like the recorder, but independently."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = {}
+
+    def add(self, t):
+        st = t.untyped_storage()
+        old = self.live.get(st._cdata)
+        if old is None or old[0].expired():
+            self.live[st._cdata] = (StorageWeakRef(st), st.nbytes())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.add(t)
+        return out
+
+    def __call__(self):
+        allocated = sum(n for ref, n in self.live.values() if not ref.expired())
+        return allocated, allocated
+
+
+def test_device_line_is_sampled_after_each_free_takes_effect():
+    model = small_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # no CPU-made step counters
+    device = _AllocatorStandIn()
+    for p in model.parameters():
+        device.add(p)
+    tl = MemoryTimeline(model, opt, device_memory=device)
+    with device:
+        with tl.record():
+            train(model, opt, torch.randn(64, 256), 3, tl)
+    recorded_line, device_line = tl.series(), tl.cuda_allocated
+    frees = np.flatnonzero(np.diff(recorded_line, prepend=0) < 0)
+    assert len(frees) > 50  # many frees from weakref callbacks, not a handful
+    # sampled inside the callback, the device would still count the freed storage: equal only if
+    # the sample waits until the release has taken effect
+    assert np.array_equal(device_line[frees], recorded_line[frees])
+    # and the lines meet at every phase's end (within a phase an op with several outputs, e.g.
+    # layer norm's output, mean and rstd, is on the device at once but registered one by one)
+    ends = [b - 1 for (_, _, a, b, _, _) in tl.phases if b > a]
+    assert np.array_equal(device_line[ends], recorded_line[ends])
+
+
+# --- against independent measurements -------------------------------------------------------------
+
+
+@pytest.mark.grade(points=2, solution="memory_timeline.MemoryTimeline._held_for_backward")
 def test_peaks_agree_with_memtracker_and_the_profiler():
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.profiler import ProfilerActivity, profile
@@ -106,24 +276,28 @@ def test_peaks_agree_with_memtracker_and_the_profiler():
         for step in range(3):
             loss = model(x).square().mean()
             current = tracker.get_tracker_snapshot("current")[x.device]
-            act_after_forward.append(next(v for k, v in current.items() if getattr(k, "value", k) == "Activation"))
+            act_after_forward.append(
+                next(v for k, v in current.items() if getattr(k, "value", k) == "Activation")
+            )
             loss.backward()
             opt.step()
             opt.zero_grad()
             tracker.reset_mod_stats()  # MemTracker refuses a second iteration without it
     peak = tracker.get_tracker_snapshot("peak")[x.device]
     by_name = {k.value if hasattr(k, "value") else k: v for k, v in peak.items()}
-    input_bytes = x.numel() * 4  # MemTracker counts the input batch, created before our recording began
+    input_bytes = x.numel() * 4  # MemTracker counts the input batch, created before our recording
 
     model = small_model()
     opt = torch.optim.AdamW(model.parameters())
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                 with_stack=True) as prof:
+    activities = [ProfilerActivity.CPU]
+    with profile(
+        activities=activities, profile_memory=True, record_shapes=True, with_stack=True
+    ) as p:
         train(model, opt, x, 3)
-    _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline("cpu")
+    _, sizes = MemoryProfileTimeline(p._memory_profile())._coalesce_timeline("cpu")
     prof_opt_peak = max(row[_CATEGORY_TO_INDEX[Category.OPTIMIZER_STATE] + 1] for row in sizes)
 
-    def close(a, b):
+    def close(a, b):  # 5%: the tools differ in what they count (MemTracker rounds nothing away)
         return abs(a - b) <= 0.05 * max(a, b)
 
     assert close(ours["parameters"], by_name["Parameter"]), (ours, by_name)
@@ -133,39 +307,40 @@ def test_peaks_agree_with_memtracker_and_the_profiler():
     assert close(tl.peak(), by_name["Total"] - input_bytes), (tl.peak(), by_name)
 
 
-# --- the modelled caching allocator ----------------------------------------------------------------
+# --- the modelled caching allocator ---------------------------------------------------------------
+
 
 def test_caching_allocator_model_rules():
     m = CachingAllocatorModel()
-    m.malloc("a", 100)                        # rounds to 512 B, opens a 2 MiB small segment
+    m.malloc("a", 100)  # rounds to 512 B, opens a 2 MiB small segment
     assert (m.allocated, m.reserved) == (512, 2 * MiB)
-    m.malloc("b", 3 * MiB)                    # large request under 10 MiB: a 20 MiB segment, split
+    m.malloc("b", 3 * MiB)  # large request under 10 MiB: a 20 MiB segment, split
     assert m.reserved == 22 * MiB and m.allocated == 512 + 3 * MiB
-    m.malloc("x", 12 * MiB)                   # best fit: carved from the 17 MiB left in that segment
+    m.malloc("x", 12 * MiB)  # best fit: carved from the 17 MiB left in that segment
     assert m.reserved == 22 * MiB
-    m.malloc("c", 18 * MiB + 1)               # >= 10 MiB and no room: own segment, rounded up to 2 MiB
+    m.malloc("c", 18 * MiB + 1)  # >= 10 MiB and no room: own segment, rounded up to 2 MiB
     assert m.reserved == 22 * MiB + 20 * MiB
     m.free("b")
-    m.malloc("d", 3 * MiB)                    # reuses the cached block: reserved does not move
+    m.malloc("d", 3 * MiB)  # reuses the cached block: reserved does not move
     assert m.reserved == 42 * MiB
     for key in "acdx":
         m.free(key)
-    assert m.allocated == 0 and m.reserved == 42 * MiB   # freed memory stays cached
-    m.malloc("e", 20 * MiB)                   # a merged 20 MiB segment serves it whole
+    assert m.allocated == 0 and m.reserved == 42 * MiB  # freed memory stays cached
+    m.malloc("e", 20 * MiB)  # a merged 20 MiB segment serves it whole
     assert m.reserved == 42 * MiB
 
 
 def test_caching_allocator_model_merges_neighbours():
     m = CachingAllocatorModel()
     for k in "abc":
-        m.malloc(k, 4 * MiB)                  # three blocks carved from one 20 MiB segment
-    m.free("a"), m.free("c"), m.free("b")     # free in an order that needs left and right merges
-    m.malloc("big", 19 * MiB)                 # fits only if the segment merged back into one block
+        m.malloc(k, 4 * MiB)  # three blocks carved from one 20 MiB segment
+    m.free("a"), m.free("c"), m.free("b")  # free in an order that needs left and right merges
+    m.malloc("big", 19 * MiB)  # fits only if the segment merged back into one block
     assert m.reserved == 20 * MiB
 
 
 def _first_step_anomaly_run(steps, limit_bytes=None):
-    """Activations large enough that step 2's backward, now beside AdamW's state, peaks above step 1."""
+    """Activations large enough that step 2's backward, beside AdamW's state, peaks above step 1."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512))
     opt = torch.optim.AdamW(model.parameters(), foreach=False)
@@ -180,17 +355,22 @@ def _first_step_anomaly_run(steps, limit_bytes=None):
 
 def test_simulated_limit_lets_step_one_fit_and_step_two_run_out():
     free_run, _ = _first_step_anomaly_run(2)
-    step1, step2 = free_run.peak_reserved_model(step=0), free_run.peak_reserved_model(step=1)
+    step1, step2 = free_run.peak_reserved_model(step=1), free_run.peak_reserved_model(step=2)
     assert step2 > step1
     limit = (step1 + step2) // 2
     tl, error = _first_step_anomaly_run(1, limit)
-    assert error is None                                  # step 1 fits the budget
+    assert error is None and tl.out_of_memory is None  # step 1 fits the budget
     tl, error = _first_step_anomaly_run(2, limit)
     assert error is not None and "modelled CUDA out of memory" in str(error)
     assert f"limit {limit / MiB:.2f} MiB" in str(error) and "Fix:" in str(error)
     failed_phase, failed_step = tl.phases[-1][:2]
-    assert failed_step == 1 and failed_phase in ("forward", "backward")  # step 2 runs out
+    assert failed_step == 2 and failed_phase in ("forward", "backward")  # step 2 runs out
+    oom = tl.out_of_memory
+    assert (oom.step, oom.phase, oom.event) == (2, failed_phase, tl.num_events) and oom.nbytes > 0
     assert tl.peak_reserved_model() <= limit
+    ax = plot_timeline(tl)
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "simulated out of memory" in labels and f"memory limit ({limit / MiB:.0f} MiB)" in labels
 
 
 def test_reserved_model_never_below_allocated_and_never_shrinks_without_limit():
@@ -199,11 +379,12 @@ def test_reserved_model_never_below_allocated_and_never_shrinks_without_limit():
     assert (tl.reserved_model[1:] >= tl.reserved_model[:-1]).all()
 
 
-# --- bad input, plots, ranks -----------------------------------------------------------------------
+# --- bad input, plots, ranks, the command line ----------------------------------------------------
+
 
 def test_bad_input_gives_clear_errors():
-    with pytest.raises(ValueError, match="records cpu or cuda"):
-        MemoryTimeline(device="meta")
+    with pytest.raises(ValueError, match="records cpu, cuda or meta"):
+        MemoryTimeline(device="xla")
     tl = MemoryTimeline(small_model())
     with pytest.raises(RuntimeError, match="cannot be nested"):
         with tl.record():
@@ -228,9 +409,11 @@ def test_plots_draw_every_category_and_phase():
     ax = plot_timeline(tl, title="t")
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
     assert all(c in labels for c in CATEGORIES) and "reserved (modelled CUDA allocator)" in labels
+    assert all(f"{p} phase" in labels for p in ("forward", "backward", "optimizer"))
     assert len(ax.patches) == 6  # 2 steps x 3 phase bands
-    fig = plot_timelines([tl, tl], titles=["a", "b"])
-    assert len(fig.axes) == 2
+    assert ax.get_xlabel().startswith("allocation events") and ax.get_ylabel() == "memory (MiB)"
+    fig = plot_timelines([tl, tl, tl], titles=["a", "b", "c"])  # two per row
+    assert sum(a.get_visible() for a in fig.axes) == 3 and len(fig.legends) == 1
 
 
 def _record_on_rank(rank, world_size):
@@ -253,19 +436,39 @@ def test_each_rank_records_its_own_and_rank0_gathers():
 
 
 def test_views_and_inplace_results_of_earlier_tensors_allocate_nothing():
-    x = torch.randn(256, 256)                  # made before recording: not ours to count
+    x = torch.randn(256, 256)  # made before recording: not ours to count
     nbytes = 256 * 256 * 4
     for tag_it in (False, True):
         tl = MemoryTimeline()
         with tl.record():
             with tl.phase("forward"):
-                v = x.view(-1)                 # a view allocates nothing
-                x.mul_(2.0)                    # neither does an in-place op
+                v = x.view(-1)  # a view allocates nothing
+                x.mul_(2.0)  # neither does an in-place op
                 d = x.detach()
-                y = x + 1                      # a new result does, held past the phase's end
+                y = x + 1  # a new result does, held past the phase's end
             if tag_it:
-                tl.tag(x, "other")             # tagging an earlier tensor makes it count from now on
+                tl.tag(x, "other")  # tagging an earlier tensor makes it count from now on
         assert tl.peak("activations") == nbytes
         assert tl.peak("other") == (nbytes if tag_it else 0)
         assert tl.peak() == (2 if tag_it else 1) * nbytes
         del v, d, y
+
+
+def test_command_line_checks_arguments_first_and_runs_the_demo(capsys):
+    with pytest.raises(SystemExit):
+        memory_timeline.main(["--help"])
+    help_text = capsys.readouterr().out
+    for option in ("--steps", "--batch", "--device", "--plot"):
+        assert option in help_text
+    for bad, message in (
+        (["--steps", "1"], "--steps must be at least 2"),
+        (["--batch", "0"], "--batch must be positive"),
+        (["--device", "cuda"], "no CUDA GPU is visible"),  # the suite hides CUDA
+        (["--plot", "x.pdf"], "--plot takes a .png"),
+    ):
+        with pytest.raises(SystemExit):
+            memory_timeline.main(bad)
+        assert message in capsys.readouterr().err
+    memory_timeline.main(["--steps", "2"])
+    out = capsys.readouterr().out
+    assert "device: cpu" in out and "optimizer_state" in out and "off by +0 B" in out

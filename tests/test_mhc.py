@@ -1,28 +1,33 @@
 """mhc.py against independent references: plain autograd math, one process, no recomputation.
 
 Tolerances, and why:
-  float64: 1e-9 relative. The optimised paths do the same math in another order; in float64 any real
-           difference (a dropped term, a wrong transpose) shows up at 1e-3 or larger.
-  float32: 2e-5 relative to each gradient's scale. Ordinary fp32 reassociation is ~1e-7 per op, but the
-           gradients of the B logits go through 40 Sinkhorn normalisations and their sums cancel
+  float64: 1e-9 relative (1e-12 absolute for single layers). The optimised paths do the same math
+           in another order; any real difference (a dropped term, a wrong transpose) shows at 1e-3.
+  float32: 2e-5 relative to each gradient's scale. fp32 reassociation is ~1e-7 per op, but the
+           gradients of the B logits go through 40 Sinkhorn normalisations whose sums cancel
            strongly; measured worst case ~6e-6. Gradients that are exactly zero in exact arithmetic
-           (layer 0's B logits: the expanded lanes are identical, and a row-stochastic B cannot change
-           a mean of identical lanes) are compared against 1e-3 of the model's largest gradient.
+           (layer 0's B logits: the expanded lanes are identical, and a row-stochastic B cannot
+           change identical lanes) are compared against 1e-3 of the model's largest gradient.
+  bf16:    1e-2 relative on the loss (bf16 keeps 8 bits of mantissa).
+Graded tests (course assignments) carry @pytest.mark.grade(points, solution=...): each fails when
+the body it grades is replaced by `raise NotImplementedError`.
 """
-import copy
+
+import math
 
 import pytest
 import torch
+from harness import RankFailure, RankTimeout, run_ranks, run_torchrun
 
 import mhc
-from harness import RankFailure, run_ranks, run_torchrun
 
 SMALL = dict(vocab_size=64, seq_len=8, dim=16, n_heads=2, n_hc=4)
+EPS = 1e-6
 
 
 def build(n_layers=6, hyper=True, seed=0, dtype=torch.float32):
-    """A small model whose HC parameters are moved away from their init, so the lanes differ and every
-    mixing gradient is large enough to be checked (at init the lanes are copies of each other)."""
+    """A small model whose HC parameters are moved away from their init, so the lanes differ and
+    every mixing gradient is large enough to check (at init the lanes are copies of each other)."""
     torch.manual_seed(seed)
     model = mhc.Transformer(mhc.Config(n_layers=n_layers, **SMALL), hyper=hyper).to(dtype)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -32,11 +37,14 @@ def build(n_layers=6, hyper=True, seed=0, dtype=torch.float32):
                 hc.gate.copy_(torch.rand(3, generator=gen) * 0.5 + 0.5)
                 for p in (hc.bias_pre, hc.bias_post, hc.bias_res):
                     p.add_(torch.randn(p.shape, generator=gen).to(dtype))
+            model.collapse.gate.fill_(0.7)
+            model.collapse.bias.add_(torch.randn(4, generator=gen).to(dtype))
     return model
 
 
 def batch(step, size=4, seq_len=8, vocab=64):
-    data = torch.randint(0, vocab, (size, seq_len + 1), generator=torch.Generator().manual_seed(100 + step))
+    gen = torch.Generator().manual_seed(100 + step)
+    data = torch.randint(0, vocab, (size, seq_len + 1), generator=gen)
     return data[:, :-1], data[:, 1:]
 
 
@@ -45,119 +53,218 @@ def assert_grads_close(got, ref, rtol, what=""):
     assert got.keys() == ref.keys()
     for name in ref:
         assert got[name] is not None, f"{what}: {name} got no gradient"
-        err = (got[name] - ref[name]).abs().max().item() / max(ref[name].abs().max().item(), 1e-3 * scale)
-        assert err < rtol, f"{what}: gradient of {name} differs by {err:.2e} (relative), tolerance {rtol:.0e}"
+        floor = max(ref[name].abs().max().item(), 1e-3 * scale)
+        err = (got[name] - ref[name]).abs().max().item() / floor
+        assert err < rtol, f"{what}: gradient of {name} differs by {err:.2e}, tolerance {rtol:.0e}"
 
 
 def grads_of(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-# ----------------------------------------------------------------------------- Sinkhorn-Knopp
+def v4_sinkhorn(comb_logits, iters=20, eps=EPS):
+    """The public V4 code's loop, transcribed in its own layout (comb = B^T): softmax over comb's
+    rows + eps, then comb's columns, then iters-1 rounds of (rows, columns), each sum + eps."""
+    comb = torch.softmax(comb_logits, dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb
 
-def test_sinkhorn_is_doubly_stochastic_and_differentiable():
+
+# ---- Sinkhorn-Knopp ------------------------------------------------------------------------------
+
+
+@pytest.mark.grade(points=2, solution="mhc.sinkhorn_knopp")
+def test_sinkhorn_matches_v4_and_is_doubly_stochastic():
     logits = torch.randn(64, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     b = mhc.sinkhorn_knopp(logits, iters=20)
+    # V4 keeps comb = B^T: its loop on the transposed logits, transposed back, is B
+    assert (b - v4_sinkhorn(logits.mT).mT).abs().max() < 1e-12
     assert (b > 0).all()
-    # rows are normalised last, so they are exact to rounding; columns converge geometrically: after 20
-    # rounds on N(0, 1) logits the worst column is within 1e-6 of 1 (measured 4e-8 for this seed).
-    assert (b.sum(-1) - 1).abs().max() < 1e-12
-    assert (b.sum(-2) - 1).abs().max() < 1e-6
-    # an independent property of the Sinkhorn limit: it depends on exp(logits) only up to row and column
-    # scalings, i.e. adding a constant to a row or a column of the logits changes nothing.
-    shifted = logits + torch.randn(64, 4, 1, dtype=torch.float64) + torch.randn(64, 1, 4, dtype=torch.float64)
-    assert (mhc.sinkhorn_knopp(shifted, iters=200) - mhc.sinkhorn_knopp(logits, iters=200)).abs().max() < 1e-10
-    # the 2 x 2 limit in closed form: [[p, 1-p], [1-p, p]] with p = 1 / (1 + sqrt(K12 K21 / (K11 K22)))
+    # rows are normalised last: exact up to eps (s / (s + 1e-6)); columns converge geometrically
+    assert (b.sum(-1) - 1).abs().max() < 2e-6
+    assert (b.sum(-2) - 1).abs().max() < 1e-5
+    # without eps: the Sinkhorn limit depends on exp(logits) only up to row and column scalings
+    shift = torch.randn(64, 4, 1, dtype=torch.float64) + torch.randn(64, 1, 4, dtype=torch.float64)
+    limit = mhc.sinkhorn_knopp(logits, iters=200, eps=0)
+    assert (mhc.sinkhorn_knopp(logits + shift, iters=200, eps=0) - limit).abs().max() < 1e-10
+    # the 2 x 2 limit in closed form: [[p, 1-p], [1-p, p]], p = 1 / (1 + sqrt(K12 K21 / (K11 K22)))
     k = torch.tensor([[2.0, 0.5], [-1.0, 0.3]], dtype=torch.float64)
     p = 1 / (1 + torch.exp((k[0, 1] + k[1, 0] - k[0, 0] - k[1, 1]) / 2))
-    assert torch.allclose(mhc.sinkhorn_knopp(k, iters=200), torch.stack([torch.stack([p, 1 - p]), torch.stack([1 - p, p])]), atol=1e-12)
+    expected = torch.stack([torch.stack([p, 1 - p]), torch.stack([1 - p, p])])
+    assert torch.allclose(mhc.sinkhorn_knopp(k, iters=200, eps=0), expected, atol=1e-12)
+
+
+def test_sinkhorn_gradients_and_replay():
     small = torch.randn(3, 4, 4, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda x: mhc.sinkhorn_knopp(x, 20), (small,))
     assert torch.autograd.gradcheck(lambda x: mhc.SinkhornReplay.apply(x, 20), (small,))
-    with pytest.raises(ValueError, match="iters"):
-        mhc.sinkhorn_knopp(logits, iters=0)
 
 
-# ----------------------------------------------------------------------------- the layer, from the equations
+def test_sinkhorn_survives_logits_of_60():
+    """Issue 9.7: without eps a column that underflows to 0 gives 0/0 = NaN (~10% of matrices)."""
+    gen = torch.Generator().manual_seed(0)
+    logits = 60.0 * torch.randn(1000, 4, 4, generator=gen).sign()
+    b = mhc.sinkhorn_knopp(logits, 20)
+    assert torch.isfinite(b).all()
+    assert (b - v4_sinkhorn(logits.mT).mT).abs().max() < 1e-6
+    row = torch.tensor([[60.0, -60, -60, -60]]).expand(
+        4, 4
+    )  # the issue's example, in comb's layout
+    assert torch.isfinite(mhc.sinkhorn_knopp(row.mT, 20)).all()
+    assert (mhc.sinkhorn_knopp(row.mT, 20) - v4_sinkhorn(row).mT).abs().max() < 1e-6
 
+
+# ---- the layer, from the equations ---------------------------------------------------------------
+
+
+def coefficients_by_hand(x, hc, n):
+    """A, B, C of one token x [n, C] from V4 §2.2 written out (float64), independent of mhc.py."""
+    x_hat = x.reshape(-1) / x.reshape(-1).pow(2).mean().add(EPS).sqrt()
+    logits = x_hat @ hc.proj
+    a = torch.sigmoid(hc.gate[0] * logits[:n] + hc.bias_pre) + EPS
+    c = 2 * torch.sigmoid(hc.gate[1] * logits[n : 2 * n] + hc.bias_post)
+    b_logits = hc.gate[2] * logits[2 * n :].reshape(n, n) + hc.bias_res
+    return a, v4_sinkhorn(b_logits.T).T, c
+
+
+@pytest.mark.grade(points=3, solution="mhc.mhc_coefficients")
 def test_layer_matches_the_equations_token_by_token():
-    """V4 §2.2 written out for one token at a time, independently of mhc_coefficients and the einsums."""
+    """V4 §2.2 for one token at a time, independently of mhc_coefficients and the einsums."""
     model = build(n_layers=1, dtype=torch.float64)
-    hc, sublayer, n, dim = model.hcs[0], model.sublayers[0], 4, 16
-    stream = torch.randn(2, 8, n, dim, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
-    f = sublayer(torch.stack([torch.stack([sum(
-        torch.sigmoid(hc.gate[0] * (stream[b, t].reshape(-1) / stream[b, t].reshape(-1).pow(2).mean().add(1e-6).sqrt()
-                                    @ hc.proj[:, i]) + hc.bias_pre[i]) * stream[b, t, i] for i in range(n))
-        for t in range(8)]) for b in range(2)]))
-    expected = torch.empty_like(stream)
-    for b in range(2):
-        for t in range(8):
-            x_hat = stream[b, t].reshape(-1) / stream[b, t].reshape(-1).pow(2).mean().add(1e-6).sqrt()
-            logits = x_hat @ hc.proj
-            c = 2 * torch.sigmoid(hc.gate[1] * logits[n:2 * n] + hc.bias_post)
-            mix = mhc.sinkhorn_knopp(hc.gate[2] * logits[2 * n:].reshape(n, n) + hc.bias_res, 20)
-            for i in range(n):   # output lane i = sum_j B_ij X_j + C_i f
-                expected[b, t, i] = sum(mix[i, j] * stream[b, t, j] for j in range(n)) + c[i] * f[b, t]
+    hc, sublayer, n = model.hcs[0], model.sublayers[0], 4
+    stream = torch.randn(
+        2, 8, n, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(3)
+    )
     with torch.no_grad():
+        coeffs = [[coefficients_by_hand(stream[b, t], hc, n) for t in range(8)] for b in range(2)]
+        a, b, c = mhc.mhc_coefficients(stream, hc, 20)
+        for i, name in enumerate("ABC"):
+            expected = torch.stack(
+                [torch.stack([coeffs[bi][t][i] for t in range(8)]) for bi in range(2)]
+            )
+            assert ((a, b, c)[i] - expected).abs().max() < 1e-12, name
+        h = torch.stack([torch.stack([sum(coeffs[bi][t][0][i] * stream[bi, t, i] for i in range(n))
+                                      for t in range(8)]) for bi in range(2)])  # fmt: skip
+        f = sublayer(h)
+        expected = torch.empty_like(stream)
+        for bi in range(2):
+            for t in range(8):
+                _, mix, c_t = coeffs[bi][t]
+                for i in range(n):  # output lane i = sum_j B_ij X_j + C_i f
+                    lanes = sum(mix[i, j] * stream[bi, t, j] for j in range(n))
+                    expected[bi, t, i] = lanes + c_t[i] * f[bi, t]
         assert (mhc.mhc_layer_reference(stream, sublayer, hc) - expected).abs().max() < 1e-12
         assert (mhc.mhc_layer_fused(stream, sublayer, hc) - expected).abs().max() < 1e-12
-        assert (mhc.run_recomputed_block(stream, [(sublayer, hc)]) - expected).abs().max() < 1e-12
+        got = mhc.run_recomputed_block(stream, [(sublayer, hc)])
+        assert (got - expected).abs().max() < 1e-12
 
 
-def test_streams_expand_once_and_collapse_once():
-    model = build(n_layers=2)
+def test_streams_expand_once_and_collapse_once_through_the_learned_head():
+    model = build(n_layers=2, dtype=torch.float64)
     idx, tgt = batch(0)
     stream = model.embed_stream(idx)
-    assert stream.shape == (4, 8, 4, 16) and all(torch.equal(stream[..., i, :], model.embed(idx)) for i in range(4))
-    lanes = torch.randn(4, 8, 4, 16)
-    expected = torch.nn.functional.cross_entropy(model.head(model.norm(lanes.mean(-2))).reshape(-1, 64), tgt.reshape(-1))
-    assert torch.allclose(model.head_loss(lanes, tgt), expected)
+    assert stream.shape == (4, 8, 4, 16)
+    assert all(torch.equal(stream[..., i, :], model.embed(idx)) for i in range(4))
+    lanes = torch.randn(4, 8, 4, 16, dtype=torch.float64)
+    head = model.collapse
+    flat = lanes.flatten(-2)
+    x_hat = flat / flat.pow(2).mean(-1, keepdim=True).add(EPS).sqrt()
+    weights = torch.sigmoid(head.gate * (x_hat @ head.proj) + head.bias) + EPS
+    collapsed = (weights.unsqueeze(-1) * lanes).sum(-2)
+    logits = model.head(model.norm(collapsed)).reshape(-1, 64)
+    expected = torch.nn.functional.cross_entropy(logits, tgt.reshape(-1))
+    assert torch.allclose(model.head_loss(lanes, tgt), expected, atol=1e-12)
+    # at gate 0 and its initial bias, the head is the mean of the lanes (+ eps per lane)
+    fresh = mhc.HyperHead(4, 16).double()
+    with torch.no_grad():
+        fresh.gate.zero_()
+        fresh.bias.fill_(-math.log(3))  # its init, in float64
+    assert (fresh(lanes) - lanes.mean(-2) * (1 + 4 * EPS)).abs().max() < 1e-12
     residual = build(n_layers=2, hyper=False)
     x = residual.embed(idx)
     for sublayer in residual.sublayers:
         x = x + sublayer(x)
-    assert torch.allclose(residual(idx, tgt), torch.nn.functional.cross_entropy(
-        residual.head(residual.norm(x)).reshape(-1, 64), tgt.reshape(-1)))
+    logits = residual.head(residual.norm(x)).reshape(-1, 64)
+    assert torch.allclose(
+        residual(idx, tgt), torch.nn.functional.cross_entropy(logits, tgt.reshape(-1))
+    )
 
 
-# ----------------------------------------------------------------------------- fused lane mixing
+# ---- fused lane mixing ---------------------------------------------------------------------------
 
-def test_fused_ops_match_plain_math_and_gradcheck():
+
+def test_fused_forward_ops_match_plain_math_and_gradcheck():
     gen = torch.Generator().manual_seed(0)
-    a, stream = torch.rand(2, 3, 4, generator=gen, dtype=torch.float64), torch.randn(2, 3, 4, 5, generator=gen, dtype=torch.float64)
-    b, c, f = torch.rand(2, 3, 4, 4, generator=gen, dtype=torch.float64), torch.rand(2, 3, 4, generator=gen, dtype=torch.float64), torch.randn(2, 3, 5, generator=gen, dtype=torch.float64)
+    a = torch.rand(2, 3, 4, generator=gen, dtype=torch.float64)
+    stream = torch.randn(2, 3, 4, 5, generator=gen, dtype=torch.float64)
     plain_pre = sum(a[..., i, None] * stream[..., i, :] for i in range(4))
-    plain_post = torch.stack([sum(b[..., i, j, None] * stream[..., j, :] for j in range(4)) + c[..., i, None] * f
-                              for i in range(4)], dim=-2)
     assert torch.allclose(mhc.FusedPreMix.apply(a, stream), plain_pre, atol=1e-12)
-    assert torch.allclose(mhc.FusedPostMixMerge.apply(b, stream, c, f), plain_post, atol=1e-12)
     weight = torch.randn(20, 24, generator=gen, dtype=torch.float64)
     flat = stream.flatten(-2)
     plain_logits = (flat / flat.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()) @ weight
     assert torch.allclose(mhc.NormThenProject.apply(flat, weight), plain_logits, atol=1e-12)
-    assert torch.autograd.gradcheck(mhc.NormThenProject.apply, (flat.clone().requires_grad_(), weight.requires_grad_()))
-    inputs = [t.clone().requires_grad_() for t in (a, stream, b, c, f)]
-    assert torch.autograd.gradcheck(mhc.FusedPreMix.apply, (inputs[0], inputs[1]))
-    assert torch.autograd.gradcheck(mhc.FusedPostMixMerge.apply, (inputs[2], inputs[1], inputs[3], inputs[4]))
+    flat, weight = flat.clone().requires_grad_(), weight.requires_grad_()
+    assert torch.autograd.gradcheck(mhc.NormThenProject.apply, (flat, weight))
+    a, stream = a.clone().requires_grad_(), stream.clone().requires_grad_()
+    assert torch.autograd.gradcheck(mhc.FusedPreMix.apply, (a, stream))
+
+
+@pytest.mark.grade(points=2, solution="mhc.FusedPostMixMerge.backward")
+def test_fused_post_mix_merge_backward():
+    gen = torch.Generator().manual_seed(1)
+    b, stream = (torch.rand(2, 3, 4, 4, generator=gen, dtype=torch.float64),
+                 torch.randn(2, 3, 4, 5, generator=gen, dtype=torch.float64))  # fmt: skip
+    c, f = (torch.rand(2, 3, 4, generator=gen, dtype=torch.float64),
+            torch.randn(2, 3, 5, generator=gen, dtype=torch.float64))  # fmt: skip
+    inputs = [t.clone().requires_grad_() for t in (b, stream, c, f)]
+    out = mhc.FusedPostMixMerge.apply(*inputs)
+    plain = torch.stack([sum(b[..., i, j, None] * stream[..., j, :] for j in range(4))
+                         + c[..., i, None] * f for i in range(4)], dim=-2)  # fmt: skip
+    assert torch.allclose(out, plain, atol=1e-12)
+    grad_out = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad(out, inputs, grad_out)
+    leaves = [t.clone().requires_grad_() for t in (b, stream, c, f)]
+    lb, ls, lc, lf = leaves
+    reference = (lb.unsqueeze(-1) * ls.unsqueeze(-3)).sum(-2) + lc.unsqueeze(-1) * lf.unsqueeze(-2)
+    expected = torch.autograd.grad(reference, leaves, grad_out)
+    for name, g, e in zip(("B", "X", "C", "f"), got, expected):
+        assert (g - e).abs().max() < 1e-12, name
+    assert torch.autograd.gradcheck(mhc.FusedPostMixMerge.apply, tuple(inputs))
 
 
 def test_mixing_bytes_match_the_paper_counts():
     n, dim = 4, 1024
-    naive, fused = mhc.mixing_bytes_per_token(n, dim, False, 1), mhc.mixing_bytes_per_token(n, dim, True, 1)
-    assert naive["post_mix"] == ((3 * n + 1) * dim, 3 * n * dim)      # mHC paper: (3n+1)C reads, 3nC writes
-    assert fused["post_mix"] == ((n + 1) * dim, n * dim)              # -> (n+1)C reads, nC writes
+    naive, fused = (
+        mhc.mixing_bytes_per_token(n, dim, False, 1),
+        mhc.mixing_bytes_per_token(n, dim, True, 1),
+    )
+    assert naive["post_mix"] == (
+        (3 * n + 1) * dim,
+        3 * n * dim,
+    )  # mHC paper: (3n+1)C reads, 3nC writes
+    assert fused["post_mix"] == ((n + 1) * dim, n * dim)  # -> (n+1)C reads, nC writes
     assert fused["pre_mix"] == (n * dim, dim)
     assert naive["pre_mix"] == (2 * n * dim, (n + 1) * dim)
     assert fused["coefficients"][0] == n * dim and naive["coefficients"][0] == 3 * n * dim
     assert mhc.mixing_bytes_per_token(n, dim, True, 4)["pre_mix"] == (4 * n * dim, 4 * dim)
+    small, big = mhc.expected_overhead(4, 128, 64), mhc.expected_overhead(4, 1024, 64)
+    assert big.ratio < small.ratio / 4  # mixing ~ n C, F ~ C^2
 
 
-# ----------------------------------------------------------------------------- the whole model, every path
+# ---- the whole model, every path -----------------------------------------------------------------
 
-PATHS = {"fused": dict(fused=True), "recomputed": dict(recompute=2),
-         "recomputed L_r=4": dict(recompute=4), "fused+recomputed": dict(fused=True, recompute=3)}
+PATHS = {
+    "fused": dict(fused=True),
+    "recomputed": dict(recompute=2),
+    "recomputed L_r=4": dict(recompute=4),
+    "fused+recomputed": dict(fused=True, recompute=3),
+}
 
 
+@pytest.mark.grade(points=4, solution="mhc.RecomputedBlock.backward")
 def test_every_optimised_path_equals_the_reference_in_float64():
     model = build(dtype=torch.float64)
     idx, tgt = batch(0)
@@ -171,8 +278,17 @@ def test_every_optimised_path_equals_the_reference_in_float64():
         assert_grads_close(grads_of(model), ref, 1e-9, name)
 
 
-@pytest.mark.parametrize("path", list(PATHS))
-def test_optimised_training_tracks_the_reference_over_steps_fp32(path):
+@pytest.mark.grade(points=1, solution="mhc.RecomputedBlock.backward")
+@pytest.mark.parametrize("path", [p for p in PATHS if "recomputed" in p])
+def test_recomputed_training_tracks_the_reference_over_steps_fp32(path):
+    training_tracks_the_reference(path)
+
+
+def test_fused_training_tracks_the_reference_over_steps_fp32():
+    training_tracks_the_reference("fused")
+
+
+def training_tracks_the_reference(path):
     reference, optimised = build(), build()
     calls = [0]
     for sublayer in optimised.sublayers:
@@ -184,12 +300,29 @@ def test_optimised_training_tracks_the_reference_over_steps_fp32(path):
         ref_loss, loss = reference(idx, tgt), optimised(idx, tgt, **PATHS[path])
         ref_loss.backward()
         loss.backward()
-        assert abs(loss.item() - ref_loss.item()) < 1e-6 * abs(ref_loss.item()), (step, loss.item(), ref_loss.item())
+        assert abs(loss.item() - ref_loss.item()) < 1e-6 * abs(ref_loss.item())
         assert_grads_close(grads_of(optimised), grads_of(reference), 2e-5, f"{path} step {step}")
         for o in (opt_ref, opt):
             o.step()
             o.zero_grad(set_to_none=True)
-        assert calls[0] == (step + 1) * len(optimised.sublayers), "F must run exactly once per layer per step"
+        assert calls[0] == (step + 1) * len(optimised.sublayers), "F runs once per layer per step"
+
+
+def test_bf16_model_mixes_in_fp32_like_v4():
+    """Coefficients come out in fp32 for a bf16 stream; the bf16 model's loss is the fp32 one's
+    within bf16 precision, on every path."""
+    ref, model = build(), build(dtype=torch.bfloat16)
+    stream = torch.randn(2, 8, 4, 16).bfloat16()
+    assert all(t.dtype == torch.float32 for t in mhc.mhc_coefficients(stream, model.hcs[0]))
+    assert model.collapse(stream).dtype == torch.bfloat16
+    idx, tgt = batch(0)
+    expected = ref(idx, tgt).item()
+    for options in [{}, *PATHS.values()]:
+        loss = model(idx, tgt, **options)
+        loss.backward()
+        assert abs(loss.item() - expected) < 1e-2 * abs(expected), options
+        assert all(p.grad.dtype == torch.bfloat16 for p in model.parameters())
+        model.zero_grad(set_to_none=True)
 
 
 def test_recomputation_keeps_only_block_inputs_and_f_outputs():
@@ -198,18 +331,22 @@ def test_recomputation_keeps_only_block_inputs_and_f_outputs():
     rows, n, dim = idx.numel(), model.cfg.n_hc, model.cfg.dim
     _, naive = mhc.saved_activation_bytes(model, lambda: model(idx, tgt))
     _, fused = mhc.saved_activation_bytes(model, lambda: model(idx, tgt, fused=True))
-    _, recomputed = mhc.saved_activation_bytes(model, lambda: model(idx, tgt, fused=True, recompute=4))
-    _, per_layer = mhc.saved_activation_bytes(model, lambda: model(idx, tgt, fused=True, recompute=1))
+    _, recomputed = mhc.saved_activation_bytes(
+        model, lambda: model(idx, tgt, fused=True, recompute=4)
+    )
+    _, per_layer = mhc.saved_activation_bytes(
+        model, lambda: model(idx, tgt, fused=True, recompute=1)
+    )
     assert recomputed < fused < naive
-    # going from blocks of 4 to blocks of 1 adds exactly 6 more block inputs (n*C each) and nothing else
+    # going from blocks of 4 to blocks of 1 adds exactly 6 more block inputs (n*C each)
     assert per_layer - recomputed == 6 * rows * n * dim * 4
-    # and versus storing every layer: the stream (n*C per layer) is gone, so >= 8 - 2 streams are saved
+    # and versus storing every layer: the stream (n*C per layer) is gone
     assert fused - recomputed >= 6 * rows * n * dim * 4
 
 
 def test_recompute_blocks_stay_inside_stages_and_default_block_size():
-    assert mhc.default_recompute_block(4, 8) == 2            # sqrt(4*8/6) = 2.31
-    assert mhc.default_recompute_block(4, 43) == 5           # V4-Flash depth: sqrt(4*43/6) = 5.35
+    assert mhc.default_recompute_block(4, 8) == 2  # sqrt(4*8/6) = 2.31
+    assert mhc.default_recompute_block(4, 43) == 5  # V4-Flash depth: sqrt(4*43/6) = 5.35
     assert mhc.default_recompute_block(1, 1) == 1
     for n_layers, n_stages, block in [(12, 4, 2), (12, 3, 5), (8, 2, 3), (6, 1, 4)]:
         covered = []
@@ -221,11 +358,17 @@ def test_recompute_blocks_stay_inside_stages_and_default_block_size():
         assert covered == list(range(n_layers))
 
 
+@pytest.mark.grade(points=2, solution="mhc.one_f_one_b")
 def test_one_f_one_b_schedule():
+    # written out by hand: 4 stages, 6 micro-batches, stage 1 has 2 warm-up forwards
+    expected = [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("F", 4), ("B", 2),
+                ("F", 5), ("B", 3), ("B", 4), ("B", 5)]  # fmt: skip
+    assert mhc.one_f_one_b(4, 1, 6) == expected
     for n_stages, n_micro in [(1, 3), (2, 2), (4, 4), (4, 7), (3, 5)]:
         for stage in range(n_stages):
             order = mhc.one_f_one_b(n_stages, stage, n_micro)
-            assert sorted(order) == sorted([("F", i) for i in range(n_micro)] + [("B", i) for i in range(n_micro)])
+            every = [("F", i) for i in range(n_micro)] + [("B", i) for i in range(n_micro)]
+            assert sorted(order) == sorted(every)
             in_flight, peak = set(), 0
             for kind, i in order:
                 if kind == "F":
@@ -234,21 +377,22 @@ def test_one_f_one_b_schedule():
                     assert i in in_flight, "backward before its forward"
                     in_flight.remove(i)
                 peak = max(peak, len(in_flight))
-            assert peak == min(n_stages - stage, n_micro), "1F1B holds at most (stages - stage) micro-batches"
+            assert peak == min(n_stages - stage, n_micro), "1F1B holds <= stages - stage"
             assert [i for k, i in order if k == "B"] == list(range(n_micro))
 
 
-# ----------------------------------------------------------------------------- pipeline parallelism
+# ---- pipeline parallelism ------------------------------------------------------------------------
 
-def _pipeline_rank(rank, world_size, n_layers, hyper, steps, overlap=True):
-    model = build(n_layers=n_layers, hyper=hyper)
+
+def _pipeline_rank(rank, world_size, n_layers, hyper, steps, overlap=True, dtype=torch.float32):
+    model = build(n_layers=n_layers, hyper=hyper, dtype=dtype)
     first, stop = mhc.stage_layers(n_layers, world_size, rank)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     out = []
     for step in range(steps):
         idx, tgt = batch(step, size=8)
         loss, stats = mhc.pipeline_step(model, idx, tgt, n_micro=4, fused=True,
-                                          recompute=2 if hyper else 0, overlap=overlap)
+                                        recompute=2 if hyper else 0, overlap=overlap)  # fmt: skip
         mine = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         out.append((None if loss is None else loss.item(), mine, stats))
         opt.step()
@@ -256,47 +400,131 @@ def _pipeline_rank(rank, world_size, n_layers, hyper, steps, overlap=True):
     return (first, stop), out
 
 
-@pytest.mark.parametrize("world_size,overlap", [(1, True), (2, True), (2, False), (3, True), (4, True)])
-def test_pipeline_equals_single_process(world_size, overlap):
-    n_layers, steps = 12, 2
-    reference = build(n_layers=n_layers)
+def reference_steps(n_layers, steps, dtype=torch.float32):
+    reference = build(n_layers=n_layers, dtype=dtype)
     opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    ref_steps = []
+    out = []
     for step in range(steps):
         idx, tgt = batch(step, size=8)
         loss = reference(idx, tgt)
         loss.backward()
-        ref_steps.append((loss.item(), grads_of(reference)))
+        out.append((loss.item(), grads_of(reference)))
         opt.step()
         opt.zero_grad(set_to_none=True)
-    results = run_ranks(_pipeline_rank, world_size, args=(n_layers, True, steps, overlap), timeout=120)
+    return out
+
+
+def check_against_reference(results, ref_steps, world_size, rtol, loss_tol, bytes_per=4):
     for step, (ref_loss, ref_grads) in enumerate(ref_steps):
         merged = {}
         for rank, ((first, stop), per_step) in enumerate(results):
             loss, mine, stats = per_step[step]
             assert (loss is not None) == (rank == world_size - 1)
             owned = {n for n in mine if n.startswith(("sublayers.", "hcs."))}
-            assert {int(n.split(".")[1]) for n in owned} == set(range(first, stop)), "a stage touched layers it does not hold"
-            assert not (merged.keys() & mine.keys()), "two stages produced a gradient for the same parameter"
+            assert {int(n.split(".")[1]) for n in owned} == set(range(first, stop))
+            assert not (merged.keys() & mine.keys()), "two stages made the same parameter's grad"
             merged.update(mine)
-            if rank < world_size - 1:   # 4 micro-batches of [2, 8, n=4, 16] fp32 go forward, the same comes back
-                assert stats["bytes_sent_forward"] == 4 * 2 * 8 * 4 * 16 * 4
+            stream_bytes = 4 * 2 * 8 * 4 * 16 * bytes_per  # 4 micro-batches of [2, 8, n=4, 16]
+            if rank < world_size - 1:
+                assert stats.bytes_sent_forward == stream_bytes
             if rank > 0:
-                assert stats["bytes_sent_backward"] == 4 * 2 * 8 * 4 * 16 * 4
-        assert abs(results[-1][1][step][0] - ref_loss) < 1e-6 * abs(ref_loss)
-        assert_grads_close(merged, ref_grads, 2e-5, f"{world_size} stages, step {step}")
+                assert stats.bytes_sent_backward == stream_bytes
+        assert abs(results[-1][1][step][0] - ref_loss) < loss_tol * abs(ref_loss)
+        assert_grads_close(merged, ref_grads, rtol, f"{world_size} stages, step {step}")
+
+
+@pytest.mark.grade(points=5, solution="mhc.pipeline_step")
+@pytest.mark.parametrize(
+    "world_size,overlap", [(1, True), (2, True), (2, False), (3, True), (4, True)]
+)
+def test_pipeline_equals_single_process(world_size, overlap):
+    n_layers, steps = 12, 2
+    ref_steps = reference_steps(n_layers, steps)
+    results = run_ranks(
+        _pipeline_rank, world_size, args=(n_layers, True, steps, overlap), timeout=120
+    )
+    # 1e-4: the head's gate gradient is one scalar summed over every token, in another grouping
+    # (per micro-batch) with cancellation: measured 3.5e-5 relative in fp32 (float64: 1e-9 below)
+    check_against_reference(results, ref_steps, world_size, 1e-4, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_pipeline_receives_in_the_models_dtype(dtype):
+    """Issue 9.8: receive buffers were allocated in the default dtype (float64 aborted in gloo,
+    bf16 failed on stage 1)."""
+    ref_steps = reference_steps(4, 1, dtype)
+    results = run_ranks(_pipeline_rank, 2, args=(4, True, 1, True, dtype), timeout=120)
+    size = 8 if dtype == torch.float64 else 2
+    if dtype == torch.float64:
+        check_against_reference(results, ref_steps, 2, 1e-9, 1e-12, bytes_per=size)
+    else:  # bf16: grads of a different summation order differ at bf16 precision
+        assert abs(results[-1][1][0][0] - ref_steps[0][0]) < 1e-2 * abs(ref_steps[0][0])
+        assert results[0][1][0][2].bytes_sent_forward == 4 * 2 * 8 * 4 * 16 * size
+
+
+def _recorded_p2p_rank(rank, world_size, overlap):
+    """Run one pipeline step recording every point-to-point op: (kind, peer, link, size, dtype)."""
+    import torch.distributed as dist
+
+    model, ops = build(n_layers=4), []
+    groups = mhc.pipeline_groups()
+    links = {id(groups.forward): "activations", id(groups.backward): "gradients"}
+    originals = dist.isend, dist.irecv
+
+    def record(kind, original):
+        def op(tensor, *args, group=None, **kw):
+            peer = args[0] if args else kw.get("dst", kw.get("src"))
+            link = links.get(id(group), "default group")
+            ops.append((kind, peer, link, tensor.numel(), str(tensor.dtype)))
+            return original(tensor, *args, group=group, **kw)
+
+        return op
+
+    dist.isend, dist.irecv = record("send", originals[0]), record("recv", originals[1])
+    try:
+        mhc.pipeline_step(model, *batch(0, size=8), n_micro=4, overlap=overlap)
+    finally:
+        dist.isend, dist.irecv = originals
+    return ops
+
+
+@pytest.mark.parametrize("world_size,overlap", [(2, True), (2, False), (4, True)])
+def test_pipeline_is_safe_under_nccls_rules(world_size, overlap):
+    """Issue 14.1: NCCL runs a pair's sends and receives in issue order on one stream, ignores
+    tags and does not buffer sends. Safe if every (link, rank pair) carries data one way only and
+    the k-th send on it matches the k-th receive in size and dtype: then in-order execution
+    cannot wait on anything issued later on the same link. Checked on the ops a gloo run issued."""
+    ops = run_ranks(_recorded_p2p_rank, world_size, args=(overlap,), timeout=120)
+    channels = {}
+    for rank, mine in enumerate(ops):
+        for kind, peer, link, size, dtype in mine:
+            assert link != "default group", "a point-to-point op outside the two pipeline links"
+            src, dst = (rank, peer) if kind == "send" else (peer, rank)
+            channels.setdefault((link, min(src, dst), max(src, dst)), []).append(
+                (rank, kind, src, dst, size, dtype)
+            )
+    assert channels
+    for (link, low, high), traffic in channels.items():
+        directions = {(src, dst) for _, _, src, dst, _, _ in traffic}
+        assert len(directions) == 1, f"{link} between {low} and {high} carries data both ways"
+        sends = [(size, dtype) for _, kind, *_, size, dtype in traffic if kind == "send"]
+        recvs = [(size, dtype) for _, kind, *_, size, dtype in traffic if kind == "recv"]
+        assert sends == recvs and len(sends) == 4, (link, low, high, sends, recvs)
 
 
 def test_residual_pipeline_sends_n_times_less():
     results = run_ranks(_pipeline_rank, 2, args=(4, False, 1), timeout=60)
-    assert results[0][1][0][2]["bytes_sent_forward"] == 4 * 2 * 8 * 16 * 4   # [2, 8, C] per micro-batch
+    assert results[0][1][0][2].bytes_sent_forward == 4 * 2 * 8 * 16 * 4  # [2, 8, C] per micro
 
 
-# ----------------------------------------------------------------------------- bad input
+# ---- bad input, agreement and the fault matrix ---------------------------------------------------
+
 
 def test_bad_input_single_process():
     with pytest.raises(ValueError, match="n_hc"):
         mhc.Config(n_hc=0)
+    with pytest.raises(ValueError, match="n >= 1"):
+        mhc.HyperConnection(0, 8)  # issue 9.10: was a ZeroDivisionError
     model = build(n_layers=2)
     hc, sublayer = model.hcs[0], model.sublayers[0]
     for shape in [(2, 8, 3, 16), (2, 8, 4, 15), (16,)]:
@@ -328,16 +556,86 @@ def _bad_pipeline_rank(rank, world_size, n_layers, n_micro):
 
 
 def test_bad_pipeline_input_fails_on_every_rank_without_hanging():
-    messages = run_ranks(_bad_pipeline_rank, 2, args=(4, 1), timeout=60)           # 1 micro-batch < 2 stages
+    messages = run_ranks(_bad_pipeline_rank, 2, args=(4, 1), timeout=60)  # 1 micro < 2 stages
     assert all(m and "micro-batches" in m for m in messages)
-    messages = run_ranks(_bad_pipeline_rank, 3, args=(4, 4), timeout=60)           # 3 stages, 4 layers
+    messages = run_ranks(_bad_pipeline_rank, 3, args=(4, 4), timeout=60)  # 3 stages, 4 layers
     assert all(m and "cannot split 4 layers" in m for m in messages)
-    messages = run_ranks(_bad_pipeline_rank, 2, args=(4, 3), timeout=60)           # batch 8 into 3 micro-batches
+    messages = run_ranks(_bad_pipeline_rank, 2, args=(4, 3), timeout=60)  # 8 into 3 micro-batches
     assert all(m and "equal micro-batches" in m for m in messages)
 
 
-# ----------------------------------------------------------------------------- the demo
+def _differing_rank(rank, world_size, what):
+    """Rank 1 gets something different; every rank must raise the same ValueError naming it."""
+    odd = rank == 1
+    model = build(n_layers=6, seed=1 if (odd and what == "init") else 0)
+    if odd and what == "dtype":
+        model = model.double()
+    idx, tgt = batch(0, size=12 if (odd and what == "shape") else 8)
+    n_micro = 8 if (odd and what == "n_micro") else 4
+    recompute = 3 if (odd and what == "recompute") else 2
+    try:
+        mhc.pipeline_step(model, idx, tgt, n_micro=n_micro, recompute=recompute)
+    except ValueError as e:
+        return str(e)
+    return None
 
-def test_demo_runs_under_torchrun_on_two_stages():
-    out = run_torchrun("mhc.py", nproc=2, args=["--dim", "32", "--layers", "4", "--steps", "2"], timeout=240).stdout
-    assert "pipeline: 2 stage(s)" in out and "bytes sent" in out and "last stage loss" in out
+
+FIELDS = {"init": "initial parameters", "dtype": "parameter dtype", "shape": "idx shape",
+          "recompute": "recompute", "n_micro": "n_micro"}  # fmt: skip
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("what", list(FIELDS))
+def test_fault_matrix_different_input_on_one_rank(world_size, what):
+    messages = run_ranks(_differing_rank, world_size, args=(what,), timeout=60)
+    assert all(m is not None for m in messages), messages
+    assert len(set(messages)) == 1, messages  # the same error on every rank
+    assert FIELDS[what] in messages[0] and "rank 1 has" in messages[0], messages[0]
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def _failing_rank(rank, world_size):
+    model = build(n_layers=6)
+    if rank == 1:
+
+        def explode(*_):
+            raise Boom("rank 1 broke in the middle of its forward")
+
+        model.sublayers[-1 if world_size == 2 else 3].register_forward_hook(explode)
+    mhc.pipeline_step(model, *batch(0, size=8), n_micro=4)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_fault_matrix_one_rank_raises_mid_step(world_size):
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(_failing_rank, world_size, timeout=60)
+    assert not isinstance(failure.value, RankTimeout)
+    assert "rank 1 broke" in failure.value.errors[1]
+
+
+# ---- the demo ------------------------------------------------------------------------------------
+
+
+def test_demo_arguments_are_checked_before_any_work(monkeypatch, capsys):
+    for world in (1, 2, 3, 4):  # defaults work at every rank count
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        args = mhc.parse_args([])
+        assert args.layers % world == 0 and args.batch % args.micro == 0 and args.micro >= world
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    bad = [(["--layers", "8"], "--layers"), (["--batch", "10"], "--batch"),
+           (["--dim", "30", "--heads", "4"], "--heads"), (["--micro", "2"], "--micro")]  # fmt: skip
+    for argv, word in bad:
+        with pytest.raises(SystemExit):
+            mhc.parse_args(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert word in err[-1], err
+
+
+def test_demo_runs_under_torchrun_on_three_stages():
+    args = ["--dim", "32", "--layers", "6", "--steps", "2", "--batch", "12"]
+    out = run_torchrun("mhc.py", nproc=3, args=args, timeout=300).stdout
+    assert "pipeline: 3 stage(s)" in out and "sent per step" in out and "last stage" in out
+    assert "posted ahead" in out and "waited ms" in out
