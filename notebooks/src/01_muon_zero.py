@@ -139,7 +139,8 @@ print(f"{len(full_dense)} dense matrices: {len(full_dense) / 128:.1f} per rank a
 # everything after it. AdamW keeps two fp32 moments per parameter; Muon keeps one (its momentum)
 # for every matrix; MuonZeRO splits that one over the ranks. Left to right: AdamW, replicated Muon
 # (MuonZeRO on one rank), and rank 0 of MuonZeRO on 4 gloo ranks with zero width 2 (rank 1's
-# figures are printed below: its panel looks the same).
+# figures are printed below: its panel looks the same). The x axis counts allocation events, one per
+# allocation or free, evenly spaced.
 
 # %%
 stage("recording AdamW, replicated Muon, and MuonZeRO on 4 ranks")
@@ -149,7 +150,10 @@ sharded = run_ranks(bench.record_rank_timeline, 4, kwargs=dict(zero_width=2))
 stage("recorded")
 runs = [adamw, replicated, sharded[0]]
 fig = plot_timelines(runs, titles=["AdamW", "Muon, replicated", "MuonZeRO, rank 0 of 4"],
-                     width=3.4, height=3.6)  # fmt: skip
+                     width=3.3, height=3.6, ncols=3)  # fmt: skip
+for ax in fig.axes:  # three panels side by side: a short label (one event per allocation or free)
+    if ax.get_xlabel().startswith("allocation events"):
+        ax.set_xlabel("allocation events")
 plt.show()
 names = ["AdamW", "Muon replicated", "MuonZeRO rank 0", "MuonZeRO rank 1"]
 for name, tl in zip(names, runs + [sharded[1]]):
