@@ -1,15 +1,19 @@
-"""Benchmark for muon_zero.py: the plan at V4 scale, gradient-sync error, and what batching and sharding buy.
+"""Benchmark for muon_zero.py: the plan at V4 scale, gradient-sync error, batching and sharding.
 
     .venv/bin/python benchmarks/bench_muon_zero.py          # about a minute on 2 idle CPU cores
+    .venv/bin/python benchmarks/bench_muon_zero.py --device cuda    # tables 4-5 on a GPU
 
 Tables, all from one run:
-  1. the ownership plan for a DeepSeek-V4-Flash-like inventory (built by the planner alone, no processes)
-     at data-parallel sizes 8..256: matrices per rank, padding, NS-cost imbalance;
+  1. the ownership plan for a DeepSeek-V4-Flash-like inventory (built by the planner alone, no
+     processes) at data-parallel sizes 8..256: matrices per rank, padding, NS-cost imbalance;
   2. optimizer-state bytes per rank at that scale: MuonZeRO vs replicated Muon vs replicated AdamW;
-  3. gradient-sync error against an fp64 sum at 2..64 ranks: bf16 stochastic rounding + all-to-all + fp32
-     sum (V4) vs a bf16 ring reduce-scatter vs fp32 (numerics simulated exactly, rank by rank);
-  4. batched vs per-matrix Newton-Schulz time; MuonZeRO step time vs torch.optim.Muon (one process).
+  3. gradient-sync error against an fp64 sum at 2..64 ranks: bf16 stochastic rounding + all-to-all
+     + fp32 sum (V4) vs a bf16 ring reduce-scatter vs fp32 (numerics simulated exactly, per rank);
+  4. batched vs per-matrix Newton-Schulz time; 5. MuonZeRO step time vs torch.optim.Muon (one
+     process in a process group of one, on --backend/--device).
 """
+
+import argparse
 import os
 import sys
 import time
@@ -20,48 +24,52 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import muon_zero as mz  # noqa: E402
 
-torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
 
-
-def v4_flash_inventory(layers=range(43), hidden=4096, heads=64, head_dim=512, q_rank=1024, o_groups=8, o_rank=1024,
-                       index_heads=64, index_dim=128, experts=256, expert_dim=2048, hash_layers=3, n_hc=4):
-    """Muon matrices of a DeepSeek-V4-Flash-like model from its public config.  -> (dense, experts, adamw numel).
+def v4_flash_inventory(layers=range(43), hidden=4096, heads=64, head_dim=512, q_rank=1024,
+                       o_groups=8, o_rank=1024, index_heads=64, index_dim=128, experts=256,
+                       expert_dim=2048, hash_layers=3, n_hc=4):  # fmt: skip
+    """Muon matrices of a DeepSeek-V4-Flash-like model.  -> (dense, experts, adamw numel).
 
     Shapes are [out, in] as stored. Choices where the config does not pin a shape down (ours):
-    - the grouped output projection wo_a is one stored matrix [groups·o_rank, heads·head_dim/groups];
-    - layers alternate CSA (m=4, even) and HCA (m=128, odd); a compressor has a KV and a gate projection
-      to the head dim, twice as wide under CSA's overlapping windows (two weight sets);
+    - the grouped output projection wo_a is one stored matrix [groups·o_rank, heads·head_dim/g];
+    - layers alternate CSA (m=4, even) and HCA (m=128, odd); a compressor has a KV and a gate
+      projection to the head dim, twice as wide under CSA's overlapping windows (two weight sets);
     - CSA layers carry the lightning indexer: query up-projection from the query latent, a key
       projection, per-head weights, and its own compressor at the indexer head dim;
-    - mHC: one [n + n + n², n·hidden] projection per hyper-connection, two per layer (attention, FFN);
+    - mHC: one [n + n + n², n·hidden] projection per hyper-connection, two per layer;
     - the first `hash_layers` layers route by hash, so they have no router matrix.
     """
     dense = []
     for layer in layers:
         csa = layer % 2 == 0
         width = 2 if csa else 1
-        dense += [(q_rank, hidden), (heads * head_dim, q_rank), (head_dim, hidden),     # wq_a, wq_b, wkv
-                  (o_groups * o_rank, heads * head_dim // o_groups), (hidden, o_groups * o_rank),  # wo_a, wo_b
-                  (width * head_dim, hidden), (width * head_dim, hidden)]             # compressor kv, gate
+        dense += [
+            (q_rank, hidden),
+            (heads * head_dim, q_rank),
+            (head_dim, hidden),
+        ]  # wq_a, wq_b, wkv
+        dense += [(o_groups * o_rank, heads * head_dim // o_groups), (hidden, o_groups * o_rank)]
+        dense += [(width * head_dim, hidden)] * 2  # compressor kv, gate
         if csa:
-            dense += [(index_heads * index_dim, q_rank), (index_dim, hidden), (index_heads, hidden),
-                      (2 * index_dim, hidden), (2 * index_dim, hidden)]
-        dense += [(expert_dim, hidden), (expert_dim, hidden), (hidden, expert_dim)]   # shared expert
+            dense += [(index_heads * index_dim, q_rank), (index_dim, hidden), (index_heads, hidden)]
+            dense += [(2 * index_dim, hidden)] * 2  # the indexer's compressor
+        dense += [(expert_dim, hidden), (expert_dim, hidden), (hidden, expert_dim)]  # shared expert
         if layer >= hash_layers:
-            dense.append((experts, hidden))                                           # router
-        dense += [(2 * n_hc + n_hc * n_hc, n_hc * hidden)] * 2                        # mHC projections
+            dense.append((experts, hidden))  # router
+        dense += [(2 * n_hc + n_hc * n_hc, n_hc * hidden)] * 2  # mHC projections
     down = [(hidden, expert_dim)] * (len(layers) * experts)
     up = gate = [(expert_dim, hidden)] * (len(layers) * experts)
-    adamw = 2 * 129280 * hidden + len(layers) * (4 * hidden) + hidden  # embedding, head, norms (mHC biases ~0)
+    adamw = 2 * 129280 * hidden + len(layers) * (4 * hidden) + hidden  # embed, head, norms
     return dense, down + up + gate, adamw
 
 
 def record_rank_timeline(rank, world, zero_width=None, steps=2, optimizer="muon_zero"):
-    """One rank's memory timeline for the notebook (run on W gloo ranks through tests/harness.py, or alone).
+    """One rank's memory timeline for the notebook (on W gloo ranks via tests/harness.py, or alone).
 
-    optimizer: "muon_zero" (sharded; at world 1 this is replicated Muon) or "adamw" (torch's, replicated).
+    optimizer: "muon_zero" (sharded; at world 1 this is replicated Muon) or "adamw" (torch's).
     """
     from memory_timeline import MemoryTimeline
+
     torch.manual_seed(0)
     model = mz.TinyMoE(vocab=512, dim=96, heads=4, kv_dim=24, layers=2, experts=8, ffn=96)
     if optimizer == "adamw":
@@ -71,7 +79,7 @@ def record_rank_timeline(rank, world, zero_width=None, steps=2, optimizer="muon_
     x = torch.randint(0, 512, (4, 16), generator=torch.Generator().manual_seed(rank))
     tl = MemoryTimeline(model=model, optimizer=opt, name=f"{optimizer} rank {rank} of {world}")
     with tl.record():
-        for step in range(steps):
+        for step in range(1, steps + 1):  # steps numbered from 1, as in every notebook
             with tl.phase("forward", step):
                 loss = F.cross_entropy(model(x).flatten(0, 1), x.flatten())
             with tl.phase("backward", step):
@@ -86,44 +94,51 @@ def record_rank_timeline(rank, world, zero_width=None, steps=2, optimizer="muon_
 
 def table(rows, headers):
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+
+    def line(cells):
+        return "  ".join(c.rjust(w) for c, w in zip(cells, widths))
+
     return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
 def plan_rows(dense, experts, settings):
     rows = []
     for dp, cap in settings:
-        plans = {b: mz.plan_muon(dense, experts if b == "both" else [], dp, cap, balance=b)
-                 for b in ("ns_cost", "numel", "both")}
-        s = {b: p.summary() for b, p in plans.items()}
-        rows.append([str(dp), str(cap), str(dp // cap)]
-                    + [f"{s[b]['max_dense_per_rank']} / {100 * s[b]['dense_padding']:.1f}% / {s[b]['dense_imbalance']:.2f}"
-                       for b in ("ns_cost", "numel", "both")]
-                    + [str(s["both"]["max_experts_per_rank"]), f"{100 * s['both']['expert_padding']:.2f}%"])
+        cells = []
+        for b in ("ns_cost", "numel", "both"):
+            s = mz.plan_muon(dense, experts if b == "both" else [], dp, cap, balance=b).summary()
+            pad, imbalance = 100 * s["dense_padding"], s["dense_imbalance"]
+            cells.append(f"{s['max_dense_per_rank']} / {pad:.1f}% / {imbalance:.2f}")
+        experts_cells = [str(s["max_experts_per_rank"]), f"{100 * s['expert_padding']:.2f}%"]
+        rows.append([str(dp), str(cap), str(dp // cap), *cells, *experts_cells])
     return rows
 
 
-PLAN_HEADERS = ["dp", "cap", "replicas", "by NS cost", "by elements", "by both (default)", "experts/rank",
-                "MoE pad"]
+PLAN_HEADERS = ["dp", "cap", "replicas", "by NS cost", "by elements", "by both (default)",
+                "experts/rank", "MoE pad"]  # fmt: skip
 
 
 def bench_plan():
     dense, experts, adamw = v4_flash_inventory()
     dense_numel = sum(n * m for n, m in dense)
     expert_numel = sum(n * m for n, m in experts)
-    print(f"V4-Flash-like inventory: {len(dense)} dense matrices ({dense_numel / 1e9:.2f} B elements, "
-          f"{len(set(dense))} distinct shapes, largest {max(n * m for n, m in dense) / 1e6:.1f} M), "
-          f"{len(experts)} expert matrices ({expert_numel / 1e9:.1f} B), AdamW {adamw / 1e9:.2f} B")
-    print("\nTable 1. Ownership plan for the whole model (no pipeline parallelism). 'cap' is the ZeRO width; dp/cap\n"
-          "replica groups repeat the dense updates. Each packing cell: max dense matrices per rank / padding of\n"
-          "the dense buckets (padded to the largest) / NS-cost imbalance (max / mean per rank).")
+    largest = max(n * m for n, m in dense) / 1e6
+    print(f"V4-Flash-like inventory: {len(dense)} dense matrices ({dense_numel / 1e9:.2f} B "
+          f"elements, {len(set(dense))} distinct shapes, largest {largest:.1f} M), {len(experts)} "
+          f"expert matrices ({expert_numel / 1e9:.1f} B), AdamW {adamw / 1e9:.2f} B")  # fmt: skip
+    print("\nTable 1. Ownership plan for the whole model (no pipeline parallelism). 'cap' is the "
+          "ZeRO width;\ndp/cap replica groups repeat the dense updates. Each packing cell: max "
+          "dense matrices per rank /\npadding of the dense buckets (padded to the largest) / "
+          "NS-cost imbalance (max / mean per rank).")  # fmt: skip
     settings = [(dp, cap) for dp in (8, 16, 32, 64, 128, 256) for cap in sorted({min(dp, 64), dp})]
     print(table(plan_rows(dense, experts, settings), PLAN_HEADERS))
     stage = range(8, 14)  # one of 8 pipeline stages: 6 of the 43 layers (layers 8-13)
     s_dense, s_experts, _ = v4_flash_inventory(layers=stage)
-    print(f"\nTable 1b. The same for one pipeline stage (layers 8-13 of 43, as with 8 stages): {len(s_dense)} dense\n"
-          "matrices. Whole matrices cannot pad below (largest matrix) / (mean bucket) - 1; compare with V4's\n"
-          "'<= 5 matrices per rank, < 10% padding'.")
+    print(
+        f"\nTable 1b. The same for one pipeline stage (layers 8-13 of 43, as with 8 stages): "
+        f"{len(s_dense)} dense\nmatrices. Whole matrices cannot pad below (largest matrix) / "
+        "(mean bucket) - 1; compare\nwith V4's '<= 5 matrices per rank, < 10% padding'."
+    )
     print(table(plan_rows(s_dense, s_experts, [(dp, dp) for dp in (8, 16, 32, 64)]), PLAN_HEADERS))
     memory = []
     for dp in (8, 16, 32, 64, 128, 256):
@@ -131,10 +146,12 @@ def bench_plan():
         per_rank = max(r["numel"] + r["dense_padding"] + r["expert_padding"] for r in plan.rows())
         memory.append([str(dp), f"{4 * per_rank / 2**30:.2f}", f"{8 * adamw / 2**30:.2f}",
                        f"{4 * (dense_numel + expert_numel) / 2**30:.1f}",
-                       f"{8 * (dense_numel + expert_numel + adamw) / 2**30:.1f}"])
-    print("\nTable 2. fp32 optimizer state per rank at V4-Flash scale, GiB (whole model, no width cap). MuonZeRO: one\n"
-          "momentum per Muon element, sharded (padding included), plus replicated AdamW moments for embedding/head.")
-    print(table(memory, ["dp", "MuonZeRO Muon", "+ AdamW part", "replicated Muon", "replicated AdamW (all)"]))
+                       f"{8 * (dense_numel + expert_numel + adamw) / 2**30:.1f}"])  # fmt: skip
+    print("\nTable 2. fp32 optimizer state held per rank at V4-Flash scale, GiB (whole model, no "
+          "width cap).\nMuonZeRO: one momentum per Muon element, sharded (padding included), plus "
+          "replicated AdamW\nmoments for embedding/head.")  # fmt: skip
+    headers = ["dp", "MuonZeRO Muon", "+ AdamW part", "replicated Muon", "replicated AdamW (all)"]
+    print(table(memory, headers))
 
 
 def ring_bf16(grads):
@@ -149,82 +166,133 @@ def bench_sync_error():
     g = torch.Generator().manual_seed(0)
     N, rows = 1 << 20, []
     for world in (2, 4, 8, 16, 32, 64):
-        # Per-rank gradients: a shared signal plus rank-specific noise of larger size, as micro-batches give.
+        # Per-rank gradients: a shared signal plus larger rank-specific noise (as micro-batches).
         signal = torch.randn(N, generator=g) * 1e-3
         grads = [signal + 3e-3 * torch.randn(N, generator=g) for _ in range(world)]
         exact = torch.stack([x.double() for x in grads]).sum(0)
         fp32 = torch.stack(grads).sum(0).double()
-        sr = torch.stack([mz.stochastic_round_to_bf16(x, generator=g).float() for x in grads]).sum(0).double()
+        rounded = [mz.stochastic_round_to_bf16(x, generator=g).float() for x in grads]
+        sr = torch.stack(rounded).sum(0).double()
         rne = torch.stack([x.to(torch.bfloat16).float() for x in grads]).sum(0).double()
         ring = ring_bf16(grads)
         scale = exact.norm()
-        err = lambda est: ((est - exact).norm() / scale).item()  # noqa: E731
-        # Bias: the error's component along the true sum, relative (+ = too large, - = shrunk).
-        bias = lambda est: ((est - exact) @ exact / scale ** 2).item()  # noqa: E731
-        rows.append([str(world), f"{err(sr):.2e}", f"{bias(sr):+.1e}", f"{err(rne):.2e}", f"{bias(rne):+.1e}",
-                     f"{err(ring):.2e}", f"{bias(ring):+.1e}", f"{err(fp32):.1e}", f"{err(ring) / err(sr):.1f}x"])
-    print("\nTable 3. Gradient-sum error vs an fp64 sum (2^20 elements per rank; relative L2 error and bias along\n"
-          "the true sum). V4: each rank's gradient stochastically rounded to bf16 once, all-to-all, fp32 sum.\n"
-          "Ring: bf16 partial sums re-rounded (to nearest) at each of the world-1 hops.")
-    print(table(rows, ["ranks", "SR a2a err", "SR bias", "RNE a2a err", "RNE bias", "bf16 ring err", "ring bias",
-                       "fp32 err", "ring/SR"]))
+
+        def err(est):
+            return ((est - exact).norm() / scale).item()
+
+        def bias(est):  # the error's component along the true sum (+ too large, - shrunk)
+            return ((est - exact) @ exact / scale**2).item()
+
+        rows.append([str(world), f"{err(sr):.2e}", f"{bias(sr):+.1e}", f"{err(rne):.2e}",
+                     f"{bias(rne):+.1e}", f"{err(ring):.2e}", f"{bias(ring):+.1e}",
+                     f"{err(fp32):.1e}", f"{err(ring) / err(sr):.1f}x"])  # fmt: skip
+    print("\nTable 3. Gradient-sum error vs an fp64 sum (2^20 elements per rank; relative L2 error "
+          "and bias along\nthe true sum). V4: each rank's gradient stochastically rounded to bf16 "
+          "once, all-to-all, fp32 sum.\nRing: bf16 partial sums re-rounded (to nearest) at each of "
+          "the world-1 hops.")  # fmt: skip
+    print(table(rows, ["ranks", "SR a2a err", "SR bias", "RNE a2a err", "RNE bias",
+                       "bf16 ring err", "ring bias", "fp32 err", "ring/SR"]))  # fmt: skip
 
 
-def timed(fn, repeat=3):
+def timed(fn, repeat=3, device=torch.device("cpu")):
+    """Best of `repeat` wall times after a warm-up (synchronised on CUDA)."""
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     fn()  # warm-up
+    sync()
     best = float("inf")
     for _ in range(repeat):
         t = time.perf_counter()
         fn()
+        sync()
         best = min(best, time.perf_counter() - t)
     return best
 
 
-def bench_speed():
+def bench_speed(device=torch.device("cpu")):
     rows = []
     for count, shape in ((64, (64, 128)), (16, (128, 256)), (4, (256, 512))):
-        X = torch.randn(count, *shape)
-        one = timed(lambda: [mz.newton_schulz(x, mz.V4_NS_COEFFICIENTS) for x in X])
-        batched = timed(lambda: mz.newton_schulz(X, mz.V4_NS_COEFFICIENTS))
-        rows.append([f"{count} x {shape[0]}x{shape[1]}", f"{1e3 * one:.1f}", f"{1e3 * batched:.1f}",
-                     f"{one / batched:.2f}x"])
-    print("\nTable 4. Newton-Schulz, V4 schedule (10 iterations, bf16), best of 3: a loop over the matrices vs one\n"
-          "batched call on their stack.")
+        X = torch.randn(count, *shape).to(device)
+        one = timed(lambda: [mz.newton_schulz(x, mz.V4_NS_COEFFICIENTS) for x in X], device=device)
+        batched = timed(lambda: mz.newton_schulz(X, mz.V4_NS_COEFFICIENTS), device=device)
+        rows.append([f"{count} x {shape[0]}x{shape[1]}", f"{1e3 * one:.1f}",
+                     f"{1e3 * batched:.1f}", f"{one / batched:.2f}x"])  # fmt: skip
+    print(f"\nTable 4. Newton-Schulz, V4 schedule (10 iterations, bf16), best of 3, on {device}: a "
+          "loop over the\nmatrices vs one batched call on their stack.")  # fmt: skip
     print(table(rows, ["matrices", "per-matrix ms", "batched ms", "speed-up"]))
 
     torch.manual_seed(0)
     model = mz.TinyMoE(vocab=256, dim=128, heads=8, kv_dim=32, layers=4, experts=8, ffn=128)
-    x = torch.randint(0, 256, (8, 64))
-    loss = F.cross_entropy(model(x).flatten(0, 1), x.flatten())
-    loss.backward()
+    model = model.to(device)
+    x = torch.randint(0, 256, (8, 64)).to(device)
+    F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
     groups = mz.muon_param_groups(model)
     adamw_params = [p for g in groups if g["role"] == "adamw" for p in g["params"]]
     dense = [p for g in groups if g["role"] == "dense" for p in g["params"]]
     stacks = [p for g in groups if g["role"].startswith("expert") for p in g["params"]]
-    # torch.optim.Muon takes 2-D parameters only: give it each expert as its own leaf with its gradient.
+    # torch.optim.Muon takes 2-D parameters only: give it each expert as a leaf with its gradient.
     expert_leaves = [e.detach().clone().requires_grad_() for s in stacks for e in s]
     for leaf, grad in zip(expert_leaves, (e for s in stacks for e in s.grad)):
         leaf.grad = grad.clone()
     torch_muon = torch.optim.Muon(dense + expert_leaves, lr=0.02, adjust_lr_fn="match_rms_adamw")
     torch_adam = torch.optim.AdamW(adamw_params, lr=3e-3, betas=(0.9, 0.95))
-    ours_std = mz.MuonZeRO(mz.muon_param_groups(model), lr=0.02, ns_coefficients=mz.STANDARD_NS_COEFFICIENTS,
-                           update_rms=0.2)
+    ours_std = mz.MuonZeRO(mz.muon_param_groups(model), lr=0.02,
+                           ns_coefficients=mz.STANDARD_NS_COEFFICIENTS, update_rms=0.2)  # fmt: skip
     ours_v4 = mz.MuonZeRO(mz.muon_param_groups(model), lr=0.02)
-    t_torch = timed(lambda: (torch_muon.step(), torch_adam.step()))
-    t_std = timed(ours_std.step)
-    t_v4 = timed(ours_v4.step)
+    t_torch = timed(lambda: (torch_muon.step(), torch_adam.step()), device=device)
+    t_std = timed(ours_std.step, device=device)
+    t_v4 = timed(ours_v4.step, device=device)
     n = sum(p.numel() for p in model.parameters())
-    print(f"\nTable 5. Optimizer step time, one process, TinyMoE with {n / 1e6:.1f} M parameters "
-          f"({len(dense)} dense matrices, {len(expert_leaves)} expert matrices), best of 3.")
-    print(table([["torch.optim.Muon + AdamW (5 NS iterations)", f"{1e3 * t_torch:.1f}", "1.00x"],
-                 ["MuonZeRO, standard 5 NS iterations", f"{1e3 * t_std:.1f}", f"{t_std / t_torch:.2f}x"],
-                 ["MuonZeRO, V4 schedule (10 NS iterations)", f"{1e3 * t_v4:.1f}", f"{t_v4 / t_torch:.2f}x"]],
-                ["optimizer", "ms / step", "vs torch"]))
+    print(f"\nTable 5. Optimizer step time, one process on {device}, TinyMoE with {n / 1e6:.1f} M "
+          f"parameters ({len(dense)} dense\nmatrices, {len(expert_leaves)} expert matrices), "
+          "best of 3.")  # fmt: skip
+    rows = [["torch.optim.Muon + AdamW (5 NS iterations)", f"{1e3 * t_torch:.1f}", "1.00x"],
+            ["MuonZeRO, standard 5 NS iterations", f"{1e3 * t_std:.1f}", f"{t_std / t_torch:.2f}x"],
+            ["MuonZeRO, V4 schedule (10 NS iterations)", f"{1e3 * t_v4:.1f}",
+             f"{t_v4 / t_torch:.2f}x"]]  # fmt: skip
+    print(table(rows, ["optimizer", "ms / step", "vs torch"]))
+
+
+def main():
+    parser = argparse.ArgumentParser(
+        description="Benchmark muon_zero.py: plan at V4 scale, sync error, NS batching, step time.",
+    )
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default=None,
+                        help="backend of the one-process group the step timing runs in "
+                        "(default: gloo, or nccl with --device cuda)")  # fmt: skip
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="where tables 4-5 run (default: cpu; 1-3 run on the CPU)")  # fmt: skip
+    parser.add_argument("--threads", type=int, default=int(os.environ.get("BENCH_THREADS", "2")),
+                        help="CPU threads for torch (default: %(default)s)")  # fmt: skip
+    args = parser.parse_args()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        parser.error("the benchmark runs in one process: use plain python, not torchrun")
+    if args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
+    device = args.device or ("cuda" if backend == "nccl" else "cpu")
+    try:
+        mz.choose_backend(backend, device)
+    except ValueError as e:
+        parser.error(str(e))
+    torch.set_num_threads(args.threads)
+    t0 = time.time()
+    _, _, dev = mz.setup(backend, device, seed=0)
+    try:
+        stages = [("tables 1-2: ownership plans at V4 scale", bench_plan),
+                  ("table 3: gradient-sync error", bench_sync_error),
+                  ("tables 4-5: Newton-Schulz, step time", lambda: bench_speed(dev))]  # fmt: skip
+        for name, stage in stages:
+            print(f"\n[bench] {name} ... ({time.time() - t0:.0f} s elapsed)", flush=True)
+            stage()
+    finally:
+        mz.teardown()
+    print(f"\n(total {time.time() - t0:.0f} s, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads)")  # fmt: skip
 
 
 if __name__ == "__main__":
-    t0 = time.time()
-    bench_plan()
-    bench_sync_error()
-    bench_speed()
-    print(f"\n(total {time.time() - t0:.0f} s, torch {torch.__version__}, {torch.get_num_threads()} threads)")
+    main()

@@ -1,35 +1,44 @@
 """Tests for muon_zero.py, against independent references:
 
-- torch.optim.Muon (bf16 NS, 5 standard steps, adjust_lr_fn="match_rms_adamw" <=> update_rms=0.2) and
-  torch.optim.AdamW, stepping one process on the full batch;
-- a short per-matrix fp32 Muon loop written here from V4 Algorithm 1, independent of muon_zero's code.
+- torch.optim.Muon (bf16 NS, 5 standard steps, adjust_lr_fn="match_rms_adamw" <=> update_rms=0.2)
+  and torch.optim.AdamW, stepping one process on the full batch;
+- a short per-matrix fp32 Muon loop written here from V4 Algorithm 1, independent of muon_zero's
+  code.
 
 Tolerances (relative error of the parameter change after 5 steps, ||Δ_test - Δ_ref|| / ||Δ_ref||):
 - fp32 NS and fp32 gradient sync: 1e-5. The only differences are summation order (per-rank gradients
-  summed vs. one full-batch gradient) and batched vs. single matmuls: fp32 reassociation, ~1e-7 per op.
+  summed vs. one full-batch gradient) and batched vs. single matmuls: fp32 reassociation, ~1e-7
+  per op.
 - bf16 NS against torch.optim.Muon: 1e-2. Both round the NS input and every NS matmul to bf16 (2^-8
-  ≈ 4e-3 relative). Our momentum is torch's lerp form, so the NS inputs agree up to fp32 summation order
-  and a bf16 rounding only flips near a tie (measured: ~1e-6); 1e-2 allows a few flips on the way.
+  ≈ 4e-3 relative). Our momentum is torch's lerp form, so the NS inputs agree up to fp32 summation
+  order and a bf16 rounding only flips near a tie (measured: ~1e-6); 1e-2 allows a few flips.
 """
+
 import math
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from harness import RankFailure, run_ranks, run_torchrun
 
 import muon_zero as mz
-from harness import run_ranks, run_torchrun
 
 VOCAB, DIM, HIDDEN, EXPERTS, FFN = 16, 12, 20, 5, 8
-GLOBAL_BATCH, SEQ, STEPS = 12, 6, 5        # 12 samples split evenly over 1, 2, 3 and 4 ranks
+GLOBAL_BATCH, SEQ, STEPS = 12, 6, 5  # 12 samples split evenly over 1, 2, 3 and 4 ranks
 LR_MUON, LR_ADAM = 0.05, 0.01
 FP32_TOL, BF16_TOL = 1e-5, 1e-2
 
-# Dense matrices: tall, wide, square twice (a same-shape pair for batched NS), the router; 5 of them,
-# which divides neither 2, 3 nor 4. Expert stacks of 5 experts: 15 matrices, divides 3 only.
-DENSE = {"w_in": (HIDDEN, DIM), "w_out": (DIM, HIDDEN), "w_sq1": (DIM, DIM), "w_sq2": (DIM, DIM),
-         "router": (EXPERTS, DIM)}
+# Dense matrices: tall, wide, square twice (a same-shape pair for batched NS), the router; 5 of
+# them, which divides neither 2, 3 nor 4. Expert stacks of 5 experts: 15 matrices, divides 3 only.
+DENSE = {
+    "w_in": (HIDDEN, DIM),
+    "w_out": (DIM, HIDDEN),
+    "w_sq1": (DIM, DIM),
+    "w_sq2": (DIM, DIM),
+    "router": (EXPERTS, DIM),
+}
 EXPERT = {"gate": (EXPERTS, FFN, DIM), "up": (EXPERTS, FFN, DIM), "down": (EXPERTS, DIM, FFN)}
 ADAMW = {"embed": (VOCAB, DIM), "norm": (DIM,), "head": (VOCAB, DIM)}
 
@@ -43,13 +52,17 @@ def make_params(seed=0):
 
 
 def forward_loss(P, tokens, targets):
-    """A small MoE block; P's expert entries may be 3-D tensors or lists of 2-D leaves (the reference)."""
+    """A small MoE block; P's expert entries: 3-D tensors or lists of 2-D leaves (the reference)."""
     E = {k: (torch.stack(P[k]) if isinstance(P[k], list) else P[k]) for k in EXPERT}
-    x = P["embed"][tokens]                                                     # [B, T, D]
+    x = P["embed"][tokens]  # [B, T, D]
     x = x + torch.tanh(x @ P["w_in"].T) @ P["w_out"].T
     x = x + torch.tanh(x @ P["w_sq1"].T) @ P["w_sq2"].T
-    route = torch.sigmoid(x @ P["router"].T)  # [B, T, E]; softmax would leave the router gradient rank-deficient
-    h = F.silu(torch.einsum("btd,efd->btef", x, E["gate"])) * torch.einsum("btd,efd->btef", x, E["up"])
+    route = torch.sigmoid(
+        x @ P["router"].T
+    )  # [B, T, E]; softmax would leave the router gradient rank-deficient
+    h = F.silu(torch.einsum("btd,efd->btef", x, E["gate"])) * torch.einsum(
+        "btd,efd->btef", x, E["up"]
+    )
     x = x + torch.einsum("btef,edf,bte->btd", h, E["down"], route)
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * P["norm"]
     return F.cross_entropy((x @ P["head"].T).flatten(0, 1), targets.flatten())
@@ -72,19 +85,27 @@ def groups(L, roles=True):
     return out
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # References
-# ---------------------------------------------------------------------------------------------------
+
 
 def reference_torch(P, steps=STEPS):
-    """torch.optim.Muon on every 2-D matrix (each expert its own leaf) + torch.optim.AdamW, full batch."""
+    """torch.optim.Muon on every 2-D matrix (each expert a leaf) + torch.optim.AdamW, full batch."""
     L = {k: v.clone().requires_grad_() for k, v in P.items() if k not in EXPERT}
     for k in EXPERT:
         L[k] = [m.clone().requires_grad_() for m in P[k]]
     mats = [L[k] for k in DENSE] + [m for k in EXPERT for m in L[k]]
-    muon = torch.optim.Muon(mats, lr=LR_MUON, weight_decay=0.1, momentum=0.95, nesterov=True,
-                            adjust_lr_fn="match_rms_adamw")
-    adam = torch.optim.AdamW([L[k] for k in ADAMW], lr=LR_ADAM, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    muon = torch.optim.Muon(
+        mats,
+        lr=LR_MUON,
+        weight_decay=0.1,
+        momentum=0.95,
+        nesterov=True,
+        adjust_lr_fn="match_rms_adamw",
+    )
+    adam = torch.optim.AdamW(
+        [L[k] for k in ADAMW], lr=LR_ADAM, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1
+    )
     for s in range(steps):
         forward_loss(L, *batch(s)).backward()
         muon.step(), adam.step(), muon.zero_grad(), adam.zero_grad()
@@ -94,14 +115,19 @@ def reference_torch(P, steps=STEPS):
 def reference_fp32(P, steps=STEPS, coefficients=mz.V4_NS_COEFFICIENTS, rms=0.18):
     """V4 Algorithm 1 written out per matrix in fp32, plus torch.optim.AdamW."""
     L = {k: v.clone().requires_grad_() for k, v in P.items()}
-    adam = torch.optim.AdamW([L[k] for k in ADAMW], lr=LR_ADAM, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    adam = torch.optim.AdamW(
+        [L[k] for k in ADAMW], lr=LR_ADAM, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1
+    )
     momentum = {k: torch.zeros_like(P[k]) for k in (*DENSE, *EXPERT)}
     for s in range(steps):
         forward_loss(L, *batch(s)).backward()
         with torch.no_grad():
             for k in (*DENSE, *EXPERT):
-                for W, G, M in ([(L[k], L[k].grad, momentum[k])] if k in DENSE else
-                                zip(L[k], L[k].grad, momentum[k])):
+                for W, G, M in (
+                    [(L[k], L[k].grad, momentum[k])]
+                    if k in DENSE
+                    else zip(L[k], L[k].grad, momentum[k])
+                ):
                     M.mul_(0.95).add_(G)
                     X = G + 0.95 * M
                     X = X.T if X.shape[0] > X.shape[1] else X
@@ -117,13 +143,13 @@ def reference_fp32(P, steps=STEPS, coefficients=mz.V4_NS_COEFFICIENTS, rms=0.18)
 
 
 def polar(G):
-    """The exact orthogonal factor U V^T of G (what Newton-Schulz approximates), from an fp64 SVD."""
+    """The exact orthogonal factor U V^T of G (what Newton-Schulz approximates), by fp64 SVD."""
     U, _, Vh = torch.linalg.svd(G.double(), full_matrices=False)
     return (U @ Vh).float()
 
 
 def run_muon_zero(P, rank, world, steps=STEPS, start=0, state=None, **kw):
-    """Every rank: its slice of each global batch, backward, MuonZeRO.step(). -> (params, optimizer)."""
+    """Every rank: its slice of each global batch, backward, MuonZeRO.step(). -> (params, opt)."""
     L = leaves(P)
     opt = mz.MuonZeRO(groups(L), lr=LR_MUON, **kw)
     if state is not None:
@@ -131,14 +157,16 @@ def run_muon_zero(P, rank, world, steps=STEPS, start=0, state=None, **kw):
     per = GLOBAL_BATCH // world
     for s in range(start, start + steps):
         x, y = batch(s)
-        forward_loss(L, x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]).backward()
+        forward_loss(
+            L, x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+        ).backward()
         opt.step()
         opt.zero_grad()
     return {k: v.detach() for k, v in L.items()}, opt
 
 
 def rel_change_error(P0, got, ref):
-    """max over parameters of ||Δgot - Δref|| / ||Δref||: the updates, not the (much larger) weights."""
+    """max over parameters of ||Δgot - Δref|| / ||Δref||: the updates, not the (larger) weights."""
     return max(((got[k] - ref[k]).norm() / (ref[k] - P0[k]).norm()).item() for k in P0)
 
 
@@ -149,18 +177,27 @@ def all_equal_across_ranks(tensors):
     return all(torch.equal(everyone[0], e) for e in everyone)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The multi-rank check: one process launch per world size, many checks inside
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+
 
 def check_world(rank, world, checkpoint=None):
-    torch.manual_seed(1234 + rank)  # different per rank: nothing may depend on rank-local randomness
+    torch.manual_seed(
+        1234 + rank
+    )  # different per rank: nothing may depend on rank-local randomness
     P0 = make_params()
     out = {}
 
     # 1. Against torch.optim.Muon: bf16 NS, 5 standard steps, update_rms 0.2, exact fp32 sync.
-    got, _ = run_muon_zero(P0, rank, world, ns_coefficients=mz.STANDARD_NS_COEFFICIENTS, update_rms=0.2,
-                           grad_sync="fp32")
+    got, _ = run_muon_zero(
+        P0,
+        rank,
+        world,
+        ns_coefficients=mz.STANDARD_NS_COEFFICIENTS,
+        update_rms=0.2,
+        grad_sync="fp32",
+    )
     out["bf16_vs_torch"] = rel_change_error(P0, got, reference_torch(P0))
 
     # 2. V4's math in fp32 against the per-matrix loop, for every zero width that divides the world.
@@ -168,31 +205,42 @@ def check_world(rank, world, checkpoint=None):
     widths = [z for z in (1, 2, 3, 4) if world % z == 0]
     results = {}
     for z in widths:
-        got, opt = run_muon_zero(P0, rank, world, ns_dtype=torch.float32, grad_sync="fp32", zero_width=z)
+        got, opt = run_muon_zero(
+            P0, rank, world, ns_dtype=torch.float32, grad_sync="fp32", zero_width=z
+        )
         results[z] = got
         out[f"fp32_vs_loop_width{z}"] = rel_change_error(P0, got, ref)
         out[f"replicas_equal_width{z}"] = all_equal_across_ranks(list(got.values()))
-    out["width_invariance"] = max(rel_change_error(P0, results[z], results[widths[0]]) for z in widths)
+    out["width_invariance"] = max(
+        rel_change_error(P0, results[z], results[widths[0]]) for z in widths
+    )
 
-    # 3. V4's numerics: bf16 stochastic-rounding sync (+ bf16 NS). Checked on one step with full-rank
-    #    random gradients, different on every rank: on a training trajectory, Muon maps any noise in a
-    #    near-null direction of the gradient to a unit singular value, so trajectories say little.
-    got, opt = run_muon_zero(P0, rank, world, grad_sync="bf16_sr", zero_width=widths[-2] if world > 1 else 1)
+    # 3. V4's numerics: bf16 stochastic-rounding sync (+ bf16 NS). Checked on one step with
+    #    full-rank random gradients, different on every rank: on a training trajectory, Muon maps
+    #    any noise in a near-null direction of the gradient to a unit singular value, so
+    #    trajectories say little.
+    got, opt = run_muon_zero(
+        P0, rank, world, grad_sync="bf16_sr", zero_width=widths[-2] if world > 1 else 1
+    )
     out["replicas_equal_bf16_sr"] = all_equal_across_ranks(list(got.values()))
     out["state_bytes"] = opt.state_bytes()
     for ns_dtype in (torch.float32, torch.bfloat16):
         L = leaves(P0)
         opt = mz.MuonZeRO(groups(L), lr=LR_MUON, grad_sync="bf16_sr", ns_dtype=ns_dtype)
-        grads = {k: torch.randn((world,) + P0[k].shape, generator=torch.Generator().manual_seed(50 + i))
-                 for i, k in enumerate((*DENSE, *EXPERT))}
+        grads = {
+            k: torch.randn((world,) + P0[k].shape, generator=torch.Generator().manual_seed(50 + i))
+            for i, k in enumerate((*DENSE, *EXPERT))
+        }
         for k in grads:
             L[k].grad = grads[k][rank].clone()
         opt.step()
         err = 0.0
         for k in grads:
             G = grads[k].double().mean(0).float()
-            for W0, W1, g in ([(P0[k], L[k], G)] if k in DENSE else zip(P0[k], L[k], G)):
-                expect = W0 * (1 - LR_MUON * 0.1) - LR_MUON * 0.18 * math.sqrt(max(W0.shape)) * polar(g)
+            for W0, W1, g in [(P0[k], L[k], G)] if k in DENSE else zip(P0[k], L[k], G):
+                expect = W0 * (1 - LR_MUON * 0.1) - LR_MUON * 0.18 * math.sqrt(
+                    max(W0.shape)
+                ) * polar(g)
                 err = max(err, ((W1.detach() - expect).norm() / (expect - W0).norm()).item())
         out[f"bf16_sr_one_step_ns_{str(ns_dtype)[6:]}"] = err
 
@@ -221,36 +269,59 @@ def check_world(rank, world, checkpoint=None):
         except ValueError as e:
             return str(e)
         return None
+
     if world > 1:
-        out["bad_width"] = error_of(lambda: mz.MuonZeRO([torch.zeros(3, 3, requires_grad=True)],
-                                                        zero_width=world + 1))
+        out["bad_width"] = error_of(
+            lambda: mz.MuonZeRO([torch.zeros(3, 3, requires_grad=True)], zero_width=world + 1)
+        )
         shape = (3, 3) if rank == 0 else (3, 4)
         out["mismatch"] = error_of(lambda: mz.MuonZeRO([torch.zeros(shape, requires_grad=True)]))
-        out["vector_as_matrix"] = error_of(lambda: mz.MuonZeRO([torch.zeros(3, requires_grad=True)]))
+        out["vector_as_matrix"] = error_of(
+            lambda: mz.MuonZeRO([torch.zeros(3, requires_grad=True)])
+        )
         out["alive_after_errors"] = all_equal_across_ranks([torch.ones(2)])
 
-    # 6. Checkpoints: save after 3 of 5 steps at W=4 / width 2; resume at W=2 / width 1 (the world-2 run);
-    #    compare with the uninterrupted 5-step run.
+    # 6. Checkpoints: save after 3 of 5 steps at W=4 / width 2; resume at W=2 / width 1 (the
+    #    world-2 run); compare with the uninterrupted 5-step run.
     if checkpoint is None and world == 4:
-        mid, opt = run_muon_zero(P0, rank, world, steps=3, ns_dtype=torch.float32, grad_sync="fp32", zero_width=2)
-        state = opt.state_dict()
-        end, _ = run_muon_zero(P0, rank, world, steps=5, ns_dtype=torch.float32, grad_sync="fp32", zero_width=2)
+        mid, opt = run_muon_zero(
+            P0, rank, world, steps=3, ns_dtype=torch.float32, grad_sync="fp32", zero_width=2
+        )
+        state = opt.gather_state_dict()
+        end, _ = run_muon_zero(
+            P0, rank, world, steps=5, ns_dtype=torch.float32, grad_sync="fp32", zero_width=2
+        )
         out["checkpoint"] = dict(mid=mid, state=state, end=end)
     elif checkpoint is not None:
         mid, state, end = checkpoint["mid"], checkpoint["state"], checkpoint["end"]
         keys = [set(state["state"].get(i, {})) for i in range(len(P0))]
-        out["state_complete"] = keys == [{"momentum_buffer"}] * (len(DENSE) + len(EXPERT)) \
-            + [{"step", "exp_avg", "exp_avg_sq"}] * len(ADAMW)
-        got, opt = run_muon_zero(mid, rank, world, steps=2, start=3, state=state, ns_dtype=torch.float32,
-                                 grad_sync="fp32", zero_width=1)
+        out["state_complete"] = keys == [{"momentum_buffer"}] * (len(DENSE) + len(EXPERT)) + [
+            {"step", "exp_avg", "exp_avg_sq"}
+        ] * len(ADAMW)
+        got, opt = run_muon_zero(
+            mid,
+            rank,
+            world,
+            steps=2,
+            start=3,
+            state=state,
+            ns_dtype=torch.float32,
+            grad_sync="fp32",
+            zero_width=1,
+        )
         out["resume_err"] = rel_change_error(mid, got, end)
         L = leaves(mid)
-        fresh = mz.MuonZeRO(groups(L), lr=LR_MUON, ns_dtype=torch.float32, grad_sync="fp32", zero_width=1)
+        fresh = mz.MuonZeRO(
+            groups(L), lr=LR_MUON, ns_dtype=torch.float32, grad_sync="fp32", zero_width=1
+        )
         fresh.load_state_dict(state)
-        again = fresh.state_dict()
-        out["roundtrip_exact"] = all(torch.equal(state["state"][i][k], again["state"][i][k])
-                                     for i in state["state"] for k in state["state"][i]
-                                     if torch.is_tensor(state["state"][i][k]))
+        again = fresh.gather_state_dict()
+        out["roundtrip_exact"] = all(
+            torch.equal(state["state"][i][k], again["state"][i][k])
+            for i in state["state"]
+            for k in state["state"][i]
+            if torch.is_tensor(state["state"][i][k])
+        )
     return out
 
 
@@ -263,23 +334,30 @@ def assert_world(results, world):
                 assert value < FP32_TOL, (where, key, value)
             if key.startswith("replicas_equal"):
                 assert value is True, (where, key)
-        # One step against the exact polar factor of the mean gradient: SR perturbs each gradient element
-        # by under one bf16 ulp (2^-8 relative, unbiased), V4's fp32 NS is within ~3e-4 of the polar
-        # factor; bf16 NS adds ~6e-3 (measured on random matrices).
+        # One step against the exact polar factor of the mean gradient: SR perturbs each gradient
+        # element by under one bf16 ulp (2^-8 relative, unbiased), V4's fp32 NS is within ~3e-4 of
+        # the polar factor; bf16 NS adds ~6e-3 (measured on random matrices).
         assert r["bf16_sr_one_step_ns_float32"] < 1e-2, (where, r["bf16_sr_one_step_ns_float32"])
         assert r["bf16_sr_one_step_ns_bfloat16"] < 2e-2, (where, r["bf16_sr_one_step_ns_bfloat16"])
         assert r["none_everywhere_unchanged"], where
         assert r["none_somewhere_err"] < FP32_TOL, (where, r["none_somewhere_err"])
         if world > 1:
             assert r["bad_width"] and "zero_width" in r["bad_width"], (where, r["bad_width"])
-            assert r["mismatch"] and "differ across ranks" in r["mismatch"], (where, r["mismatch"])
-            assert r["vector_as_matrix"] and "Muon needs" in r["vector_as_matrix"], (where, r["vector_as_matrix"])
+            assert r["mismatch"] and "differs across ranks" in r["mismatch"], (where, r["mismatch"])
+            assert r["vector_as_matrix"] and "Muon needs" in r["vector_as_matrix"], (
+                where,
+                r["vector_as_matrix"],
+            )
             assert r["alive_after_errors"], where
     # Momentum for every Muon element, sharded: each rank holds about 1/world of it (plus padding).
-    total = 4 * (sum(math.prod(s) for s in DENSE.values()) + sum(math.prod(s) for s in EXPERT.values())) \
-        + 8 * sum(math.prod(s) for s in ADAMW.values())
+    total = 4 * (
+        sum(math.prod(s) for s in DENSE.values()) + sum(math.prod(s) for s in EXPERT.values())
+    ) + 8 * sum(math.prod(s) for s in ADAMW.values())
     state = sum(r["state_bytes"] for r in results)
-    assert state >= total and (world == 1 or max(r["state_bytes"] for r in results) < total), (state, total)
+    assert state >= total and (world == 1 or max(r["state_bytes"] for r in results) < total), (
+        state,
+        total,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -287,6 +365,7 @@ def world4():
     return run_ranks(check_world, 4)
 
 
+@pytest.mark.grade(points=3, solution="muon_zero.sharded_step")
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_matches_single_process_references(world, world4):
     checkpoint = world4[0]["checkpoint"] if world == 2 else None
@@ -294,34 +373,40 @@ def test_matches_single_process_references(world, world4):
     assert_world(results, world)
     if world == 2:
         for r in results:
-            # W=4, width 2 checkpoint resumed at W=2, width 1: same as the uninterrupted run, to fp32 reassociation
+            # W=4, width 2 checkpoint resumed at W=2, width 1: the uninterrupted run, to fp32
+            # reassociation
             assert r["resume_err"] < FP32_TOL, r["resume_err"]
             assert r["state_complete"] and r["roundtrip_exact"]
 
 
+@pytest.mark.grade(points=3, solution="muon_zero.sharded_step")
 def test_matches_single_process_references_world4(world4):
     assert_world(world4, 4)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Single-process checks of the pure functions
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+
 
 def test_ns_coefficients():
     assert mz.V4_NS_COEFFICIENTS == ((3.4445, -4.7750, 2.0315),) * 8 + ((2.0, -1.5, 0.5),) * 2
     assert mz.STANDARD_NS_COEFFICIENTS == ((3.4445, -4.7750, 2.0315),) * 5
 
 
+@pytest.mark.grade(points=3, solution="muon_zero.newton_schulz")
 def test_newton_schulz():
     g = torch.Generator().manual_seed(0)
     for shape in [(20, 12), (12, 20), (16, 16)]:
         X = torch.randn(shape, generator=g)
-        # V4's schedule in fp32 lands on the polar factor (measured ~3e-4): its last two steps are the
-        # classic cubic iteration, which converges; the standard 5 steps stop ~20% away by design.
-        assert ((mz.newton_schulz(X, mz.V4_NS_COEFFICIENTS, torch.float32) - polar(X)).norm()
-                / polar(X).norm()) < 1e-3
-        # bf16: the same op sequence as torch.optim.Muon, so one step from zero momentum matches exactly
-        # (update = NS(lerp(G, (1-mu)G, mu)) * 0.2 * sqrt(max(n, m))).
+        # V4's schedule in fp32 lands on the polar factor (measured ~3e-4): its last two steps are
+        # the classic cubic iteration, which converges; the standard 5 steps stop ~20% away.
+        assert (
+            (mz.newton_schulz(X, mz.V4_NS_COEFFICIENTS, torch.float32) - polar(X)).norm()
+            / polar(X).norm()
+        ) < 1e-3
+        # bf16: the same op sequence as torch.optim.Muon, so one step from zero momentum matches
+        # exactly (update = NS(lerp(G, (1-mu)G, mu)) * 0.2 * sqrt(max(n, m))).
         W = torch.randn(shape, generator=g)
         w = W.clone().requires_grad_()
         w.grad = X.clone()
@@ -341,17 +426,20 @@ def test_newton_schulz():
         mz.newton_schulz(torch.zeros(5), mz.V4_NS_COEFFICIENTS)
 
 
+@pytest.mark.grade(points=2, solution="muon_zero.stochastic_round_to_bf16")
 def test_stochastic_rounding_is_unbiased():
     g = torch.Generator().manual_seed(0)
     # 1) A fixed value between two bf16 neighbours: the mean of many roundings converges to it.
     #    Each rounding is lo or hi; with p = (x - lo) / ulp the mean has std ulp·sqrt(p(1-p)/N), so
     #    a 5-sigma bound fails by chance with probability < 1e-6. Round-to-nearest is off by p·ulp.
     N = 200_000
-    for x0 in (1.0 + 0.3 * 2 ** -7, -3.0 - 0.9 * 2 ** -6, 1e-30 * 1.37):
+    for x0 in (1.0 + 0.3 * 2**-7, -3.0 - 0.9 * 2**-6, 1e-30 * 1.37):
         x = torch.full((N,), x0, dtype=torch.float32)
         r = mz.stochastic_round_to_bf16(x, generator=g).double()
         lo, hi = r.min().item(), r.max().item()
-        assert len(set(r.tolist())) == 2 and lo <= x0 <= hi, "must round to one of the two neighbours"
+        assert len(set(r.tolist())) == 2 and lo <= x0 <= hi, (
+            "must round to one of the two neighbours"
+        )
         p = (x0 - lo) / (hi - lo)
         sigma = (hi - lo) * math.sqrt(p * (1 - p) / N)
         assert abs(r.mean().item() - x0) < 5 * sigma, (x0, r.mean().item(), sigma)
@@ -361,19 +449,41 @@ def test_stochastic_rounding_is_unbiased():
     x = torch.randn(N, generator=g) * torch.exp(torch.randn(N, generator=g) * 5)
     err = (mz.stochastic_round_to_bf16(x, generator=g).double() - x.double()) / x.double().abs()
     assert abs(err.mean().item()) < 5 * err.std().item() / math.sqrt(N)
-    assert err.abs().max().item() < 2 ** -7  # never more than one bf16 ulp away
+    assert err.abs().max().item() < 2**-7  # never more than one bf16 ulp away
 
 
+@pytest.mark.grade(points=1, solution="muon_zero.stochastic_round_to_bf16")
 def test_stochastic_rounding_special_values():
     bf16_max = torch.finfo(torch.bfloat16).max
     fp32_max = torch.finfo(torch.float32).max
-    x = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1.0, -2.5, bf16_max, -bf16_max,
-                      fp32_max, -fp32_max, 3.3961e38, 1e-45])
+    x = torch.tensor(
+        [
+            float("nan"),
+            float("inf"),
+            -float("inf"),
+            0.0,
+            -0.0,
+            1.0,
+            -2.5,
+            bf16_max,
+            -bf16_max,
+            fp32_max,
+            -fp32_max,
+            3.3961e38,
+            1e-45,
+        ]
+    )
     for seed in range(20):
-        r = mz.stochastic_round_to_bf16(x.repeat(50), generator=torch.Generator().manual_seed(seed)).view(50, -1)
+        r = mz.stochastic_round_to_bf16(
+            x.repeat(50), generator=torch.Generator().manual_seed(seed)
+        ).view(50, -1)
         assert r.dtype == torch.bfloat16
-        assert r[:, 0].isnan().all() and (r[:, 1] == float("inf")).all() and (r[:, 2] == -float("inf")).all()
-        assert torch.equal(r[:, 3:7].float(), x[3:7].expand(50, 4))   # bf16-exact values never move
+        assert (
+            r[:, 0].isnan().all()
+            and (r[:, 1] == float("inf")).all()
+            and (r[:, 2] == -float("inf")).all()
+        )
+        assert torch.equal(r[:, 3:7].float(), x[3:7].expand(50, 4))  # bf16-exact values never move
         assert r[:, 7:].isfinite().all(), "finite inputs near the bf16 maximum must not become Inf"
         assert (r[:, 7:9].float().abs() == bf16_max).all()
     with pytest.raises(ValueError, match="float32"):
@@ -394,29 +504,49 @@ def test_param_groups_send_every_matrix_to_muon():
         else:
             assert role[id(p)] == "expert_" + name.split("_")[-1], name
     assert sum(p.ndim == 3 for g in groups_ if g["role"] == "adamw" for p in g["params"]) == 0
-    assert sum(1 for g in groups_ if g["role"] == "adamw" for p in g["params"] if p.ndim >= 2) == 2  # embed, head
-    # A 3-D stack whose role cannot be told must not fall silently to AdamW (or to Muon as one matrix).
+    assert (
+        sum(1 for g in groups_ if g["role"] == "adamw" for p in g["params"] if p.ndim >= 2) == 2
+    )  # embed, head
+    # A 3-D stack whose role cannot be told must not fall silently to AdamW (or Muon as one).
     weird = torch.nn.Module()
     weird.stack = torch.nn.Parameter(torch.zeros(2, 3, 4))
     with pytest.raises(ValueError, match="expert_roles"):
         mz.muon_param_groups(weird)
-    assert mz.muon_param_groups(weird, expert_roles={"stack": "expert_up"})[0]["role"] == "expert_up"
+    assert (
+        mz.muon_param_groups(weird, expert_roles={"stack": "expert_up"})[0]["role"] == "expert_up"
+    )
 
 
+@pytest.mark.grade(points=3, solution="muon_zero.pack_dense")
 def test_pack_dense():
-    shapes = [(64, 48), (48, 64), (32, 48), (48, 48), (48, 48), (6, 48), (128, 16), (16, 16), (48, 48)]
+    shapes = [
+        (64, 48),
+        (48, 64),
+        (32, 48),
+        (48, 48),
+        (48, 48),
+        (6, 48),
+        (128, 16),
+        (16, 16),
+        (48, 48),
+    ]
     buckets = mz.pack_dense(shapes, 3, balance="ns_cost")
-    assert sorted(i for b in buckets for i in b) == list(range(len(shapes)))   # each matrix once, whole
+    assert sorted(i for b in buckets for i in b) == list(
+        range(len(shapes))
+    )  # each matrix once, whole
     costs = [sum(mz.ns_cost(shapes[i]) for i in b) for b in buckets]
     # LPT guarantee: the heaviest bucket exceeds the ideal share by at most the largest single item.
     assert max(costs) <= sum(costs) / 3 + max(mz.ns_cost(s) for s in shapes)
     for b in buckets:  # identical shapes adjacent, so they batch into one NS call
         keys = [shapes[i] for i in b]
         assert keys == sorted(keys)
-    assert mz.ns_cost((48, 64)) == 2 * 48 * 48 * 64 + 48 ** 3 == mz.ns_cost((64, 48))
-    numel = [sum(shapes[i][0] * shapes[i][1] for i in b) for b in mz.pack_dense(shapes, 3, balance="numel")]
+    assert mz.ns_cost((48, 64)) == 2 * 48 * 48 * 64 + 48**3 == mz.ns_cost((64, 48))
+    numel = [
+        sum(shapes[i][0] * shapes[i][1] for i in b)
+        for b in mz.pack_dense(shapes, 3, balance="numel")
+    ]
     assert max(numel) <= sum(numel) / 3 + max(n * m for n, m in shapes)
-    # "both" (the default) bounds each load's share by the ideal share plus the largest item's share.
+    # "both" (the default) bounds each load's share by the ideal share plus the largest item's.
     both = mz.pack_dense(shapes, 3)
     assert sorted(i for b in both for i in b) == list(range(len(shapes)))
     for weight in (mz.ns_cost, lambda s: s[0] * s[1]):
@@ -426,20 +556,34 @@ def test_pack_dense():
         mz.pack_dense(shapes, 3, balance="random")
 
 
+@pytest.mark.grade(points=2, solution="muon_zero.split_experts")
 def test_split_experts_and_plan():
     assert sorted(b - a for a, b in mz.split_experts([10] * 15, 4)) == [3, 4, 4, 4]
     for n, w in [(15, 4), (33024, 256), (7, 7), (3, 5)]:
         ranges = mz.split_experts([6] * n, w)
-        assert ranges[0][0] == 0 and ranges[-1][1] == n and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        assert (
+            ranges[0][0] == 0
+            and ranges[-1][1] == n
+            and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        )
         sizes = [b - a for a, b in ranges]
         assert max(sizes) - min(sizes) <= 1
-    plan = mz.plan_muon([(64, 48)] * 5 + [(32, 48)], [(48, 32)] * 6 + [(32, 48)] * 12, world_size=4, zero_width=2)
+    plan = mz.plan_muon(
+        [(64, 48)] * 5 + [(32, 48)], [(48, 32)] * 6 + [(32, 48)] * 12, world_size=4, zero_width=2
+    )
     rows = plan.rows()
-    assert [r["dense"] for r in rows] == [len(plan.dense_buckets[0]), len(plan.dense_buckets[1])] * 2
+    assert [r["dense"] for r in rows] == [
+        len(plan.dense_buckets[0]),
+        len(plan.dense_buckets[1]),
+    ] * 2
     assert sum(r["experts"] for r in rows) == 18 and sum(len(b) for b in plan.dense_buckets) == 6
     assert [r["replica"] for r in rows] == [0, 0, 1, 1] and plan.owned(0)[0] == plan.owned(2)[0]
     s = plan.summary()
-    assert s["expert_padding"] == (4 * 5 - 18) / 18 and 0 <= s["dense_padding"] and s["dense_imbalance"] >= 1
+    assert (
+        s["expert_padding"] == (4 * 5 - 18) / 18
+        and 0 <= s["dense_padding"]
+        and s["dense_imbalance"] >= 1
+    )
     assert "rank" in plan.format() and len(plan.format().splitlines()) == 5
     with pytest.raises(ValueError, match="zero_width=3 must divide"):
         mz.plan_muon([(4, 4)], [], world_size=4, zero_width=3)
@@ -484,18 +628,21 @@ def test_adamw_update_matches_torch():
 
 def test_demo_under_torchrun():
     out = run_torchrun("muon_zero.py", nproc=2, args=("--steps", "11"), timeout=120).stdout
-    losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step")]
+    losses = [float(line.split()[3]) for line in out.splitlines() if line.startswith("step")]
     assert len(losses) == 3 and losses[-1] < 0.7 * losses[0], out
     assert "parameters bitwise identical on all 2 ranks: True" in out, out
-    assert "optimizer state per rank (bytes)" in out and "rank replica pos" in out, out
+    assert "optimizer state held per rank (bytes)" in out and "rank replica" in out, out
 
 
+@pytest.mark.grade(points=2, solution="muon_zero.sharded_step")
 def test_same_shape_matrices_share_one_stack_and_one_ns_call(monkeypatch):
     L = leaves(make_params())
     opt = mz.MuonZeRO(groups(L), lr=LR_MUON, grad_sync="fp32")
     calls = []
     real = mz.newton_schulz
-    monkeypatch.setattr(mz, "newton_schulz", lambda X, *a, **k: calls.append(tuple(X.shape)) or real(X, *a, **k))
+    monkeypatch.setattr(
+        mz, "newton_schulz", lambda X, *a, **k: calls.append(tuple(X.shape)) or real(X, *a, **k)
+    )
     x, y = batch(0)
     pointers = None
     for _ in range(2):
@@ -506,7 +653,322 @@ def test_same_shape_matrices_share_one_stack_and_one_ns_call(monkeypatch):
         if pointers is not None:  # updated in place: the stacked buffers are the resting layout
             assert [t.data_ptr() for t in stacks] == pointers
         pointers = [t.data_ptr() for t in stacks]
-    # One rank owns everything: dense runs (5,12) (12,12)x2 (12,20) (20,12); experts down, up, gate.
-    expect = [(1, 5, 12), (2, 12, 12), (1, 12, 20), (1, 20, 12), (5, 12, 8), (5, 8, 12), (5, 8, 12)]
+    # One rank owns everything: dense runs (5,12) (12,12)x2 (12,20) (20,12); experts: the downs,
+    # then ups and gates of one shape in one run although they are separate param groups (issue 11).
+    expect = [(1, 5, 12), (2, 12, 12), (1, 12, 20), (1, 20, 12), (5, 12, 8), (10, 8, 12)]
     assert sorted(tuple(t.shape) for t in stacks) == sorted(expect)
-    assert sorted(calls) == sorted(expect * 2)  # one batched NS call per stack per step, not one per matrix
+    assert sorted(calls) == sorted(
+        expect * 2
+    )  # one batched NS call per stack per step, not one per matrix
+
+
+# --------------------------------------------------------------------------------------------------
+# No hang, no silent wrong answer (each case reproduced before it was fixed)
+# --------------------------------------------------------------------------------------------------
+
+
+def check_data_parallel_subgroups(rank, world):
+    """Pipeline x data parallelism on 4 ranks: stages {0, 1} and {2, 3}, each its own MuonZeRO."""
+    stages = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes both, same order
+    stage = rank // 2
+    P0 = make_params(seed=stage)  # each stage holds different parameters
+    L = leaves(P0)
+    # different widths per stage: the stages make different subgroup calls (only members take part)
+    opt = mz.MuonZeRO(
+        groups(L),
+        lr=LR_MUON,
+        ns_dtype=torch.float32,
+        grad_sync="fp32",
+        process_group=stages[stage],
+        zero_width=1 if stage == 0 else 2,
+    )
+    dp_rank, per = rank % 2, GLOBAL_BATCH // 2
+    for s in range(STEPS):
+        x, y = batch(s)
+        forward_loss(
+            L, x[dp_rank * per : (dp_rank + 1) * per], y[dp_rank * per : (dp_rank + 1) * per]
+        ).backward()
+        opt.step()
+        opt.zero_grad()
+    got = {k: v.detach() for k, v in L.items()}
+    return rel_change_error(P0, got, reference_fp32(P0))
+
+
+@pytest.mark.grade(points=2, solution="muon_zero.sharded_step")
+def test_data_parallel_subgroups_of_a_wider_world():
+    errs = run_ranks(check_data_parallel_subgroups, 4, timeout=90)
+    assert max(errs) < FP32_TOL, errs
+
+
+class _HFStyle(torch.nn.Module):
+    """An HF-style causal LM: model.embed_tokens, an mHC-like block, lm_head (not tied)."""
+
+    def __init__(self, tie=False):
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = torch.nn.Embedding(16, 8)
+        self.model.proj = torch.nn.Linear(8, 8, bias=False)
+        hc = torch.nn.Module()
+        hc.proj = torch.nn.Parameter(torch.zeros(32, 24))  # a matrix: Muon
+        hc.bias_res = torch.nn.Parameter(torch.eye(4))  # a 2-D static bias: AdamW
+        hc.gate = torch.nn.Parameter(torch.zeros(3))
+        hc.mixing = torch.nn.Parameter(torch.zeros(4, 4))  # declared non-Muon by its module
+        hc.no_muon = {"mixing"}
+        self.model.hcs = torch.nn.ModuleList([hc])
+        self.marked = torch.nn.Parameter(torch.zeros(5, 5))
+        self.marked.no_muon = True  # declared non-Muon on the tensor
+        self.lm_head = torch.nn.Linear(8, 16, bias=False)
+        if tie:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_param_groups_route_by_what_a_tensor_is(tie):
+    model = _HFStyle(tie)
+    role = {id(p): g["role"] for g in mz.muon_param_groups(model) for p in g["params"]}
+    hc = model.model.hcs[0]
+    assert role[id(model.lm_head.weight)] == "adamw"  # HF output head
+    assert role[id(model.model.embed_tokens.weight)] == "adamw"
+    assert role[id(hc.bias_res)] == "adamw" and role[id(hc.gate)] == "adamw"
+    assert role[id(hc.mixing)] == "adamw" and role[id(model.marked)] == "adamw"
+    assert role[id(hc.proj)] == "dense" and role[id(model.model.proj.weight)] == "dense"
+    # the name override still sends a matrix to AdamW
+    role = {
+        id(p): g["role"]
+        for g in mz.muon_param_groups(model, adamw_names=("model.proj",))
+        for p in g["params"]
+    }
+    assert role[id(model.model.proj.weight)] == "adamw"
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(lr=float("nan")), "lr"),
+        (dict(lr=float("inf")), "lr"),
+        (dict(lr=-0.1), "lr"),
+        (dict(momentum=1.0), "momentum"),
+        (dict(weight_decay=float("nan")), "weight_decay"),
+        (dict(update_rms=0.0), "update_rms"),
+        (dict(eps=0.0), "eps"),
+        (dict(betas=(0.9, 1.0)), "betas"),
+        (dict(ns_coefficients=()), "ns_coefficients"),
+    ],
+)
+def test_bad_hyperparameters_refused(bad, match):
+    with pytest.raises(ValueError, match=match):
+        mz.MuonZeRO([torch.zeros(4, 4, requires_grad=True)], **bad)
+    with pytest.raises(ValueError, match=f"param group 1.*{match}"):  # per group, too
+        mz.MuonZeRO(
+            [
+                {"params": [torch.zeros(4, 4, requires_grad=True)]},
+                {"params": [torch.zeros(3, 3, requires_grad=True)], **bad},
+            ]
+        )
+
+
+def test_bad_tensors_refused():
+    with pytest.raises(ValueError, match="float32"):
+        mz.MuonZeRO([torch.zeros(4, 4, dtype=torch.float64, requires_grad=True)])
+    with pytest.raises(ValueError, match="float32"):
+        mz.MuonZeRO([torch.zeros(4, 4, dtype=torch.bfloat16, requires_grad=True)])
+    with pytest.raises(ValueError, match="empty"):
+        mz.MuonZeRO([torch.zeros(0, 4, requires_grad=True)])
+    with pytest.raises(ValueError, match="empty"):
+        mz.MuonZeRO([{"params": [torch.zeros(2, 0, 4, requires_grad=True)], "role": "expert_up"}])
+
+
+def check_mismatch(rank, world, field):
+    """Rank 1 differs from the others in one thing; every rank must raise the same ValueError."""
+    P0 = make_params()
+    kw = dict(lr=LR_MUON)
+    odd = rank == 1
+    if field == "lr" and odd:
+        kw["lr"] = 2 * LR_MUON
+    if field == "adamw_lr":
+        pass
+    if field == "init" and odd:
+        P0["w_in"] = P0["w_in"] + 1e-3
+    if field == "shape" and odd:
+        P0["w_sq1"] = torch.zeros(DIM, DIM + 1)
+    if field == "dtype" and odd:
+        P0["head"] = P0["head"].double()
+    L = leaves(P0)
+    gs = groups(L)
+    if field == "adamw_lr" and odd:
+        gs[-1]["lr"] = 0.5
+    try:
+        opt = mz.MuonZeRO(gs, **kw)
+        if field == "lr_later":  # agreed at construction, then one rank changes it before a step
+            if odd:
+                opt.param_groups[0]["lr"] = 0.5
+            forward_loss(L, *batch(0)).backward()
+            opt.step()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize(
+    "field, words",
+    [
+        ("lr", "lr"),
+        ("adamw_lr", "lr"),
+        ("init", "initial values"),
+        ("shape", "shape"),
+        ("dtype", "float32"),
+        ("lr_later", "lr"),
+    ],
+)
+def test_every_rank_refuses_a_mismatch(field, words, world):
+    """Fault matrix (b): one rank gets different input; every rank raises the same ValueError."""
+    msgs = run_ranks(check_mismatch, world, args=(field,), timeout=60)
+    assert msgs[0] is not None and all(m == msgs[0] for m in msgs), msgs
+    assert words in msgs[0] and "rank 1" in msgs[0], msgs[0]
+
+
+def check_state_dict_is_local(rank, world):
+    P0 = make_params()
+    got, opt = run_muon_zero(P0, rank, world, steps=2, ns_dtype=torch.float32, grad_sync="fp32")
+    if rank == 0:  # the usual pattern: only rank 0 saves
+        local = opt.state_dict()
+        assert local["state"]
+    full = opt.gather_state_dict()  # the explicit collective: every rank gets every momentum
+    # string keys, as after a JSON round trip of the keys: momentum must load, not vanish
+    stringly = {
+        "state": {str(k): v for k, v in full["state"].items()},
+        "param_groups": full["param_groups"],
+    }
+    L = leaves(got)
+    fresh = mz.MuonZeRO(groups(L), lr=LR_MUON, ns_dtype=torch.float32, grad_sync="fp32")
+    fresh.load_state_dict(stringly)
+    again = fresh.gather_state_dict()
+    same = all(
+        torch.equal(full["state"][i][k], again["state"][i][k])
+        for i in full["state"]
+        for k in full["state"][i]
+        if torch.is_tensor(full["state"][i][k])
+    )
+    return same
+
+
+def test_state_dict_on_rank_zero_alone_does_not_hang():
+    assert run_ranks(check_state_dict_is_local, 2, timeout=60) == [True, True]
+
+
+def test_load_state_dict_never_drops_momentum_silently():
+    P0 = make_params()
+    got, opt = run_muon_zero(P0, 0, 1, steps=1)
+    sd = opt.state_dict()
+    first = next(i for i, s in sd["state"].items() if "momentum_buffer" in s)
+    del sd["state"][first]
+    fresh = mz.MuonZeRO(groups(leaves(got)), lr=LR_MUON)
+    with pytest.raises(ValueError, match="momentum"):
+        fresh.load_state_dict(sd)
+    sd["state"]["not a number"] = {}
+    with pytest.raises(ValueError, match="key"):
+        fresh.load_state_dict(sd)
+
+
+def test_demo_never_drops_samples():
+    out = run_torchrun(
+        "muon_zero.py", nproc=3, args=("--steps", "1", "--batch", "25"), timeout=120, check=False
+    )
+    assert out.returncode != 0 and "--batch 25 does not split" in out.stdout, out.stdout
+
+
+def check_one_rank_raises_mid_step(rank, world):
+    L = leaves(make_params())
+    opt = mz.MuonZeRO(groups(L), lr=LR_MUON)
+    if rank == 1:  # after the reduce-scatter, before the all-gather: the peers are left waiting
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("injected failure on rank 1 inside the update")
+
+        mz.update_run = broken
+    forward_loss(L, *batch(0)).backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_one_rank_raising_mid_step_fails_fast(world):
+    """Fault matrix (a): a failure is reported as that rank's error, well within the timeout."""
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_ranks(check_one_rank_raises_mid_step, world, timeout=60)
+    assert time.monotonic() - start < 45
+    assert "injected failure on rank 1" in info.value.errors[1], info.value.errors
+
+
+def check_round_robin(rank, world):
+    P0 = make_params()
+    mats = [P0[k].clone() for k in DENSE]
+    grads = [
+        torch.randn(m.shape, generator=torch.Generator().manual_seed(i)) for i, m in enumerate(mats)
+    ]
+    for m, g in zip(mats, grads):
+        m.grad = g
+    momenta = [torch.zeros_like(m) for m in mats]
+    mz.round_robin_step(mats, momenta, lr=0.1, ns_dtype=torch.float32)
+    return mats
+
+
+def test_round_robin_baseline_matches_single_process():
+    """KellerJordan's round-robin layout gives every rank the single-process update."""
+    one = run_ranks(check_round_robin, 1, timeout=60)[0]
+    for got in run_ranks(check_round_robin, 3, timeout=60):
+        for a, b in zip(got, one):
+            assert torch.allclose(a, b, rtol=0, atol=1e-6)  # the same fp32 ops on one matrix
+
+
+@pytest.mark.grade(points=2, solution="muon_zero.muon_update")
+def test_muon_update_matches_torch_muon_over_steps():
+    """Three steps of one matrix against torch.optim.Muon (bf16 NS, 5 standard steps, rms 0.2)."""
+    g = torch.Generator().manual_seed(3)
+    W0 = torch.randn(12, 20, generator=g)
+    ref = W0.clone().requires_grad_()
+    torch_opt = torch.optim.Muon([ref], lr=0.05, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    mine, buf = W0.clone(), torch.zeros(12, 20)
+    for _ in range(3):
+        grad = torch.randn(12, 20, generator=g)
+        ref.grad = grad.clone()
+        torch_opt.step()
+        update = mz.muon_update(grad, buf, coefficients=mz.STANDARD_NS_COEFFICIENTS, update_rms=0.2)
+        mz.apply_update(mine, update, 0.05, 0.1)
+    # same op sequence as torch's; fp32 reassociation in the lerps only (~1e-7 per op)
+    assert torch.allclose(mine, ref.detach(), rtol=0, atol=1e-5), (mine - ref).abs().max()
+    assert torch.allclose(buf, torch_opt.state[ref]["momentum_buffer"], atol=1e-6)
+
+
+def test_head_names_match_whole_module_names_only():
+    """`output` names an output head; `output_gate` or `heads` is a matrix like any other."""
+    model = torch.nn.Module()
+    model.output_gate = torch.nn.Linear(4, 4, bias=False)
+    model.heads = torch.nn.Linear(4, 4, bias=False)
+    model.output = torch.nn.Linear(4, 16, bias=False)
+    role = {id(p): g["role"] for g in mz.muon_param_groups(model) for p in g["params"]}
+    assert role[id(model.output_gate.weight)] == "dense" and role[id(model.heads.weight)] == "dense"
+    assert role[id(model.output.weight)] == "adamw"
+
+
+def test_mhc_static_biases_and_gates_go_to_adamw():
+    """mHC's HyperConnection: the projection is a Muon matrix; biases and gating factors AdamW."""
+    import mhc
+
+    hc = mhc.HyperConnection(4, 8)
+    role = {id(p): g["role"] for g in mz.muon_param_groups(hc) for p in g["params"]}
+    for name, p in hc.named_parameters():
+        want = "adamw" if name.startswith(("bias", "gate")) or p.ndim < 2 else "dense"
+        assert role[id(p)] == want, (name, tuple(p.shape), role[id(p)])
+    assert any(p.ndim == 2 and role[id(p)] == "adamw" for p in hc.parameters())  # bias_res
+
+
+def test_a_model_converted_after_construction_is_refused():
+    """dtype and device are captured at construction: a later .double() must not round silently."""
+    m = torch.nn.Linear(4, 4, bias=False)
+    opt = mz.MuonZeRO(mz.muon_param_groups(m))
+    m.double()
+    m(torch.randn(2, 4, dtype=torch.float64)).sum().backward()
+    with pytest.raises(ValueError, match="float64"):
+        opt.step()
