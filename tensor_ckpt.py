@@ -53,8 +53,11 @@ import contextlib
 import datetime
 import functools
 import gc
+import hashlib
+import json
 import os
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, field
 
@@ -156,8 +159,10 @@ def _tensors_in(value):
 
 def _rng_state(device):
     """CPU generator state, plus the CUDA one when the graph runs on a GPU (dropout draws from it)."""
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
+    # .clone(): get_rng_state allocates outside the dispatcher, so memory meters would not see the
+    # snapshot a forward keeps per random node; the copy they do see (and the plan counts it)
+    cuda = torch.cuda.get_rng_state(device).clone() if device.type == "cuda" else None
+    return torch.get_rng_state().clone(), cuda
 
 
 @contextlib.contextmanager
@@ -168,6 +173,33 @@ def _replayed_rng(cpu_state, cuda_state, device):
         if cuda_state is not None:
             torch.cuda.set_rng_state(cuda_state, device)
         yield
+
+
+# Ops that draw from the generator when they run. A node is random if the example run saw the
+# generator move OR the graph says it can draw: a dropout whose p or flag changes after tracing
+# (p = 0 draws nothing) must still replay its mask.
+_RANDOM_FUNCTIONS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
+                     F.feature_alpha_dropout, F.rrelu, torch.dropout, torch.bernoulli, torch.rand,
+                     torch.randn, torch.randint, torch.rand_like, torch.randn_like,
+                     torch.randint_like, torch.normal, torch.multinomial, torch.randperm,
+                     torch.poisson, F.scaled_dot_product_attention}
+_RANDOM_METHODS = {"bernoulli", "bernoulli_", "uniform_", "normal_", "random_", "exponential_",
+                   "geometric_", "cauchy_", "log_normal_"}
+_RANDOM_MODULES = (nn.modules.dropout._DropoutNd, nn.RReLU)
+
+
+def graph_random(gm, node):
+    """Whether ``node`` can draw from the generator, read from the graph alone."""
+    if node.op == "call_method":
+        return node.target in _RANDOM_METHODS
+    if node.op == "call_module":
+        return any(isinstance(m, _RANDOM_MODULES) for m in gm.get_submodule(node.target).modules())
+    if node.op != "call_function" or node.target not in _RANDOM_FUNCTIONS:
+        return False
+    if node.target is F.scaled_dot_product_attention:
+        return node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0) != 0.0
+    training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
+    return training is not False  # F.dropout(x, p, training=False) is the identity
 
 
 @dataclass
@@ -289,10 +321,11 @@ class ForgottenUnit:
 class Plan:
     units: list
     held_bytes: int = 0            # frontier tensors autograd would not keep: held for recompute
+    rng_bytes: int = 0             # generator snapshots kept per random node, for the replay
 
     @property
     def bytes_freed(self):
-        return sum(u.bytes_freed for u in self.units)
+        return sum(u.bytes_freed for u in self.units) - self.rng_bytes
 
     @property
     def recompute_flops(self):
@@ -315,6 +348,14 @@ class Plan:
                          f"{ops} <- {', '.join([f.name for f in u.frontier] + [d.name + '*' for d in u.deps])}"
                          f"{rng}")
         return "\n".join(lines)
+
+
+def flops_text(flops):
+    """FLOPs with a unit that keeps small counts visible (3.1 kFLOP, not 0.0 MFLOP)."""
+    for unit, scale in (("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+        if flops >= scale:
+            return f"{flops / scale:.1f} {unit}"
+    return f"{flops:.0f} FLOP"
 
 
 def _mib(b):
@@ -346,7 +387,8 @@ def make_plan(gm, infos, saved_keys, forget_names=None):
         if not isinstance(m, fx.Node) or not infos[m].is_tensor:
             raise ValueError(f"tensor_ckpt: forget() needs a tensor, got {m!r}")
         if infos[m].nbytes == 0:
-            continue
+            raise ValueError(f"tensor_ckpt: cannot forget '{m.name}': it was empty in the example "
+                             "run, so its storage cannot be told apart. Trace with a non-empty batch.")
         forgotten.setdefault(infos[m].key, m.name)
 
     output_keys = {infos[a].key for a in nodes[-1].all_input_nodes if infos[a].is_tensor}
@@ -411,8 +453,29 @@ def make_plan(gm, infos, saved_keys, forget_names=None):
             root=root, nodes=sub, frontier=frontier, deps=deps, shape=infos[root].layout[1],
             nbytes=infos[root].nbytes, saved=key in saved_keys, flops=sum(infos[n].flops for n in sub),
             op_flops=[(n.name, infos[n].flops) for n in sub],
-            random_nodes=[n.name for n in sub if infos[n].random]))
-    return Plan(plan_units, held_bytes=sum(held.values()))
+            random_nodes=[n.name for n in sub if infos[n].random or graph_random(gm, n)]))
+        _warn_if_expensive(plan_units[-1], name, infos)
+    # the generator state kept per random node and forward, so that backward draws the same mask
+    random = {n for u in plan_units for n in u.nodes if n.name in u.random_nodes}
+    rng_bytes = sum(_rng_snapshot_bytes(infos[n].key[0] if infos[n].is_tensor else None)
+                    for n in random)
+    return Plan(plan_units, held_bytes=sum(held.values()), rng_bytes=rng_bytes)
+
+
+def _rng_snapshot_bytes(device):
+    device = device if device is not None else torch.device("cpu")
+    return sum(s.nbytes for s in _rng_state(device) if s is not None)
+
+
+def _warn_if_expensive(unit, marked, infos):
+    """Forgetting a cheap tensor can pull a matmul or attention into backward: say which, and its cost."""
+    costly = [(n.name, infos[n].flops) for n in unit.nodes if infos[n].flops and n.name != marked]
+    if costly:
+        ops = ", ".join(f"'{op}' ({flops_text(fl)})" for op, fl in costly)
+        warnings.warn(
+            f"tensor_ckpt: forgetting '{marked}' recomputes {ops} in every backward: its storage, or "
+            "a tensor its recompute needs, is not kept by autograd (a view of an op's output shares "
+            "that output's storage). Forget a tensor computed after it, or keep it.", stacklevel=3)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -422,8 +485,8 @@ def make_plan(gm, infos, saved_keys, forget_names=None):
 class _UnitState:
     """One forgotten storage of one forward call: what its recompute reads, and the recomputed value."""
 
-    def __init__(self, module, unit):
-        self.module, self.unit = module, unit
+    def __init__(self, module, traced, unit):
+        self.module, self.traced, self.unit = module, traced, unit
         self.inputs, self.versions, self.rng, self.deps = {}, {}, {}, {}
         self.layout = None
         self.handles = 0          # saved tensors autograd holds on this storage
@@ -444,9 +507,9 @@ class _UnitState:
                 for n in self.unit.nodes:
                     if n in self.rng:
                         with _replayed_rng(*self.rng[n]):
-                            env[n] = run_node(self.module.gm, n, env)
+                            env[n] = run_node(self.traced.gm, n, env)
                     else:
-                        env[n] = run_node(self.module.gm, n, env)
+                        env[n] = run_node(self.traced.gm, n, env)
             value = env[self.unit.root]
             layout = (value.dtype, tuple(value.shape), value.stride(), value.storage_offset(),
                       value.untyped_storage().nbytes())
@@ -505,8 +568,8 @@ def _unpack(saved):
 class _ForwardCall:
     """State of one forward: which live storages are forgotten, and what their recomputes read."""
 
-    def __init__(self, module):
-        self.states = {u.root: _UnitState(module, u) for u in module.plan.units}
+    def __init__(self, module, traced):
+        self.states = {u.root: _UnitState(module, traced, u) for u in traced.plan.units}
         self.by_key, self.frontier, self.rng = {}, {}, {}
         self.packed_in_root = None  # tensors packed while a forgotten storage's first op is running
 
@@ -538,14 +601,12 @@ class _ForwardCall:
         self.packed_in_root = None
 
 
-class TensorCheckpoint(nn.Module):
-    """``module`` run through its traced graph, with the tensors of ``plan`` forgotten after forward."""
+class _Traced:
+    """One mode's trace: the graph, its plan, and what the runtime precomputes from them."""
 
     def __init__(self, gm, plan):
-        super().__init__()
         self.gm, self.plan = gm, plan
         self.nodes = list(gm.graph.nodes)
-        self.recomputations = 0    # recompute subgraphs run so far (one per forgotten storage per backward)
         self._frontier = {f for u in plan.units for f in u.frontier}
         self._random = {n for u in plan.units for n in u.nodes if n.name in u.random_nodes}
         self._drop_after = {}      # free each value after its last use, as FX's generated code does
@@ -556,12 +617,56 @@ class TensorCheckpoint(nn.Module):
                     seen.add(m)
                     self._drop_after.setdefault(n, []).append(m)
 
+
+def mode_of(module):
+    """Every submodule's ``training`` flag: FX freezes Python values read from them at trace time."""
+    return tuple(m.training for m in module.modules())
+
+
+class TensorCheckpoint(nn.Module):
+    """``module`` run through its traced graph, with the tensors of ``plan`` forgotten after forward.
+
+    A trace holds the train/eval flags it was made under as constants (``F.dropout(h, p,
+    self.training)``, ``dropout_p = p if self.training else 0``), so one plan is kept per mode of the
+    module and its submodules; a mode first met in forward is traced on that call's inputs.
+    """
+
+    def __init__(self, module, trace_fn):
+        super().__init__()
+        self.module = module
+        self.recomputations = 0    # recompute subgraphs run so far (one per forgotten storage per backward)
+        self._trace_fn = trace_fn  # inputs -> _Traced, for the module's current mode
+        self._traced = {}          # mode_of(module) -> _Traced
+        self._last = None
+
+    def _for_mode(self, inputs):
+        mode = mode_of(self.module)
+        if mode not in self._traced:
+            self._traced[mode] = self._trace_fn(inputs)
+        self._last = self._traced[mode]
+        return self._last
+
+    @property
+    def plan(self):
+        return self._last.plan
+
+    @property
+    def gm(self):
+        return self._last.gm
+
+    @property
+    def nodes(self):
+        return self._last.nodes
+
     def forward(self, *inputs):
-        if not torch.is_grad_enabled() or not self.plan.units:
-            return self.gm(*inputs)
-        call = _ForwardCall(self)
+        if not torch.is_grad_enabled():  # nothing is saved: the model itself, in its current mode
+            return self.module(*inputs)
+        traced = self._for_mode(inputs)
+        if not traced.plan.units:
+            return self.module(*inputs)
+        call = _ForwardCall(self, traced)
         with torch.autograd.graph.saved_tensors_hooks(call.pack, _unpack):
-            out = self._run(inputs, call)
+            out = self._run(traced, inputs, call)
         for state in call.states.values():
             u = state.unit
             state.inputs = {f: call.frontier[f] for f in u.frontier}
@@ -579,28 +684,28 @@ class TensorCheckpoint(nn.Module):
         call.states, call.by_key, call.frontier, call.rng = {}, {}, {}, {}
         return out  # each forgotten storage died at its last use in forward: autograd holds only handles
 
-    def _run(self, inputs, call):
-        placeholders = [n for n in self.nodes if n.op == "placeholder"]
+    def _run(self, traced, inputs, call):
+        placeholders = [n for n in traced.nodes if n.op == "placeholder"]
         if len(inputs) != len(placeholders):
             raise ValueError(f"tensor_ckpt: expected {len(placeholders)} inputs "
                              f"({[n.name for n in placeholders]}), got {len(inputs)}")
         env = dict(zip(placeholders, inputs))
-        for n in self.nodes:
+        for n in traced.nodes:
             if n.op == "output":
                 return fx.node.map_arg(n.args[0], env.__getitem__)
             if n.op != "placeholder":
-                if n in self._random:  # remember the generator so the recompute draws the same mask
+                if n in traced._random:  # remember the generator so the recompute draws the same mask
                     device = _device_of(n, env)
                     call.rng[n] = (*_rng_state(device), device)
                 if n in call.states:
                     call.packed_in_root = []
-                env[n] = run_node(self.gm, n, env)
+                env[n] = run_node(traced.gm, n, env)
             v = env[n]
-            if n in self._frontier:  # kept anyway (autograd saves it): this reference costs no memory
+            if n in traced._frontier:  # kept anyway (autograd saves it): this reference costs no memory
                 call.frontier[n] = v.detach() if isinstance(v, torch.Tensor) else v
             if n in call.states:
                 call.register(call.states[n], v)
-            for m in self._drop_after.get(n, ()):
+            for m in traced._drop_after.get(n, ()):
                 del env[m]
 
 
@@ -616,9 +721,32 @@ def checkpoint_tensors(module, example_inputs, forget=None, leaf_modules=()):
     instead (try annotations without editing the model). ``leaf_modules``: module classes FX should not
     trace into. The returned module shares ``module``'s parameters; ``.plan`` says what will happen.
     """
-    gm = trace(module, leaf_modules)
-    infos, saved_keys = profile(gm, tuple(example_inputs))
-    return TensorCheckpoint(gm, make_plan(gm, infos, saved_keys, forget))
+    def trace_and_plan(inputs):
+        empty = [tuple(t.shape) for t in _tensors_in(inputs) if t.numel() == 0]
+        if empty:
+            raise ValueError(f"tensor_ckpt: an example input is empty (shape {empty[0]}): an empty "
+                             "batch allocates no storage, so nothing can be planned. Trace with a "
+                             "batch of at least one sample.")
+        gm = trace(module, leaf_modules)
+        with _state_kept(module):  # the example run must not move BatchNorm's statistics
+            infos, saved_keys = profile(gm, tuple(inputs))
+        return _Traced(gm, make_plan(gm, infos, saved_keys, forget))
+
+    ckpt = TensorCheckpoint(module, trace_and_plan)
+    ckpt._for_mode(tuple(example_inputs))
+    return ckpt
+
+
+@contextlib.contextmanager
+def _state_kept(module):
+    """Run the body, then put every buffer back (running statistics, num_batches_tracked)."""
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -687,6 +815,72 @@ def activation_bytes(model, *inputs):
     return held, out
 
 
+def agree_across_ranks(fields, error=None, group=None):
+    """All ranks run this before their first collective: every rank must hold the same ``fields``.
+
+    ``fields``: {name: value} of what must agree (shapes, dtypes, hyperparameters, a digest of the
+    initial parameters). ``error``: this rank's failed local validation, if any; it travels in the
+    same gather, so every rank raises it and none is left waiting in a collective. On a mismatch every
+    rank raises the same ValueError naming the field and which ranks hold which value.
+    """
+    canon = {k: repr(v) for k, v in fields.items()}
+    digest = hashlib.sha256(json.dumps(canon, sort_keys=True).encode()).hexdigest()
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (digest, canon, error), group=group)
+    failed = [f"rank {r}: {e}" for r, (_, _, e) in enumerate(gathered) if e]
+    if failed:
+        raise ValueError("tensor_ckpt: local checks failed on " + "; ".join(failed))
+    if len({d for d, _, _ in gathered}) == 1:
+        return digest
+    problems = []
+    for key in sorted(set().union(*(c for _, c, _ in gathered))):
+        holders = {}
+        for r, (_, c, _) in enumerate(gathered):
+            holders.setdefault(c.get(key, "<missing>"), []).append(r)
+        if len(holders) > 1:
+            parts = [f"rank {','.join(map(str, rs))} {'have' if len(rs) > 1 else 'has'} "
+                     f"{v if len(v) <= 80 else v[:77] + '...'}" for v, rs in holders.items()]
+            problems.append(f"{key} differs across ranks: " + ", ".join(parts))
+    raise ValueError("tensor_ckpt: " + "; ".join(problems))
+
+
+def replica_fields(module, example_inputs, settings):
+    """What data-parallel replicas must share: inputs' layout, parameters and their initial values."""
+    params = [(n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]
+    values = hashlib.sha256()
+    for p in module.parameters():  # exact, unlike a sum: any differing bit changes the digest
+        values.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return {
+        "example input shapes": [tuple(t.shape) for t in _tensors_in(example_inputs)],
+        "example input dtypes": [str(t.dtype) for t in _tensors_in(example_inputs)],
+        "parameter shapes and dtypes": hashlib.sha256(repr(params).encode()).hexdigest()[:16],
+        "initial parameter values (sha256)": values.hexdigest()[:16],
+        "training mode": module.training,
+        **settings,
+    }
+
+
+def checkpoint_data_parallel(module, example_inputs, settings, group=None, **kwargs):
+    """checkpoint_tensors on every rank, then the agreement guard, then DDP (world > 1).
+
+    A rank whose plan is refused still joins the guard carrying its error, so all ranks raise it.
+    """
+    ckpt, error = None, None
+    try:
+        ckpt = checkpoint_tensors(module, example_inputs, **kwargs)
+    except ValueError as err:
+        error = str(err)
+    fields = replica_fields(module, example_inputs, settings)
+    if ckpt is not None:
+        fields["forgotten tensors"] = [u.name for u in ckpt.plan.units]
+    agree_across_ranks(fields, error, group)
+    if dist.get_world_size(group) == 1:
+        return ckpt
+    device = next(iter(_tensors_in(example_inputs))).device
+    ids = [device] if device.type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(ckpt, device_ids=ids, process_group=group)
+
+
 def _setup():
     if "RANK" not in os.environ:
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -709,7 +903,12 @@ def main(steps=30, batch=8, seq=64, vocab=64):
         return ((start + 7 * torch.arange(seq + 1)) % vocab).to(device)
 
     tokens = batch_of_tokens()
-    ckpt = checkpoint_tensors(model, example_inputs=(tokens[:, :-1],))
+    settings = dict(steps=steps, batch=batch, seq=seq, vocab=vocab, lr=3e-3)
+    if world > 1:  # the agreement guard runs before DDP's first broadcast
+        train = checkpoint_data_parallel(model, (tokens[:, :-1],), settings)
+        ckpt = train.module
+    else:
+        ckpt = train = checkpoint_tensors(model, example_inputs=(tokens[:, :-1],))
     if rank == 0:
         print(ckpt.plan)
 
@@ -727,8 +926,7 @@ def main(steps=30, batch=8, seq=64, vocab=64):
         print(f"activation memory after forward (measured): plain {_mib(plain_bytes)}, tensor_ckpt "
               f"{_mib(ckpt_bytes)}, saved {_mib(plain_bytes - ckpt_bytes)} (plan: {_mib(ckpt.plan.bytes_freed)})")
 
-    train = nn.parallel.DistributedDataParallel(ckpt) if world > 1 else ckpt
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=settings["lr"])
     start = time.perf_counter()
     for step in range(steps):
         tokens = batch_of_tokens()

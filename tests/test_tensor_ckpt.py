@@ -7,6 +7,8 @@ measured by memory_timeline (storages alive at the end of forward), never read o
 FlopCounterMode over the backward. The one tolerance: data-parallel gradients against one process on the
 whole batch, where the batch sum is split differently (fp32, rtol 1e-5).
 """
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
 
 import tensor_ckpt as tc
+import harness as tc_harness
 from harness import run_ranks, run_torchrun
 from memory_timeline import MemoryTimeline
 from tensor_ckpt import checkpoint_tensors, forget
@@ -121,6 +124,7 @@ def models():
 # exactness
 # ----------------------------------------------------------------------------------------------------
 
+@pytest.mark.filterwarnings("ignore:tensor_ckpt. forgetting")  # Attention's probs recompute qkv
 @pytest.mark.parametrize("name", ["mlp", "attention", "block"])
 def test_gradients_bitwise_equal_plain_and_torch_checkpoint(name):
     model = models()[name]
@@ -171,6 +175,7 @@ def test_double_backward_matches_plain():
 # memory and FLOPs, measured
 # ----------------------------------------------------------------------------------------------------
 
+@pytest.mark.filterwarnings("ignore:tensor_ckpt. forgetting")  # Attention's probs recompute qkv
 def test_activation_memory_drops_by_the_forgotten_bytes():
     torch.manual_seed(0)
     x = torch.randn(B, T, C, requires_grad=True)
@@ -526,3 +531,193 @@ def test_demo_runs_under_torchrun():
     out = run_torchrun("tensor_ckpt.py", nproc=2, args=["--steps", "2"], timeout=240).stdout
     assert "gradients bitwise equal to the plain model: True" in out
     assert "tensor_ckpt plan:" in out and "saved" in out
+
+
+# ----------------------------------------------------------------------------------------------------
+# state captured at trace time (issue 9, items 16-19)
+# ----------------------------------------------------------------------------------------------------
+
+class ModeDependent(nn.Module):
+    """The two ways a forward reads its mode as a Python value, which FX freezes at trace time."""
+
+    def __init__(self, p=0.3):
+        super().__init__()
+        self.p = p
+        self.qkv, self.fc = nn.Linear(C, 3 * C), nn.Linear(C, C)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(B, T, 3, H, C // H).permute(2, 0, 3, 1, 4).unbind(0)
+        dropout_p = self.p if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+        h = forget(F.dropout(F.gelu(y.transpose(1, 2).reshape(B, T, C)), self.p, self.training))
+        return self.fc(h)
+
+
+def seeded(fn, seed=5):
+    torch.manual_seed(seed)
+    return fn()
+
+
+def test_plan_built_in_eval_and_run_in_train_gives_exact_gradients():
+    model = DropoutMLP().eval()
+    x = torch.randn(B, T, C, requires_grad=True)
+    ckpt = checkpoint_tensors(model, (x,))
+    model.train()
+    plain = seeded(lambda: grads_of(model, x, model))
+    ours = seeded(lambda: grads_of(model, x, ckpt))
+    assert_bitwise(plain, ours)
+    assert ckpt.plan.units[0].random_nodes == ["drop"]  # the train-mode plan replays the mask
+
+
+@pytest.mark.parametrize("built_in", ["train", "eval"])
+def test_mode_read_as_a_python_value_follows_the_module(built_in):
+    torch.manual_seed(0)
+    model = ModeDependent()
+    getattr(model, built_in)()
+    x = torch.randn(B, T, C, requires_grad=True)
+    ckpt = checkpoint_tensors(model, (x,))
+    for mode in ("eval", "train", "eval"):
+        getattr(ckpt, mode)()  # the wrapper's mode is the model's mode
+        assert model.training == (mode == "train")
+        assert_bitwise(seeded(lambda: grads_of(model, x, model)),
+                       seeded(lambda: grads_of(model, x, ckpt)))
+        with torch.no_grad():
+            assert torch.equal(seeded(lambda: model(x)), seeded(lambda: ckpt(x)))
+    model.eval()
+    assert torch.equal(ckpt(x), ckpt(x)), "the checkpointed model must not drop out in eval()"
+
+
+class ScaledDropout(DropoutMLP):
+    def forward(self, x):
+        return self.fc2(forget(self.drop(F.gelu(self.fc1(x))) * 2))  # recompute: gelu, drop, mul
+
+
+def test_randomness_is_found_in_the_graph_not_only_in_the_example_run():
+    # Dropout(p=0) draws nothing in the example run; p raised afterwards must still replay its mask.
+    model = ScaledDropout().train()
+    model.drop.p = 0.0
+    x = torch.randn(B, T, C, requires_grad=True)
+    ckpt = checkpoint_tensors(model, (x,))
+    model.drop.p = 0.5
+    assert_bitwise(seeded(lambda: grads_of(model, x, model)),
+                   seeded(lambda: grads_of(model, x, ckpt)))
+
+
+class NormedMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bn, self.fc1, self.fc2 = nn.BatchNorm1d(T), nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
+
+    def forward(self, x):
+        return self.fc2(forget(F.gelu(self.fc1(self.bn(x)))))
+
+
+def test_checkpoint_tensors_leaves_the_models_state_alone():
+    model = NormedMLP().train()
+    x = torch.randn(B, T, C, requires_grad=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ckpt = checkpoint_tensors(model, (x,))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), f"{k} changed by checkpoint_tensors"
+    model.eval()  # a plan built lazily for a new mode must not touch the state either
+    ckpt(x).sum().backward()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), f"{k} changed by the eval-mode plan"
+    model.train()  # and one real training forward updates the statistics exactly once
+    reference = NormedMLP().train()
+    reference.load_state_dict(before)
+    reference(x)
+    ckpt(x)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, reference.state_dict()[k]), f"{k} updated other than once"
+
+
+def test_plan_counts_the_rng_snapshot_it_keeps():
+    model = DropoutMLP().train()
+    x = torch.randn(B, T, C, requires_grad=True)
+    ckpt = checkpoint_tensors(model, (x,))
+    saved = seeded(lambda: tc.activation_bytes(model, x)[0]) - seeded(
+        lambda: tc.activation_bytes(ckpt, x)[0])
+    assert ckpt.plan.rng_bytes == torch.get_rng_state().nbytes > 0
+    assert ckpt.plan.bytes_freed == saved == B * T * 4 * C * F32 - ckpt.plan.rng_bytes
+    timeline = seeded(lambda: activation_bytes(model, model, x)) - seeded(
+        lambda: activation_bytes(model, ckpt, x))
+    assert timeline == saved  # memory_timeline sees the snapshot too
+
+
+def test_an_empty_example_batch_is_refused():
+    with pytest.raises(ValueError, match="empty"):
+        checkpoint_tensors(MLP(), (torch.randn(0, T, C),))
+
+
+def test_forgetting_a_view_of_attention_warns_with_the_op_and_its_flops():
+    x = torch.randn(B, T, C, requires_grad=True)
+    with pytest.warns(UserWarning) as record:
+        ckpt = checkpoint_tensors(tc.Block(C, H), (x,), forget=["reshape"])
+    text = str(record[0].message)
+    flops = ckpt.plan.units[0].op_flops
+    sdpa = dict(flops)["scaled_dot_product_attention"]
+    assert "'reshape'" in text and "scaled_dot_product_attention" in text
+    assert tc.flops_text(sdpa) in text and sdpa > 0
+    with warnings.catch_warnings():  # the V4 marks recompute no matmul: no warning
+        warnings.simplefilter("error")
+        checkpoint_tensors(tc.Block(C, H), (x,))
+
+
+# ----------------------------------------------------------------------------------------------------
+# fault matrix: data-parallel replicas at 2 and 3 ranks end with a named error, never a hang
+# ----------------------------------------------------------------------------------------------------
+
+def _replica_step(rank, world_size, bad_rank, fault):
+    """One data-parallel step of tc.Block; ``bad_rank`` gets ``fault``."""
+    torch.manual_seed(0)
+    seq, dtype, lr, seed = T, torch.float32, 1e-3, 0
+    if rank == bad_rank:
+        seq = T // 2 if fault == "shape" else 0 if fault == "empty" else seq
+        dtype = torch.float64 if fault == "dtype" else dtype
+        lr = 2e-3 if fault == "lr" else lr
+        seed = 1 if fault == "init" else seed
+    torch.manual_seed(seed)
+    model = tc.Block(C, H).to(dtype)
+    x = torch.randn(B, seq, C, dtype=dtype)
+    ddp = tc.checkpoint_data_parallel(model, (x,), dict(lr=lr))
+    out = ddp(x)
+    if rank == bad_rank and fault == "raise":
+        raise RuntimeError(f"rank {rank} fails mid-step")
+    out.square().sum().backward()
+    return True
+
+
+FIELD_OF_FAULT = {"shape": "example input shapes", "dtype": "example input dtypes", "lr": "lr",
+                  "init": "initial parameter values", "empty": "empty"}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_rank_that_raises_mid_step_is_reported_not_waited_for(world_size):
+    bad = world_size - 1
+    with pytest.raises(tc_harness.RankFailure) as err:
+        run_ranks(_replica_step, world_size, args=(bad, "raise"), timeout=60)
+    assert f"rank {bad} fails mid-step" in err.value.errors[bad]
+
+
+def _every_fault(rank, world_size):
+    """Each fault in turn in one launch (starting ranks is the slow part): the error each rank saw."""
+    seen = {}
+    for fault in FIELD_OF_FAULT:
+        try:
+            _replica_step(rank, world_size, 1, fault)
+            seen[fault] = "no error"
+        except ValueError as err:
+            seen[fault] = str(err)
+    return seen
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_rank_with_different_input_makes_every_rank_raise_the_same_error(world_size):
+    seen = run_ranks(_every_fault, world_size, timeout=90)  # a hang would be a RankTimeout
+    for fault, field in FIELD_OF_FAULT.items():
+        messages = {rank_seen[fault] for rank_seen in seen}
+        assert len(messages) == 1, messages  # the same ValueError on every rank
+        (message,) = messages
+        assert field in message, (fault, message)
+        assert "rank 1 has" in message or fault == "empty", message
