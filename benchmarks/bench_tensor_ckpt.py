@@ -159,9 +159,11 @@ class MinCut:
     def __init__(self, stack, budget):
         self.budget, self.counting = budget, False
         self.flops = self.ops = self.bytes = 0
-        torch._dynamo.reset()
-        functorch_config.activation_memory_budget = budget  # read when the graph is partitioned
         from torch._inductor.compile_fx import select_decomp_table
+
+        def partition(*args, **kwargs):  # the budget is read when the graph is partitioned
+            with functorch_config.patch(activation_memory_budget=budget):
+                return min_cut_rematerialization_partition(*args, compiler="inductor", **kwargs)
 
         def backward_compiler(gm, example_inputs):
             def run(*args):  # the counters run inside the compiled backward, not around Dynamo
@@ -179,10 +181,9 @@ class MinCut:
             fw_compiler=lambda gm, example_inputs: make_boxed_func(gm.forward),
             bw_compiler=backward_compiler,
             decompositions=select_decomp_table(),
-            partition_fn=functools.partial(
-                min_cut_rematerialization_partition, compiler="inductor"
-            ),
+            partition_fn=partition,
         )
+        # Dynamo keeps a cache entry per backend: several budgets live side by side, no reset
         self.fn = torch.compile(stack, backend=backend)
 
     def __call__(self, x):
@@ -249,6 +250,7 @@ def parse_args():
 
 def main():
     args = parse_args()
+    torch._dynamo.config.cache_size_limit = 64  # one compiled graph per budget tried
     device = torch.device(args.device)
     dim, heads, seq, batch, layers = (64, 4, 64, 4, 2) if args.quick else (256, 4, 256, 8, 4)
     reps = 2 if args.quick else args.reps
@@ -302,7 +304,6 @@ def main():
         rows[name] = dict(held=mincut.held(stack, x), peak=None, flops=flops - base[0], fn=mincut,
                           ops=ops - default_work[1], written=written - default_work[2])  # fmt: skip
     if args.inductor:
-        torch._dynamo.reset()
         functorch_config.activation_memory_budget = budget
         inductor = torch.compile(stack)
         start = time.perf_counter()
