@@ -8,8 +8,6 @@ by FlopCounterMode over the backward. The one tolerance: data-parallel gradients
 on the whole batch, where the batch sum is split differently (fp32, rtol 1e-5).
 """
 
-import subprocess
-import sys
 import warnings
 
 import harness as tc_harness
@@ -789,13 +787,11 @@ def test_a_rank_with_different_input_makes_every_rank_raise_the_same_error(world
         assert "rank 1 has" in message or fault == "empty", message
 
 
-def test_command_line_help_and_arguments_checked_before_any_work():
-    def run(*args):
-        return subprocess.run([sys.executable, "tensor_ckpt.py", *args], cwd=tc_harness.ROOT,
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
-
-    helped = run("--help")
-    assert helped.returncode == 0
+def test_command_line_help_and_arguments_checked_before_any_work(capsys):
+    with pytest.raises(SystemExit) as helped:
+        tc.parse_args(["--help"])
+    assert helped.value.code == 0
+    text = capsys.readouterr().out
     for option in (
         "--steps",
         "--batch",
@@ -806,10 +802,11 @@ def test_command_line_help_and_arguments_checked_before_any_work():
         "--backend",
         "--device",
     ):
-        assert option in helped.stdout
+        assert option in text
     cases = [(["--dim", "130"], "multiple of --heads"), (["--lr", "nan"], "--lr"),
              (["--steps", "0"], "--steps"), (["--device", "cuda"], "no CUDA GPU")]  # fmt: skip
-    for args, words in cases:
-        bad = run(*args)
-        assert bad.returncode == 2 and words in bad.stderr, (args, bad.stderr)
-        assert "[setup]" not in bad.stdout  # refused before any process group exists
+    for args, words in cases:  # refused by argparse, before setup() makes a process group
+        with pytest.raises(SystemExit) as bad:
+            tc.parse_args(args)
+        assert bad.value.code == 2
+        assert words in capsys.readouterr().err, args
