@@ -1,6 +1,7 @@
 """Tensor-level checkpointing against PyTorch's own and torch.compile's, side by side (V4 §3.4.4).
 
-    .venv/bin/python benchmarks/bench_tensor_ckpt.py            # a few minutes on 2 CPU cores
+    .venv/bin/python benchmarks/bench_tensor_ckpt.py            # 26 min on 2 busy cores
+    .venv/bin/python benchmarks/bench_tensor_ckpt.py --reps 5   # 8 min
     .venv/bin/python benchmarks/bench_tensor_ckpt.py --quick    # smaller, for a smoke test
 
 Model: 4 pre-norm transformer layers (tensor_ckpt.Block: LayerNorm, causal SDPA attention, GELU
