@@ -18,8 +18,6 @@
 # each rank holds, and why V4 sums bf16 gradients the way it does.
 
 # %%
-import os
-import sys
 import time
 
 import matplotlib.pyplot as plt
@@ -27,13 +25,9 @@ import numpy as np
 import torch
 
 import muon_zero as mz
+from benchmarks import bench_muon_zero as bench  # the V4-Flash-like inventory
 from memory_timeline import MiB, plot_timelines
-
-# the benchmark's inventory and the test harness live beside the technique files
-ROOT = os.path.dirname(os.path.abspath(mz.__file__))
-sys.path[:0] = [os.path.join(ROOT, "benchmarks"), os.path.join(ROOT, "tests")]
-import bench_muon_zero as bench
-from harness import run_ranks
+from tests.harness import run_ranks  # real gloo ranks, as the tests use
 
 plt.rcParams.update({"figure.dpi": 110, "font.size": 10, "legend.fontsize": 10})
 torch.set_num_threads(2)
