@@ -26,6 +26,7 @@ The paper's 6.7% is for GPUs with fused kernels overlapped in DualPipe.
 import argparse
 import datetime
 import gc
+import json
 import os
 import statistics
 import sys
@@ -518,7 +519,23 @@ def table_curve(dims, batch, repeats, device, modes=("eager", "compiled")):
             f"{overhead[1024, 'optimised', 'compiled']:.1f}% / "
             f"{overhead[2048, 'optimised', 'compiled']:.1f}%"
         )
-    return overhead
+    return {
+        "setup": f"4 layers, T=128, batch {batch}, n_hc=4, fp32, {device}, {threads} thread(s), "
+        f"median of {repeats} interleaved rounds, torch {torch.__version__}",
+        "dims": list(dims),
+        "step_ms": {f"{v} {m} {d}": 1e3 * points[d][1][v, m] for d in dims for v, m in keys},
+        "overhead_pct": {f"{v} {m} {d}": overhead[d, v, m] for d in dims for v, m in keys},
+        "compile_s": {
+            f"{v} {d}": points[d][2][v, "compiled"]
+            for d in dims
+            for v in CURVE_VARIANTS
+            if "compiled" in modes
+        },
+        "saved_MiB": {f"{v} {m} {d}": points[d][3][v, m] / MiB for d in dims for v, m in keys},
+        "parts_ms": {
+            f"{p} {k} {d}": ms for d in dims for p, row in parts[d].items() for k, ms in row.items()
+        },
+    }
 
 
 def main():
@@ -561,6 +578,12 @@ def main():
         default=None,
         help="device of every table (default: cpu; cuda needs a visible GPU)",
     )
+    parser.add_argument(
+        "--save",
+        default=None,
+        help="--curve: also write its numbers to this JSON file "
+        "(notebook 02 plots benchmarks/curve_cpu.json)",
+    )
     args = parser.parse_args()
     if args.repeats is not None and args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
@@ -599,9 +622,17 @@ def main():
             "kernels in DualPipe)."
         )
         return
-    overhead = table_curve(dims, 2, repeats, device)
+    result = table_curve(dims, 2, repeats, device)
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"\nsaved the curve to {args.save}")
     if {1024, 2048} <= set(dims):
-        o = {(d, v): overhead[d, v, "compiled"] for d in (1024, 2048) for v in CURVE_VARIANTS}
+        o = {
+            (d, v): result["overhead_pct"][f"{v} compiled {d}"]
+            for d in (1024, 2048)
+            for v in CURVE_VARIANTS
+        }
         print(
             f"optimised mHC overhead, compiled: C=1024 {o[1024, 'optimised']:.1f}% "
             f"C=2048 {o[2048, 'optimised']:.1f}% (naive C=1024 {o[1024, 'naive']:.1f}%)"
