@@ -381,26 +381,26 @@ def run_recomputed_block(stream, layers, fused=True, iters=20):
 #
 # Hand-written backward or not (one layer's mixing, forward + backward, C = 256, T = 128, batch 2,
 # 1 thread, median of 15, on a busy 2-core machine: +-20%):
-#     eager, plain autograd (layer_mixing_reference)            54 ms
-#     eager, hand-written backward (layer_mixing_fused)         54 ms
-#     compiled around the hand-written Functions                27-35 ms  (3 graphs: SinkhornReplay's
-#                                        backward calls torch.autograd.grad, a graph break)
-#     compiled plain autograd                                   17-19 ms  (1 graph forward, 1 backward)
+#     eager, plain autograd (layer_mixing_reference)     54 ms
+#     eager, hand-written backward (layer_mixing_fused)  54 ms
+#     compiled around the hand-written Functions         27-35 ms  3 graphs: SinkhornReplay's
+#                                                                  backward is a graph break
+#     compiled plain autograd                            17-19 ms  1 graph forward, 1 backward
 # So the hand-written backward hinders the compiler. We compile the plain math (mhc_coefficients and
 # the einsums of mhc_layer_reference) and let AOTAutograd derive the backward, which Inductor fuses
 # like the forward; its partitioner already recomputes cheap elementwise work instead of saving it.
 #
-# What is one compiled region: per layer, (1) coefficients with their norm, Sinkhorn and the pre-mix,
-# (2) the post-mix + merge; F is compiled on its own. F must stay outside the replayed regions
-# (selective recomputation never runs F twice), and the block's bookkeeping (keep X_0 and each f,
-# rebuild the lane states in backward) stays in Python, a few calls per layer, as in
+# What is one compiled region: per layer, (1) coefficients with their norm, Sinkhorn and the
+# pre-mix, (2) the post-mix + merge; F is compiled on its own. F must stay outside the replayed
+# regions (selective recomputation never runs F twice), and the block's bookkeeping (keep X_0 and
+# each f, rebuild the lane states in backward) stays in Python, a few calls per layer, as in
 # RecomputedBlock. Compiling a whole layer with F inside is the naive variant below: it fuses more
 # but stores everything, and one graph per recompute block would have to tell F's saved tensors
 # from the mixing's, which torch.compile does not expose.
 #
 # Settings: dynamic=False, one graph per shape (no symbolic sizes: a shape change compiles again);
-# dynamo's recompile limit is raised from 8 to 64 (every C, grad mode and F type is one more graph of
-# the same code), and reaching it raises instead of falling back silently to eager.
+# dynamo's recompile limit is raised from 8 to 64 (every C, grad mode and F type is one more graph
+# of the same code), and reaching it raises instead of falling back silently to eager.
 
 
 def _pre_mix(stream, hc, iters):
@@ -483,7 +483,7 @@ class CompiledRecomputedBlock(torch.autograd.Function):
 
 
 def run_compiled_block(stream, layers, iters=20, backend="inductor"):
-    """Apply [(f, hc), ...] to stream [..., n, C] with compiled mixing and selective recomputation."""
+    """Apply [(f, hc), ...] to stream [..., n, C]: compiled mixing, selective recomputation."""
     for _, hc in layers:
         hc.check_stream(stream)
     if not torch.is_grad_enabled():  # nothing to save: a plain forward
