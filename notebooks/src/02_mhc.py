@@ -280,6 +280,10 @@ if curve:
     for d in curve["dims"]:
         cells = ", ".join(f"{v} {m} {curve['overhead_pct'][f'{v} {m} {d}']:+.1f}%" for v, m in styles)
         print(f"  C={d:<5} {cells}")
+    d0 = min(curve["dims"])
+    guess = curve["overhead_pct"][f"optimised compiled {d0}"] * d0 / 128
+    print(f"at C=128, compiled: about {guess:.0f}% to expect (C={d0}'s {d0 / 128:.0f}x, "
+          f"overhead ~ 1/C), against the eager {live['optimised']:.0f}% measured live above")
 else:
     print("benchmarks/curve_cpu.json not found: run the bench command above to record the curve")
 n = cfg.n_hc
