@@ -296,13 +296,19 @@ def curve_runs(cfg, device):
     )
 
 
-def _step(model, run, batch, device):
-    """One forward + backward (no optimizer: the curve is about the layers' cost). -> seconds."""
+def _step(model, run, batch, device, cpu_times=None):
+    """One forward + backward (no optimizer: the curve is about the layers' cost). -> seconds.
+
+    cpu_times: a list that also gets this thread's CPU seconds (with 1 thread, the time the step
+    computed, without the time a busy machine kept it waiting; meaningless on a GPU).
+    """
     model.zero_grad(set_to_none=True)
     _sync(device)
-    began = time.perf_counter()
+    began, began_cpu = time.perf_counter(), time.thread_time()
     run(batch).backward()
     _sync(device)
+    if cpu_times is not None:
+        cpu_times.append(time.thread_time() - began_cpu)
     return time.perf_counter() - began
 
 
@@ -323,12 +329,23 @@ def curve_point(dim, batch, repeats, device, modes, stage):
         model.zero_grad(set_to_none=True)
         loss, saved[key] = mhc.saved_activation_bytes(model, lambda run=run: run(batch))
         loss.backward()
-    times = {key: [] for key in runs}
+    times, cpu = {key: [] for key in runs}, {key: [] for key in runs}
     order = list(runs)
     for rep in range(repeats):  # interleaved, the order rotated each round: drift hits all alike
         for key in order[rep % len(order) :] + order[: rep % len(order)]:
-            times[key].append(_step(*runs[key], batch, device))
+            times[key].append(_step(*runs[key], batch, device, cpu[key]))
     median = {key: statistics.median(t) for key, t in times.items()}
+    if torch.device(device).type == "cpu":
+        cpu_median = {key: statistics.median(t) for key, t in cpu.items()}
+        stage(
+            f"C={dim}: the same in thread CPU time (robust to a busy machine), overhead "
+            "naive / optimised: "
+            + ", ".join(
+                f"{m} {100 * (cpu_median['naive', m] / cpu_median['residual', m] - 1):+.1f}% / "
+                f"{100 * (cpu_median['optimised', m] / cpu_median['residual', m] - 1):+.1f}%"
+                for m in modes
+            )
+        )
     compile_s = {key: first[key] - median[key] for key in runs if key[1] == "compiled"}
     stage(f"C={dim}: timed {repeats} interleaved rounds of {len(runs)} variants")
     return cfg, median, compile_s, saved
