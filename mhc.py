@@ -398,6 +398,22 @@ def run_recomputed_block(stream, layers, fused=True, iters=20):
 # but stores everything, and one graph per recompute block would have to tell F's saved tensors
 # from the mixing's, which torch.compile does not expose.
 #
+# What it buys, measured (`python benchmarks/bench_mhc.py --curve`: 4 layers, T = 128, batch 2,
+# 1 thread, forward + backward, overhead over the residual of the same mode, median of 7 rounds on
+# a busy shared 2-core machine, so +-10 points; benchmarks/curve_cpu.json has the whole run):
+#     C                        256     512    1024    2048
+#     naive, compiled         +35%    +33%     +7%     +7%
+#     optimised, compiled     +80%    +50%    +24%    +13%
+#     naive, eager           +144%    +76%    +27%    +22%
+#     optimised, eager       +184%    +90%    +23%    +27%
+# Compiling cuts the overhead 2-4x, but with selective recomputation the optimised path costs MORE
+# time than compiling the naive layer: the replay runs the mixing forward a second time, and
+# Sinkhorn (20 unrolled rounds on a 4 x 4 matrix per token) costs 6-10 ms per layer here whatever
+# C is, as much as a third of F at C = 256. What it buys is memory: 24-33% of naive's extra
+# activations. Closing the time gap needs Sinkhorn forward and backward as one per-token kernel
+# (TileKernels, Megatron-LM do this), which torch.compile does not make of the unrolled loop.
+# Compile time: 1-2 minutes per variant and C on that machine, printed apart from the step times.
+#
 # Settings: dynamic=False, one graph per shape (no symbolic sizes: a shape change compiles again);
 # dynamo's recompile limit is raised from 8 to 64 (every C, grad mode and F type is one more graph
 # of the same code), and reaching it raises instead of falling back silently to eager.

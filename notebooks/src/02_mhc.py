@@ -305,7 +305,7 @@ ax.set_ylabel("step-time overhead over the residual (%)")
 ax.set_title(
     "mHC's cost over C: eager (dashed) vs torch.compile (solid), 4 layers, T=128, 1 thread"
 )
-ax.legend(fontsize=10, ncol=2, loc="upper right")
+ax.legend(fontsize=10, ncol=2, loc="lower left")
 ax.tick_params(labelsize=10)
 ax.grid(alpha=0.3, which="major")
 plt.tight_layout()
