@@ -587,7 +587,7 @@ def main():
         "--backend",
         choices=("gloo", "nccl"),
         default=None,
-        help="process-group backend of the pipeline table (default: gloo on CPU, nccl on CUDA)",
+        help="process-group backend of table 2, the pipeline (gloo, the default: it runs on CPU)",
     )
     parser.add_argument(
         "--device",
@@ -611,8 +611,11 @@ def main():
     device = args.device or "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA GPU is visible; pass --device cpu")
-    if args.backend == "nccl" and device != "cuda":
-        parser.error("--backend nccl moves only CUDA tensors: pass --device cuda, or use gloo")
+    if args.backend == "nccl":
+        parser.error(
+            "--backend nccl: table 2 runs its stages on CPU/gloo; the curve (--curve, "
+            "--device cuda) is one process and needs no backend"
+        )
     if args.curve and args.eager_only:
         parser.error("--curve measures eager and compiled side by side; drop --eager-only")
     torch.set_num_threads(args.threads)

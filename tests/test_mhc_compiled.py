@@ -64,7 +64,7 @@ def assert_grads_close(got, ref, rtol, what):
 
 
 def count_calls(runner):
-    """Wrap each compiled F of an optimised CompiledModel with a counter (outside the compiled code)."""
+    """Wrap each compiled F of an optimised CompiledModel in a counter (outside compiled code)."""
     calls = [0]
 
     def counted(fn):
@@ -92,9 +92,7 @@ def test_compiled_matches_reference_float64(variant):
     assert_grads_close(grads_of(model), grads_of(reference), 1e-10, f"compiled {variant}, float64")
 
 
-@pytest.mark.parametrize(
-    "backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)]
-)
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_compiled_optimised_trains_like_reference_fp32_and_runs_f_once(backend):
     reference = build()
     model = copy.deepcopy(reference)
