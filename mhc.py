@@ -425,7 +425,8 @@ def _pre_mix(stream, hc, iters):
     stream X [..., n, C] -> (h = A X [..., C], B [..., n, n], C [..., n]).
     """
     a, b, c = mhc_coefficients(stream, hc, iters)
-    return (a.unsqueeze(-1) * stream).sum(-2), b, c
+    # the same dtypes as mhc_layer_reference: the pre-mix in the coefficients' dtype
+    return (a.unsqueeze(-1) * stream.to(a.dtype)).sum(-2).to(stream.dtype), b, c
 
 
 def _post_mix(b, stream, c, f):
@@ -435,6 +436,7 @@ def _post_mix(b, stream, c, f):
     matmul of n x n by n x C per token, an external call Inductor cannot fuse; this form compiles
     into one pass that reads X and f once and writes X' once (mixing fwd + bwd 10-20% faster).
     """
+    b, c = b.to(stream.dtype), c.to(stream.dtype)  # as mhc_layer_reference: the stream's dtype
     mixed = (b.unsqueeze(-1) * stream.unsqueeze(-3)).sum(-2)
     return mixed + c.unsqueeze(-1) * f.unsqueeze(-2)
 
