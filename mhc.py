@@ -418,6 +418,210 @@ def run_recomputed_block(stream, layers, fused=True, iters=20):
     return RecomputedBlock.apply(stream, list(layers), fused, iters)
 
 
+# ---- 3b. the compiled path (torch.compile) -------------------------------------------------------
+#
+# The fused autograd.Functions above are the readable version: each says what it reads, writes and
+# keeps. Run eagerly they are still a string of separate ops plus Python dispatch, so on a CPU they
+# are no faster than the naive layer. Here the same math goes to torch.compile (Inductor: C++ loops
+# on CPUs, Triton kernels on GPUs), which fuses each region into a few loops over the lanes.
+#
+# Hand-written backward or not (one layer's mixing, forward + backward, C = 256, T = 128, batch 2,
+# 1 thread, median of 15, on a busy 2-core machine: +-20%):
+#     eager, plain autograd (layer_mixing_reference)     54 ms
+#     eager, hand-written backward (layer_mixing_fused)  54 ms
+#     compiled around the hand-written Functions         27-35 ms  3 graphs: SinkhornReplay's
+#                                                                  backward is a graph break
+#     compiled plain autograd                            17-19 ms  1 graph forward, 1 backward
+# So the hand-written backward hinders the compiler. We compile the plain math (mhc_coefficients and
+# the einsums of mhc_layer_reference) and let AOTAutograd derive the backward, which Inductor fuses
+# like the forward; its partitioner already recomputes cheap elementwise work instead of saving it.
+#
+# What is one compiled region: per layer, (1) coefficients with their norm, Sinkhorn and the
+# pre-mix, (2) the post-mix + merge; F is compiled on its own. F must stay outside the replayed
+# regions (selective recomputation never runs F twice), and the block's bookkeeping (keep X_0 and
+# each f, rebuild the lane states in backward) stays in Python, a few calls per layer, as in
+# RecomputedBlock. Compiling a whole layer with F inside is the naive variant below: it fuses more
+# but stores everything, and one graph per recompute block would have to tell F's saved tensors
+# from the mixing's, which torch.compile does not expose.
+#
+# What it buys, measured (`python benchmarks/bench_mhc.py --curve`: 4 layers, T = 128, batch 2,
+# 1 thread, forward + backward, overhead over the residual of the same mode, median of 7 rounds on
+# a busy shared 2-core machine, so +-10 points; benchmarks/curve_cpu.json has the whole run):
+#     C                        256     512    1024    2048
+#     naive, compiled         +35%    +33%     +7%     +7%
+#     optimised, compiled     +80%    +50%    +24%    +13%
+#     naive, eager           +144%    +76%    +27%    +22%
+#     optimised, eager       +184%    +90%    +23%    +27%
+# Compiling cuts the overhead 2-4x, but with selective recomputation the optimised path costs MORE
+# time than compiling the naive layer: the replay runs the mixing forward a second time, and
+# Sinkhorn (20 unrolled rounds on a 4 x 4 matrix per token) costs 6-10 ms per layer here whatever
+# C is, as much as a third of F at C = 256. What it buys is memory: 24-33% of naive's extra
+# activations. Closing the time gap needs Sinkhorn forward and backward as one per-token kernel
+# (TileKernels, Megatron-LM do this), which torch.compile does not make of the unrolled loop.
+# Compile time: 1-2 minutes per variant and C on that machine, printed apart from the step times.
+#
+# Settings: dynamic=False, one graph per shape (no symbolic sizes: a shape change compiles again);
+# dynamo's recompile limit is raised from 8 to 64 (every C, grad mode and F type is one more graph
+# of the same code), and reaching it raises instead of falling back silently to eager.
+
+
+def _pre_mix(stream, hc, iters):
+    """Coefficients (norm, projection, gates, Sinkhorn) and the pre-mix of one layer: one region.
+
+    stream X [..., n, C] -> (h = A X [..., C], B [..., n, n], C [..., n]).
+    """
+    a, b, c = mhc_coefficients(stream, hc, iters)
+    # the same dtypes as mhc_layer_reference: the pre-mix in the coefficients' dtype
+    return (a.unsqueeze(-1) * stream.to(a.dtype)).sum(-2).to(stream.dtype), b, c
+
+
+def _post_mix(b, stream, c, f):
+    """Post-mix + merge, mhc_layer_reference's B X + C f -> [..., n, C], as one loop over C.
+
+    Written as broadcast products and sums over n rather than einsum: einsum becomes a batched
+    matmul of n x n by n x C per token, an external call Inductor cannot fuse; this form compiles
+    into one pass that reads X and f once and writes X' once (mixing fwd + bwd 10-20% faster).
+    """
+    b, c = b.to(stream.dtype), c.to(stream.dtype)  # as mhc_layer_reference: the stream's dtype
+    mixed = (b.unsqueeze(-1) * stream.unsqueeze(-3)).sum(-2)
+    return mixed + c.unsqueeze(-1) * f.unsqueeze(-2)
+
+
+def _residual_layer(x, sublayer):
+    """x + F(x), the baseline layer."""
+    return x + sublayer(x)
+
+
+_COMPILED = {}
+
+
+def compiled(fn, backend="inductor"):
+    """torch.compile(fn) made once per function and backend (graphs cached per shape, grad mode)."""
+    if (fn, backend) not in _COMPILED:
+        _COMPILED[fn, backend] = torch.compile(fn, backend=backend, dynamic=False)
+    return _COMPILED[fn, backend]
+
+
+class CompiledRecomputedBlock(torch.autograd.Function):
+    """RecomputedBlock with compiled mixing: keeps X_0 [..., n, C] and each f_l [..., C] only.
+
+    layers: [(f_l, hc_l), ...] with f_l the (compiled) F. Forward (grad off in here): the mixing
+    regions run as inference graphs, nothing of them is stored; each F runs once with grad on a leaf
+    input. Backward: rebuild the lane states from X_0 and the kept f_l with the training graphs of
+    the same regions, then per layer, last first, two backward calls that each run every compiled
+    backward once: post-mix -> F (F's kept graph: its parameter grads and dF/dh), then Sinkhorn,
+    coefficients and pre-mix. B and C are cut between the two regions (detached leaves) so that the
+    first call cannot run the pre-mix region's backward before dh is known.
+    Parameter gradients accumulate into .grad directly: use loss.backward() through this block.
+    """
+
+    @staticmethod
+    def forward(ctx, stream_in, layers, iters, backend):
+        pre_mix, post_mix = compiled(_pre_mix, backend), compiled(_post_mix, backend)
+        stream, kept = stream_in, []
+        for run_f, hc in layers:
+            h, b, c = pre_mix(stream, hc, iters)
+            h.requires_grad_()  # a leaf: F's graph starts here
+            with torch.enable_grad():
+                f = run_f(h)
+            kept.append((h, f))
+            stream = post_mix(b, stream, c, f.detach())
+        # F's outputs also go through save_for_backward (detached views of the same storage), so the
+        # saved-tensor hooks that measure activation memory see everything this block keeps.
+        ctx.save_for_backward(stream_in, *[f.detach() for _, f in kept])
+        ctx.layers, ctx.kept, ctx.iters = layers, kept, iters
+        ctx.pre_mix, ctx.post_mix = pre_mix, post_mix
+        return stream
+
+    @staticmethod
+    def backward(ctx, grad_stream):
+        replay, stream = [], ctx.saved_tensors[0]
+        with torch.enable_grad():  # rebuild the block's lane states; F is not called
+            for (_, hc), (_, f) in zip(ctx.layers, ctx.kept):
+                leaf = stream.detach().requires_grad_()
+                h, b, c = ctx.pre_mix(leaf, hc, ctx.iters)
+                b_cut, c_cut = b.detach().requires_grad_(), c.detach().requires_grad_()
+                stream = ctx.post_mix(b_cut, leaf, c_cut, f)  # f carries F's graph
+                replay.append((leaf, (h, b, c), (b_cut, c_cut), stream))
+        for h_kept, _ in reversed(ctx.kept):
+            leaf, pre_outputs, (b_cut, c_cut), out = replay.pop()
+            torch.autograd.backward(out, grad_stream)  # post-mix, then F: fills h_kept.grad
+            torch.autograd.backward(pre_outputs, (h_kept.grad, b_cut.grad, c_cut.grad))
+            grad_stream = leaf.grad
+        ctx.layers = ctx.kept = None
+        return grad_stream, None, None, None
+
+
+def run_compiled_block(stream, layers, iters=20, backend="inductor"):
+    """Apply [(f, hc), ...] to stream [..., n, C]: compiled mixing, selective recomputation."""
+    for _, hc in layers:
+        hc.check_stream(stream)
+    if not torch.is_grad_enabled():  # nothing to save: a plain forward
+        for run_f, hc in layers:
+            h, b, c = compiled(_pre_mix, backend)(stream, hc, iters)
+            stream = compiled(_post_mix, backend)(b, stream, c, run_f(h))
+        return stream
+    if not stream.requires_grad:  # backward must still run, to fill the parameters' grads
+        stream = stream.detach().requires_grad_()
+    return CompiledRecomputedBlock.apply(stream, list(layers), iters, backend)
+
+
+class CompiledModel:
+    """model(idx, targets) with its layers compiled: the same parameters and the same math.
+
+    variant  'optimised' (mHC model, the default): the two mixing regions compiled, selective
+                         recomputation in blocks of `recompute` layers (default L_r), F compiled on
+                         its own and run once per layer per step (self.f[i] is layer i's F);
+             'naive'     (mHC model): each plain autograd layer, mixing and F, compiled whole;
+             'residual'  (residual model): each x + F(x) compiled whole.
+    F is compiled in all three, so they compare fairly; the embedding and the head stay eager.
+    Graphs are compiled on the first call per shape (seconds to minutes): warm up before timing.
+    Train/eval mode, dtype, device and grad mode are guarded by torch.compile: a change compiles
+    again instead of running a stale graph. backend: torch.compile's ("inductor" fuses; "aot_eager"
+    traces the same graphs and derived backward without code generation, for quick checks).
+    """
+
+    VARIANTS = ("optimised", "naive", "residual")
+
+    def __init__(self, model, variant=None, recompute=None, backend="inductor"):
+        variant = variant or ("optimised" if model.hyper else "residual")
+        if variant not in self.VARIANTS:
+            raise ValueError(f"variant must be one of {self.VARIANTS}, got {variant!r}")
+        if (variant == "residual") == model.hyper:
+            raise ValueError(
+                f"variant {variant!r} needs a model built with hyper={variant != 'residual'}"
+            )
+        cfg = model.cfg
+        self.recompute = recompute or default_recompute_block(cfg.n_hc, cfg.n_layers)
+        if self.recompute < 1:
+            raise ValueError(f"recompute block L_r must be >= 1 layer, got {self.recompute}")
+        self.model, self.variant, self.backend = model, variant, backend
+        self.f = [torch.compile(s, backend=backend, dynamic=False) for s in model.sublayers]
+        limit = torch._dynamo.config.recompile_limit
+        torch._dynamo.config.recompile_limit = max(limit, 64)
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
+
+    def run_layers(self, stream, start=0, end=None):
+        """Layers [start, end) on the stream ([B, T, n, C], or [B, T, C] for the residual)."""
+        model, iters = self.model, self.model.cfg.sinkhorn_iters
+        end = model.cfg.n_layers if end is None else end
+        if self.variant == "residual":
+            for sublayer in model.sublayers[start:end]:
+                stream = compiled(_residual_layer, self.backend)(stream, sublayer)
+        elif self.variant == "naive":
+            for sublayer, hc in zip(model.sublayers[start:end], model.hcs[start:end]):
+                stream = compiled(mhc_layer_reference, self.backend)(stream, sublayer, hc, iters)
+        else:
+            for first, stop in recompute_blocks(start, end, self.recompute):
+                layers = list(zip(self.f[first:stop], model.hcs[first:stop]))
+                stream = run_compiled_block(stream, layers, iters, self.backend)
+        return stream
+
+    def __call__(self, idx, targets):
+        stream = self.run_layers(self.model.embed_stream(idx))
+        return self.model.head_loss(stream, targets)
+
+
 # ---- the small transformer -----------------------------------------------------------------------
 
 

@@ -1,25 +1,32 @@
 """What mHC's widened stream costs, and what each of V4's three reductions buys back (V4 §3.4.2).
 
-    .venv/bin/python benchmarks/bench_mhc.py            # a few minutes on 2 CPU cores
-    .venv/bin/python benchmarks/bench_mhc.py --quick    # smaller, for a smoke test
+    python benchmarks/bench_mhc.py                 # tables 1-3 (tens of minutes on 2 busy cores)
+    python benchmarks/bench_mhc.py --curve         # table 3 only: the issue-11 curve and headline
+    python benchmarks/bench_mhc.py --curve --device cuda   # the same curve on a GPU (Triton)
+    python benchmarks/bench_mhc.py --quick         # smaller, for a smoke test
 
-Model (documented size): 8 layers (4 attention + 4 MLP sublayers F), C = 256, 4 heads, T = 128,
-batch 4, n_hc = 4, fp32, CPU eager, 1 thread per process. Three tables, all measured in this one run:
-  1. one process: plain residual, naive mHC, fused mixing alone, selective recomputation alone, both.
-     Peak activation memory from memory_timeline (storages made in forward and alive at its end),
-     the peak of activations + backward temporaries (recomputation lives there), median step time
-     (timed without the recorder, variants interleaved so machine noise hits all alike), and the
-     lane-mixing bytes moved per layer (analytic count, mhc.mixing_bytes_per_token).
-  2. a 2-stage 1F1B pipeline on gloo: residual vs mHC, with the stream exchange blocking or posted
+Tables, all measured in one run, 1 thread per process unless --threads:
+  1. one process, 8 layers, C = 256, T = 128, batch 4, fp32 CPU eager: plain residual, naive mHC,
+     fused mixing alone, selective recomputation alone, both. Peak activation memory from
+     memory_timeline (storages made in forward and alive at its end), the peak of activations +
+     backward temporaries (recomputation lives there), median step time (variants interleaved so
+     machine noise hits all alike), lane-mixing bytes per layer (mhc.mixing_bytes_per_token).
+  2. a 2-stage 1F1B pipeline on gloo: residual vs mHC, the stream exchange blocking or posted
      ahead (async), the third reduction alone and with the other two.
-  3. step-time overhead of optimised mHC over the residual as a curve over C (4 layers, batch 2, T = 128):
-     the mixing work grows
-     with C, the layer's with C^2, so one size would hide the trend.
-The paper's 6.7% is for GPUs with fused kernels overlapped in DualPipe; see the closing note printed.
+  3. the curve over C (issue 11): 4 layers, T = 128, batch 2, C in 256 512 1024 2048; residual,
+     naive mHC and optimised mHC (fused mixing + selective recomputation), each eager and compiled
+     (mhc.CompiledModel; F eager in all eager runs, compiled in all compiled runs); forward +
+     backward, median of interleaved rounds after a warm-up step that holds the compilation (its
+     time is printed on its own lines); the activation memory each keeps; one layer's parts
+     (coefficients, Sinkhorn, pre-mix, post-mix, F) eager and compiled. The mixing work grows with
+     C, F's with C^2, so one size would hide the trend. --curve ends with the headline line.
+The paper's 6.7% is for GPUs with fused kernels overlapped in DualPipe.
 """
+
 import argparse
 import datetime
 import gc
+import json
 import os
 import statistics
 import sys
@@ -34,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import mhc  # noqa: E402
 from memory_timeline import MemoryTimeline  # noqa: E402
 
-MiB = 2 ** 20
+MiB = 2**20
 VARIANTS = {  # name: (hyper, forward options)
     "residual": (False, {}),
     "naive mHC": (True, {}),
@@ -102,38 +109,64 @@ def mixing_bytes_per_layer(cfg, batch, hyper, fused):
 
 
 def table_one_process(cfg, batch, repeats):
-    print(f"\n1. one process: {cfg.n_layers} layers, C={cfg.dim}, T={cfg.seq_len}, batch {batch}, n_hc={cfg.n_hc}, "
-          f"L_r={mhc.default_recompute_block(cfg.n_hc, cfg.n_layers)}, fp32 CPU, median of {repeats} steps")
-    variants = {name: (hyper, options_for(cfg, options)) for name, (hyper, options) in VARIANTS.items()}
+    print(
+        f"\n1. one process: {cfg.n_layers} layers, C={cfg.dim}, T={cfg.seq_len}, batch {batch}, "
+        f"n_hc={cfg.n_hc}, L_r={mhc.default_recompute_block(cfg.n_hc, cfg.n_layers)}, fp32 CPU, "
+        f"median of {repeats} steps"
+    )
+    variants = {
+        name: (hyper, options_for(cfg, options)) for name, (hyper, options) in VARIANTS.items()
+    }
     times = step_times(cfg, batch, variants, repeats)
     rows = []
     for name, (hyper, options) in variants.items():
         act, act_temp = memory(cfg, batch, hyper, options)
-        rows.append((name, act, act_temp, times[name], mixing_bytes_per_layer(cfg, batch, hyper, options.get("fused", False))))
+        rows.append(
+            (
+                name,
+                act,
+                act_temp,
+                times[name],
+                mixing_bytes_per_layer(cfg, batch, hyper, options.get("fused", False)),
+            )
+        )
     base_act, base_time = rows[0][1], rows[0][3]
     naive_extra = rows[1][1] - base_act
-    print(f"{'variant':<16} {'act MiB':>8} {'extra vs res':>13} {'% of naive extra':>17} {'act+temp MiB':>13} "
-          f"{'step ms':>8} {'overhead':>9} {'mix MiB/layer':>14}")
+    print(
+        f"{'variant':<16} {'act MiB':>8} {'extra vs res':>13} {'% of naive extra':>17} "
+        f"{'act+temp MiB':>13} "
+        f"{'step ms':>8} {'overhead':>9} {'mix MiB/layer':>14}"
+    )
     for name, act, act_temp, t, moved in rows:
         extra = act - base_act
         share = f"{100 * extra / naive_extra:.0f}%" if name != "residual" else "-"
-        print(f"{name:<16} {act / MiB:>8.2f} {extra / MiB:>13.2f} {share:>17} {act_temp / MiB:>13.2f} "
-              f"{1e3 * t:>8.1f} {100 * (t / base_time - 1):>8.1f}% {moved / MiB:>14.2f}")
+        print(
+            f"{name:<16} {act / MiB:>8.2f} {extra / MiB:>13.2f} {share:>17} "
+            f"{act_temp / MiB:>13.2f} "
+            f"{1e3 * t:>8.1f} {100 * (t / base_time - 1):>8.1f}% {moved / MiB:>14.2f}"
+        )
 
 
 def _pipeline_worker(rank, world, port, cfg, batch, repeats, out_path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
+    )
     n_micro = 2 * world
     recompute = mhc.default_recompute_block(cfg.n_hc, cfg.n_layers // world)
-    variants = {"residual, posted ahead": (False, dict(), True),
-                "residual, blocking": (False, dict(), False),
-                "naive mHC, blocking": (True, dict(), False),
-                "naive mHC, posted ahead": (True, dict(), True),
-                "fused+recompute, blocking": (True, dict(fused=True, recompute=recompute), False),
-                "all three": (True, dict(fused=True, recompute=recompute), True)}
-    runs = {name: make(cfg, hyper) + (hyper, options, overlap) for name, (hyper, options, overlap) in variants.items()}
+    variants = {
+        "residual, posted ahead": (False, dict(), True),
+        "residual, blocking": (False, dict(), False),
+        "naive mHC, blocking": (True, dict(), False),
+        "naive mHC, posted ahead": (True, dict(), True),
+        "fused+recompute, blocking": (True, dict(fused=True, recompute=recompute), False),
+        "all three": (True, dict(fused=True, recompute=recompute), True),
+    }
+    runs = {
+        name: make(cfg, hyper) + (hyper, options, overlap)
+        for name, (hyper, options, overlap) in variants.items()
+    }
     d = data(cfg, batch, 0)
     times = {name: [] for name in variants}
     waits, sent = {name: [] for name in variants}, {}
@@ -141,12 +174,21 @@ def _pipeline_worker(rank, world, port, cfg, batch, repeats, out_path):
         for name, (model, opt, hyper, options, overlap) in runs.items():
             dist.barrier()
             began = time.perf_counter()
-            _, stats = mhc.pipeline_step(model, d[:, :-1], d[:, 1:], n_micro, overlap=overlap,
-                                         fused=options.get("fused", False), recompute=options.get("recompute", 0))
+            _, stats = mhc.pipeline_step(
+                model,
+                d[:, :-1],
+                d[:, 1:],
+                n_micro,
+                overlap=overlap,
+                fused=options.get("fused", False),
+                recompute=options.get("recompute", 0),
+            )
             opt.step()
             opt.zero_grad(set_to_none=True)
             elapsed = torch.tensor([time.perf_counter() - began])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a pipeline step ends when its slowest stage does
+            dist.all_reduce(
+                elapsed, op=dist.ReduceOp.MAX
+            )  # a pipeline step ends when its slowest stage does
             if rep:
                 times[name].append(elapsed.item())
                 waits[name].append(stats.wait_s)
@@ -154,105 +196,467 @@ def _pipeline_worker(rank, world, port, cfg, batch, repeats, out_path):
     if rank == 0:
         with open(out_path, "w") as f:
             for name in variants:
-                f.write(f"{name}\t{statistics.median(times[name])}\t{statistics.median(waits[name])}\t{sent[name]}\n")
-    gc.collect()  # drop cycles that still reach gloo state now, not during interpreter shutdown (it can abort)
+                f.write(
+                    f"{name}\t{statistics.median(times[name])}\t{statistics.median(waits[name])}\t{sent[name]}\n"
+                )
+    gc.collect()  # drop cycles that reach gloo state now, not at interpreter shutdown (can abort)
     dist.destroy_process_group()
 
 
 def free_port():
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def table_pipeline(cfg, batch, repeats, world=2):
-    print(f"\n2. pipeline: {world} stages (gloo processes), 1F1B over {2 * world} micro-batches of {batch // (2 * world)}, "
-          f"same model; step time = slowest stage, median of {repeats}")
+    print(
+        f"\n2. pipeline: {world} stages (gloo processes), 1F1B over {2 * world} micro-batches "
+        f"of {batch // (2 * world)}, "
+        f"same model; step time = slowest stage, median of {repeats}"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "pipeline.tsv")
-        mp.start_processes(_pipeline_worker, args=(world, free_port(), cfg, batch, repeats, out_path),
-                           nprocs=world, join=True, start_method="spawn")
+        mp.start_processes(
+            _pipeline_worker,
+            args=(world, free_port(), cfg, batch, repeats, out_path),
+            nprocs=world,
+            join=True,
+            start_method="spawn",
+        )
         rows = [line.rstrip("\n").split("\t") for line in open(out_path)]
     base = float(rows[0][1])
-    print(f"{'variant':<26} {'step ms':>8} {'vs residual':>12} {'stage-0 wait ms':>16} {'MiB/boundary/step':>18}")
+    print(
+        f"{'variant':<26} {'step ms':>8} {'vs residual':>12} {'stage-0 wait ms':>16} "
+        f"{'MiB/boundary/step':>18}"
+    )
     for name, t, wait, sent in rows:
-        print(f"{name:<26} {1e3 * float(t):>8.1f} {100 * (float(t) / base - 1):>11.1f}% {1e3 * float(wait):>16.1f} "
-              f"{2 * int(sent) / MiB:>18.3f}")
+        print(
+            f"{name:<26} {1e3 * float(t):>8.1f} {100 * (float(t) / base - 1):>11.1f}% "
+            f"{1e3 * float(wait):>16.1f} "
+            f"{2 * int(sent) / MiB:>18.3f}"
+        )
 
 
-def table_curve(dims, batch, repeats, n_layers):
-    print(f"\n3. step-time overhead over C ({n_layers} layers, T=128, batch {batch}, one process, median of {repeats})")
-    print(f"{'C':>6} {'residual ms':>12} {'naive mHC':>10} {'optimised':>10}   overhead naive / optimised")
-    for dim in dims:
-        cfg = mhc.Config(dim=dim, n_layers=n_layers, n_heads=max(1, dim // 64), seq_len=128)
-        variants = {name: (hyper, options_for(cfg, VARIANTS[name][1])) for name, hyper in
-                    (("residual", False), ("naive mHC", True), ("fused+recompute", True))}
-        t = step_times(cfg, batch, variants, repeats)
-        r, n_, o = t["residual"], t["naive mHC"], t["fused+recompute"]
-        print(f"{dim:>6} {1e3 * r:>12.1f} {1e3 * n_:>10.1f} {1e3 * o:>10.1f}   {100 * (n_ / r - 1):>6.1f}% / {100 * (o / r - 1):>6.1f}%")
+# --------------------------------------------------------------------- the curve over C (issue 11)
+
+CURVE_VARIANTS = ("residual", "naive", "optimised")
 
 
-def _median_ms(fn, repeats):
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Stage:
+    """Progress lines with the elapsed time since the run began."""
+
+    def __init__(self):
+        self.began = time.perf_counter()
+
+    def __call__(self, what):
+        print(f"  [{time.perf_counter() - self.began:7.1f} s] {what}", flush=True)
+
+
+def curve_runs(cfg, device):
+    """{(variant, 'eager'|'compiled'): (model, step)} for one C; step() returns the loss.
+
+    Two models (residual, mHC with the same seed); naive and optimised run the same mHC parameters.
+    F is eager in every eager run and compiled in every compiled run (mhc.CompiledModel).
+    """
+    torch.manual_seed(0)
+    residual = mhc.Transformer(cfg, hyper=False).to(device)
+    torch.manual_seed(0)
+    hyper = mhc.Transformer(cfg, hyper=True).to(device)
+    l_r = mhc.default_recompute_block(cfg.n_hc, cfg.n_layers)
+    d = mhc.synthetic_batch(cfg, 2, torch.Generator().manual_seed(0), device)
+    idx, tgt = d[:, :-1], d[:, 1:]
+    compiled = {
+        "residual": mhc.CompiledModel(residual, "residual"),
+        "naive": mhc.CompiledModel(hyper, "naive"),
+        "optimised": mhc.CompiledModel(hyper, "optimised", recompute=l_r),
+    }
+    return (
+        idx,
+        tgt,
+        {
+            ("residual", "eager"): (residual, lambda b: residual(idx[:b], tgt[:b])),
+            ("naive", "eager"): (hyper, lambda b: hyper(idx[:b], tgt[:b])),
+            ("optimised", "eager"): (
+                hyper,
+                lambda b: hyper(idx[:b], tgt[:b], fused=True, recompute=l_r),
+            ),
+            **{
+                (name, "compiled"): (run.model, lambda b, run=run: run(idx[:b], tgt[:b]))
+                for name, run in compiled.items()
+            },
+        },
+    )
+
+
+def _step(model, run, batch, device, cpu_times=None):
+    """One forward + backward (no optimizer: the curve is about the layers' cost). -> seconds.
+
+    cpu_times: a list that also gets this thread's CPU seconds (with 1 thread, the time the step
+    computed, without the time a busy machine kept it waiting; meaningless on a GPU).
+    """
+    model.zero_grad(set_to_none=True)
+    _sync(device)
+    began, began_cpu = time.perf_counter(), time.thread_time()
+    run(batch).backward()
+    _sync(device)
+    if cpu_times is not None:
+        cpu_times.append(time.thread_time() - began_cpu)
+    return time.perf_counter() - began
+
+
+def curve_point(dim, batch, repeats, device, modes, stage):
+    """Step times, compile times and saved activation bytes of every variant at one C."""
+    cfg = mhc.Config(dim=dim, n_layers=4, n_heads=max(1, dim // 64), seq_len=128)
+    idx, tgt, runs = curve_runs(cfg, device)
+    runs = {key: value for key, value in runs.items() if key[1] in modes}
+    first = {}
+    for key, (model, run) in runs.items():  # warm-up: the compiled runs compile here
+        first[key] = _step(model, run, batch, device)
+        if key[1] == "compiled":
+            stage(
+                f"C={dim}: compiled {key[0]:<9} first step {first[key]:6.1f} s (compile + 1 step)"
+            )
+    saved = {}
+    for key, (model, run) in runs.items():
+        model.zero_grad(set_to_none=True)
+        loss, saved[key] = mhc.saved_activation_bytes(model, lambda run=run: run(batch))
+        loss.backward()
+    times, cpu = {key: [] for key in runs}, {key: [] for key in runs}
+    order = list(runs)
+    for rep in range(repeats):  # interleaved, the order rotated each round: drift hits all alike
+        for key in order[rep % len(order) :] + order[: rep % len(order)]:
+            times[key].append(_step(*runs[key], batch, device, cpu[key]))
+    median = {key: statistics.median(t) for key, t in times.items()}
+    if torch.device(device).type == "cpu":
+        cpu_median = {key: statistics.median(t) for key, t in cpu.items()}
+        stage(
+            f"C={dim}: the same in thread CPU time (robust to a busy machine), overhead "
+            "naive / optimised: "
+            + ", ".join(
+                f"{m} {100 * (cpu_median['naive', m] / cpu_median['residual', m] - 1):+.1f}% / "
+                f"{100 * (cpu_median['optimised', m] / cpu_median['residual', m] - 1):+.1f}%"
+                for m in modes
+            )
+        )
+    compile_s = {key: first[key] - median[key] for key in runs if key[1] == "compiled"}
+    stage(f"C={dim}: timed {repeats} interleaved rounds of {len(runs)} variants")
+    return cfg, median, compile_s, saved
+
+
+def _time_part(fn, args, grads, repeats, device):
+    """Median ms of forward + backward of fn(*args) with the given output gradients."""
     times = []
     for rep in range(repeats + 1):
+        for a in args:
+            a.grad = None
+        _sync(device)
         began = time.perf_counter()
-        fn()
+        out = fn(*args)
+        out = out if isinstance(out, tuple) else (out,)
+        torch.autograd.backward(out, grads)
+        _sync(device)
         if rep:
             times.append(time.perf_counter() - began)
     return 1e3 * statistics.median(times)
 
 
-def table_breakdown(dims, batch, repeats):
-    """Forward + backward time of one layer's parts, alone: where mHC's overhead comes from on this machine."""
-    print(f"\n4. one layer's parts, forward + backward, T=128, batch {batch}, median of {repeats} (ms)")
-    print(f"{'C':>6} {'F attn+MLP/2':>13} {'coeff naive':>12} {'coeff opt':>10} {'pre naive':>10} {'pre fused':>10} "
-          f"{'post naive':>11} {'post fused':>11}")
+def part_times(cfg, batch, repeats, device, modes):
+    """One layer's parts, forward + backward, ms: {part: {'eager'|'fused'|'compiled': ms}}.
+
+    coefficients = mhc_coefficients with 1 Sinkhorn round (norm, projection, gates); Sinkhorn =
+    sinkhorn_knopp with the configured rounds on [B, T, n, n] logits; pre-mix A X; post-mix + merge
+    B X + C f; F = the mean of one attention and one MLP sublayer. 'fused' is the hand-written
+    backward version where one exists; 'compiled' is torch.compile of the plain math.
+    """
+    torch.manual_seed(0)
+    model = mhc.Transformer(cfg).to(device)
+    hc, n, dim, iters = model.hcs[0], cfg.n_hc, cfg.dim, cfg.sinkhorn_iters
+    shape = (batch, cfg.seq_len)
+
+    def leaf(*size):
+        return torch.randn(*size, device=device).requires_grad_()
+
+    stream, h, f = leaf(*shape, n, dim), leaf(*shape, dim), leaf(*shape, dim)
+    a, c, b, logits = leaf(*shape, n), leaf(*shape, n), leaf(*shape, n, n), leaf(*shape, n, n)
+    b = torch.softmax(b.detach(), -1).requires_grad_()
+    g_abc = (torch.randn(*shape, n, device=device), torch.randn(*shape, n, n, device=device))
+    g_abc = (g_abc[0], g_abc[1], torch.randn(*shape, n, device=device))
+
+    def coefficients(x, optimised=False):
+        return mhc.mhc_coefficients(x, hc, 1, optimised=optimised)
+
+    def sinkhorn(x):
+        return mhc.sinkhorn_knopp(x, iters)
+
+    def pre_mix(a_, x):
+        return torch.einsum("...n,...nc->...c", a_, x)
+
+    def post_mix(b_, x, c_, f_):
+        return torch.einsum("...ij,...jc->...ic", b_, x) + c_.unsqueeze(-1) * f_.unsqueeze(-2)
+
+    def sublayers(x):
+        return model.sublayers[0](x) + model.sublayers[1](x)
+
+    parts = {  # name: (plain fn, hand-written fn or None, args, output grads, divide by)
+        "coefficients": (
+            coefficients,
+            lambda x: coefficients(x, True),
+            (stream,),
+            g_abc,
+        ),
+        "Sinkhorn": (sinkhorn, lambda x: mhc.SinkhornReplay.apply(x, iters), (logits,), None),
+        "pre-mix": (pre_mix, mhc.FusedPreMix.apply, (a, stream), None),
+        "post-mix": (post_mix, mhc.FusedPostMixMerge.apply, (b, stream, c, f), None),
+        "F": (sublayers, None, (h,), None),
+    }
+    rows = {}
+    for name, (plain, fused, args, grads) in parts.items():
+        if grads is None:
+            with torch.no_grad():
+                out = plain(*args)
+            grads = tuple(torch.randn_like(o) for o in (out if isinstance(out, tuple) else (out,)))
+        row = {}
+        if "eager" in modes:
+            row["eager"] = _time_part(plain, args, grads, repeats, device)
+            if fused is not None:
+                row["fused"] = _time_part(fused, args, grads, repeats, device)
+        if "compiled" in modes:
+            row["compiled"] = _time_part(
+                torch.compile(plain, dynamic=False), args, grads, repeats, device
+            )
+        rows[name] = {k: v / 2 if name == "F" else v for k, v in row.items()}  # F: per layer
+    return rows
+
+
+def table_curve(dims, batch, repeats, device, modes=("eager", "compiled")):
+    """Residual, naive and optimised mHC over C, eager and compiled, and where the time goes."""
+    stage = Stage()
+    threads = torch.get_num_threads()
+    print(
+        f"\n3. step-time overhead over C: 4 layers, T=128, batch {batch}, n_hc=4, fp32, "
+        f"{device}, {threads} thread(s); forward + backward, median of {repeats} interleaved "
+        f"rounds; F eager in every eager run, compiled in every compiled run",
+        flush=True,
+    )
+    points, parts = {}, {}
     for dim in dims:
-        cfg = mhc.Config(dim=dim, n_layers=2, n_heads=max(1, dim // 64), seq_len=128)
-        torch.manual_seed(0)
-        model = mhc.Transformer(cfg)
-        hc, n = model.hcs[0], cfg.n_hc
-        stream = torch.randn(batch, cfg.seq_len, n, dim, requires_grad=True)
-        h = torch.randn(batch, cfg.seq_len, dim, requires_grad=True)
-        a, c = torch.rand(batch, cfg.seq_len, n, requires_grad=True), torch.rand(batch, cfg.seq_len, n, requires_grad=True)
-        b = torch.rand(batch, cfg.seq_len, n, n, requires_grad=True)
-
-        def sublayers():
-            for sublayer in model.sublayers:
-                sublayer(h).sum().backward()
-
-        def coefficients(optimised):
-            a_, b_, c_ = mhc.mhc_coefficients(stream, hc, cfg.sinkhorn_iters, optimised=optimised)
-            (a_.sum() + b_.pow(2).sum() + c_.sum()).backward()
-
-        row = [_median_ms(sublayers, repeats) / 2,
-               _median_ms(lambda: coefficients(False), repeats), _median_ms(lambda: coefficients(True), repeats),
-               _median_ms(lambda: torch.einsum("...n,...nc->...c", a, stream).sum().backward(), repeats),
-               _median_ms(lambda: mhc.FusedPreMix.apply(a, stream).sum().backward(), repeats),
-               _median_ms(lambda: (torch.einsum("...ij,...jc->...ic", b, stream)
-                                   + c.unsqueeze(-1) * h.unsqueeze(-2)).sum().backward(), repeats),
-               _median_ms(lambda: mhc.FusedPostMixMerge.apply(b, stream, c, h).sum().backward(), repeats)]
-        print(f"{dim:>6} " + " ".join(f"{v:>{w}.2f}" for v, w in zip(row, (13, 12, 10, 10, 10, 11, 11))))
+        points[dim] = curve_point(dim, batch, repeats, device, modes, stage)
+        median = points[dim][1]
+        stage(
+            f"C={dim}: overhead over the residual, naive / optimised: "
+            + ", ".join(
+                f"{m} {100 * (median['naive', m] / median['residual', m] - 1):+.1f}% / "
+                f"{100 * (median['optimised', m] / median['residual', m] - 1):+.1f}%"
+                for m in modes
+            )
+        )
+        parts[dim] = part_times(points[dim][0], batch, repeats, device, modes)
+        stage(f"C={dim}: per-part timings done")
+    keys = [(v, m) for m in modes for v in CURVE_VARIANTS]
+    print("\nstep ms and overhead over the residual of the same mode (eager or compiled)")
+    print(f"{'C':>6} " + " ".join(f"{v[:5] + ' ' + m[:4]:>14}" for v, m in keys))
+    overhead = {}
+    for dim, (cfg, median, _, _) in points.items():
+        cells = []
+        for v, m in keys:
+            base = median["residual", m]
+            overhead[dim, v, m] = 100 * (median[v, m] / base - 1)
+            extra = "" if v == "residual" else f" {overhead[dim, v, m]:+5.1f}%"
+            cells.append(f"{1e3 * median[v, m]:.1f}{extra}")
+        print(f"{dim:>6} " + " ".join(f"{cell:>14}" for cell in cells))
+    if "compiled" in modes:
+        print("\ncompile time (first step minus a timed step), s; never inside the step times")
+        for dim, (_, _, compile_s, _) in points.items():
+            print(
+                f"  C={dim:<5} "
+                + "  ".join(f"{v} {compile_s[v, 'compiled']:6.1f}" for v in CURVE_VARIANTS)
+            )
+    print(
+        "\nactivation memory autograd keeps (saved-tensor hooks, distinct storages), MiB; "
+        "extra = over the residual of the same mode"
+    )
+    print(
+        f"{'C':>6} {'mode':>9} {'residual':>9} {'naive extra':>12} {'optimised extra':>16} "
+        f"{'opt/naive':>10}"
+    )
+    ratio = {}
+    for dim, (_, _, _, saved) in points.items():
+        for m in modes:
+            naive = saved["naive", m] - saved["residual", m]
+            opt = saved["optimised", m] - saved["residual", m]
+            ratio[dim, m] = 100 * opt / naive
+            print(
+                f"{dim:>6} {m:>9} {saved['residual', m] / MiB:>9.1f} {naive / MiB:>12.1f} "
+                f"{opt / MiB:>16.1f} {ratio[dim, m]:>9.0f}%"
+            )
+    print(
+        "\nwhere the time goes: one layer's parts, forward + backward, ms (eager plain autograd | "
+        "hand-written backward | compiled plain; - = none)"
+    )
+    names = list(next(iter(parts.values())))
+    print(f"{'C':>6} " + " ".join(f"{name:>20}" for name in names) + f" {'mixing/F':>10}")
+    for dim, rows in parts.items():
+        cells = []
+        for name in names:
+            row = rows[name]
+            cells.append(
+                " | ".join(
+                    f"{row[k]:.2f}" if k in row else "-" for k in ("eager", "fused", "compiled")
+                )
+            )
+        share = " / ".join(
+            f"{100 * sum(rows[p][m] for p in names if p != 'F') / rows['F'][m]:.0f}%"
+            for m in ("eager", "compiled")
+            if m in rows["F"]
+        )
+        print(f"{dim:>6} " + " ".join(f"{cell:>20}" for cell in cells) + f" {share:>10}")
+    print("\ntargets (issue 11):")
+    for m in modes:
+        worse = [d for d in dims if overhead[d, "optimised", m] > overhead[d, "naive", m]]
+        print(
+            f"  {m}: optimised overhead <= naive at every C: "
+            + ("yes" if not worse else f"NO at C={worse}")
+        )
+        worst = max(ratio[d, m] for d in dims)
+        print(
+            f"  {m}: optimised extra activation memory <= 30% of naive's: "
+            f"{'yes' if worst <= 30 else 'NO'} (worst {worst:.0f}%)"
+        )
+    if "compiled" in modes and {1024, 2048} <= set(dims):
+        print(
+            f"  compiled optimised <= 6.7% at C=1024 and <= 4% at C=2048: "
+            f"{overhead[1024, 'optimised', 'compiled']:.1f}% / "
+            f"{overhead[2048, 'optimised', 'compiled']:.1f}%"
+        )
+    return {
+        "setup": f"4 layers, T=128, batch {batch}, n_hc=4, fp32, {device}, {threads} thread(s), "
+        f"median of {repeats} interleaved rounds, torch {torch.__version__}",
+        "dims": list(dims),
+        "step_ms": {f"{v} {m} {d}": 1e3 * points[d][1][v, m] for d in dims for v, m in keys},
+        "overhead_pct": {f"{v} {m} {d}": overhead[d, v, m] for d in dims for v, m in keys},
+        "compile_s": {
+            f"{v} {d}": points[d][2][v, "compiled"]
+            for d in dims
+            for v in CURVE_VARIANTS
+            if "compiled" in modes
+        },
+        "saved_MiB": {f"{v} {m} {d}": points[d][3][v, m] / MiB for d in dims for v, m in keys},
+        "parts_ms": {
+            f"{p} {k} {d}": ms for d in dims for p, row in parts[d].items() for k, ms in row.items()
+        },
+    }
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (smoke test)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadiest on a shared machine)")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--curve",
+        action="store_true",
+        help="only the curve over C (issue 11): residual, naive and optimised mHC, eager and "
+        "compiled, with the per-part table; its last line is the headline",
+    )
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats (smoke)")
+    parser.add_argument(
+        "--dims",
+        type=int,
+        nargs="+",
+        default=None,
+        help="hidden sizes C of the curve (default 256 512 1024 2048; --quick: 64 128)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed rounds per variant (default 7; --quick: 2); the median is reported",
+    )
+    parser.add_argument(
+        "--eager-only", action="store_true", help="skip the compiled runs (no compile time)"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads (default 1: steadiest when shared)"
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("gloo", "nccl"),
+        default=None,
+        help="process-group backend of table 2, the pipeline (gloo, the default: it runs on CPU)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default=None,
+        help="device of every table (default: cpu; cuda needs a visible GPU)",
+    )
+    parser.add_argument(
+        "--save",
+        default=None,
+        help="--curve: also write its numbers to this JSON file "
+        "(notebook 02 plots benchmarks/curve_cpu.json)",
+    )
     args = parser.parse_args()
+    if args.repeats is not None and args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    if args.dims and min(args.dims) < 4:
+        parser.error(f"--dims must be >= 4 (C is split over heads of 64), got {args.dims}")
+    device = args.device or "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA GPU is visible; pass --device cpu")
+    if args.backend == "nccl":
+        parser.error(
+            "--backend nccl: table 2 runs its stages on CPU/gloo; the curve (--curve, "
+            "--device cuda) is one process and needs no backend"
+        )
+    if args.curve and args.eager_only:
+        parser.error("--curve measures eager and compiled side by side; drop --eager-only")
     torch.set_num_threads(args.threads)
-    dim, repeats = (64, 2) if args.quick else (256, 7)
-    cfg = mhc.Config(dim=dim, n_layers=8, n_heads=max(1, dim // 64), seq_len=128)
-    batch = 4
-    print(f"mHC benchmark, torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs")
-    table_one_process(cfg, batch, repeats)
-    table_pipeline(cfg, batch, repeats)
-    table_curve((64, 128) if args.quick else (128, 256, 512, 1024), 2, max(2, repeats - 2), 4)
-    table_breakdown((128, 1024) if args.quick else (256, 1024), batch, repeats)
-    print("\nThe paper's target is 6.7% step-time overhead over the residual (V4, GPUs, fused kernels in DualPipe).\n"
-          "On CPU eager, every mixing op is a separate pass plus Python dispatch: the 20-iteration Sinkhorn\n"
-          "alone is ~80 tiny ops per layer, a fixed cost that a fused GPU kernel does in one launch.")
+    repeats = args.repeats or (2 if args.quick else 7)
+    dims = args.dims or ((64, 128) if args.quick else (256, 512, 1024, 2048))
+    print(
+        f"mHC benchmark, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{os.cpu_count()} CPUs, device {device}",
+        flush=True,
+    )
+    if not args.curve:
+        dim = 64 if args.quick else 256
+        cfg = mhc.Config(dim=dim, n_layers=8, n_heads=max(1, dim // 64), seq_len=128)
+        if device == "cpu":
+            table_one_process(cfg, 4, repeats)
+            table_pipeline(cfg, 4, repeats)
+        else:
+            print("tables 1 and 2 run on the CPU only; see --curve for the device")
+        table_curve(
+            dims, 2, repeats, device, ("eager",) if args.eager_only else ("eager", "compiled")
+        )
+        print(
+            "\nThe paper's target is 6.7% step-time overhead over the residual (V4, GPUs, fused "
+            "kernels in DualPipe)."
+        )
+        return
+    result = table_curve(dims, 2, repeats, device)
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"\nsaved the curve to {args.save}")
+    if {1024, 2048} <= set(dims):
+        o = {
+            (d, v): result["overhead_pct"][f"{v} compiled {d}"]
+            for d in (1024, 2048)
+            for v in CURVE_VARIANTS
+        }
+        print(
+            f"optimised mHC overhead, compiled: C=1024 {o[1024, 'optimised']:.1f}% "
+            f"C=2048 {o[2048, 'optimised']:.1f}% (naive C=1024 {o[1024, 'naive']:.1f}%)"
+        )
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@
 # 3. why 20 Sinkhorn iterations are enough;
 # 4. why B is constrained at all: the composite gain of many stacked mixings;
 # 5. the recompute block size L_r: memory against block length, with sqrt(nL/(n+2)) marked;
-# 6. the same weights in the public DeepSeek-V4 code and in `mhc.py`: the same numbers.
+# 6. the same weights in the public DeepSeek-V4 code and in `mhc.py`: the same numbers;
+# 7. the time overhead over the hidden size C, eager and compiled (`bench_mhc.py --curve`).
 
 # %%
 import math
@@ -282,4 +283,142 @@ else:
     print(
         f"{sum(r['max_abs_diff'] <= r['tolerance'] for r in rows)} of {len(rows)} within "
         f"tolerance ({time.perf_counter() - began:.0f} s, most of it importing transformers)"
+    )
+
+# %% [markdown]
+# ## 7. What it costs in time: overhead over the hidden size C, eager and compiled
+# Per token and layer, mHC's lane mixing reads and writes the n lanes a few times, projects them to
+# 2n + n² = 24 logits and runs 20 Sinkhorn rounds on a 4 × 4 matrix: work that grows like n·C, plus
+# a fixed cost per token. F (attention or MLP) does matmuls that grow like C². So the relative
+# overhead falls roughly like 1/C, and one size would hide the trend: the curve is the honest
+# summary. It comes from `python benchmarks/bench_mhc.py --curve --save benchmarks/curve_cpu.json`
+# (4 layers, T = 128, batch 2, 1 thread; forward + backward; residual, naive and optimised mHC, each
+# eager and under torch.compile, with F compiled in every compiled run), read here from its JSON
+# because compiling its ~60 graphs takes minutes. The demo's size, C = 128, is measured live below
+# (eager, 3 rounds after one warm-up: small counts, a few seconds).
+
+# %%
+import json
+import pathlib
+import statistics
+import time
+
+began = time.perf_counter()
+candidates = [
+    pathlib.Path(mhc.__file__).resolve().parent,
+    pathlib.Path.cwd(),
+    pathlib.Path.cwd().parent,
+]
+curve_file = next(
+    (
+        p / "benchmarks" / "curve_cpu.json"
+        for p in candidates
+        if (p / "benchmarks" / "curve_cpu.json").exists()
+    ),
+    None,
+)
+curve = json.loads(curve_file.read_text()) if curve_file else None
+
+
+def live_overheads(dim, rounds=3, batch=2, layers=4):
+    """Eager forward + backward time of residual, naive and optimised mHC at one C, interleaved."""
+    cfg_c = mhc.Config(dim=dim, n_layers=layers, n_heads=max(1, dim // 64), seq_len=128)
+    torch.manual_seed(0)
+    residual, hyper = mhc.Transformer(cfg_c, hyper=False), mhc.Transformer(cfg_c)
+    data = mhc.synthetic_batch(cfg_c, batch, torch.Generator().manual_seed(0), "cpu")
+    l_r = mhc.default_recompute_block(cfg_c.n_hc, layers)
+    runs = {
+        "residual": (residual, {}),
+        "naive": (hyper, {}),
+        "optimised": (hyper, dict(fused=True, recompute=l_r)),
+    }
+    times = {name: [] for name in runs}
+    for rnd in range(rounds + 1):
+        for name, (model, options) in runs.items():
+            model.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            model(data[:, :-1], data[:, 1:], **options).backward()
+            if rnd:  # round 0 warms up
+                times[name].append(time.perf_counter() - t0)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    return {name: 100 * (med[name] / med["residual"] - 1) for name in ("naive", "optimised")}
+
+
+live = live_overheads(128)
+print(
+    f"[{time.perf_counter() - began:.1f} s] live, C=128, eager: naive {live['naive']:+.0f}%, "
+    f"optimised {live['optimised']:+.0f}% step time over the residual"
+)
+
+fig, ax = plt.subplots(figsize=(10, 4), dpi=110)
+styles = {
+    ("naive", "eager"): ("#c44e52", "--", "o"),
+    ("optimised", "eager"): ("#55a868", "--", "o"),
+    ("naive", "compiled"): ("#c44e52", "-", "s"),
+    ("optimised", "compiled"): ("#55a868", "-", "s"),
+}
+if curve:
+    dims = curve["dims"]
+    for (variant, mode), (color, ls, marker) in styles.items():
+        ax.plot(
+            dims,
+            [curve["overhead_pct"][f"{variant} {mode} {d}"] for d in dims],
+            color=color,
+            ls=ls,
+            marker=marker,
+            lw=2,
+            label=f"{variant} mHC, {mode}",
+        )
+for variant, color in (("naive", "#c44e52"), ("optimised", "#55a868")):
+    ax.plot(
+        [128],
+        [live[variant]],
+        marker="*",
+        ms=14,
+        color=color,
+        ls="none",
+        label=f"{variant}, eager, measured live at C=128",
+    )
+ax.axhline(6.7, color="#555555", ls=":", lw=1.5, label="V4's 6.7% (GPUs, overlapped 1F1B)")
+ax.set_xscale("log", base=2)
+ax.set_yscale("log")
+xticks = sorted({128, *(curve["dims"] if curve else [])})
+ax.set_xticks(xticks, [str(d) for d in xticks])
+ax.xaxis.set_minor_locator(plt.NullLocator())
+ticks = [1, 2, 5, 10, 20, 50, 100, 200, 500]
+ax.set_yticks(ticks, [str(t) for t in ticks])
+ax.set_xlabel("hidden size C (width of one lane)")
+ax.set_ylabel("step-time overhead over the residual (%)")
+ax.set_title(
+    "mHC's cost over C: eager (dashed) vs torch.compile (solid), 4 layers, T=128, 1 thread"
+)
+ax.legend(fontsize=10, ncol=2, loc="lower left")
+ax.tick_params(labelsize=10)
+ax.grid(alpha=0.3, which="major")
+plt.tight_layout()
+plt.show()
+if curve:
+    print(f"recorded: {curve['setup']} ({curve_file.name})")
+    for d in curve["dims"]:
+        cells = ", ".join(
+            f"{v} {m} {curve['overhead_pct'][f'{v} {m} {d}']:+.1f}%" for v, m in styles
+        )
+        print(f"  C={d:<5} {cells}")
+    d0 = min(curve["dims"])
+    guess = curve["overhead_pct"][f"optimised compiled {d0}"] * d0 / 128
+    print(
+        f"at C=128, compiled: about {guess:.0f}% to expect (C={d0}'s {d0 / 128:.0f}x, "
+        f"overhead ~ 1/C), against the eager {live['optimised']:.0f}% measured live above"
+    )
+else:
+    print("benchmarks/curve_cpu.json not found: run the bench command above to record the curve")
+n = cfg.n_hc
+for dim in (128, 1024):
+    # per token and layer: F is the mean of attention (4 C^2 multiply-adds) and MLP (8 C^2);
+    # the mixing: projection nC x (2n + n^2), pre-mix nC, post-mix n^2 C + nC
+    f_flops = 2 * 6 * dim * dim
+    mix_flops = 2 * (n * dim * (2 * n + n * n) + 2 * n * dim + n * n * dim)
+    print(
+        f"C={dim}: mixing ~{mix_flops / f_flops:.0%} of F's matmul flops, and its "
+        f"{4 * n * dim * 2:,} bytes of lanes per read+write are memory-bound work F does not have"
     )
