@@ -7,7 +7,6 @@ deadlock, no mismatch. A static check finds devices chosen from the backend's na
 """
 
 import os
-import re
 import sys
 
 import pytest
@@ -137,35 +136,14 @@ def test_static_check_finds_a_device_chosen_from_the_backend(tmp_path):
     assert len(problems) == 1 and "bad.py:5" in problems[0], problems
 
 
-def _source(name):
-    with open(os.path.join(ROOT, name)) as f:
-        return f.read()
-
-
 @pytest.mark.parametrize("name", TECHNIQUES)
-def test_no_technique_chooses_devices_from_the_backend_name(name, request):
-    if "def choose_backend(" not in _source(name):
-        request.applymarker(
-            pytest.mark.xfail(reason="predates the shared set-up block (issue 14)", strict=False)
-        )
+def test_no_technique_chooses_devices_from_the_backend_name(name):
     assert nccl_rules.static_check(os.path.join(ROOT, name)) == []
-
-
-def _mhc_relies_on_tags():
-    """main's 1F1B posts tagged receives ahead on one group: gloo matches tags, NCCL does not."""
-    return re.search(r"dist\.i(send|recv)\([^)]*tag=", _source("mhc.py")) is not None
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("name", TECHNIQUES)
-def test_demo_replays_under_nccl_rules(name, world_size, tmp_path, request):
-    if name == "mhc.py" and _mhc_relies_on_tags():
-        request.applymarker(
-            pytest.mark.xfail(
-                reason="mhc.py's 1F1B relies on tags and buffered sends (issue 14 item 1)",
-                strict=True,
-            )
-        )
+def test_demo_replays_under_nccl_rules(name, world_size, tmp_path):
     out = str(tmp_path / "log")
     cmd = ["record", "--out", out, "--", os.path.join(ROOT, name), *nccl_rules.demo_args(name)]
     run_torchrun(os.path.join("tools", "nccl_rules.py"), nproc=world_size, args=cmd, timeout=240)
