@@ -31,7 +31,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+if ROOT not in sys.path:  # appended: a graded submission earlier on the path stays first
+    sys.path.append(ROOT)
 import cp_compress as cpc  # noqa: E402
 from memory_timeline import MemoryTimeline  # noqa: E402
 

@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the technique files at the root; appended, so a graded submission earlier on the path stays first
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import mhc  # noqa: E402
 from memory_timeline import MemoryTimeline  # noqa: E402
 

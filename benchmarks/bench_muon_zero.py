@@ -21,7 +21,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the technique files at the root; appended, so a graded submission earlier on the path stays first
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import muon_zero as mz  # noqa: E402
 
 

@@ -47,7 +47,8 @@ from functorch.compile import make_boxed_func, min_cut_rematerialization_partiti
 from torch._dynamo.backends.common import aot_autograd
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the technique files at the root; appended, so a graded submission earlier on the path stays first
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tensor_ckpt as tc  # noqa: E402
 from memory_timeline import MemoryTimeline  # noqa: E402
 
