@@ -171,8 +171,13 @@ class Recorder:
         return wrapper
 
     def collective_record(self, name, a):
-        if name == "new_group":  # every rank of the world calls it, in the same order
+        if name == "new_group":  # every rank of the world calls it, in the same order...
             ranks = sorted(a.get("ranks") or range(self.dist.get_world_size()))
+            if a.get("use_local_synchronization"):  # ...unless only its members take part
+                return dict(
+                    kind="coll", op=name, group=ranks, gid="new_group(local) " + str(ranks),
+                    size=ranks, devices=[],
+                )  # fmt: skip
             return dict(
                 kind="coll", op=name, group=self.ranks(None), gid=self.gid(None), size=ranks,
                 devices=[],
