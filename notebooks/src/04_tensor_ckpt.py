@@ -13,17 +13,16 @@
 # to checkpoint, and what each choice of annotation saves and costs.
 
 # %%
-import functools
 import time
 import warnings
 
 import matplotlib.pyplot as plt
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 import tensor_ckpt as tc
-from memory_timeline import MemoryTimeline, MiB, plot_timeline
+from benchmarks import bench_tensor_ckpt as bench
+from memory_timeline import MiB, plot_timeline
 
 plt.rcParams.update({"figure.dpi": 110, "font.size": 11})
 torch.set_num_threads(2)
@@ -88,64 +87,18 @@ plt.show()
 # plot gives the numbers.
 
 # %%
-MATMULS = [torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-           torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default]  # fmt: skip
-
-
-def per_layer(stack, context_fn=None):
-    """torch.utils.checkpoint around each layer, optionally with a SAC policy."""
-
-    def run(h):
-        for layer in stack:
-            kwargs = dict(context_fn=context_fn) if context_fn else {}
-            h = checkpoint(layer, h, use_reentrant=False, **kwargs)
-        return h
-
-    return run
-
-
-def backward_work(fn, weight):
-    """(matmul/attention FLOPs, aten ops, bytes allocated) of one backward.
-
-    Forward is counted too and subtracted: SAC and torch.utils.checkpoint replay their recompute
-    under the modes that were active in forward, so counting backward alone would miss it.
-    """
-    with tc.count_flops() as flops, tc.OpCounter() as ops:
-        out = fn(x)
-        forward = flops.get_total_flops(), ops.ops, ops.bytes
-        out.backward(weight)
-    return flops.get_total_flops() - forward[0], ops.ops - forward[1], ops.bytes - forward[2]
-
-
-def one_step(stack, fn, name):
-    """Record one forward + backward; return the timeline and (activations, extra backward work)."""
-    stack.zero_grad(set_to_none=True)
-    tl = MemoryTimeline(model=stack, name=name)
-    tl.tag([x, grad, *stack.buffers()], "other")
-    with tl.record():
-        with tl.phase("forward", 0):
-            out = fn(x)
-        with tl.phase("backward", 0):
-            out.backward(grad)
-            del out
-    stack.zero_grad(set_to_none=True)
-    return tl, tl.peak("activations", step=0, phase="forward")
-
-
+# The benchmark's variants, memory recording and work counters, so the notebook shows what
+# `benchmarks/bench_tensor_ckpt.py` measures (SAC's policy saves the matmul and attention outputs).
 start = time.perf_counter()
 stack = nn.Sequential(*[tc.Block(C, HEADS) for _ in range(2)])
 grad = torch.randn(BATCH, T, C)
-fns = {
-    "none": stack,
-    "module": per_layer(stack),
-    "SAC": per_layer(stack, functools.partial(create_selective_checkpoint_contexts, MATMULS)),
-    "tensor_ckpt": tc.checkpoint_tensors(stack, (x,)),
-}
-plain_work = backward_work(stack, grad)
+fns = bench.variants(stack, x)
+plain_work = bench.backward_work(stack, x, grad)
 timelines, rows = [], {}
 for name, fn in fns.items():
-    tl, held = one_step(stack, fn, name)
-    flops, ops, written = (a - b for a, b in zip(backward_work(fn, grad), plain_work))
+    held, _, tl = bench.memory(stack, fn, x, grad)
+    tl.name = name
+    flops, ops, written = (a - b for a, b in zip(bench.backward_work(fn, x, grad), plain_work))
     timelines.append(tl)
     rows[name] = (held, flops, ops, written)
     print(f"[{name}, {time.perf_counter() - start:.1f} s] recorded")
@@ -188,14 +141,14 @@ choices = {
 }
 ones = torch.ones(BATCH, T, C)
 plain_bytes, _ = tc.activation_bytes(block, x)
-plain_work = backward_work(block, ones)
+plain_work = bench.backward_work(block, x, ones)
 points = {}
 for label, names in choices.items():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         c = tc.checkpoint_tensors(block, (x,), forget=names)
     held, _ = tc.activation_bytes(c, x)
-    flops, ops, written = (a - b for a, b in zip(backward_work(c, ones), plain_work))
+    flops, ops, written = (a - b for a, b in zip(bench.backward_work(c, x, ones), plain_work))
     points[label] = ((plain_bytes - held) / MiB, flops / 1e6, written / MiB)
     print(f"{label:<18} saved {(plain_bytes - held) / MiB:5.2f} of {plain_bytes / MiB:.2f} MiB; "
           f"recompute {flops / 1e6:6.1f} MFLOP matmul/attention, {ops:3d} more aten ops, "
