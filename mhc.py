@@ -194,39 +194,103 @@ class HyperHead(nn.Module):
 
 
 # ---- 2. fused lane mixing ------------------------------------------------------------------------
+#
+# Each operation as one pure forward and one pure backward function: what one kernel reads, computes
+# and writes, with no autograd inside. The autograd.Functions wrap them for the fused layer; the
+# recomputed block (section 3) calls the backward functions itself, and section 3b hands the very
+# same functions to torch.compile.
+
+
+def norm_then_project(x, weight):
+    """RMSNorm(x) W as (x W) * r, r = 1/rms(x): x [..., D], W [D, k] -> (x W [..., k], r [..., 1]).
+
+    The division moves after the matmul (mHC paper §4), so the normalised stream (D = n*C per
+    token) is never written: one pass over x for the projection, one for its sum of squares.
+    """
+    return x @ weight, torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+
+
+def norm_then_project_backward(grad, x, weight, projected, inv_rms):
+    """Gradients of y = (x W) * r for dy [..., k] -> (dx [..., D], dW [D, k]).
+
+    dx = (dy r) W^T - (sum(dy * xW) r^3 / D) x: two passes over x, nothing n*C-sized kept.
+    """
+    scaled = grad * inv_rms  # [..., k]
+    grad_weight = x.reshape(-1, x.shape[-1]).T @ scaled.reshape(-1, scaled.shape[-1])
+    through_rms = (grad * projected).sum(-1, keepdim=True) * inv_rms.pow(3) / x.shape[-1]
+    return torch.addcmul(scaled @ weight.T, through_rms, x, value=-1), grad_weight
+
+
+def sinkhorn_backward(logits, grad, iters=20, eps=EPS):
+    """d loss / d logits of sinkhorn_knopp(logits, iters), given grad = d loss / d B. [..., n, n].
+
+    Replays the 2*iters normalisations (n x n per token: tiny) and walks them backwards. For one
+    step Y = M / s, s = sum(M) + eps along one axis: dM = (dY - sum(dY * Y)) / s along that axis.
+    Plain autograd would instead keep every intermediate: ~2*iters*(n^2 + n) floats per token.
+    """
+    soft = torch.softmax(logits, dim=-2)
+    matrix, steps = soft + eps, []
+    for dim in [-1] + [-2, -1] * (iters - 1):  # sinkhorn_knopp's order: rows, then cols, rows...
+        sums = matrix.sum(dim, keepdim=True) + eps
+        matrix = matrix / sums
+        steps.append((matrix, sums, dim))
+    for matrix, sums, dim in reversed(steps):
+        grad = (grad - (grad * matrix).sum(dim, keepdim=True)) / sums
+    return soft * (grad - (grad * soft).sum(-2, keepdim=True))  # softmax down each column
+
+
+def pre_mix(a, stream):
+    """h = A X: A [..., n], X [..., n, C] -> [..., C]. Reads X once, writes C."""
+    return (a.unsqueeze(-2) @ stream).squeeze(-2)
+
+
+def pre_mix_backward(grad_h, a, stream):
+    """-> (dA [..., n] = <X_i, dh>, dX [..., n, C] = A_i dh)."""
+    return (stream * grad_h.unsqueeze(-2)).sum(-1), a.unsqueeze(-1) * grad_h.unsqueeze(-2)
+
+
+def post_mix(b, stream, c, f):
+    """X' = B X + C f: B [..., n, n], X [..., n, C], C [..., n], f [..., C] -> X' [..., n, C].
+
+    One output buffer, no B X or C f temporaries: reads (n+1)C and writes nC per token instead of
+    (3n+1)C and 3nC (mHC paper §4). Eager CPU still takes two passes over the output (matmul, then
+    an in-place addcmul); torch.compile or a hand kernel makes it one.
+    """
+    return (b @ stream).addcmul_(c.unsqueeze(-1), f.unsqueeze(-2))
+
+
+def post_mix_backward(grad_out, b, stream, c, f):
+    """Gradients of X' = B X + C f for dX' [..., n, C] -> (dB, dX, dC, df), shaped as b, X, c, f."""
+    # hint: X' = B X + C f is linear in each input; write each gradient as one matmul
+    ### BEGIN SOLUTION
+    grad_b = grad_out @ stream.transpose(-1, -2)  # [..., n, n]
+    grad_stream = b.transpose(-1, -2) @ grad_out  # [..., n, C]
+    grad_c = (grad_out @ f.unsqueeze(-1)).squeeze(-1)  # [..., n]
+    grad_f = (c.unsqueeze(-2) @ grad_out).squeeze(-2)  # [..., C]
+    return grad_b, grad_stream, grad_c, grad_f
+    ### END SOLUTION
 
 
 class NormThenProject(torch.autograd.Function):
-    """RMSNorm(x) W computed as (x W) * r, r = 1/rms(x): x [..., D], W [D, k] -> [..., k].
+    """norm_then_project as one autograd op: x [..., D], W [D, k] -> (x W) * r  [..., k].
 
-    The division moves after the matmul (mHC paper §4), so the normalised stream (D = n*C per
-    token) is never written; saved: x (the layer's stream, alive anyway), W, r and x W.
-    Backward in two passes over x: dx = (g r) W^T - (sum(g * xW) r^3 / D) x.
+    Saved: x (the layer's stream, alive anyway), W, r and x W; never the normalised stream.
     """
 
     @staticmethod
     def forward(ctx, x, weight):
-        projected = x @ weight
-        inv_rms = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
-        ctx.save_for_backward(x, weight, inv_rms, projected)
+        projected, inv_rms = norm_then_project(x, weight)
+        ctx.save_for_backward(x, weight, projected, inv_rms)
         return projected * inv_rms
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight, inv_rms, projected = ctx.saved_tensors
-        scaled = grad_out * inv_rms  # [..., k]
-        grad_weight = x.reshape(-1, x.shape[-1]).T @ scaled.reshape(-1, scaled.shape[-1])
-        through_rms = (grad_out * projected).sum(-1, keepdim=True) * inv_rms.pow(3) / x.shape[-1]
-        grad_x = torch.addcmul(scaled @ weight.T, through_rms, x, value=-1)
-        return grad_x, grad_weight
+        x, weight, projected, inv_rms = ctx.saved_tensors
+        return norm_then_project_backward(grad_out, x, weight, projected, inv_rms)
 
 
 class SinkhornReplay(torch.autograd.Function):
-    """sinkhorn_knopp saving only its logits [..., n, n]; backward replays the 2*iters steps.
-
-    Plain autograd keeps every intermediate matrix and its sums: ~2*iters*(n^2 + n) floats per
-    token per layer, more than the n*C stream itself until C ~ 200 (n = 4, 20 iterations).
-    """
+    """sinkhorn_knopp saving only its logits [..., n, n]; backward is sinkhorn_backward."""
 
     @staticmethod
     def forward(ctx, logits, iters):
@@ -237,57 +301,34 @@ class SinkhornReplay(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         (logits,) = ctx.saved_tensors
-        with torch.enable_grad():
-            leaf = logits.detach().requires_grad_()
-            (grad,) = torch.autograd.grad(sinkhorn_knopp(leaf, ctx.iters), leaf, grad_out)
-        return grad, None
+        return sinkhorn_backward(logits, grad_out, ctx.iters), None
 
 
 class FusedPreMix(torch.autograd.Function):
-    """h = A X: A [..., n], X [..., n, C] -> h [..., C]. Reads X once, writes C; saves A and X.
-
-    X is the layer's input stream, alive anyway; the n x C product A_i X_i is never materialised.
-    """
+    """pre_mix as one autograd op; saves A and X (the layer's input stream, alive anyway)."""
 
     @staticmethod
     def forward(ctx, a, stream):
         ctx.save_for_backward(a, stream)
-        return (a.unsqueeze(-2) @ stream).squeeze(-2)
+        return pre_mix(a, stream)
 
     @staticmethod
     def backward(ctx, grad_h):
-        a, stream = ctx.saved_tensors
-        grad_a = (stream @ grad_h.unsqueeze(-1)).squeeze(-1)  # [..., n]: <X_i, dh>
-        grad_stream = a.unsqueeze(-1) * grad_h.unsqueeze(-2)  # [..., n, C]: A_i dh
-        return grad_a, grad_stream
+        return pre_mix_backward(grad_h, *ctx.saved_tensors)
 
 
 class FusedPostMixMerge(torch.autograd.Function):
-    """X' = B X + C f: B [..., n, n], X [..., n, C], C [..., n], f [..., C] -> X' [..., n, C].
-
-    One output buffer, no B X or C f temporaries: reads (n+1)C and writes nC per token instead of
-    (3n+1)C and 3nC (mHC paper §4). Eager CPU still takes two passes over the output (matmul, then
-    an in-place addcmul); torch.compile or a hand kernel makes it one. Saves B, X, C, f: X is the
-    layer input and f the sublayer output, both alive anyway.
-    """
+    """post_mix as one autograd op. Saves B, X, C, f: X is the layer input and f the sublayer
+    output, both alive anyway."""
 
     @staticmethod
     def forward(ctx, b, stream, c, f):
         ctx.save_for_backward(b, stream, c, f)
-        out = b @ stream
-        return out.addcmul_(c.unsqueeze(-1), f.unsqueeze(-2))
+        return post_mix(b, stream, c, f)
 
     @staticmethod
     def backward(ctx, grad_out):
-        b, stream, c, f = ctx.saved_tensors
-        # hint: X' = B X + C f is linear in each input; write each gradient as one matmul
-        ### BEGIN SOLUTION
-        grad_b = grad_out @ stream.transpose(-1, -2)  # [..., n, n]
-        grad_stream = b.transpose(-1, -2) @ grad_out  # [..., n, C]
-        grad_c = (grad_out @ f.unsqueeze(-1)).squeeze(-1)  # [..., n]
-        grad_f = (c.unsqueeze(-2) @ grad_out).squeeze(-2)  # [..., C]
-        return grad_b, grad_stream, grad_c, grad_f
-        ### END SOLUTION
+        return post_mix_backward(grad_out, *ctx.saved_tensors)
 
 
 def pre_mix_fused(a, stream):
@@ -331,160 +372,182 @@ def recompute_blocks(start, end, block):
     return [(first, min(first + block, end)) for first in range(start, end, block)]
 
 
-def layer_mixing_reference(stream, hc, f, iters):
-    """Lane mixing of one layer around a given F output f: (A X [..., C], B X + C f [..., n, C])."""
-    a, b, c = mhc_coefficients(stream, hc, iters)
-    h = torch.einsum("...n,...nc->...c", a, stream.to(a.dtype)).to(stream.dtype)
-    b, c = b.to(stream.dtype), c.to(stream.dtype)
-    return h, torch.einsum("...ij,...jc->...ic", b, stream) + c.unsqueeze(-1) * f.unsqueeze(-2)
+def hc_params(hc):
+    """One layer's mixing parameters, in the order mix_in and mix_in_backward take and return."""
+    return (hc.proj, hc.gate, hc.bias_pre, hc.bias_post, hc.bias_res)
 
 
-def layer_mixing_fused(stream, hc, f, iters):
-    """layer_mixing_reference with the fused ops."""
-    a, b, c = mhc_coefficients(stream, hc, iters, optimised=True)
-    return pre_mix_fused(a, stream), post_mix_fused(b, stream, c, f)
+def mix_in(stream, params, iters):
+    """One layer's coefficients and pre-mix, forward only: X [..., n, C] -> (h = A X, kept).
+
+    kept = (A [..., n], B [..., n, n], C [..., n], x W [..., 2n + n^2], 1/rms [..., 1]): 2n^2 + 5n
+    + 1 numbers per token (53 at n = 4), everything backward needs besides X itself. The math and
+    dtypes of mhc_coefficients + the pre-mix: coefficients and A X in fp32, h in X's dtype.
+    """
+    proj, gate, bias_pre, bias_post, bias_res = (p.to(mixing_dtype(stream.dtype)) for p in params)
+    n, x = stream.shape[-2], stream.to(proj.dtype)
+    projected, inv_rms = norm_then_project(x.flatten(-2), proj)
+    pre, post, res = (projected * inv_rms).split([n, n, n * n], dim=-1)
+    a = torch.sigmoid(gate[0] * pre + bias_pre) + EPS
+    c = 2 * torch.sigmoid(gate[1] * post + bias_post)
+    b = sinkhorn_knopp(gate[2] * res.unflatten(-1, (n, n)) + bias_res, iters)
+    return pre_mix(a, x).to(stream.dtype), (a, b, c, projected, inv_rms)
 
 
-def trainable(module):
-    return [p for p in module.parameters() if p.requires_grad]
+def mix_out(stream, kept, f):
+    """Post-mix + merge in X's dtype (B, C cast to it, as V4): X [..., n, C], f [..., C] -> X'."""
+    _, b, c, _, _ = kept
+    return post_mix(b.to(stream.dtype), stream, c.to(stream.dtype), f)
+
+
+def mix_out_backward(grad_out, stream, kept, f):
+    """Backward of mix_out: dX' [..., n, C] -> (dB, dX, dC, df); dB and dC in the mixing dtype."""
+    _, b, c, _, _ = kept
+    grads = post_mix_backward(grad_out, b.to(stream.dtype), stream, c.to(stream.dtype), f)
+    grad_b, grad_stream, grad_c, grad_f = grads
+    return grad_b.to(b.dtype), grad_stream, grad_c.to(c.dtype), grad_f
+
+
+def mix_in_backward(grad_h, grad_b, grad_c, grad_stream, stream, kept, params, iters):
+    """Backward of mix_in, plus the post-mix's dX: -> (dX [..., n, C], grads of params).
+
+    Pre-mix, then the gates (A = sigmoid(.) + eps, C = 2 sigmoid(.), B = Sinkhorn of its logits,
+    replayed by sinkhorn_backward), then the projection with its norm. Every n*C-sized tensor read
+    here is X or a gradient: nothing of the forward's lane mixing was stored.
+    """
+    a, b, c, projected, inv_rms = kept
+    proj, gate, _, _, bias_res = (p.to(a.dtype) for p in params)
+    n, x = stream.shape[-2], stream.to(a.dtype)
+    grad_a, grad_x = pre_mix_backward(grad_h.to(a.dtype), a, x)
+    pre, post, res = (projected * inv_rms).split([n, n, n * n], dim=-1)
+    res = res.unflatten(-1, (n, n))
+    grad_pre = grad_a * (a - EPS) * (1 - (a - EPS))  # sigmoid' = s (1 - s)
+    grad_post = grad_c * c * (1 - c / 2)  # (2 sigmoid)' = 2 s (1 - s) = C (1 - C/2)
+    grad_res = sinkhorn_backward(gate[2] * res + bias_res, grad_b, iters)
+    grad_logits = torch.cat(
+        [grad_pre * gate[0], grad_post * gate[1], (grad_res * gate[2]).flatten(-2)], dim=-1
+    )
+    grad_flat, grad_proj = norm_then_project_backward(
+        grad_logits, x.flatten(-2), proj, projected, inv_rms
+    )
+    grad_x = grad_x + grad_flat.unflatten(-1, (n, -1)) + grad_stream
+    tokens = tuple(range(a.dim() - 1))
+    grad_gate = torch.stack(
+        [(g * v).sum() for g, v in ((grad_pre, pre), (grad_post, post), (grad_res, res))]
+    )
+    grads = grad_proj, grad_gate, *(g.sum(tokens) for g in (grad_pre, grad_post, grad_res))
+    return grad_x.to(stream.dtype), tuple(g.to(p.dtype) for g, p in zip(grads, params))
+
+
+class MixingKernels:
+    """The four functions a recomputed block calls per layer: eager, or each wrapped by `wrap`
+    (section 3b: torch.compile, which fuses each into a few loops)."""
+
+    def __init__(self, wrap=None):
+        wrap = wrap or (lambda fn: fn)
+        self.mix_in, self.mix_out = wrap(mix_in), wrap(mix_out)
+        self.mix_out_backward, self.mix_in_backward = wrap(mix_out_backward), wrap(mix_in_backward)
+
+
+EAGER_KERNELS = MixingKernels()
 
 
 class RecomputedBlock(torch.autograd.Function):
-    """Run layers [X_0 -> X_L] keeping X_0 ([..., n, C]) and each F output f_l ([..., C]) only.
+    """Run layers X_0 -> X_L keeping X_0 [..., n, C], each F output f_l [..., C] and each layer's
+    coefficients (mix_in's `kept`, 53 numbers per token at n = 4) only.
 
-    Forward: lane mixing under no_grad (nothing of it is stored); each F runs once with grad
-    enabled on a detached leaf input, so F's own graph and saved activations stay. Backward:
-    rebuild X_1..X_{L-1} from X_0 and the stored f_l (lane mixing only, F is not called), then walk
-    the layers backwards: post-mix -> into F's kept graph (fills F's parameter grads and dF/dh) ->
-    pre-mix and coefficients. Parameter gradients accumulate into .grad directly, like reentrant
-    checkpointing: use loss.backward(), not torch.autograd.grad, through this block.
+    Forward: lane mixing without autograd (kernels.mix_in, kernels.mix_out); each F runs once with
+    grad enabled on a detached leaf input, so F's own graph and saved activations stay. Backward:
+    rebuild X_1..X_{L-1} from X_0 with the post-mix alone (the kept B, C and f: no projection, no
+    Sinkhorn, no F), then walk the layers backwards: post-mix backward -> F's kept graph (its
+    parameter grads and dF/dh) -> pre-mix, Sinkhorn and coefficient backward. The HC parameters are
+    inputs, so autograd hands them their gradients; F's parameter gradients accumulate into .grad
+    directly, like reentrant checkpointing: use loss.backward(), not torch.autograd.grad.
     """
 
     @staticmethod
-    def forward(ctx, stream_in, layers, fused, iters):
-        ctx.layers, ctx.fused, ctx.iters = layers, fused, iters
-        stream, graph = stream_in, []
+    def forward(ctx, stream_in, layers, iters, kernels, *params):
+        stream, graph, kept = stream_in, [], []
         for sublayer, hc in layers:
-            a, b, c = mhc_coefficients(stream, hc, iters, optimised=True)
-            h = pre_mix_fused(a, stream).requires_grad_()  # a leaf: F's graph starts here
+            h, coefficients = kernels.mix_in(stream, hc_params(hc), iters)
+            h.requires_grad_()  # a leaf: F's graph starts here
             with torch.enable_grad():
                 f = sublayer(h)
             graph.append((h, f))
-            stream = post_mix_fused(b, stream, c, f.detach())
+            kept.extend(coefficients)
+            stream = kernels.mix_out(stream, coefficients, f.detach())
         # The F outputs also go through save_for_backward (detached views of the same storage) so
         # saved-tensor hooks, and the memory profilers built on them, see everything kept.
-        ctx.save_for_backward(stream_in, *[f.detach() for _, f in graph])
-        ctx.graph = graph
+        ctx.save_for_backward(stream_in, *[f.detach() for _, f in graph], *kept)
+        ctx.layers, ctx.graph, ctx.iters, ctx.kernels = layers, graph, iters, kernels
         return stream
 
     @staticmethod
     def backward(ctx, grad_stream):
-        # hint: replay the lane states from the block input (F is not called), then walk backwards
+        # hint: rebuild the lane states with kernels.mix_out, then per layer, last first:
+        # mix_out_backward, F's kept graph (torch.autograd.backward), mix_in_backward
         ### BEGIN SOLUTION
-        stream_in = ctx.saved_tensors[0]
-        layer_mixing = layer_mixing_fused if ctx.fused else layer_mixing_reference
-        replay = []
-        with torch.enable_grad():  # rebuild the block's lane states; F is not called
-            stream = stream_in
-            for (sublayer, hc), (h_kept, f_kept) in zip(ctx.layers, ctx.graph):
-                leaf = stream.detach().requires_grad_()
-                f_leaf = f_kept.detach().requires_grad_()
-                h, out = layer_mixing(leaf, hc, f_leaf, ctx.iters)
-                replay.append((leaf, h, f_leaf, out))
-                stream = out
-        for (sublayer, hc), (h_kept, f_kept) in zip(reversed(ctx.layers), reversed(ctx.graph)):
-            leaf, h, f_leaf, out = replay.pop()  # popping frees each layer's replay once used
-            (grad_f,) = torch.autograd.grad(out, f_leaf, grad_stream, retain_graph=True)
-            torch.autograd.backward(f_kept, grad_f, inputs=[h_kept, *trainable(sublayer)])
-            torch.autograd.backward(
-                [out, h], [grad_stream, h_kept.grad], inputs=[leaf, *trainable(hc)]
+        kernels, n_layers = ctx.kernels, len(ctx.layers)
+        saved = ctx.saved_tensors
+        fs, kept = saved[1 : 1 + n_layers], saved[1 + n_layers :]
+        coefficients = [kept[5 * i : 5 * i + 5] for i in range(n_layers)]
+        states = [saved[0]]  # X_0; then the lane states rebuilt by the post-mix alone
+        for i in range(n_layers - 1):
+            states.append(kernels.mix_out(states[-1], coefficients[i], fs[i]))
+        grads = []
+        for i in reversed(range(n_layers)):
+            (_, hc), (h, f), stream = ctx.layers[i], ctx.graph[i], states.pop()
+            grad_b, grad_x, grad_c, grad_f = kernels.mix_out_backward(
+                grad_stream, stream, coefficients[i], fs[i]
             )
-            grad_stream = leaf.grad
-        ctx.graph = ctx.layers = None
-        return grad_stream, None, None, None
+            torch.autograd.backward(f, grad_f)  # F's kept graph: fills h.grad and F's .grad
+            grad_stream, grad_params = kernels.mix_in_backward(
+                h.grad, grad_b, grad_c, grad_x, stream, coefficients[i], hc_params(hc), ctx.iters
+            )
+            grads = [*grad_params, *grads]
+        ctx.layers = ctx.graph = None
+        return grad_stream, None, None, None, *grads
         ### END SOLUTION
 
 
-def run_recomputed_block(stream, layers, fused=True, iters=20):
-    """Apply [(sublayer, hc), ...] to [..., n, C] keeping only the block input and the F outputs."""
+def run_recomputed_block(stream, layers, iters=20, kernels=None):
+    """Apply [(sublayer, hc), ...] to [..., n, C] keeping only the block input, the F outputs and
+    the coefficients. kernels: EAGER_KERNELS by default; section 3b passes compiled ones."""
+    kernels = kernels or EAGER_KERNELS
     for _, hc in layers:
         hc.check_stream(stream)
     if not torch.is_grad_enabled():  # nothing to save: a plain forward
         for sublayer, hc in layers:
-            stream = mhc_layer_fused(stream, sublayer, hc, iters)
+            h, coefficients = kernels.mix_in(stream, hc_params(hc), iters)
+            stream = kernels.mix_out(stream, coefficients, sublayer(h))
         return stream
     if not stream.requires_grad:  # backward must still run, to fill the parameters' grads
         stream = stream.detach().requires_grad_()
-    return RecomputedBlock.apply(stream, list(layers), fused, iters)
+    params = [p for _, hc in layers for p in hc_params(hc)]
+    return RecomputedBlock.apply(stream, list(layers), iters, kernels, *params)
 
 
 # ---- 3b. the compiled path (torch.compile) -------------------------------------------------------
 #
-# The fused autograd.Functions above are the readable version: each says what it reads, writes and
-# keeps. Run eagerly they are still a string of separate ops plus Python dispatch, so on a CPU they
-# are no faster than the naive layer. Here the same math goes to torch.compile (Inductor: C++ loops
-# on CPUs, Triton kernels on GPUs), which fuses each region into a few loops over the lanes.
-#
-# Hand-written backward or not (one layer's mixing, forward + backward, C = 256, T = 128, batch 2,
-# 1 thread, median of 15, on a busy 2-core machine: +-20%):
-#     eager, plain autograd (layer_mixing_reference)     54 ms
-#     eager, hand-written backward (layer_mixing_fused)  54 ms
-#     compiled around the hand-written Functions         27-35 ms  3 graphs: SinkhornReplay's
-#                                                                  backward is a graph break
-#     compiled plain autograd                            17-19 ms  1 graph forward, 1 backward
-# So the hand-written backward hinders the compiler. We compile the plain math (mhc_coefficients and
-# the einsums of mhc_layer_reference) and let AOTAutograd derive the backward, which Inductor fuses
-# like the forward; its partitioner already recomputes cheap elementwise work instead of saving it.
-#
-# What is one compiled region: per layer, (1) coefficients with their norm, Sinkhorn and the
-# pre-mix, (2) the post-mix + merge; F is compiled on its own. F must stay outside the replayed
-# regions (selective recomputation never runs F twice), and the block's bookkeeping (keep X_0 and
-# each f, rebuild the lane states in backward) stays in Python, a few calls per layer, as in
-# RecomputedBlock. Compiling a whole layer with F inside is the naive variant below: it fuses more
-# but stores everything, and one graph per recompute block would have to tell F's saved tensors
-# from the mixing's, which torch.compile does not expose.
-#
-# What it buys, measured (`python benchmarks/bench_mhc.py --curve`: 4 layers, T = 128, batch 2,
-# 1 thread, forward + backward, overhead over the residual of the same mode, median of 7 rounds on
-# a busy shared 2-core machine, so +-10 points; benchmarks/curve_cpu.json has the whole run):
-#     C                        256     512    1024    2048
-#     naive, compiled         +35%    +33%     +7%     +7%
-#     optimised, compiled     +80%    +50%    +24%    +13%
-#     naive, eager           +144%    +76%    +27%    +22%
-#     optimised, eager       +184%    +90%    +23%    +27%
-# Compiling cuts the overhead 2-4x, but with selective recomputation the optimised path costs MORE
-# time than compiling the naive layer: the replay runs the mixing forward a second time, and
-# Sinkhorn (20 unrolled rounds on a 4 x 4 matrix per token) costs 6-10 ms per layer here whatever
-# C is, as much as a third of F at C = 256. What it buys is memory: 24-33% of naive's extra
-# activations. Closing the time gap needs Sinkhorn forward and backward as one per-token kernel
-# (TileKernels, Megatron-LM do this), which torch.compile does not make of the unrolled loop.
-# Compile time: 1-2 minutes per variant and C on that machine, printed apart from the step times.
+# Run eagerly, the mixing functions above are still a string of separate ops plus Python dispatch.
+# Here the same functions go to torch.compile (Inductor: C++ loops on CPUs, Triton kernels on GPUs),
+# which fuses each into a few loops over the lanes. What is compiled, and why:
+#   - the four MixingKernels functions, each one region: mix_in (projection, norm, gates, Sinkhorn,
+#     pre-mix), mix_out (post-mix + merge), mix_out_backward, mix_in_backward. They are pure
+#     functions with their backward written out, so every region is an inference graph: no
+#     autograd inside, nothing saved, nothing for AOTAutograd to partition, and Sinkhorn's replay
+#     and backward fuse into the same loops as the gates around them. The HC parameters are
+#     arguments, so one graph serves every layer of a shape.
+#   - F on its own (torch.compile of each sublayer), run once per layer per step; the residual
+#     model compiles x + F(x) per layer, so F is compiled in every variant alike.
+#   - not an autograd.Function with a hand-written backward: dynamo traces its forward but its
+#     backward (SinkhornReplay's autograd.grad in an earlier version) broke the graph.
+# The block's bookkeeping (keep X_0, each f and the coefficients, rebuild the lane states, walk the
+# layers backwards) stays in Python: RecomputedBlock, a few calls per layer.
 #
 # Settings: dynamic=False, one graph per shape (no symbolic sizes: a shape change compiles again);
 # dynamo's recompile limit is raised from 8 to 64 (every C, grad mode and F type is one more graph
 # of the same code), and reaching it raises instead of falling back silently to eager.
-
-
-def _pre_mix(stream, hc, iters):
-    """Coefficients (norm, projection, gates, Sinkhorn) and the pre-mix of one layer: one region.
-
-    stream X [..., n, C] -> (h = A X [..., C], B [..., n, n], C [..., n]).
-    """
-    a, b, c = mhc_coefficients(stream, hc, iters)
-    # the same dtypes as mhc_layer_reference: the pre-mix in the coefficients' dtype
-    return (a.unsqueeze(-1) * stream.to(a.dtype)).sum(-2).to(stream.dtype), b, c
-
-
-def _post_mix(b, stream, c, f):
-    """Post-mix + merge, mhc_layer_reference's B X + C f -> [..., n, C], as one loop over C.
-
-    Written as broadcast products and sums over n rather than einsum: einsum becomes a batched
-    matmul of n x n by n x C per token, an external call Inductor cannot fuse; this form compiles
-    into one pass that reads X and f once and writes X' once (mixing fwd + bwd 10-20% faster).
-    """
-    b, c = b.to(stream.dtype), c.to(stream.dtype)  # as mhc_layer_reference: the stream's dtype
-    mixed = (b.unsqueeze(-1) * stream.unsqueeze(-3)).sum(-2)
-    return mixed + c.unsqueeze(-1) * f.unsqueeze(-2)
 
 
 def _residual_layer(x, sublayer):
@@ -502,83 +565,24 @@ def compiled(fn, backend="inductor"):
     return _COMPILED[fn, backend]
 
 
-class CompiledRecomputedBlock(torch.autograd.Function):
-    """RecomputedBlock with compiled mixing: keeps X_0 [..., n, C] and each f_l [..., C] only.
-
-    layers: [(f_l, hc_l), ...] with f_l the (compiled) F. Forward (grad off in here): the mixing
-    regions run as inference graphs, nothing of them is stored; each F runs once with grad on a leaf
-    input. Backward: rebuild the lane states from X_0 and the kept f_l with the training graphs of
-    the same regions, then per layer, last first, two backward calls that each run every compiled
-    backward once: post-mix -> F (F's kept graph: its parameter grads and dF/dh), then Sinkhorn,
-    coefficients and pre-mix. B and C are cut between the two regions (detached leaves) so that the
-    first call cannot run the pre-mix region's backward before dh is known.
-    Parameter gradients accumulate into .grad directly: use loss.backward() through this block.
-    """
-
-    @staticmethod
-    def forward(ctx, stream_in, layers, iters, backend):
-        pre_mix, post_mix = compiled(_pre_mix, backend), compiled(_post_mix, backend)
-        stream, kept = stream_in, []
-        for run_f, hc in layers:
-            h, b, c = pre_mix(stream, hc, iters)
-            h.requires_grad_()  # a leaf: F's graph starts here
-            with torch.enable_grad():
-                f = run_f(h)
-            kept.append((h, f))
-            stream = post_mix(b, stream, c, f.detach())
-        # F's outputs also go through save_for_backward (detached views of the same storage), so the
-        # saved-tensor hooks that measure activation memory see everything this block keeps.
-        ctx.save_for_backward(stream_in, *[f.detach() for _, f in kept])
-        ctx.layers, ctx.kept, ctx.iters = layers, kept, iters
-        ctx.pre_mix, ctx.post_mix = pre_mix, post_mix
-        return stream
-
-    @staticmethod
-    def backward(ctx, grad_stream):
-        replay, stream = [], ctx.saved_tensors[0]
-        with torch.enable_grad():  # rebuild the block's lane states; F is not called
-            for (_, hc), (_, f) in zip(ctx.layers, ctx.kept):
-                leaf = stream.detach().requires_grad_()
-                h, b, c = ctx.pre_mix(leaf, hc, ctx.iters)
-                b_cut, c_cut = b.detach().requires_grad_(), c.detach().requires_grad_()
-                stream = ctx.post_mix(b_cut, leaf, c_cut, f)  # f carries F's graph
-                replay.append((leaf, (h, b, c), (b_cut, c_cut), stream))
-        for h_kept, _ in reversed(ctx.kept):
-            leaf, pre_outputs, (b_cut, c_cut), out = replay.pop()
-            torch.autograd.backward(out, grad_stream)  # post-mix, then F: fills h_kept.grad
-            torch.autograd.backward(pre_outputs, (h_kept.grad, b_cut.grad, c_cut.grad))
-            grad_stream = leaf.grad
-        ctx.layers = ctx.kept = None
-        return grad_stream, None, None, None
-
-
-def run_compiled_block(stream, layers, iters=20, backend="inductor"):
-    """Apply [(f, hc), ...] to stream [..., n, C]: compiled mixing, selective recomputation."""
-    for _, hc in layers:
-        hc.check_stream(stream)
-    if not torch.is_grad_enabled():  # nothing to save: a plain forward
-        for run_f, hc in layers:
-            h, b, c = compiled(_pre_mix, backend)(stream, hc, iters)
-            stream = compiled(_post_mix, backend)(b, stream, c, run_f(h))
-        return stream
-    if not stream.requires_grad:  # backward must still run, to fill the parameters' grads
-        stream = stream.detach().requires_grad_()
-    return CompiledRecomputedBlock.apply(stream, list(layers), iters, backend)
+def compiled_kernels(backend="inductor"):
+    """MixingKernels whose four functions are compiled (one cache per backend)."""
+    return MixingKernels(lambda fn: compiled(fn, backend))
 
 
 class CompiledModel:
     """model(idx, targets) with its layers compiled: the same parameters and the same math.
 
-    variant  'optimised' (mHC model, the default): the two mixing regions compiled, selective
-                         recomputation in blocks of `recompute` layers (default L_r), F compiled on
-                         its own and run once per layer per step (self.f[i] is layer i's F);
+    variant  'optimised' (mHC model, the default): RecomputedBlock in blocks of `recompute` layers
+                         (default L_r) with compiled_kernels(); F compiled on its own and run once
+                         per layer per step (self.f[i] is layer i's F);
              'naive'     (mHC model): each plain autograd layer, mixing and F, compiled whole;
              'residual'  (residual model): each x + F(x) compiled whole.
     F is compiled in all three, so they compare fairly; the embedding and the head stay eager.
     Graphs are compiled on the first call per shape (seconds to minutes): warm up before timing.
     Train/eval mode, dtype, device and grad mode are guarded by torch.compile: a change compiles
     again instead of running a stale graph. backend: torch.compile's ("inductor" fuses; "aot_eager"
-    traces the same graphs and derived backward without code generation, for quick checks).
+    traces the same graphs without code generation, for quick checks).
     """
 
     VARIANTS = ("optimised", "naive", "residual")
@@ -596,6 +600,7 @@ class CompiledModel:
         if self.recompute < 1:
             raise ValueError(f"recompute block L_r must be >= 1 layer, got {self.recompute}")
         self.model, self.variant, self.backend = model, variant, backend
+        self.kernels = compiled_kernels(backend)
         self.f = [torch.compile(s, backend=backend, dynamic=False) for s in model.sublayers]
         limit = torch._dynamo.config.recompile_limit
         torch._dynamo.config.recompile_limit = max(limit, 64)
@@ -614,7 +619,7 @@ class CompiledModel:
         else:
             for first, stop in recompute_blocks(start, end, self.recompute):
                 layers = list(zip(self.f[first:stop], model.hcs[first:stop]))
-                stream = run_compiled_block(stream, layers, iters, self.backend)
+                stream = run_recomputed_block(stream, layers, iters, self.kernels)
         return stream
 
     def __call__(self, idx, targets):
@@ -701,7 +706,9 @@ class Transformer(nn.Module):
 
     def run_layers(self, stream, start, end, fused=False, recompute=0):
         """Apply layers [start, end). fused: the fused mixing ops. recompute = L_r > 0: blocks of
-        L_r layers (cut within [start, end)) run selective recomputation; 0 stores everything."""
+        L_r layers (cut within [start, end)) run selective recomputation, always with the fused
+        mixing (what a block keeps is what their written-out backward needs), so `fused` is moot
+        there; 0 stores everything."""
         if not self.hyper:
             for sublayer in self.sublayers[start:end]:
                 stream = stream + sublayer(stream)  # x' = x + F(x)
@@ -709,7 +716,7 @@ class Transformer(nn.Module):
         if recompute:
             for first, stop in recompute_blocks(start, end, recompute):
                 layers = list(zip(self.sublayers[first:stop], self.hcs[first:stop]))
-                stream = run_recomputed_block(stream, layers, fused, self.cfg.sinkhorn_iters)
+                stream = run_recomputed_block(stream, layers, self.cfg.sinkhorn_iters)
             return stream
         layer = mhc_layer_fused if fused else mhc_layer_reference
         for sublayer, hc in zip(self.sublayers[start:end], self.hcs[start:end]):

@@ -212,7 +212,7 @@ def test_fused_forward_ops_match_plain_math_and_gradcheck():
     assert torch.autograd.gradcheck(mhc.FusedPreMix.apply, (a, stream))
 
 
-@pytest.mark.grade(points=2, solution="mhc.FusedPostMixMerge.backward")
+@pytest.mark.grade(points=2, solution="mhc.post_mix_backward")
 def test_fused_post_mix_merge_backward():
     gen = torch.Generator().manual_seed(1)
     b, stream = (torch.rand(2, 3, 4, 4, generator=gen, dtype=torch.float64),
