@@ -7,7 +7,8 @@
 
 Tables, all measured in one run, 1 thread per process unless --threads:
   1. one process, 8 layers, C = 256, T = 128, batch 4, fp32 CPU eager: plain residual, naive mHC,
-     fused mixing alone, selective recomputation alone, both. Peak activation memory from
+     fused mixing alone, fused mixing with selective recomputation (recomputation alone is no
+     longer a variant: what a block keeps is what the fused ops' written-out backward needs). Peak activation memory from
      memory_timeline (storages made in forward and alive at its end), the peak of activations +
      backward temporaries (recomputation lives there), median step time (variants interleaved so
      machine noise hits all alike), lane-mixing bytes per layer (mhc.mixing_bytes_per_token).
@@ -47,7 +48,6 @@ VARIANTS = {  # name: (hyper, forward options)
     "residual": (False, {}),
     "naive mHC": (True, {}),
     "fused only": (True, dict(fused=True)),
-    "recompute only": (True, dict(recompute="auto")),
     "fused+recompute": (True, dict(fused=True, recompute="auto")),
 }
 
@@ -576,7 +576,7 @@ def main():
         "--repeats",
         type=int,
         default=None,
-        help="timed rounds per variant (default 7; --quick: 2); the median is reported",
+        help="timed rounds per variant (default 11; --quick: 2); the median is reported",
     )
     parser.add_argument(
         "--eager-only", action="store_true", help="skip the compiled runs (no compile time)"
@@ -620,7 +620,7 @@ def main():
     if args.curve and args.eager_only:
         parser.error("--curve measures eager and compiled side by side; drop --eager-only")
     torch.set_num_threads(args.threads)
-    repeats = args.repeats or (2 if args.quick else 7)
+    repeats = args.repeats or (2 if args.quick else 11)
     dims = args.dims or ((64, 128) if args.quick else (256, 512, 1024, 2048))
     print(
         f"mHC benchmark, torch {torch.__version__}, {torch.get_num_threads()} threads, "

@@ -101,6 +101,16 @@ def test_sinkhorn_gradients_and_replay():
     small = torch.randn(3, 4, 4, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda x: mhc.sinkhorn_knopp(x, 20), (small,))
     assert torch.autograd.gradcheck(lambda x: mhc.SinkhornReplay.apply(x, 20), (small,))
+    # the written-out backward against autograd through the plain loop, ordinary and +-60 logits
+    gen = torch.Generator().manual_seed(3)
+    for scale in (1.0, 60.0):
+        logits = (
+            scale * torch.randn(50, 4, 4, generator=gen, dtype=torch.float64)
+        ).requires_grad_()
+        grad = torch.randn(50, 4, 4, generator=gen, dtype=torch.float64)
+        (expected,) = torch.autograd.grad(mhc.sinkhorn_knopp(logits, 20), logits, grad)
+        got = mhc.sinkhorn_backward(logits.detach(), grad, 20)
+        assert (got - expected).abs().max() < 1e-12 * max(1.0, expected.abs().max().item())
 
 
 def test_sinkhorn_survives_logits_of_60():
@@ -342,6 +352,40 @@ def test_recomputation_keeps_only_block_inputs_and_f_outputs():
     assert per_layer - recomputed == 6 * rows * n * dim * 4
     # and versus storing every layer: the stream (n*C per layer) is gone
     assert fused - recomputed >= 6 * rows * n * dim * 4
+
+
+def test_recomputed_model_keeps_exactly_block_inputs_f_outputs_and_coefficients():
+    """Over the residual model with the same F: each block input (the first is the embedding seen
+    as n lanes, a stride-0 view: C per token), each F output (C), each layer's coefficients (A, B,
+    C, x W and 1/rms: 2n^2 + 4n + 1 numbers) and the head's input stream with its n weights, n
+    projections and 1/rms. Nothing else: no lane state, no normalised stream, no Sinkhorn step."""
+    model, residual = build(n_layers=8), build(n_layers=8, hyper=False)
+    idx, tgt = batch(0)
+    rows, n, dim = idx.numel(), model.cfg.n_hc, model.cfg.dim
+    _, base = mhc.saved_activation_bytes(residual, lambda: residual(idx, tgt))
+    _, kept = mhc.saved_activation_bytes(model, lambda: model(idx, tgt, recompute=4))
+    coefficients = 2 * n * n + 4 * n + 1
+    per_token = dim + n * dim + 8 * (dim + coefficients) + n * dim + 2 * n + 1
+    assert kept - base == rows * per_token * 4
+
+
+def test_fused_collapse_equals_the_plain_head_and_gradchecks():
+    model = build(n_layers=2, dtype=torch.float64)
+    head = model.collapse
+    with torch.no_grad():
+        head.gate.fill_(0.7)
+        head.bias.add_(torch.randn(4, dtype=torch.float64))
+    stream = torch.randn(3, 5, 4, 16, dtype=torch.float64, requires_grad=True)
+    plain, fused = head(stream), head(stream, fused=True)
+    assert (plain - fused).abs().max() < 1e-12
+    grad = torch.randn_like(plain)
+    params = [stream, head.proj, head.gate, head.bias]
+    expected = torch.autograd.grad(plain, params, grad)
+    got = torch.autograd.grad(fused, params, grad)
+    for name, g, e in zip(("stream", "proj", "gate", "bias"), got, expected):
+        assert (g - e).abs().max() < 1e-12 * max(1.0, e.abs().max().item()), name
+    inputs = [t.detach().clone().requires_grad_() for t in params]
+    assert torch.autograd.gradcheck(mhc.FusedCollapse.apply, tuple(inputs))
 
 
 def test_recompute_blocks_stay_inside_stages_and_default_block_size():

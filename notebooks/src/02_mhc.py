@@ -92,14 +92,13 @@ rows = {
     "residual": per_layer_per_token(False),
     "naive mHC": per_layer_per_token(True),
     "fused": per_layer_per_token(True, fused=True),
-    "recompute L_r=2": per_layer_per_token(True, recompute=2),
     "fused + recompute L_r=2": per_layer_per_token(True, fused=True, recompute=2),
 }
 fig, ax = plt.subplots(figsize=(10, 3.5))
 ax.barh(
     list(rows),
     [v / (4 * cfg.dim) for v in rows.values()],
-    color=["#4c72b0", "#c44e52", "#dd8452", "#8172b3", "#55a868"],
+    color=["#4c72b0", "#c44e52", "#dd8452", "#55a868"],
 )
 ax.axvline(cfg.n_hc, color="k", ls=":", lw=1, label=f"one n-lane stream ({cfg.n_hc} lanes)")
 ax.legend(loc="lower right", fontsize=10)
@@ -117,8 +116,9 @@ print(f"naive - fused = {extra:.1f} n-lane streams per layer (mostly Sinkhorn in
 # At this small C the naive layer's Sinkhorn intermediates (2 x 20 normalisations of a 4 x 4 matrix,
 # their sums and V4's eps: hundreds of floats per token) are most of the difference between the
 # naive and the fused bars (printed above in n-lane streams); `mhc.py`'s fused path replays them in
-# backward instead. The recomputed paths keep F's own activations (never recomputed) and little
-# else.
+# backward instead. The recomputed path keeps F's own activations (never recomputed), each F output
+# (one lane), each layer's coefficients (49 numbers per token) and one n-lane block input per L_r
+# layers; it rebuilds the lane states in backward with the post-mix alone.
 #
 # ## 3. Sinkhorn-Knopp: how many iterations
 # `sinkhorn_knopp` starts from a softmax down each column of B (the public V4 code's order: it
