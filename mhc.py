@@ -609,6 +609,20 @@ def run_recomputed_block(stream, layers, iters=20, kernels=None):
 # The block's bookkeeping (keep X_0, each f and the coefficients, rebuild the lane states, walk the
 # layers backwards) stays in Python: RecomputedBlock, a few calls per layer.
 #
+# What it buys, measured (`python benchmarks/bench_mhc.py --curve`: 4 layers, T = 128, batch 2,
+# 1 thread, forward + backward, overhead over the residual of the same mode, median of 11
+# interleaved rounds on a shared 2-core machine, +-5 points run to run; benchmarks/curve_cpu.json):
+#     C                        256     512    1024    2048
+#     naive, compiled         +61%    +53%    +14%    +15%
+#     optimised, compiled     +44%    +25%    +12%    +13%
+#     naive, eager           +156%   +108%    +35%    +28%
+#     optimised, eager       +126%    +60%    +23%    +16%
+# An earlier version compiled the plain autograd math of two regions per layer and replayed the
+# whole coefficient region (20 Sinkhorn rounds included) under autograd in backward: +80% / +24%
+# at C = 256 / 1024, slower than naive everywhere. Keeping the 49 coefficients per token and
+# writing the backward out removed the replay. V4's 6.7% is not reached on this CPU: each layer
+# still passes over the n-lane stream ~10 times (memory-bound) plus three skinny matmuls.
+#
 # Settings: dynamic=False, one graph per shape (no symbolic sizes: a shape change compiles again);
 # dynamo's recompile limit is raised from 8 to 64 (every C, grad mode and F type is one more graph
 # of the same code), and reaching it raises instead of falling back silently to eager.
@@ -1536,7 +1550,7 @@ def say_expected_overhead(cfg):
         f"{100 * here.ratio:.0f}%. But eager mode runs the mixing as over a hundred\n"
         f"  small ops per layer (the 20 Sinkhorn rounds alone are 120), each a pass over memory "
         f"plus\n  Python dispatch, while F is a few large matmuls: at this C mHC takes a multiple "
-        f"of the\n  residual's step time, and the optimised path buys memory more than time. The "
+        f"of the\n  residual's step time on either path (the optimised one keeps far less). The "
         f"arithmetic\n  ratio falls as 1/C ({100 * big.ratio:.1f}% at C=1024); "
         f"`python benchmarks/bench_mhc.py --curve`\n  measures the overhead over C."
     )

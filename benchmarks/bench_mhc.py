@@ -8,10 +8,11 @@
 Tables, all measured in one run, 1 thread per process unless --threads:
   1. one process, 8 layers, C = 256, T = 128, batch 4, fp32 CPU eager: plain residual, naive mHC,
      fused mixing alone, fused mixing with selective recomputation (recomputation alone is no
-     longer a variant: what a block keeps is what the fused ops' written-out backward needs). Peak activation memory from
-     memory_timeline (storages made in forward and alive at its end), the peak of activations +
-     backward temporaries (recomputation lives there), median step time (variants interleaved so
-     machine noise hits all alike), lane-mixing bytes per layer (mhc.mixing_bytes_per_token).
+     longer a variant: what a block keeps is what the fused ops' written-out backward needs).
+     Peak activation memory from memory_timeline (storages made in forward and alive at its
+     end), the peak of activations + backward temporaries (recomputation lives there), median
+     step time (variants interleaved so machine noise hits all alike), lane-mixing bytes per
+     layer (mhc.mixing_bytes_per_token).
   2. a 2-stage 1F1B pipeline on gloo: residual vs mHC, the stream exchange blocking or posted
      ahead (async), the third reduction alone and with the other two.
   3. the curve over C (issue 11): 4 layers, T = 128, batch 2, C in 256 512 1024 2048; residual,
