@@ -606,6 +606,10 @@ def run_recomputed_block(stream, layers, iters=20, kernels=None):
 #     model compiles x + F(x) per layer, so F is compiled in every variant alike.
 #   - not an autograd.Function with a hand-written backward: dynamo traces its forward but its
 #     backward (SinkhornReplay's autograd.grad in an earlier version) broke the graph.
+#   - not a whole layer or a whole recompute block: F would sit inside the region, and one graph
+#     cannot keep F's autograd graph while running the mixing without one. Compiling a whole plain
+#     layer is the naive variant below: its partitioner chooses what to keep and recomputes only
+#     cheap elementwise work, so it keeps far more than one block input per L_r layers.
 # The block's bookkeeping (keep X_0, each f and the coefficients, rebuild the lane states, walk the
 # layers backwards) stays in Python: RecomputedBlock, a few calls per layer.
 #
