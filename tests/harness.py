@@ -176,6 +176,41 @@ def resolve_file(file):
     return os.path.join(ROOT, file)
 
 
+def descendants(pid):
+    """Every process below ``pid`` (Linux /proc; elsewhere none are found)."""
+    children = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
+def kill_tree(pid):
+    """SIGKILL ``pid``, its process group and every process below it. torchrun starts each
+    worker in a session of its own, so killing torchrun's group alone leaves the workers running
+    (a hung worker then spins on after the test has failed)."""
+    for target in [*descendants(pid), pid]:
+        try:
+            os.kill(target, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def run_torchrun(file, nproc=4, args=(), timeout=300.0, env=None, check=True):
     """Run ``torchrun --nproc_per_node=nproc file args`` as a subprocess; return CompletedProcess.
 
@@ -215,7 +250,7 @@ def run_torchrun(file, nproc=4, args=(), timeout=300.0, env=None, check=True):
     try:
         out, _ = proc.communicate(timeout=timeout)
     except BaseException as error:  # also pytest-timeout's, or Ctrl-C: never leave ranks behind
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every worker it started
+        kill_tree(proc.pid)  # torchrun and every worker it started
         if not isinstance(error, subprocess.TimeoutExpired):
             raise
         out, _ = proc.communicate()

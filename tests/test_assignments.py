@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -208,6 +209,23 @@ def test_submission_shadows_the_reference_and_a_hang_scores_zero(tmp_path):
     scores = {t["name"].split("::")[-1]: t["score"] for t in results["tests"]}
     assert scores == {"test_double": 2, "test_total_on_ranks": 0, "test_total_under_torchrun": 0}
     assert "Timeout" in " ".join(t["output"] for t in results["tests"]), out
+    # and nothing of it runs on: torchrun starts each worker in a session of its own, which a
+    # process-group kill misses (its two spinning workers once outlived the suite)
+    time.sleep(1)
+    assert not _processes_running(str(tmp_path)), "the hung submission's processes outlived it"
+
+
+def _processes_running(text):
+    """Pids whose command line contains ``text`` (Linux /proc; elsewhere none are found)."""
+    found = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if entry.isdigit() and text.encode() in f.read():
+                    found.append(int(entry))
+        except OSError:
+            pass
+    return found
 
 
 def test_region_check_finds_ungraded_regions_and_weak_tests(tmp_path):
