@@ -1554,11 +1554,10 @@ def say_expected_overhead(cfg):
         f"{100 * here.ratio:.0f}%. But eager mode runs the mixing as over a hundred\n"
         f"  small ops per layer (the 20 Sinkhorn rounds alone are 120), each a pass over memory "
         f"plus\n  Python dispatch, while F is a few large matmuls: at this C mHC takes a multiple "
-        f"of the\n  residual's step time on either path. The optimised one keeps far less, but "
-        f"here its\n  Sinkhorn replay in backward (~160 more tiny ops per layer) can cost it more "
-        f"time than\n  naive; from C = 256 on it was faster, eagerly, in every --curve run. The "
-        f"arithmetic\n  ratio falls as 1/C ({100 * big.ratio:.1f}% at C=1024); "
-        f"`python benchmarks/bench_mhc.py --curve`\n  measures the overhead over C."
+        f"of the\n  residual's step time on either path (the optimised one is the faster of the "
+        f"two here\n  too, and keeps far less). The arithmetic ratio falls as 1/C "
+        f"({100 * big.ratio:.1f}% at C=1024);\n  `python benchmarks/bench_mhc.py --curve` "
+        f"measures the overhead over C."
     )
 
 
