@@ -410,7 +410,8 @@ def default_recompute_block(n, n_layers):
     Keeping one block input (nC) per block costs nC L / L_r; rebuilding one block in backward holds
     about (n + 2) C per layer of it (the n-lane state plus F's input and output): the sum is
     smallest at L_r = sqrt(n L / (n + 2)). (RecomputedBlock keeps F's input and output anyway, so
-    its rebuild holds only the n C lane states: sqrt(L) would do as well; the paper's rule is kept.)
+    its rebuild holds only the n C lane states and its own optimum is sqrt(L): 2 at L = 4 either
+    way, one layer more per block at L = 8 or 16. The paper's rule is kept.)
     """
     return max(1, round(math.sqrt(n * n_layers / (n + 2))))
 
