@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -28,34 +27,8 @@ TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TOOLS)
 from assignments import ROOT, all_regions, write_student  # noqa: E402
 
-
-def _kill_tree(pid):
-    """SIGKILL pid, its group and every process below it: torchrun puts each worker in a session
-    of its own, which a group kill misses (tests/harness.py's kill_tree, for this tool alone)."""
-    below, children = [], {}
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(
-                    int(entry)
-                )
-        except (OSError, ValueError, IndexError):
-            continue
-    todo = [pid]
-    while todo:
-        found = children.get(todo.pop(), [])
-        below, todo = below + found, todo + found
-    for target in [*below, pid]:
-        try:
-            os.kill(target, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+sys.path.append(os.path.join(ROOT, "tests"))  # the test harness: stdlib only until a rank starts
+from harness import kill_tree  # noqa: E402
 
 
 def _pytest(root, args, report, submission=None, timeout=1800.0, quiet=False):
@@ -77,7 +50,7 @@ def _pytest(root, args, report, submission=None, timeout=1800.0, quiet=False):
         output, _ = proc.communicate(timeout=timeout)
         code, timed_out = proc.returncode, False
     except subprocess.TimeoutExpired:
-        _kill_tree(proc.pid)  # pytest and every rank it started, torchrun's workers included
+        kill_tree(proc.pid)  # pytest and every rank it started, torchrun's workers included
         output, _ = proc.communicate()
         code, timed_out = proc.returncode, True
     if quiet and code not in (0, 1, 5):  # 1: tests failed, 5: none collected
