@@ -58,7 +58,9 @@ def helper():
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")
-    print("total", Summer().total(torch.ones(1)).item(), flush=True)
+    total = Summer().total(torch.ones(1)).item()  # a collective: every rank computes it
+    if dist.get_rank() == 0:  # one printer: two ranks' lines can interleave mid-line
+        print("total", total, flush=True)
     dist.destroy_process_group()
 '''
 
