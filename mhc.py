@@ -353,35 +353,51 @@ class FusedPostMixMerge(torch.autograd.Function):
         return post_mix_backward(grad_out, *ctx.saved_tensors)
 
 
-class FusedCollapse(torch.autograd.Function):
-    """HyperHead's collapse sum_i w_i X_i, w = sigmoid(gate * RMSNorm(vec X) W + bias) + eps, with
-    norm_then_project and pre_mix: X [..., n, C] (params in the mixing dtype) -> [..., C].
+def collapse(stream, params):
+    """HyperHead's collapse, forward only: X [..., n, C] -> (x = sum_i w_i X_i [..., C], kept).
 
-    Saves X (the last layer's output, which backward needs anyway), w, x W and 1/rms: the plain
-    head also keeps the normalised stream, n*C per token more.
+    w = sigmoid(gate * RMSNorm(vec X) W + bias) + eps, by norm_then_project and pre_mix in the
+    mixing dtype; params = (W, gate, bias) as head_params gives them. kept = (w [..., n],
+    x W [..., n], 1/rms [..., 1]): the plain head also keeps the normalised stream, n*C per token.
     """
+    proj, gate, bias = (p.to(mixing_dtype(stream.dtype)) for p in params)
+    x = stream.to(proj.dtype)
+    projected, inv_rms = norm_then_project(x.flatten(-2), proj)
+    weights = torch.sigmoid(gate * projected * inv_rms + bias) + EPS
+    return pre_mix(weights, x).to(stream.dtype), (weights, projected, inv_rms)
+
+
+def collapse_backward(grad_out, stream, kept, params):
+    """Gradients of collapse for dx [..., C] -> (dX [..., n, C], dW, dgate, dbias)."""
+    weights, projected, inv_rms = kept
+    proj, gate, _ = (p.to(weights.dtype) for p in params)
+    x = stream.to(proj.dtype)
+    grad_w, grad_x = pre_mix_backward(grad_out.to(proj.dtype), weights, x)
+    grad_z = grad_w * (weights - EPS) * (1 - (weights - EPS))  # sigmoid' = s (1 - s)
+    grad_flat, grad_proj = norm_then_project_backward(
+        grad_z * gate, x.flatten(-2), proj, projected, inv_rms
+    )
+    grad_gate = (grad_z * projected * inv_rms).sum().reshape(gate.shape)
+    grad_bias = grad_z.reshape(-1, grad_z.shape[-1]).sum(0)
+    grad_x = grad_x + grad_flat.unflatten(-1, grad_x.shape[-2:])
+    grads = grad_proj, grad_gate, grad_bias
+    return grad_x.to(stream.dtype), *(g.to(p.dtype) for g, p in zip(grads, params))
+
+
+class FusedCollapse(torch.autograd.Function):
+    """collapse as one autograd op: X [..., n, C], W, gate, bias -> [..., C]. Saves X (the last
+    layer's output, which backward needs anyway) and collapse's kept w, x W and 1/rms."""
 
     @staticmethod
-    def forward(ctx, stream, proj, gate, bias):
-        x = stream.to(proj.dtype)
-        projected, inv_rms = norm_then_project(x.flatten(-2), proj)
-        weights = torch.sigmoid(gate * projected * inv_rms + bias) + EPS
-        ctx.save_for_backward(stream, proj, gate, weights, projected, inv_rms)
-        return pre_mix(weights, x).to(stream.dtype)
+    def forward(ctx, stream, *params):
+        x, kept = collapse(stream, params)
+        ctx.save_for_backward(stream, *params, *kept)
+        return x
 
     @staticmethod
     def backward(ctx, grad_out):
-        stream, proj, gate, weights, projected, inv_rms = ctx.saved_tensors
-        x = stream.to(proj.dtype)
-        grad_w, grad_x = pre_mix_backward(grad_out.to(proj.dtype), weights, x)
-        grad_z = grad_w * (weights - EPS) * (1 - (weights - EPS))  # sigmoid' = s (1 - s)
-        grad_flat, grad_proj = norm_then_project_backward(
-            grad_z * gate, x.flatten(-2), proj, projected, inv_rms
-        )
-        grad_gate = (grad_z * projected * inv_rms).sum().reshape(gate.shape)
-        grad_bias = grad_z.reshape(-1, grad_z.shape[-1]).sum(0)
-        grad_x = grad_x + grad_flat.unflatten(-1, grad_x.shape[-2:])
-        return grad_x.to(stream.dtype), grad_proj, grad_gate, grad_bias
+        stream, proj, gate, bias, *kept = ctx.saved_tensors
+        return collapse_backward(grad_out, stream, kept, (proj, gate, bias))
 
 
 def pre_mix_fused(a, stream):
@@ -430,6 +446,11 @@ def recompute_blocks(start, end, block):
 def hc_params(hc):
     """One layer's mixing parameters, in the order mix_in and mix_in_backward take and return."""
     return (hc.proj, hc.gate, hc.bias_pre, hc.bias_post, hc.bias_res)
+
+
+def head_params(head):
+    """The HyperHead's parameters, in the order collapse and collapse_backward take and return."""
+    return (head.proj, head.gate, head.bias)
 
 
 def mix_in(stream, params, iters):
@@ -498,13 +519,14 @@ def mix_in_backward(grad_h, grad_b, grad_c, grad_out, stream, kept, params, iter
 
 
 class MixingKernels:
-    """The four functions a recomputed block calls per layer: eager, or each wrapped by `wrap`
-    (section 3b: torch.compile, which fuses each into a few loops)."""
+    """The four functions a recomputed block calls per layer, and the head's two: eager, or each
+    wrapped by `wrap` (section 3b: torch.compile, which fuses each into a few loops)."""
 
     def __init__(self, wrap=None):
         wrap = wrap or (lambda fn: fn)
         self.mix_in, self.mix_out = wrap(mix_in), wrap(mix_out)
         self.mix_out_backward, self.mix_in_backward = wrap(mix_out_backward), wrap(mix_in_backward)
+        self.collapse, self.collapse_backward = wrap(collapse), wrap(collapse_backward)
 
 
 EAGER_KERNELS = MixingKernels()
@@ -521,10 +543,14 @@ class RecomputedBlock(torch.autograd.Function):
     parameter grads and dF/dh) -> pre-mix, Sinkhorn and coefficient backward. The HC parameters are
     inputs, so autograd hands them their gradients; F's parameter gradients accumulate into .grad
     directly, like reentrant checkpointing: use loss.backward(), not torch.autograd.grad.
+
+    head (the model's HyperHead, for the last block only): the block returns the collapsed
+    x [..., C] and keeps the head's w, x W and 1/rms; backward rebuilds X_L as well and starts from
+    collapse_backward. The final n-lane stream, which the head would otherwise keep, is not kept.
     """
 
     @staticmethod
-    def forward(ctx, stream_in, layers, iters, kernels, *params):
+    def forward(ctx, stream_in, layers, iters, kernels, head, *params):
         stream, graph, kept = stream_in, [], []
         for sublayer, hc in layers:
             h, coefficients = kernels.mix_in(stream, hc_params(hc), iters)
@@ -534,24 +560,34 @@ class RecomputedBlock(torch.autograd.Function):
             graph.append((h, f))
             kept.extend(coefficients)
             stream = kernels.mix_out(stream, coefficients, f.detach())
+        if head is not None:  # the head's collapse, folded in: X_L is rebuilt in backward
+            stream, head_kept = kernels.collapse(stream, head_params(head))
+            kept.extend(head_kept)
         # The F outputs also go through save_for_backward (detached views of the same storage) so
         # saved-tensor hooks, and the memory profilers built on them, see everything kept.
         ctx.save_for_backward(stream_in, *[f.detach() for _, f in graph], *kept)
         ctx.layers, ctx.graph, ctx.iters, ctx.kernels = layers, graph, iters, kernels
+        ctx.head = head
         return stream
 
     @staticmethod
     def backward(ctx, grad_stream):
-        # hint: rebuild the lane states with kernels.mix_out, then per layer, last first:
-        # mix_out_backward, F's kept graph (torch.autograd.backward), mix_in_backward
+        # hint: rebuild the lane states with kernels.mix_out (X_L too if ctx.head: start from
+        # kernels.collapse_backward), then per layer, last first: mix_out_backward, F's kept graph
+        # (torch.autograd.backward), mix_in_backward
         ### BEGIN SOLUTION
-        kernels, n_layers = ctx.kernels, len(ctx.layers)
+        kernels, n_layers, head = ctx.kernels, len(ctx.layers), ctx.head
         saved = ctx.saved_tensors
         fs, kept = saved[1 : 1 + n_layers], saved[1 + n_layers :]
         coefficients = [kept[5 * i : 5 * i + 5] for i in range(n_layers)]
         states = [saved[0]]  # X_0; then the lane states rebuilt by the post-mix alone
-        for i in range(n_layers - 1):
+        for i in range(n_layers if head is not None else n_layers - 1):
             states.append(kernels.mix_out(states[-1], coefficients[i], fs[i]))
+        head_grads = []
+        if head is not None:
+            grad_stream, *head_grads = kernels.collapse_backward(
+                grad_stream, states.pop(), kept[5 * n_layers :], head_params(head)
+            )
         grads = []
         for i in reversed(range(n_layers)):
             (_, hc), (h, f), stream = ctx.layers[i], ctx.graph[i], states.pop()
@@ -570,14 +606,15 @@ class RecomputedBlock(torch.autograd.Function):
                 ctx.iters,
             )
             grads = [*grad_params, *grads]
-        ctx.layers = ctx.graph = None
-        return grad_stream, None, None, None, *grads
+        ctx.layers = ctx.graph = ctx.head = None
+        return grad_stream, None, None, None, None, *grads, *head_grads
         ### END SOLUTION
 
 
-def run_recomputed_block(stream, layers, iters=20, kernels=None):
+def run_recomputed_block(stream, layers, iters=20, kernels=None, head=None):
     """Apply [(sublayer, hc), ...] to [..., n, C] keeping only the block input, the F outputs and
-    the coefficients. kernels: EAGER_KERNELS by default; section 3b passes compiled ones."""
+    the coefficients. kernels: EAGER_KERNELS by default; section 3b passes compiled ones.
+    head: a HyperHead to fold in (the last block): returns its collapse [..., C], not the stream."""
     kernels = kernels or EAGER_KERNELS
     for _, hc in layers:
         hc.check_stream(stream)
@@ -585,11 +622,12 @@ def run_recomputed_block(stream, layers, iters=20, kernels=None):
         for sublayer, hc in layers:
             h, coefficients = kernels.mix_in(stream, hc_params(hc), iters)
             stream = kernels.mix_out(stream, coefficients, sublayer(h))
-        return stream
+        return stream if head is None else kernels.collapse(stream, head_params(head))[0]
     if not stream.requires_grad:  # backward must still run, to fill the parameters' grads
         stream = stream.detach().requires_grad_()
     params = [p for _, hc in layers for p in hc_params(hc)]
-    return RecomputedBlock.apply(stream, list(layers), iters, kernels, *params)
+    params += head_params(head) if head is not None else []
+    return RecomputedBlock.apply(stream, list(layers), iters, kernels, head, *params)
 
 
 # ---- 3b. the compiled path (torch.compile) -------------------------------------------------------
@@ -662,7 +700,8 @@ class CompiledModel:
              'naive'     (mHC model): each plain autograd layer, mixing and F, compiled whole;
              'residual'  (residual model): each x + F(x) compiled whole.
     F and the head (lane collapse, norm, logits, loss) are compiled in all three, so they compare
-    fairly; 'optimised' collapses with FusedCollapse, 'naive' with the plain HyperHead.
+    fairly; 'optimised' folds the collapse into its last block (the compiled collapse kernels),
+    'naive' collapses with the plain HyperHead inside the compiled head_loss.
     Graphs are compiled on the first call per shape (seconds to minutes): warm up before timing.
     Train/eval mode, dtype, device and grad mode are guarded by torch.compile: a change compiles
     again instead of running a stale graph. backend: torch.compile's ("inductor" fuses; "aot_eager"
@@ -691,25 +730,31 @@ class CompiledModel:
         torch._dynamo.config.recompile_limit = max(limit, 64)
         torch._dynamo.config.fail_on_recompile_limit_hit = True
 
-    def run_layers(self, stream, start=0, end=None):
-        """Layers [start, end) on the stream ([B, T, n, C], or [B, T, C] for the residual)."""
+    def run_layers(self, stream, start=0, end=None, collapse=False):
+        """Layers [start, end) on the stream ([B, T, n, C], or [B, T, C] for the residual).
+        collapse: end with the lanes collapsed (optimised: folded into the last block, as
+        Transformer.run_layers; naive: HyperHead uncompiled, as __call__ leaves it to head_loss)."""
         model, iters = self.model, self.model.cfg.sinkhorn_iters
         end = model.cfg.n_layers if end is None else end
         if self.variant == "residual":
             for sublayer in model.sublayers[start:end]:
                 stream = compiled(_residual_layer, self.backend)(stream, sublayer)
-        elif self.variant == "naive":
+            return stream
+        if self.variant == "naive":
             for sublayer, hc in zip(model.sublayers[start:end], model.hcs[start:end]):
                 stream = compiled(mhc_layer_reference, self.backend)(stream, sublayer, hc, iters)
-        else:
-            for first, stop in recompute_blocks(start, end, self.recompute):
-                layers = list(zip(self.f[first:stop], model.hcs[first:stop]))
-                stream = run_recomputed_block(stream, layers, iters, self.kernels)
-        return stream
+            return model.collapse(stream) if collapse else stream
+        head = None
+        for first, stop in recompute_blocks(start, end, self.recompute):
+            layers = list(zip(self.f[first:stop], model.hcs[first:stop]))
+            head = model.collapse if collapse and stop == end else None
+            stream = run_recomputed_block(stream, layers, iters, self.kernels, head)
+        return model.collapse(stream, True) if collapse and head is None else stream
 
     def __call__(self, idx, targets):
-        stream = self.run_layers(self.model.embed_stream(idx))
-        return self.head_loss(stream, targets, self.variant == "optimised")
+        optimised = self.variant == "optimised"
+        x = self.run_layers(self.model.embed_stream(idx), collapse=optimised)
+        return self.head_loss(x, targets)
 
 
 # ---- the small transformer -----------------------------------------------------------------------
@@ -793,34 +838,40 @@ class Transformer(nn.Module):
             return x
         return x.unsqueeze(-2).expand(*x.shape[:-1], self.cfg.n_hc, x.shape[-1])
 
-    def run_layers(self, stream, start, end, fused=False, recompute=0):
+    def run_layers(self, stream, start, end, fused=False, recompute=0, collapse=False):
         """Apply layers [start, end). fused: the fused mixing ops. recompute = L_r > 0: blocks of
         L_r layers (cut within [start, end)) run selective recomputation, always with the fused
         mixing (what a block keeps is what their written-out backward needs), so `fused` is moot
-        there; 0 stores everything."""
+        there; 0 stores everything. collapse (the last stage): end with the lanes collapsed,
+        [B, T, C]; with recompute the collapse is folded into the last block, which then keeps
+        its input instead of the head keeping the final n-lane stream."""
         if not self.hyper:
             for sublayer in self.sublayers[start:end]:
                 stream = stream + sublayer(stream)  # x' = x + F(x)
             return stream
         if recompute:
+            head = None
             for first, stop in recompute_blocks(start, end, recompute):
                 layers = list(zip(self.sublayers[first:stop], self.hcs[first:stop]))
-                stream = run_recomputed_block(stream, layers, self.cfg.sinkhorn_iters)
-            return stream
+                head = self.collapse if collapse and stop == end else None
+                stream = run_recomputed_block(stream, layers, self.cfg.sinkhorn_iters, head=head)
+            return self.collapse(stream, True) if collapse and head is None else stream
         layer = mhc_layer_fused if fused else mhc_layer_reference
         for sublayer, hc in zip(self.sublayers[start:end], self.hcs[start:end]):
             stream = layer(stream, sublayer, hc, self.cfg.sinkhorn_iters)  # X' = B X + C F(A X)
-        return stream
+        return self.collapse(stream, fused) if collapse else stream
 
     def head_loss(self, stream, targets, fused=False):
-        """Collapse the lanes once (HyperHead), then final norm, head and cross-entropy -> loss."""
-        x = self.collapse(stream, fused) if self.hyper else stream
+        """Collapse the lanes once (HyperHead) unless run_layers(collapse=True) already did
+        ([B, T, C] in), then final norm, head and cross-entropy -> loss."""
+        x = self.collapse(stream, fused) if self.hyper and stream.dim() == 4 else stream
         logits = self.head(self.norm(x))
         return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
 
     def forward(self, idx, targets, fused=False, recompute=0):
-        stream = self.run_layers(self.embed_stream(idx), 0, self.cfg.n_layers, fused, recompute)
-        return self.head_loss(stream, targets, fused or bool(recompute))
+        stream = self.embed_stream(idx)
+        x = self.run_layers(stream, 0, self.cfg.n_layers, fused, recompute, collapse=True)
+        return self.head_loss(x, targets)
 
 
 # ---- 4. pipeline parallelism: 1F1B ---------------------------------------------------------------
@@ -981,9 +1032,9 @@ def pipeline_step(model, idx, targets, n_micro, fused=True, recompute=0, overlap
         else:
             stream = links.recv("forward", i).requires_grad_()
         began = links.clock()
-        out = model.run_layers(stream, first, stop, fused, recompute)
+        out = model.run_layers(stream, first, stop, fused, recompute, collapse=last)
         if last:
-            out = model.head_loss(out, tgt_micro[i], fused or bool(recompute)) / n_micro
+            out = model.head_loss(out, tgt_micro[i]) / n_micro
             losses.append(out.detach())
         links.stats.compute_s += links.clock() - began
         held_in[i], held_out[i] = stream, out

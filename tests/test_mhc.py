@@ -357,15 +357,16 @@ def test_recomputation_keeps_only_block_inputs_and_f_outputs():
 def test_recomputed_model_keeps_exactly_block_inputs_f_outputs_and_coefficients():
     """Over the residual model with the same F: each block input (the first is the embedding seen
     as n lanes, a stride-0 view: C per token), each F output (C), each layer's coefficients (A, B,
-    C, x W and 1/rms: 2n^2 + 4n + 1 numbers) and the head's input stream with its n weights, n
-    projections and 1/rms. Nothing else: no lane state, no normalised stream, no Sinkhorn step."""
+    C, x W and 1/rms: 2n^2 + 4n + 1 numbers) and the head's n weights, n projections and 1/rms.
+    Nothing else: no lane state, no normalised stream, no Sinkhorn step, and no final n-lane
+    stream (the head's collapse is folded into the last block, which rebuilds X_L)."""
     model, residual = build(n_layers=8), build(n_layers=8, hyper=False)
     idx, tgt = batch(0)
     rows, n, dim = idx.numel(), model.cfg.n_hc, model.cfg.dim
     _, base = mhc.saved_activation_bytes(residual, lambda: residual(idx, tgt))
     _, kept = mhc.saved_activation_bytes(model, lambda: model(idx, tgt, recompute=4))
     coefficients = 2 * n * n + 4 * n + 1
-    per_token = dim + n * dim + 8 * (dim + coefficients) + n * dim + 2 * n + 1
+    per_token = dim + n * dim + 8 * (dim + coefficients) + 2 * n + 1
     assert kept - base == rows * per_token * 4
 
 
