@@ -20,7 +20,8 @@ The fix, three reductions (each a section below, each checked against the plain 
      operation with its backward written out, reading the lanes once and writing them once;
   2. selective recomputation: keep one block input (n*C) every L_r layers, every F output (C) and
      each layer's coefficients (49 numbers per token); in backward rebuild the lane states with
-     the post-mix alone; never run F twice. Section 3b compiles the same functions (torch.compile);
+     the post-mix alone; never run F twice. The last block folds in the head's lane collapse, so
+     the final stream is rebuilt, not kept. Section 3b compiles the same functions (torch.compile);
   3. a 1F1B pipeline whose stages exchange the n-lane stream with receives posted ahead, so the
      extra traffic hides behind compute (V4's DualPipe adjustment, here on a plain 1F1B).
 
@@ -654,17 +655,23 @@ def run_recomputed_block(stream, layers, iters=20, kernels=None, head=None):
 #
 # What it buys, measured (`python benchmarks/bench_mhc.py --curve`: 4 layers, T = 128, batch 2,
 # 1 thread, forward + backward, overhead over the residual of the same mode, median of 11
-# interleaved rounds on a shared 2-core machine, +-5 points run to run; benchmarks/curve_cpu.json):
-#     C                        256     512    1024    2048
-#     naive, compiled         +61%    +53%    +14%    +15%
-#     optimised, compiled     +44%    +25%    +12%    +13%
-#     naive, eager           +156%   +108%    +35%    +28%
-#     optimised, eager       +126%    +60%    +23%    +16%
+# interleaved rounds, glibc malloc told to keep what it frees; two runs on a shared 2-core machine,
+# the first is benchmarks/curve_cpu.json):
+#     C                     256            512            1024           2048
+#     naive, compiled      +56% / +64%    +31% / +29%    +13% / +13%    +5.1% / +11%
+#     optimised, compiled  +50% / +51%    +28% / +29%    +15% / +10%    +3.5% / +8.2%
+#     naive, eager        +155% / +150%   +71% / +69%    +35% / +29%    +18% / +26%
+#     optimised, eager    +136% / +108%   +55% / +54%    +23% / +23%    +17% / +17%
+# Compiled, the optimised path and the naive one are within the run-to-run spread (+-3-5 points)
+# at C >= 512 in time, while the optimised one keeps a quarter of naive's extra activations.
 # An earlier version compiled the plain autograd math of two regions per layer and replayed the
 # whole coefficient region (20 Sinkhorn rounds included) under autograd in backward: +80% / +24%
 # at C = 256 / 1024, slower than naive everywhere. Keeping the 49 coefficients per token and
-# writing the backward out removed the replay. V4's 6.7% is not reached on this CPU: each layer
-# still passes over the n-lane stream ~10 times (memory-bound) plus three skinny matmuls.
+# writing the backward out removed the replay. V4's 6.7% is not reached at C = 1024 on this CPU:
+# the step's mixing kernels take ~36 ms against ~300 ms of F (C = 1024, timed one by one inside
+# the model), each within ~1.5x of one core's DRAM bandwidth (12 GB/s) for what it moves: per
+# layer ~10 passes over the n-lane stream plus three skinny matmuls, ~0.7 ms of Sinkhorn (forward
+# and backward) that does not shrink with C, and 0.1-0.3 ms of call overhead per compiled function.
 #
 # Settings: dynamic=False, one graph per shape (no symbolic sizes: a shape change compiles again);
 # dynamo's recompile limit is raised from 8 to 64 (every C, grad mode and F type is one more graph

@@ -67,7 +67,8 @@ for title, tl in zip(titles, timelines):
 # shows. Naive mHC keeps every layer's n-lane input, its RMS-normalised copy and the Sinkhorn
 # intermediates. The optimised run keeps one n-lane stream per block of L_r layers and each F's
 # output; in backward it rebuilds the lane states block by block (purple temporaries), without
-# calling F again.
+# calling F again. The head's lane collapse is folded into the last block, so the final n-lane
+# stream is rebuilt there too instead of being kept for the head.
 #
 # ## 2. Bytes kept per layer
 # Measured with saved-tensor hooks, as the slope over depth: the bytes autograd keeps for a 4-layer
