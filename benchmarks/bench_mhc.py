@@ -374,6 +374,54 @@ def curve_point(dim, batch, repeats, device, modes, stage):
     return cfg, median, compile_s, saved
 
 
+KERNELS = (
+    "mix_in",
+    "mix_out",
+    "mix_out_backward",
+    "mix_in_backward",
+    "collapse",
+    "collapse_backward",
+)
+
+
+def kernel_times(cfg, batch, repeats, device):
+    """ms per step spent in each compiled kernel of the optimised model, timed inside the model.
+
+    The same CompiledModel as the curve (its graphs are cached: nothing compiles again here), each
+    of its kernels wrapped by a timer (a device sync either side on a GPU). -> ({kernel: ms per
+    step}, calls per step). The sum against the measured step overhead says whether the overhead
+    is the mixing kernels themselves or the plumbing around them.
+    """
+    torch.manual_seed(0)
+    model = mhc.Transformer(cfg, hyper=True).to(device)
+    run = mhc.CompiledModel(model, "optimised", mhc.default_recompute_block(cfg.n_hc, cfg.n_layers))
+    d = mhc.synthetic_batch(cfg, batch, torch.Generator().manual_seed(0), device)
+    spent, calls = dict.fromkeys(KERNELS, 0.0), dict.fromkeys(KERNELS, 0)
+
+    def timed(name, fn):
+        def call(*args):
+            _sync(device)
+            began = time.perf_counter()
+            out = fn(*args)
+            _sync(device)
+            spent[name] += time.perf_counter() - began
+            calls[name] += 1
+            return out
+
+        return call
+
+    for name in KERNELS:
+        setattr(run.kernels, name, timed(name, getattr(run.kernels, name)))
+    _step(model, lambda b: run(d[:b, :-1], d[:b, 1:]), batch, device)  # warm-up, not counted
+    spent, calls = dict.fromkeys(KERNELS, 0.0), dict.fromkeys(KERNELS, 0)
+    for _ in range(repeats):
+        _step(model, lambda b: run(d[:b, :-1], d[:b, 1:]), batch, device)
+    return (
+        {name: 1e3 * t / repeats for name, t in spent.items()},
+        {name: c // repeats for name, c in calls.items()},
+    )
+
+
 def _time_part(fn, args, grads, repeats, device):
     """Median ms of forward + backward of fn(*args) with the given output gradients."""
     times = []
@@ -469,7 +517,7 @@ def table_curve(dims, batch, repeats, device, modes=("eager", "compiled")):
         f"rounds; F eager in every eager run, compiled in every compiled run",
         flush=True,
     )
-    points, parts = {}, {}
+    points, parts, kernels = {}, {}, {}
     for dim in dims:
         points[dim] = curve_point(dim, batch, repeats, device, modes, stage)
         median = points[dim][1]
@@ -482,7 +530,9 @@ def table_curve(dims, batch, repeats, device, modes=("eager", "compiled")):
             )
         )
         parts[dim] = part_times(points[dim][0], batch, repeats, device, modes)
-        stage(f"C={dim}: per-part timings done")
+        if "compiled" in modes:
+            kernels[dim] = kernel_times(points[dim][0], batch, max(3, repeats // 2), device)
+        stage(f"C={dim}: per-part and per-kernel timings done")
     keys = [(v, m) for m in modes for v in CURVE_VARIANTS]
     print("\nstep ms and overhead over the residual of the same mode (eager or compiled)")
     print(f"{'C':>6} " + " ".join(f"{v[:5] + ' ' + m[:4]:>14}" for v, m in keys))
@@ -541,6 +591,23 @@ def table_curve(dims, batch, repeats, device, modes=("eager", "compiled")):
             if m in rows["F"]
         )
         print(f"{dim:>6} " + " ".join(f"{cell:>20}" for cell in cells) + f" {share:>10}")
+    if kernels:
+        print(
+            "\nwhere the optimised compiled step's overhead goes: ms per step in each compiled "
+            "kernel, timed inside the model (calls per step in brackets), against the measured "
+            "overhead over the compiled residual"
+        )
+        names = [n.replace("_backward", "_bwd") for n in KERNELS]
+        print(f"{'C':>6} " + " ".join(f"{n:>14}" for n in names) + f" {'sum':>8} {'overhead':>9}")
+        for dim, (ms, calls) in kernels.items():
+            median = points[dim][1]
+            step_extra = 1e3 * (median["optimised", "compiled"] - median["residual", "compiled"])
+            cells = [f"{ms[k]:.2f} [{calls[k]}]" for k in KERNELS]
+            print(
+                f"{dim:>6} "
+                + " ".join(f"{c:>14}" for c in cells)
+                + f" {sum(ms.values()):>8.1f} {step_extra:>9.1f}"
+            )
     print("\ntargets (issue 11):")
     for m in modes:
         worse = [d for d in dims if overhead[d, "optimised", m] > overhead[d, "naive", m]]
@@ -574,6 +641,9 @@ def table_curve(dims, batch, repeats, device, modes=("eager", "compiled")):
         "saved_MiB": {f"{v} {m} {d}": points[d][3][v, m] / MiB for d in dims for v, m in keys},
         "parts_ms": {
             f"{p} {k} {d}": ms for d in dims for p, row in parts[d].items() for k, ms in row.items()
+        },
+        "kernels_ms_per_step": {
+            f"{k} {d}": ms for d, (per_kernel, _) in kernels.items() for k, ms in per_kernel.items()
         },
     }
 

@@ -423,3 +423,63 @@ for dim in (128, 1024):
         f"C={dim}: mixing ~{mix_flops / f_flops:.0%} of F's matmul flops, and its "
         f"{4 * n * dim * 2:,} bytes of lanes per read+write are memory-bound work F does not have"
     )
+
+# %% [markdown]
+# ### Where the time goes
+# Left: one layer's parts, forward + backward, at each C, as plain autograd run eagerly, with the
+# hand-written backward (eager), and the plain math under `torch.compile`: compiling cuts
+# Sinkhorn's cost by more than half (40 tiny normalisations, each a separate op eagerly) and the
+# coefficients' by about half (norm, gates and projection fuse); the post-mix, which moves the whole
+# n-lane stream, gains least.
+# Right: the optimised compiled model's own kernels, each timed inside the model, stacked against
+# the step overhead measured in the same run. The gap between bar and line is within the spread of
+# these step times (about 2% of the residual's step), so what is left after fusion is those
+# kernels' memory traffic, not Python around them.
+
+# %%
+if curve and "parts_ms" in curve:
+    parts = ["coefficients", "Sinkhorn", "pre-mix", "post-mix"]
+    ways = [("eager", "plain, eager"), ("fused", "hand-written, eager"), ("compiled", "compiled")]
+    dims = curve["dims"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 4.5))
+    width = 0.8 / len(ways)
+    for w, (key, label) in enumerate(ways):
+        bottom = [0.0] * len(dims)
+        for p, part in enumerate(parts):
+            ms = [curve["parts_ms"].get(f"{part} {key} {d}", 0.0) for d in dims]
+            left.bar(
+                [i + (w - 1) * width for i in range(len(dims))],
+                ms,
+                width,
+                bottom=bottom,
+                color=plt.cm.tab10(p),
+                alpha=(0.45, 0.7, 1.0)[w],
+                label=part if w == 2 else None,
+            )
+            bottom = [b + m for b, m in zip(bottom, ms)]
+    left.set_xticks(range(len(dims)), [f"C={d}" for d in dims])
+    left.set_ylabel("ms per layer, forward + backward")
+    left.set_title("One layer's mixing parts; per C: plain eager | hand-written eager | compiled")
+    left.legend(fontsize=9)
+    if "kernels_ms_per_step" in curve:
+        kernels = list(dict.fromkeys(k.rsplit(" ", 1)[0] for k in curve["kernels_ms_per_step"]))
+        bottom = [0.0] * len(dims)
+        for k, kernel in enumerate(kernels):
+            ms = [curve["kernels_ms_per_step"][f"{kernel} {d}"] for d in dims]
+            right.bar(range(len(dims)), ms, 0.5, bottom=bottom, color=plt.cm.Set2(k), label=kernel)
+            bottom = [b + m for b, m in zip(bottom, ms)]
+        overhead = [
+            curve["step_ms"][f"optimised compiled {d}"] - curve["step_ms"][f"residual compiled {d}"]
+            for d in dims
+        ]
+        right.plot(range(len(dims)), overhead, "k_", ms=30, mew=2, label="measured step overhead")
+        right.set_xticks(range(len(dims)), [f"C={d}" for d in dims])
+        right.set_ylabel("ms per step (4 layers)")
+        right.set_title("Optimised, compiled: its kernels, timed inside the model")
+        right.legend(fontsize=9, loc="upper left", markerscale=0.5)
+        for d, total, extra in zip(dims, bottom, overhead):
+            print(f"C={d}: kernels {total:.1f} ms per step, measured overhead {extra:.1f} ms")
+    plt.tight_layout()
+    plt.show()
+else:
+    print("no per-part timings in the recorded curve: rerun the bench command above")
