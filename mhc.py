@@ -227,6 +227,39 @@ def norm_then_project_backward(grad, x, weight, projected, inv_rms):
     return torch.addcmul(scaled @ weight.T, through_rms, x, value=-1), grad_weight
 
 
+def lane_sum(m, dim):
+    """m.sum(dim, keepdim=True) over a lane axis of n = 4. Under torch.compile as n - 1 adds:
+    elementwise work Inductor fuses into the loop around it, where a sum is a loop of its own."""
+    if not torch.compiler.is_compiling():
+        return m.sum(dim, keepdim=True)
+    parts = m.unbind(dim)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total.unsqueeze(dim)
+
+
+def tokens_last(m):
+    """[..., n, n] -> [n, n, ...] under torch.compile (a view), else unchanged; -> (m, rows, cols).
+
+    Sinkhorn's 40 steps each touch 16 numbers per token. Tokens on the last axis let Inductor
+    vectorise every step across tokens; with the 4 x 4 matrix last, each step is a loop of
+    4-wide partial vectors (measured at T = 256: forward 0.24 -> 0.12 ms, backward 0.50 -> 0.25).
+    """
+    if not torch.compiler.is_compiling():
+        return m, -2, -1
+    return m.movedim((-2, -1), (0, 1)), 0, 1
+
+
+def sinkhorn_fused(logits, iters=20, eps=EPS):
+    """sinkhorn_knopp for the kernels: the same steps, laid out by tokens_last. [..., n, n]."""
+    m, rows, cols = tokens_last(logits)
+    m = torch.softmax(m, dim=rows) + eps
+    for dim in [cols] + [rows, cols] * (iters - 1):
+        m = m / (lane_sum(m, dim) + eps)
+    return m if rows == -2 else m.movedim((0, 1), (-2, -1))
+
+
 def sinkhorn_backward(logits, grad, iters=20, eps=EPS):
     """d loss / d logits of sinkhorn_knopp(logits, iters), given grad = d loss / d B. [..., n, n].
 
@@ -234,15 +267,17 @@ def sinkhorn_backward(logits, grad, iters=20, eps=EPS):
     step Y = M / s, s = sum(M) + eps along one axis: dM = (dY - sum(dY * Y)) / s along that axis.
     Plain autograd would instead keep every intermediate: ~2*iters*(n^2 + n) floats per token.
     """
-    soft = torch.softmax(logits, dim=-2)
+    (logits, rows, cols), (grad, _, _) = tokens_last(logits), tokens_last(grad)
+    soft = torch.softmax(logits, dim=rows)
     matrix, steps = soft + eps, []
-    for dim in [-1] + [-2, -1] * (iters - 1):  # sinkhorn_knopp's order: rows, then cols, rows...
-        sums = matrix.sum(dim, keepdim=True) + eps
+    for dim in [cols] + [rows, cols] * (iters - 1):  # sinkhorn_knopp's order: rows, cols, rows...
+        sums = lane_sum(matrix, dim) + eps
         matrix = matrix / sums
         steps.append((matrix, sums, dim))
     for matrix, sums, dim in reversed(steps):
-        grad = (grad - (grad * matrix).sum(dim, keepdim=True)) / sums
-    return soft * (grad - (grad * soft).sum(-2, keepdim=True))  # softmax down each column
+        grad = (grad - lane_sum(grad * matrix, dim)) / sums
+    grad = soft * (grad - lane_sum(grad * soft, rows))  # softmax down each column
+    return grad if rows == -2 else grad.movedim((0, 1), (-2, -1))
 
 
 def lanes_matmul(m, x):
@@ -467,7 +502,7 @@ def mix_in(stream, params, iters):
     pre, post, res = (projected * inv_rms).split([n, n, n * n], dim=-1)
     a = torch.sigmoid(gate[0] * pre + bias_pre) + EPS
     c = 2 * torch.sigmoid(gate[1] * post + bias_post)
-    b = sinkhorn_knopp(gate[2] * res.unflatten(-1, (n, n)) + bias_res, iters)
+    b = sinkhorn_fused(gate[2] * res.unflatten(-1, (n, n)) + bias_res, iters)
     return pre_mix(a, x).to(stream.dtype), (a, b, c, projected, inv_rms)
 
 
