@@ -690,23 +690,24 @@ def run_recomputed_block(stream, layers, iters=20, kernels=None, head=None):
 #
 # What it buys, measured (`python benchmarks/bench_mhc.py --curve`: 4 layers, T = 128, batch 2,
 # 1 thread, forward + backward, overhead over the residual of the same mode, median of 11
-# interleaved rounds, glibc malloc told to keep what it frees; three runs on a shared 2-core
-# machine, the third is benchmarks/curve_cpu.json):
-#     C                     256              512            1024           2048
-#     naive, compiled      +56/+64/+60%     +31/+29/+33%   +13/+13/+17%   +5.1/+11/+9.4%
-#     optimised, compiled  +50/+51/+60%     +28/+29/+25%   +15/+10/+15%   +3.5/+8.2/+7.2%
-#     naive, eager        +155/+150/+139%   +71/+69/+69%   +35/+29/+33%   +18/+26/+27%
-#     optimised, eager    +136/+108/+131%   +55/+54/+56%   +23/+23/+26%   +17/+17/+14%
+# interleaved rounds, glibc malloc told to keep what it frees; two runs on a shared 2-core
+# machine, the first is benchmarks/curve_cpu.json):
+#     C                     256            512            1024           2048
+#     naive, compiled      +57% / +56%    +30% / +31%    +19% / +11%    +11% / +5.9%
+#     optimised, compiled  +47% / +46%    +29% / +28%    +14% / +11%    +8.9% / +9.6%
+#     naive, eager        +174% / +134%   +71% / +66%    +35% / +34%    +19% / +16%
+#     optimised, eager    +145% / +109%   +57% / +53%    +28% / +23%    +14% / +11%
 # Compiled, the optimised path and the naive one are within the run-to-run spread (+-3-5 points)
-# in time, while the optimised one keeps a quarter of naive's extra activations.
+# from C = 512 up, while the optimised one keeps a quarter of naive's extra activations.
 # An earlier version compiled the plain autograd math of two regions per layer and replayed the
 # whole coefficient region (20 Sinkhorn rounds included) under autograd in backward: +80% / +24%
 # at C = 256 / 1024, slower than naive everywhere. Keeping the 49 coefficients per token and
 # writing the backward out removed the replay. V4's 6.7% is not reached at C = 1024 on this CPU:
-# its mixing kernels take ~40 ms against ~300 ms of F (C = 1024, each timed inside the model by
+# its mixing kernels take 40-48 ms against ~300 ms of F (C = 1024, each timed inside the model by
 # the curve), each within ~1.5x of one core's DRAM bandwidth (12 GB/s) for what it moves: per
-# layer ~10 passes over the n-lane stream plus three skinny matmuls, ~0.7 ms of Sinkhorn (forward
-# and backward) that does not shrink with C, and 0.1-0.3 ms of call overhead per compiled function.
+# layer ~10 passes over the n-lane stream plus three skinny matmuls, ~0.4 ms of Sinkhorn (forward
+# and backward, tokens-last: see tokens_last) that does not shrink with C, and 0.1-0.3 ms of call
+# overhead per compiled function.
 #
 # Settings: dynamic=False, one graph per shape (no symbolic sizes: a shape change compiles again);
 # dynamo's recompile limit is raised from 8 to 64 (every C, grad mode and F type is one more graph
