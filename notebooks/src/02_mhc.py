@@ -432,9 +432,10 @@ for dim in (128, 1024):
 # coefficients' by about half (norm, gates and projection fuse); the post-mix, which moves the whole
 # n-lane stream, gains least.
 # Right: the optimised compiled model's own kernels, each timed inside the model, stacked against
-# the step overhead measured in the same run. The gap between bar and line is within the spread of
-# these step times (about 2% of the residual's step), so what is left after fusion is those
-# kernels' memory traffic, not Python around them.
+# the step overhead measured in the same run. The bars are the steadier number: over two runs the
+# kernel sums agreed within ~20% at every C, while the measured overheads moved by up to 40% (the
+# residual's own step moves by a few percent from run to run, and the overhead is a difference of
+# two such steps). What is left after fusion is those kernels' memory traffic.
 
 # %%
 if curve and "parts_ms" in curve:
