@@ -189,8 +189,7 @@ class HyperHead(nn.Module):
     def forward(self, stream, fused=False):
         dtype = mixing_dtype(stream.dtype)
         if fused:  # section 2: no normalised stream written or kept, backward written out
-            params = [p.to(dtype) for p in (self.proj, self.gate, self.bias)]
-            return FusedCollapse.apply(stream, *params)
+            return FusedCollapse.apply(stream, *head_params(self))
         flat = stream.flatten(-2).to(dtype)  # [..., nC]
         x_hat = flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + EPS)
         logits = x_hat @ self.proj.to(dtype)  # [..., n]
@@ -666,6 +665,16 @@ def run_recomputed_block(stream, layers, iters=20, kernels=None, head=None):
     return RecomputedBlock.apply(stream, list(layers), iters, kernels, head, *params)
 
 
+def run_recomputed_layers(stream, layers, block, iters=20, kernels=None, head=None):
+    """One stage's [(sublayer, hc), ...] in recompute blocks of at most `block` layers (L_r).
+    head: the HyperHead, folded into the last block (-> [..., C]); no layers: collapsed here."""
+    blocks = recompute_blocks(0, len(layers), block)
+    for first, stop in blocks:
+        last = head if stop == len(layers) else None
+        stream = run_recomputed_block(stream, layers[first:stop], iters, kernels, last)
+    return head(stream, fused=True) if head is not None and not blocks else stream
+
+
 # ---- 3b. the compiled path (torch.compile) -------------------------------------------------------
 #
 # Run eagerly, the mixing functions above are still a string of separate ops plus Python dispatch.
@@ -787,12 +796,9 @@ class CompiledModel:
             for sublayer, hc in zip(model.sublayers[start:end], model.hcs[start:end]):
                 stream = compiled(mhc_layer_reference, self.backend)(stream, sublayer, hc, iters)
             return model.collapse(stream) if collapse else stream
-        head = None
-        for first, stop in recompute_blocks(start, end, self.recompute):
-            layers = list(zip(self.f[first:stop], model.hcs[first:stop]))
-            head = model.collapse if collapse and stop == end else None
-            stream = run_recomputed_block(stream, layers, iters, self.kernels, head)
-        return model.collapse(stream, True) if collapse and head is None else stream
+        layers = list(zip(self.f[start:end], model.hcs[start:end]))
+        head = model.collapse if collapse else None
+        return run_recomputed_layers(stream, layers, self.recompute, iters, self.kernels, head)
 
     def __call__(self, idx, targets):
         optimised = self.variant == "optimised"
@@ -893,12 +899,11 @@ class Transformer(nn.Module):
                 stream = stream + sublayer(stream)  # x' = x + F(x)
             return stream
         if recompute:
-            head = None
-            for first, stop in recompute_blocks(start, end, recompute):
-                layers = list(zip(self.sublayers[first:stop], self.hcs[first:stop]))
-                head = self.collapse if collapse and stop == end else None
-                stream = run_recomputed_block(stream, layers, self.cfg.sinkhorn_iters, head=head)
-            return self.collapse(stream, True) if collapse and head is None else stream
+            layers = list(zip(self.sublayers[start:end], self.hcs[start:end]))
+            head = self.collapse if collapse else None
+            return run_recomputed_layers(
+                stream, layers, recompute, self.cfg.sinkhorn_iters, None, head
+            )
         layer = mhc_layer_fused if fused else mhc_layer_reference
         for sublayer, hc in zip(self.sublayers[start:end], self.hcs[start:end]):
             stream = layer(stream, sublayer, hc, self.cfg.sinkhorn_iters)  # X' = B X + C F(A X)

@@ -412,10 +412,14 @@ def kernel_times(cfg, batch, repeats, device):
 
     for name in KERNELS:
         setattr(run.kernels, name, timed(name, getattr(run.kernels, name)))
-    _step(model, lambda b: run(d[:b, :-1], d[:b, 1:]), batch, device)  # warm-up, not counted
+
+    def step(b):
+        return run(d[:b, :-1], d[:b, 1:])
+
+    _step(model, step, batch, device)  # warm-up, not counted
     spent, calls = dict.fromkeys(KERNELS, 0.0), dict.fromkeys(KERNELS, 0)
     for _ in range(repeats):
-        _step(model, lambda b: run(d[:b, :-1], d[:b, 1:]), batch, device)
+        _step(model, step, batch, device)
     return (
         {name: 1e3 * t / repeats for name, t in spent.items()},
         {name: c // repeats for name, c in calls.items()},
