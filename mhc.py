@@ -256,7 +256,9 @@ def sinkhorn_fused(logits, iters=20, eps=EPS):
     m = torch.softmax(m, dim=rows) + eps
     for dim in [cols] + [rows, cols] * (iters - 1):
         m = m / (lane_sum(m, dim) + eps)
-    return m if rows == -2 else m.movedim((0, 1), (-2, -1))
+    # back to [..., n, n] in memory too: the post-mix reads B per token (with B tokens-last,
+    # Inductor loops lanes outermost and reads the stream n times: 1.18 vs 0.58 ms at C = 1024)
+    return m if rows == -2 else m.movedim((0, 1), (-2, -1)).contiguous()
 
 
 def sinkhorn_backward(logits, grad, iters=20, eps=EPS):
@@ -286,13 +288,16 @@ def lanes_matmul(m, x):
     is a loop Inductor fuses with the elementwise work around it, where a bmm stays an external
     call that writes its output to memory and reads it back (post-mix forward + backward compiled:
     ~1.5x faster this way; eagerly the broadcast form would write a p*q*r temporary per token).
-    A long sum (q = C, as in dB = dX' X^T) is laid out along the last axis, where both operands
-    are contiguous and the loop vectorises (~1.4x faster than summing across rows).
+    A long sum (q = C, as in dB = dX' X^T) is written as p * r dot products over the contiguous
+    last axis: Inductor runs them as one loop with p * r accumulators, where a [p, r, q] product
+    summed gives p * r loops of one dependent chain each (dB + dC + df at C = 1024, caches cold:
+    2.1 vs 2.5 ms).
     """
     if not torch.compiler.is_compiling():
         return m @ x
-    if m.shape[-1] > x.shape[-1]:  # a long sum: over the contiguous last axis
-        return (m.unsqueeze(-2) * x.transpose(-1, -2).unsqueeze(-3)).sum(-1)
+    if m.shape[-1] > x.shape[-1]:  # a long sum (p, r <= n): dot products over the last axis
+        rows, cols = m.unbind(-2), x.unbind(-1)
+        return torch.stack([torch.stack([(r * c).sum(-1) for c in cols], -1) for r in rows], -2)
     return (m.unsqueeze(-1) * x.unsqueeze(-3)).sum(-2)
 
 
