@@ -21,7 +21,9 @@ Tables, all measured in one run, 1 thread per process unless --threads:
      backward, median of interleaved rounds after a warm-up step that holds the compilation (its
      time is printed on its own lines); the activation memory each keeps; one layer's parts
      (coefficients, Sinkhorn, pre-mix, post-mix, F) eager and compiled. The mixing work grows with
-     C, F's with C^2, so one size would hide the trend. --curve ends with the headline line.
+     C, F's with C^2, so one size would hide the trend. An A/A control, a second residual model
+     timed in the same rounds, gives the curve's resolution on the machine it ran on. --curve
+     ends with the headline line.
 The paper's 6.7% is for GPUs with fused kernels overlapped in DualPipe.
 """
 
@@ -288,9 +290,14 @@ def curve_runs(cfg, device):
 
     Two models (residual, mHC with the same seed); naive and optimised run the same mHC parameters.
     F is eager in every eager run and compiled in every compiled run (mhc.CompiledModel).
+    ('control', 'compiled'): a second residual model built the same way, timed in the same rounds:
+    the A/A test. Its "overhead" is what separate models of equal work differ by on this machine
+    (where their memory sits, drift the interleaving did not cancel): the resolution of the curve.
     """
     torch.manual_seed(0)
     residual = mhc.Transformer(cfg, hyper=False).to(device)
+    torch.manual_seed(0)
+    control = mhc.Transformer(cfg, hyper=False).to(device)
     torch.manual_seed(0)
     hyper = mhc.Transformer(cfg, hyper=True).to(device)
     l_r = mhc.default_recompute_block(cfg.n_hc, cfg.n_layers)
@@ -300,6 +307,7 @@ def curve_runs(cfg, device):
         "residual": mhc.CompiledModel(residual, "residual"),
         "naive": mhc.CompiledModel(hyper, "naive"),
         "optimised": mhc.CompiledModel(hyper, "optimised", recompute=l_r),
+        "control": mhc.CompiledModel(control, "residual"),
     }
     return (
         idx,
@@ -340,7 +348,7 @@ def curve_point(dim, batch, repeats, device, modes, stage):
     cfg = mhc.Config(dim=dim, n_layers=4, n_heads=max(1, dim // 64), seq_len=128)
     idx, tgt, runs = curve_runs(cfg, device)
     runs = {key: value for key, value in runs.items() if key[1] in modes}
-    first = {}
+    first = {}  # (the control's first step compiles nothing new: it reuses the residual's graphs)
     for key, (model, run) in runs.items():  # warm-up: the compiled runs compile here
         first[key] = _step(model, run, batch, device)
         if key[1] == "compiled":
@@ -349,6 +357,8 @@ def curve_point(dim, batch, repeats, device, modes, stage):
             )
     saved = {}
     for key, (model, run) in runs.items():
+        if key[0] == "control":
+            continue
         model.zero_grad(set_to_none=True)
         loss, saved[key] = mhc.saved_activation_bytes(model, lambda run=run: run(batch))
         loss.backward()
@@ -370,6 +380,9 @@ def curve_point(dim, batch, repeats, device, modes, stage):
             )
         )
     compile_s = {key: first[key] - median[key] for key in runs if key[1] == "compiled"}
+    if ("control", "compiled") in median:
+        control = 100 * (median["control", "compiled"] / median["residual", "compiled"] - 1)
+        stage(f"C={dim}: A/A control, a second residual model of the same work: {control:+.1f}%")
     stage(f"C={dim}: timed {repeats} interleaved rounds of {len(runs)} variants")
     return cfg, median, compile_s, saved
 
@@ -612,6 +625,11 @@ def table_curve(dims, batch, repeats, device, modes=("eager", "compiled")):
                 + " ".join(f"{c:>14}" for c in cells)
                 + f" {sum(ms.values()):>8.1f} {step_extra:>9.1f}"
             )
+    control = {
+        d: 100 * (points[d][1]["control", "compiled"] / points[d][1]["residual", "compiled"] - 1)
+        for d in dims
+        if "compiled" in modes
+    }
     print("\ntargets (issue 11):")
     for m in modes:
         worse = [d for d in dims if overhead[d, "optimised", m] > overhead[d, "naive", m]]
@@ -623,6 +641,11 @@ def table_curve(dims, batch, repeats, device, modes=("eager", "compiled")):
         print(
             f"  {m}: optimised extra activation memory <= 30% of naive's: "
             f"{'yes' if worst <= 30 else 'NO'} (worst {worst:.0f}%)"
+        )
+    if "compiled" in modes:
+        print(
+            "  resolution: a second residual model of the same work (A/A control), compiled: "
+            + " ".join(f"C={d} {control[d]:+.1f}%" for d in dims)
         )
     if "compiled" in modes and {1024, 2048} <= set(dims):
         print(
@@ -646,6 +669,7 @@ def table_curve(dims, batch, repeats, device, modes=("eager", "compiled")):
         "parts_ms": {
             f"{p} {k} {d}": ms for d in dims for p, row in parts[d].items() for k, ms in row.items()
         },
+        "control_pct": {str(d): pct for d, pct in control.items()},
         "kernels_ms_per_step": {
             f"{k} {d}": ms for d, (per_kernel, _) in kernels.items() for k, ms in per_kernel.items()
         },
