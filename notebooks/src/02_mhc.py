@@ -370,6 +370,16 @@ if curve:
             lw=2,
             label=f"{variant} mHC, {mode}",
         )
+    if "control_pct" in curve:  # how far apart two residual models of equal work read, compiled
+        spread = [abs(curve["control_pct"][str(d)]) for d in dims]
+        ax.fill_between(
+            dims,
+            [-s for s in spread],
+            spread,
+            color="#999999",
+            alpha=0.25,
+            label="A/A control: two equal residual models differ by this",
+        )
 for variant, color in (("naive", "#c44e52"), ("optimised", "#55a868")):
     ax.plot(
         [128],
@@ -382,11 +392,11 @@ for variant, color in (("naive", "#c44e52"), ("optimised", "#55a868")):
     )
 ax.axhline(6.7, color="#555555", ls=":", lw=1.5, label="V4's 6.7% (GPUs, overlapped 1F1B)")
 ax.set_xscale("log", base=2)
-ax.set_yscale("log")
+ax.set_yscale("symlog", linthresh=2, linscale=0.5)  # log above 2%; a noisy point may read < 0
 xticks = sorted({128, *(curve["dims"] if curve else [])})
 ax.set_xticks(xticks, [str(d) for d in xticks])
 ax.xaxis.set_minor_locator(plt.NullLocator())
-ticks = [1, 2, 5, 10, 20, 50, 100, 200, 500]
+ticks = [-5, 0, 2, 5, 10, 20, 50, 100, 200, 500]
 ax.set_yticks(ticks, [str(t) for t in ticks])
 ax.set_xlabel("hidden size C (width of one lane)")
 ax.set_ylabel("step-time overhead over the residual (%)")
@@ -405,6 +415,11 @@ if curve:
             f"{v} {m} {curve['overhead_pct'][f'{v} {m} {d}']:+.1f}%" for v, m in styles
         )
         print(f"  C={d:<5} {cells}")
+    if "control_pct" in curve:  # the A/A control: how far apart two models of equal work read
+        print(
+            "  resolution, a second residual model of the same work timed alongside: "
+            + ", ".join(f"C={d} {curve['control_pct'][str(d)]:+.1f}%" for d in curve["dims"])
+        )
     d0 = min(curve["dims"])
     guess = curve["overhead_pct"][f"optimised compiled {d0}"] * d0 / 128
     print(
