@@ -205,7 +205,7 @@ def test_submission_shadows_the_reference_and_a_hang_scores_zero(tmp_path):
     )
     code, out = _grade(
         "--root", repo, "--submission", str(hangs), "--out", str(tmp_path / "h.json"),
-        "--per-test-timeout", "15",
+        "--per-test-timeout", "8",
     )  # fmt: skip
     results = json.loads((tmp_path / "h.json").read_text())
     scores = {t["name"].split("::")[-1]: t["score"] for t in results["tests"]}
