@@ -703,25 +703,27 @@ def run_recomputed_layers(stream, layers, block, iters=20, kernels=None, head=No
 # layers backwards) stays in Python: RecomputedBlock, a few calls per layer.
 #
 # What it buys, measured (`python benchmarks/bench_mhc.py --curve`: 4 layers, T = 128, batch 2,
-# 1 thread, forward + backward, overhead over the residual of the same mode, median of 11
+# 1 thread, forward + backward, overhead over the residual of the same mode, median of 21
 # interleaved rounds, glibc malloc told to keep what it frees; two runs on a shared 2-core
 # machine, the first is benchmarks/curve_cpu.json):
 #     C                     256            512            1024           2048
-#     naive, compiled      +57% / +56%    +30% / +31%    +19% / +11%    +11% / +5.9%
-#     optimised, compiled  +47% / +46%    +29% / +28%    +14% / +11%    +8.9% / +9.6%
-#     naive, eager        +174% / +134%   +71% / +66%    +35% / +34%    +19% / +16%
-#     optimised, eager    +145% / +109%   +57% / +53%    +28% / +23%    +14% / +11%
-# Compiled, the optimised path and the naive one are within the run-to-run spread (+-3-5 points)
-# from C = 512 up, while the optimised one keeps a quarter of naive's extra activations.
+#     naive, compiled      +57% / +47%    +32% / +30%    +16% / +16%    +0.8% / +4.7%
+#     optimised, compiled  +41% / +25%    +22% / +27%    +14% / +13%    -3.6% / +4.0%
+#     naive, eager        +155% / +152%   +74% / +74%    +32% / +31%    +14% / +20%
+#     optimised, eager    +127% / +131%   +54% / +57%    +19% / +25%    +4.0% / +11%
+#     A/A control          -3.3% / -2.7%  -1.5% / +1.8%  -0.6% / +0.4%  -3.1% / -4.9%
+# The A/A control is a second residual model timed alongside: the resolution. The optimised path
+# is the faster mHC in every cell and keeps a quarter of naive's extra activations. At C = 2048
+# the step times cannot resolve 4% (one run reads the optimised model below the residual); its
+# kernels, timed inside the model, take 69-77 ms there, 4.4-5.5% of the residual's step.
 # An earlier version compiled the plain autograd math of two regions per layer and replayed the
 # whole coefficient region (20 Sinkhorn rounds included) under autograd in backward: +80% / +24%
 # at C = 256 / 1024, slower than naive everywhere. Keeping the 49 coefficients per token and
 # writing the backward out removed the replay. V4's 6.7% is not reached at C = 1024 on this CPU:
-# its mixing kernels take 40-48 ms against ~300 ms of F (C = 1024, each timed inside the model by
-# the curve), each within ~1.5x of one core's DRAM bandwidth (12 GB/s) for what it moves: per
-# layer ~10 passes over the n-lane stream plus three skinny matmuls, ~0.4 ms of Sinkhorn (forward
-# and backward, tokens-last: see tokens_last) that does not shrink with C, and 0.1-0.3 ms of call
-# overhead per compiled function.
+# its mixing kernels take 39-46 ms against 320-390 ms of F (C = 1024), each close to one core's
+# memory bandwidth for what it moves: per layer ~10 passes over the n-lane stream plus three
+# skinny matmuls, ~0.4 ms of Sinkhorn (forward and backward, tokens-last: see tokens_last) that
+# does not shrink with C, and 0.1-0.3 ms of call overhead per compiled function.
 #
 # Settings: dynamic=False, one graph per shape (no symbolic sizes: a shape change compiles again);
 # dynamo's recompile limit is raised from 8 to 64 (every C, grad mode and F type is one more graph
