@@ -290,9 +290,10 @@ def curve_runs(cfg, device):
 
     Two models (residual, mHC with the same seed); naive and optimised run the same mHC parameters.
     F is eager in every eager run and compiled in every compiled run (mhc.CompiledModel).
-    ('control', 'compiled'): a second residual model built the same way, timed in the same rounds:
-    the A/A test. Its "overhead" is what separate models of equal work differ by on this machine
-    (where their memory sits, drift the interleaving did not cancel): the resolution of the curve.
+    ('control', mode): a second residual model built the same way, run eagerly and compiled like the
+    first (so it shares its model between two variants exactly as the residual does), timed in the
+    same rounds: the A/A test. Its "overhead" is what separate models of equal work differ by on
+    this machine (where their memory sits, drift the interleaving did not cancel): the resolution.
     """
     torch.manual_seed(0)
     residual = mhc.Transformer(cfg, hyper=False).to(device)
@@ -314,6 +315,7 @@ def curve_runs(cfg, device):
         tgt,
         {
             ("residual", "eager"): (residual, lambda b: residual(idx[:b], tgt[:b])),
+            ("control", "eager"): (control, lambda b: control(idx[:b], tgt[:b])),
             ("naive", "eager"): (hyper, lambda b: hyper(idx[:b], tgt[:b])),
             ("optimised", "eager"): (
                 hyper,
@@ -380,9 +382,12 @@ def curve_point(dim, batch, repeats, device, modes, stage):
             )
         )
     compile_s = {key: first[key] - median[key] for key in runs if key[1] == "compiled"}
-    if ("control", "compiled") in median:
-        control = 100 * (median["control", "compiled"] / median["residual", "compiled"] - 1)
-        stage(f"C={dim}: A/A control, a second residual model of the same work: {control:+.1f}%")
+    stage(
+        f"C={dim}: A/A control, a second residual model of the same work: "
+        + ", ".join(
+            f"{m} {100 * (median['control', m] / median['residual', m] - 1):+.1f}%" for m in modes
+        )
+    )
     stage(f"C={dim}: timed {repeats} interleaved rounds of {len(runs)} variants")
     return cfg, median, compile_s, saved
 
@@ -626,9 +631,9 @@ def table_curve(dims, batch, repeats, device, modes=("eager", "compiled")):
                 + f" {sum(ms.values()):>8.1f} {step_extra:>9.1f}"
             )
     control = {
-        d: 100 * (points[d][1]["control", "compiled"] / points[d][1]["residual", "compiled"] - 1)
+        (d, m): 100 * (points[d][1]["control", m] / points[d][1]["residual", m] - 1)
         for d in dims
-        if "compiled" in modes
+        for m in modes
     }
     print("\ntargets (issue 11):")
     for m in modes:
@@ -642,10 +647,10 @@ def table_curve(dims, batch, repeats, device, modes=("eager", "compiled")):
             f"  {m}: optimised extra activation memory <= 30% of naive's: "
             f"{'yes' if worst <= 30 else 'NO'} (worst {worst:.0f}%)"
         )
-    if "compiled" in modes:
+    for m in modes:
         print(
-            "  resolution: a second residual model of the same work (A/A control), compiled: "
-            + " ".join(f"C={d} {control[d]:+.1f}%" for d in dims)
+            f"  resolution: a second residual model of the same work (A/A control), {m}: "
+            + " ".join(f"C={d} {control[d, m]:+.1f}%" for d in dims)
         )
     if "compiled" in modes and {1024, 2048} <= set(dims):
         print(
@@ -669,7 +674,8 @@ def table_curve(dims, batch, repeats, device, modes=("eager", "compiled")):
         "parts_ms": {
             f"{p} {k} {d}": ms for d in dims for p, row in parts[d].items() for k, ms in row.items()
         },
-        "control_pct": {str(d): pct for d, pct in control.items()},
+        "control_pct": {str(d): pct for (d, m), pct in control.items() if m == "compiled"},
+        "control_eager_pct": {str(d): pct for (d, m), pct in control.items() if m == "eager"},
         "kernels_ms_per_step": {
             f"{k} {d}": ms for d, (per_kernel, _) in kernels.items() for k, ms in per_kernel.items()
         },
