@@ -707,15 +707,17 @@ def run_recomputed_layers(stream, layers, block, iters=20, kernels=None, head=No
 # interleaved rounds, glibc malloc told to keep what it frees; two runs on a shared 2-core
 # machine, the first is benchmarks/curve_cpu.json):
 #     C                     256            512            1024           2048
-#     naive, compiled      +57% / +47%    +32% / +30%    +16% / +16%    +0.8% / +4.7%
-#     optimised, compiled  +41% / +25%    +22% / +27%    +14% / +13%    -3.6% / +4.0%
-#     naive, eager        +155% / +152%   +74% / +74%    +32% / +31%    +14% / +20%
-#     optimised, eager    +127% / +131%   +54% / +57%    +19% / +25%    +4.0% / +11%
-#     A/A control          -3.3% / -2.7%  -1.5% / +1.8%  -0.6% / +0.4%  -3.1% / -4.9%
-# The A/A control is a second residual model timed alongside: the resolution. The optimised path
-# is the faster mHC in every cell and keeps a quarter of naive's extra activations. At C = 2048
-# the step times cannot resolve 4% (one run reads the optimised model below the residual); its
-# kernels, timed inside the model, take 69-77 ms there, 4.4-5.5% of the residual's step.
+#     naive, compiled      +57% / +58%    +29% / +24%    +17% / +16%    +6.8% / +13%
+#     optimised, compiled  +45% / +48%    +26% / +20%    +19% / +9.2%   +8.6% / +11%
+#     naive, eager        +138% / +138%   +74% / +66%    +37% / +37%    +22% / +23%
+#     optimised, eager    +128% / +124%   +64% / +69%    +25% / +25%    +14% / +16%
+#     A/A control, comp.   -1.7% / -1.7%  -1.0% / -4.5%  +0.9% / -1.4%  +5.3% / +8.5%
+# The A/A control is a second residual model timed alongside: the resolution. Over these and two
+# earlier runs the optimised path is ahead of naive at C = 256 and 512 every time and at 1024 in
+# three of four; at C = 2048 the step times cannot order them (the A/A reads 5-10% there). Its
+# kernels, timed inside the model, are steadier: 39-46 ms per step at C = 1024 (11-14% of the
+# residual's step), 69-77 ms at C = 2048 (4.4-5.5%). It keeps a quarter of naive's extra
+# activations.
 # An earlier version compiled the plain autograd math of two regions per layer and replayed the
 # whole coefficient region (20 Sinkhorn rounds included) under autograd in backward: +80% / +24%
 # at C = 256 / 1024, slower than naive everywhere. Keeping the 49 coefficients per token and

@@ -403,7 +403,7 @@ ax.set_ylabel("step-time overhead over the residual (%)")
 ax.set_title(
     "mHC's cost over C: eager (dashed) vs torch.compile (solid), 4 layers, T=128, 1 thread"
 )
-ax.legend(fontsize=9, ncol=2, loc="upper right")
+ax.legend(fontsize=9, ncol=2, loc="best")
 ax.tick_params(labelsize=10)
 ax.grid(alpha=0.3, which="major")
 plt.tight_layout()
@@ -449,9 +449,10 @@ for dim in (128, 1024):
 # Right: the optimised compiled model's own kernels, each timed inside the model, stacked against
 # the step overhead measured in the same run. The bars are the steadier number: the overhead is a
 # difference of two steps of separate models, and the A/A control (a second residual model of the
-# same work, the grey band above) shows how far two such models read apart: within ±2% at
-# C = 512-1024 but 3-5% at C = 2048, where a recorded run read the optimised model *below* the
-# residual. The kernels say 4-6% there. What is left after fusion is those kernels' memory traffic.
+# same work, the grey band above and the error bars here) shows how far two such models read
+# apart: within ±1.5% at C = 1024 but 5-10% at C = 2048, where one of four recorded runs read the
+# optimised model *below* the residual. The kernels say 4-6% there. What is left after fusion is
+# those kernels' memory traffic.
 
 # %%
 if curve and "parts_ms" in curve:
@@ -502,7 +503,7 @@ if curve and "parts_ms" in curve:
         right.set_xticks(range(len(dims)), [f"C={d}" for d in dims])
         right.set_ylabel("ms per step (4 layers)")
         right.set_title("Optimised, compiled: its kernels, timed inside the model")
-        right.legend(fontsize=9, loc="lower left", markerscale=0.5)
+        right.legend(fontsize=9, loc="best", markerscale=0.5)
         for d, total, extra in zip(dims, bottom, overhead):
             print(f"C={d}: kernels {total:.1f} ms per step, measured overhead {extra:.1f} ms")
     plt.tight_layout()
