@@ -918,10 +918,10 @@ class Transformer(nn.Module):
             stream = layer(stream, sublayer, hc, self.cfg.sinkhorn_iters)  # X' = B X + C F(A X)
         return self.collapse(stream, fused) if collapse else stream
 
-    def head_loss(self, stream, targets, fused=False):
-        """Collapse the lanes once (HyperHead) unless run_layers(collapse=True) already did
-        ([B, T, C] in), then final norm, head and cross-entropy -> loss."""
-        x = self.collapse(stream, fused) if self.hyper and stream.dim() == 4 else stream
+    def head_loss(self, stream, targets):
+        """Collapse the lanes once (the plain HyperHead) unless run_layers(collapse=True) already
+        did ([B, T, C] in), then final norm, head and cross-entropy -> loss."""
+        x = self.collapse(stream) if self.hyper and stream.dim() == 4 else stream
         logits = self.head(self.norm(x))
         return F.cross_entropy(logits.flatten(0, -2), targets.flatten())
 
