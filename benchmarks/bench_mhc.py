@@ -350,7 +350,7 @@ def curve_point(dim, batch, repeats, device, modes, stage):
     cfg = mhc.Config(dim=dim, n_layers=4, n_heads=max(1, dim // 64), seq_len=128)
     idx, tgt, runs = curve_runs(cfg, device)
     runs = {key: value for key, value in runs.items() if key[1] in modes}
-    first = {}  # (the control's first step compiles nothing new: it reuses the residual's graphs)
+    first = {}
     for key, (model, run) in runs.items():  # warm-up: the compiled runs compile here
         first[key] = _step(model, run, batch, device)
         if key[1] == "compiled":
@@ -749,7 +749,7 @@ def main():
     torch.set_num_threads(args.threads)
     repeats = args.repeats or (2 if args.quick else 11)
     # the curve's headline is a difference of two steps: 21 rounds, where 11 left its A/A control
-    # 0.4-6.9% off at C <= 1024 in two runs on a shared 2-core machine (1.1-1.5% with 21)
+    # 0.4-6.9% off at C <= 1024 in two runs on a shared 2-core machine (0.4-4.5% in five with 21)
     curve_repeats = args.repeats or (2 if args.quick else 21)
     dims = args.dims or ((64, 128) if args.quick else (256, 512, 1024, 2048))
     allocator = steady_allocator()
