@@ -20,10 +20,11 @@ Tables, all measured in one run, 1 thread per process unless --threads:
      (mhc.CompiledModel; F eager in all eager runs, compiled in all compiled runs); forward +
      backward, median of interleaved rounds after a warm-up step that holds the compilation (its
      time is printed on its own lines); the activation memory each keeps; one layer's parts
-     (coefficients, Sinkhorn, pre-mix, post-mix, F) eager and compiled. The mixing work grows with
-     C, F's with C^2, so one size would hide the trend. An A/A control, a second residual model
-     timed in the same rounds, gives the curve's resolution on the machine it ran on. --curve
-     ends with the headline line.
+     (coefficients, Sinkhorn, pre-mix, post-mix, F) eager and compiled; the optimised model's
+     compiled kernels timed inside it, beside their floor (the least bytes they must move,
+     streamed cold: stream_floor). The mixing work grows with C, F's with C^2, so one size
+     would hide the trend. An A/A control, a second residual model timed in the same rounds,
+     gives the curve's resolution on the machine it ran on. --curve ends with the headline line.
 The paper's 6.7% is for GPUs with fused kernels overlapped in DualPipe.
 """
 
@@ -444,6 +445,55 @@ def kernel_times(cfg, batch, repeats, device):
     )
 
 
+# The least each kernel call must move per token, as one perfect loop would: every n*C-sized
+# tensor (lanes) and C-sized tensor (lane) it needs read once, every output written once; the
+# per-token coefficients (49 numbers) and the projection weights left out. {kernel: (read, written)}
+# with lanes, lane the bytes per token. mix_out_backward and mix_in_backward cannot be one loop:
+# F's backward sits between them (it needs df first, and mix_in_backward its dh), so dX' is read by
+# both; dB = dX' X^T is counted with mix_in_backward, which reads X anyway.
+KERNEL_TRAFFIC = {
+    "mix_in": lambda lanes, lane: (lanes, lane),  # X -> h
+    "mix_out": lambda lanes, lane: (lanes + lane, lanes),  # X, f -> X'
+    "mix_out_backward": lambda lanes, lane: (lanes + lane, lane),  # dX', f -> df
+    "mix_in_backward": lambda lanes, lane: (2 * lanes + lane, lanes),  # dX', X, dh -> dX
+    "collapse": lambda lanes, lane: (lanes, lane),  # X_L -> x
+    "collapse_backward": lambda lanes, lane: (lanes + lane, lanes),  # X_L, dx -> dX_L
+}
+
+
+def stream_floor(cfg, batch, calls, device, repeats=15):
+    """The least time one step's mixing kernels can take on this device: their bytes (KERNEL_TRAFFIC
+    times the calls per step kernel_times counted) at the rate the device streams them cold.
+
+    Cold, because inside the model they are: F's matmuls run between the kernels and push the
+    stream out of cache (the kernels timed in the model take what they take with caches flushed).
+    Rates from a 64 MiB tensor after a 512 MiB write: a sum (reads) and a copy (reads and writes);
+    that large, the fixed cost of a cold call (~0.1 ms here) is out, and the rate is the best a
+    stream reaches (one core here: 7 GiB/s over 4-16 MiB, 10 over 64). It leaves out the skinny
+    matmuls' arithmetic, Sinkhorn and every call's overhead, so the kernels cannot beat it.
+    -> (ms per step, MiB read, MiB written).
+    """
+    tokens, lane = batch * cfg.seq_len, cfg.dim * 4
+    read = written = 0
+    for name, n_calls in calls.items():
+        r, w = KERNEL_TRAFFIC[name](cfg.n_hc * lane, lane)
+        read, written = read + n_calls * r * tokens, written + n_calls * w * tokens
+    x = torch.randn(16 * MiB, device=device)
+    y, flush = torch.empty_like(x), torch.empty(128 * MiB, device=device)
+    times = {"sum": [], "copy": []}
+    for _ in range(repeats):
+        for what, fn in (("sum", x.sum), ("copy", lambda: y.copy_(x))):
+            flush.fill_(1.0)
+            _sync(device)
+            began = time.perf_counter()
+            fn()
+            _sync(device)
+            times[what].append(time.perf_counter() - began)
+    per_read = statistics.median(times["sum"]) / x.nbytes
+    per_write = max(statistics.median(times["copy"]) / x.nbytes - per_read, 0.0)
+    return 1e3 * (read * per_read + written * per_write), read / MiB, written / MiB
+
+
 def _time_part(fn, args, grads, repeats, device):
     """Median ms of forward + backward of fn(*args) with the given output gradients."""
     times = []
@@ -539,7 +589,7 @@ def table_curve(dims, batch, repeats, device, modes=("eager", "compiled")):
         f"rounds; F eager in every eager run, compiled in every compiled run",
         flush=True,
     )
-    points, parts, kernels = {}, {}, {}
+    points, parts, kernels, floors = {}, {}, {}, {}
     for dim in dims:
         points[dim] = curve_point(dim, batch, repeats, device, modes, stage)
         median = points[dim][1]
@@ -554,6 +604,7 @@ def table_curve(dims, batch, repeats, device, modes=("eager", "compiled")):
         parts[dim] = part_times(points[dim][0], batch, repeats, device, modes)
         if "compiled" in modes:
             kernels[dim] = kernel_times(points[dim][0], batch, max(3, repeats // 2), device)
+            floors[dim] = stream_floor(points[dim][0], batch, kernels[dim][1], device)
         stage(f"C={dim}: per-part and per-kernel timings done")
     keys = [(v, m) for m in modes for v in CURVE_VARIANTS]
     print("\nstep ms and overhead over the residual of the same mode (eager or compiled)")
@@ -617,18 +668,25 @@ def table_curve(dims, batch, repeats, device, modes=("eager", "compiled")):
         print(
             "\nwhere the optimised compiled step's overhead goes: ms per step in each compiled "
             "kernel, timed inside the model (calls per step in brackets), against the measured "
-            "overhead over the compiled residual"
+            "overhead over the compiled residual; floor: the least those calls can take, their "
+            "bytes (KERNEL_TRAFFIC: each tensor read or written once) streamed cold on this device"
         )
         names = [n.replace("_backward", "_bwd") for n in KERNELS]
-        print(f"{'C':>6} " + " ".join(f"{n:>14}" for n in names) + f" {'sum':>8} {'overhead':>9}")
+        print(
+            f"{'C':>6} "
+            + " ".join(f"{n:>14}" for n in names)
+            + f" {'sum':>8} {'overhead':>9} {'floor':>7} {'MiB r/w':>11}"
+        )
         for dim, (ms, calls) in kernels.items():
             median = points[dim][1]
             step_extra = 1e3 * (median["optimised", "compiled"] - median["residual", "compiled"])
             cells = [f"{ms[k]:.2f} [{calls[k]}]" for k in KERNELS]
+            floor_ms, read, written = floors[dim]
             print(
                 f"{dim:>6} "
                 + " ".join(f"{c:>14}" for c in cells)
-                + f" {sum(ms.values()):>8.1f} {step_extra:>9.1f}"
+                + f" {sum(ms.values()):>8.1f} {step_extra:>9.1f} {floor_ms:>7.1f}"
+                + f" {f'{read:.0f}/{written:.0f}':>11}"
             )
     control = {
         (d, m): 100 * (points[d][1]["control", m] / points[d][1]["residual", m] - 1)
@@ -651,6 +709,14 @@ def table_curve(dims, batch, repeats, device, modes=("eager", "compiled")):
         print(
             f"  resolution: a second residual model of the same work (A/A control), {m}: "
             + " ".join(f"C={d} {control[d, m]:+.1f}%" for d in dims)
+        )
+    floor_pct = {
+        d: 100 * floors[d][0] / (1e3 * points[d][1]["residual", "compiled"]) for d in floors
+    }
+    if floor_pct:
+        print(
+            "  floor: the optimised kernels' least bytes streamed cold, over the compiled "
+            "residual's step: " + " ".join(f"C={d} {pct:.1f}%" for d, pct in floor_pct.items())
         )
     if "compiled" in modes and {1024, 2048} <= set(dims):
         print(
@@ -679,6 +745,8 @@ def table_curve(dims, batch, repeats, device, modes=("eager", "compiled")):
         "kernels_ms_per_step": {
             f"{k} {d}": ms for d, (per_kernel, _) in kernels.items() for k, ms in per_kernel.items()
         },
+        "floor_ms": {str(d): floor[0] for d, floor in floors.items()},
+        "floor_pct": {str(d): pct for d, pct in floor_pct.items()},
     }
 
 
