@@ -707,25 +707,30 @@ def run_recomputed_layers(stream, layers, block, iters=20, kernels=None, head=No
 # interleaved rounds, glibc malloc told to keep what it frees; two runs on a shared 2-core
 # machine, the first is benchmarks/curve_cpu.json):
 #     C                     256            512            1024           2048
-#     naive, compiled      +57% / +58%    +29% / +24%    +17% / +16%    +6.8% / +13%
-#     optimised, compiled  +45% / +48%    +26% / +20%    +19% / +9.2%   +8.6% / +11%
-#     naive, eager        +138% / +138%   +74% / +66%    +37% / +37%    +22% / +23%
-#     optimised, eager    +128% / +124%   +64% / +69%    +25% / +25%    +14% / +16%
-#     A/A control, comp.   -1.7% / -1.7%  -1.0% / -4.5%  +0.9% / -1.4%  +5.3% / +8.5%
-# The A/A control is a second residual model timed alongside: the resolution. Over these and two
+#     naive, compiled      +53% / +51%    +29% / +28%    +15% / +15%    +4.5% / +2.1%
+#     optimised, compiled  +41% / +46%    +25% / +22%    +10% / +9.8%   +5.9% / +0.7%
+#     naive, eager        +137% / +143%   +67% / +67%    +35% / +34%    +18% / +11%
+#     optimised, eager    +113% / +105%   +53% / +52%    +29% / +24%    +11% / +7.6%
+#     A/A control, comp.   -3.3% / -1.7%  -0.5% / -1.6%  -1.4% / -1.0%  -0.6% / +0.4%
+# The A/A control is a second residual model timed alongside: the resolution. Over these and four
 # earlier runs the optimised path is ahead of naive at C = 256 and 512 every time and at 1024 in
-# three of four; at C = 2048 the step times cannot order them (the A/A reads 5-10% there). Its
-# kernels, timed inside the model, are steadier: 39-46 ms per step at C = 1024 (11-14% of the
-# residual's step), 69-77 ms at C = 2048 (4.4-5.5%). It keeps a quarter of naive's extra
-# activations.
+# five of six; at C = 2048 the step times cannot order them (the A/A read 5-9% there in two runs,
+# and 0.7% above is less than the kernels alone take). Its kernels, timed inside the model, are
+# steadier: 36-46 ms per step at C = 1024 (11-14% of the residual's step), 62-77 ms at C = 2048
+# (4.4-5.6%). It keeps a quarter of naive's extra activations.
 # An earlier version compiled the plain autograd math of two regions per layer and replayed the
 # whole coefficient region (20 Sinkhorn rounds included) under autograd in backward: +80% / +24%
 # at C = 256 / 1024, slower than naive everywhere. Keeping the 49 coefficients per token and
-# writing the backward out removed the replay. V4's 6.7% is not reached at C = 1024 on this CPU:
-# its mixing kernels take 39-46 ms against 320-390 ms of F (C = 1024), each close to one core's
-# memory bandwidth for what it moves: per layer ~10 passes over the n-lane stream plus three
-# skinny matmuls, ~0.4 ms of Sinkhorn (forward and backward, tokens-last: see tokens_last) that
-# does not shrink with C, and 0.1-0.3 ms of call overhead per compiled function.
+# writing the backward out removed the replay. V4's 6.7% is not reached at C = 1024 on this CPU.
+# The floor (bench_mhc.stream_floor): the least bytes these calls must move, 116 MiB read and 57
+# written per step at C = 1024, streamed by one core with caches cold (as F leaves them), take
+# 18 ms, 5.7% of the residual's step (2.3-2.5% at C = 2048); the kernels take 2.1-2.5 times that:
+# three skinny matmuls per layer run apart by MKL (~9 ms per step), ~0.4 ms of Sinkhorn per layer
+# (tokens-last: see tokens_last), and each kernel's loops rereading the stream from cache. Within
+# 1.2x of the floor, matmuls hidden under the streaming, is hand-written kernels' ground.
+# Measured and dropped: one call for mix_out + the next mix_in and for mix_in_backward + the next
+# mix_out_backward (13 calls per step, not 22: under 1 ms), token tiles unrolled inside the
+# compiled functions (slower, and 50-105 s to compile).
 #
 # Settings: dynamic=False, one graph per shape (no symbolic sizes: a shape change compiles again);
 # dynamo's recompile limit is raised from 8 to 64 (every C, grad mode and F type is one more graph

@@ -370,6 +370,11 @@ if curve:
             lw=2,
             label=f"{variant} mHC, {mode}",
         )
+    if "floor_pct" in curve:  # the optimised kernels' least bytes, streamed cold
+        ax.plot(
+            dims, [curve["floor_pct"][str(d)] for d in dims], color="crimson", ls="--", lw=1.5,
+            label="floor: the optimised kernels' least bytes, streamed cold",
+        )  # fmt: skip
     if "control_pct" in curve:  # how far apart two residual models of equal work read, compiled
         spread = [abs(curve["control_pct"][str(d)]) for d in dims]
         ax.fill_between(
@@ -450,9 +455,14 @@ for dim in (128, 1024):
 # the step overhead measured in the same run. The bars are the steadier number: the overhead is a
 # difference of two steps of separate models, and the A/A control (a second residual model of the
 # same work, the grey band above and the error bars here) shows how far two such models read
-# apart: within ±1.5% at C = 1024 but 5-10% at C = 2048, where one of four recorded runs read the
-# optimised model *below* the residual. The kernels say 4-6% there. What is left after fusion is
-# those kernels' memory traffic.
+# apart: within 3.3% in the recorded run, but 5-9% at C = 2048 in others, where one of six runs
+# read the optimised model *below* the residual. The kernels say 4.4-5.6% there.
+# The crimson marks (and the dashed line above) are the kernels' floor: the least bytes those calls
+# must move (each tensor they need read once, each output written once: 116 MiB read and 57 MiB
+# written per step at C = 1024), at the rate one core streams memory with caches cold, as F's
+# matmuls leave them. The kernels take about twice their floor; V4's 6.7% at C = 1024 would need
+# them within 1.2 times it, with their skinny matmuls hidden under the streaming: hand-fused
+# kernels' ground, not what the compiler makes of these functions.
 
 # %%
 if curve and "parts_ms" in curve:
@@ -500,12 +510,19 @@ if curve and "parts_ms" in curve:
                 range(len(dims)), overhead, yerr=spread, fmt="none", ecolor="k", capsize=6,
                 label="± the A/A control",
             )  # fmt: skip
+        if "floor_ms" in curve:  # the least bytes those calls must move, streamed cold
+            floor = [curve["floor_ms"][str(d)] for d in dims]
+            right.plot(
+                range(len(dims)), floor, "_", color="crimson", ms=30, mew=2,
+                label="floor: their least bytes, streamed cold",
+            )  # fmt: skip
         right.set_xticks(range(len(dims)), [f"C={d}" for d in dims])
         right.set_ylabel("ms per step (4 layers)")
         right.set_title("Optimised, compiled: its kernels, timed inside the model")
         right.legend(fontsize=9, loc="best", markerscale=0.5)
-        for d, total, extra in zip(dims, bottom, overhead):
-            print(f"C={d}: kernels {total:.1f} ms per step, measured overhead {extra:.1f} ms")
+        for i, (d, total, extra) in enumerate(zip(dims, bottom, overhead)):
+            floor_note = f" (floor {floor[i]:.1f})" if "floor_ms" in curve else ""
+            print(f"C={d}: kernels {total:.1f}{floor_note} ms per step, overhead {extra:.1f} ms")
     plt.tight_layout()
     plt.show()
 else:
