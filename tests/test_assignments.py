@@ -280,3 +280,13 @@ def test_full_student_build_fails_every_graded_test(tmp_path, graded):
     passing = [g["nodeid"] for g in graded if grade.result_of(results, g["nodeid"])[0]]
     assert not passing, f"graded tests that pass against the stubs: {passing}"
     print(f"all-stubs grading: {len(graded)} graded tests, all failing, in {seconds:.0f} s")
+
+
+@needs_regions
+def test_assignments_md_lists_the_current_regions(graded):
+    with open(os.path.join(ROOT, "ASSIGNMENTS.md")) as f:
+        text = f.read()
+    assert assignments.table(REGIONS, graded) in text, (
+        "ASSIGNMENTS.md's table of regions is stale (a line number or a graded test moved): "
+        "replace it with what `python tools/assignments.py --table` prints"
+    )
