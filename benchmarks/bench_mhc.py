@@ -470,8 +470,10 @@ def stream_floor(cfg, batch, calls, device, repeats=15):
     Rates from a 64 MiB tensor after a 512 MiB write: a sum (reads) and a copy (reads and writes);
     that large, the fixed cost of a cold call (~0.1 ms here) is out, and the rate is the best a
     stream reaches (one core here: 7 GiB/s over 4-16 MiB, 10 over 64). It leaves out the skinny
-    matmuls' arithmetic, Sinkhorn and every call's overhead, so the kernels cannot beat it.
-    -> (ms per step, MiB read, MiB written).
+    matmuls' arithmetic, Sinkhorn and every call's overhead: kernels cold as the model runs them
+    cannot beat it (one whose input is still in cache from the call before can, a little: mix_in
+    right after mix_out took 1.8 ms against 2.0 cold at C = 1024). -> (ms per step, MiB read,
+    MiB written).
     """
     tokens, lane = batch * cfg.seq_len, cfg.dim * 4
     read = written = 0
