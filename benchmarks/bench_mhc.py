@@ -22,9 +22,10 @@ Tables, all measured in one run, 1 thread per process unless --threads:
      time is printed on its own lines); the activation memory each keeps; one layer's parts
      (coefficients, Sinkhorn, pre-mix, post-mix, F) eager and compiled; the optimised model's
      compiled kernels timed inside it, beside their floor (the least bytes they must move,
-     streamed cold: stream_floor). The mixing work grows with C, F's with C^2, so one size
-     would hide the trend. An A/A control, a second residual model timed in the same rounds,
-     gives the curve's resolution on the machine it ran on. --curve ends with the headline line.
+     streamed cold: stream_floor, cold_stream_cost). The mixing work grows with C, F's with
+     C^2, so one size would hide the trend. An A/A control, a second residual model timed in
+     the same rounds, gives the curve's resolution on the machine it ran on. --curve ends with
+     the headline line.
 The paper's 6.7% is for GPUs with fused kernels overlapped in DualPipe.
 """
 
@@ -461,25 +462,16 @@ KERNEL_TRAFFIC = {
 }
 
 
-def stream_floor(cfg, batch, calls, device, repeats=15):
-    """The least time one step's mixing kernels can take on this device: their bytes (KERNEL_TRAFFIC
-    times the calls per step kernel_times counted) at the rate the device streams them cold.
+def cold_stream_cost(device, repeats=15):
+    """Seconds per byte one core (or the GPU) takes to read, and to write, memory with caches cold.
 
-    Cold, because inside the model they are: F's matmuls run between the kernels and push the
-    stream out of cache (the kernels timed in the model take what they take with caches flushed).
-    Rates from a 64 MiB tensor after a 512 MiB write: a sum (reads) and a copy (reads and writes);
-    that large, the fixed cost of a cold call (~0.1 ms here) is out, and the rate is the best a
-    stream reaches (one core here: 7 GiB/s over 4-16 MiB, 10 over 64). It leaves out the skinny
-    matmuls' arithmetic, Sinkhorn and every call's overhead: kernels cold as the model runs them
-    cannot beat it (one whose input is still in cache from the call before can, a little: mix_in
-    right after mix_out took 1.8 ms against 2.0 cold at C = 1024). -> (ms per step, MiB read,
-    MiB written).
+    Cold, because inside the model the mixing kernels are: F's matmuls run between them and push
+    the stream out of cache (the kernels timed in the model take what they take with caches
+    flushed). Timed on a 64 MiB tensor after a 512 MiB write: a sum (reads) and a copy (reads and
+    writes); that large, the fixed cost of a cold call (~0.1 ms here) is out, and the rate is the
+    best a stream reaches (one core here: 7 GiB/s over 4-16 MiB, 10 over 64). A property of the
+    device, not of C: measured once per curve. -> (per byte read, per byte written).
     """
-    tokens, lane = batch * cfg.seq_len, cfg.dim * 4
-    read = written = 0
-    for name, n_calls in calls.items():
-        r, w = KERNEL_TRAFFIC[name](cfg.n_hc * lane, lane)
-        read, written = read + n_calls * r * tokens, written + n_calls * w * tokens
     x = torch.randn(16 * MiB, device=device)
     y, flush = torch.empty_like(x), torch.empty(128 * MiB, device=device)
     times = {"sum": [], "copy": []}
@@ -492,7 +484,24 @@ def stream_floor(cfg, batch, calls, device, repeats=15):
             _sync(device)
             times[what].append(time.perf_counter() - began)
     per_read = statistics.median(times["sum"]) / x.nbytes
-    per_write = max(statistics.median(times["copy"]) / x.nbytes - per_read, 0.0)
+    return per_read, max(statistics.median(times["copy"]) / x.nbytes - per_read, 0.0)
+
+
+def stream_floor(cfg, batch, calls, cost):
+    """The least time one step's mixing kernels can take: their bytes (KERNEL_TRAFFIC times the
+    calls per step kernel_times counted) at cost = cold_stream_cost(device).
+
+    It leaves out the skinny matmuls' arithmetic, Sinkhorn and every call's overhead: kernels cold
+    as the model runs them cannot beat it (one whose input is still in cache from the call before
+    can, a little: mix_in right after mix_out took 1.8 ms against 2.0 cold at C = 1024).
+    -> (ms per step, MiB read, MiB written).
+    """
+    tokens, lane = batch * cfg.seq_len, cfg.dim * 4
+    read = written = 0
+    for name, n_calls in calls.items():
+        r, w = KERNEL_TRAFFIC[name](cfg.n_hc * lane, lane)
+        read, written = read + n_calls * r * tokens, written + n_calls * w * tokens
+    per_read, per_write = cost
     return 1e3 * (read * per_read + written * per_write), read / MiB, written / MiB
 
 
@@ -592,6 +601,7 @@ def table_curve(dims, batch, repeats, device, modes=("eager", "compiled")):
         flush=True,
     )
     points, parts, kernels, floors = {}, {}, {}, {}
+    cost = cold_stream_cost(device) if "compiled" in modes else None
     for dim in dims:
         points[dim] = curve_point(dim, batch, repeats, device, modes, stage)
         median = points[dim][1]
@@ -606,7 +616,7 @@ def table_curve(dims, batch, repeats, device, modes=("eager", "compiled")):
         parts[dim] = part_times(points[dim][0], batch, repeats, device, modes)
         if "compiled" in modes:
             kernels[dim] = kernel_times(points[dim][0], batch, max(3, repeats // 2), device)
-            floors[dim] = stream_floor(points[dim][0], batch, kernels[dim][1], device)
+            floors[dim] = stream_floor(points[dim][0], batch, kernels[dim][1], cost)
         stage(f"C={dim}: per-part and per-kernel timings done")
     keys = [(v, m) for m in modes for v in CURVE_VARIANTS]
     print("\nstep ms and overhead over the residual of the same mode (eager or compiled)")
