@@ -296,6 +296,8 @@ def curve_runs(cfg, device):
     first (so it shares its model between two variants exactly as the residual does), timed in the
     same rounds: the A/A test. Its "overhead" is what separate models of equal work differ by on
     this machine (where their memory sits, drift the interleaving did not cancel): the resolution.
+    ('floor', 'compiled'): the optimised model with floor_kernels(), stubs that only move the
+    kernels' least bytes: the floor measured in the model.
     """
     torch.manual_seed(0)
     residual = mhc.Transformer(cfg, hyper=False).to(device)
@@ -311,7 +313,9 @@ def curve_runs(cfg, device):
         "naive": mhc.CompiledModel(hyper, "naive"),
         "optimised": mhc.CompiledModel(hyper, "optimised", recompute=l_r),
         "control": mhc.CompiledModel(control, "residual"),
+        "floor": mhc.CompiledModel(hyper, "optimised", recompute=l_r),
     }
+    compiled["floor"].kernels = floor_kernels()
     return (
         idx,
         tgt,
@@ -361,7 +365,7 @@ def curve_point(dim, batch, repeats, device, modes, stage):
             )
     saved = {}
     for key, (model, run) in runs.items():
-        if key[0] == "control":
+        if key[0] in ("control", "floor"):  # timed only
             continue
         model.zero_grad(set_to_none=True)
         loss, saved[key] = mhc.saved_activation_bytes(model, lambda run=run: run(batch))
@@ -503,6 +507,59 @@ def stream_floor(cfg, batch, calls, cost):
         read, written = read + n_calls * r * tokens, written + n_calls * w * tokens
     per_read, per_write = cost
     return 1e3 * (read * per_read + written * per_write), read / MiB, written / MiB
+
+
+# The floor measured in the model: the optimised model run with every mixing kernel replaced by a
+# stub that moves that kernel's KERNEL_TRAFFIC bytes (each tensor read once, each output written
+# once, in one compiled loop) and computes none of the mixing: its numbers are wrong on purpose,
+# its step time is what kernels at the floor would cost, Python, calls and F's per-layer backward
+# included. Beside stream_floor's arithmetic, the check that nothing else in the step costs more.
+
+
+def _stub_coefficients(x, n):
+    """The kept coefficients' shapes (49 numbers per token) from n^2 + 2n of x's: [..., C]."""
+    small = torch.sigmoid(x[..., : n * n + 2 * n])
+    return small[..., :n], small[..., 2 * n :].unflatten(-1, (n, n)), small[..., n : 2 * n], small
+
+
+def _stub_mix_in(stream, params, iters):
+    h = stream.mean(-2)  # X -> h
+    a, b, c, projected = _stub_coefficients(h, stream.shape[-2])
+    return h, (a, b, c, projected, a[..., :1])
+
+
+def _stub_mix_out(stream, kept, f):
+    return 0.5 * stream + 0.5 * f.unsqueeze(-2)  # X, f -> X'
+
+
+def _stub_mix_out_backward(grad_out, stream, kept, f):
+    _, b, c, _, _ = kept
+    return torch.zeros_like(b), torch.zeros_like(c), grad_out.mean(-2) + 1e-3 * f  # dX', f -> df
+
+
+def _stub_mix_in_backward(grad_h, grad_b, grad_c, grad_out, stream, kept, params, iters):
+    grad_x = 0.5 * grad_out + 1e-3 * stream + 0.5 * grad_h.unsqueeze(-2)  # dX', X, dh -> dX
+    return grad_x, tuple(torch.zeros_like(p) for p in params)
+
+
+def _stub_collapse(stream, params):
+    x = stream.mean(-2)  # X_L -> x
+    weights, _, _, _ = _stub_coefficients(x, stream.shape[-2])
+    return x, (weights, weights, weights[..., :1])
+
+
+def _stub_collapse_backward(grad_out, stream, kept, params):
+    grad_x = 1e-3 * stream + 0.25 * grad_out.unsqueeze(-2)  # X_L, dx -> dX_L
+    return grad_x, *(torch.zeros_like(p) for p in params)
+
+
+def floor_kernels(backend="inductor"):
+    """mhc.MixingKernels' six functions as compiled stubs that only move the floor's bytes."""
+    kernels = mhc.MixingKernels()
+    for name in KERNELS:
+        stub = globals()[f"_stub_{name}"]
+        setattr(kernels, name, torch.compile(stub, backend=backend, dynamic=False))
+    return kernels
 
 
 def _time_part(fn, args, grads, repeats, device):
@@ -730,6 +787,17 @@ def table_curve(dims, batch, repeats, device, modes=("eager", "compiled")):
             "  floor: the optimised kernels' least bytes streamed cold, over the compiled "
             "residual's step: " + " ".join(f"C={d} {pct:.1f}%" for d, pct in floor_pct.items())
         )
+    floor_model = {
+        d: 100 * (points[d][1]["floor", "compiled"] / points[d][1]["residual", "compiled"] - 1)
+        for d in dims
+        if "compiled" in modes
+    }
+    if floor_model:
+        print(
+            "  floor in the model: the optimised model with stub kernels that only move those "
+            "bytes (floor_kernels), compiled: "
+            + " ".join(f"C={d} {pct:+.1f}%" for d, pct in floor_model.items())
+        )
     if "compiled" in modes and {1024, 2048} <= set(dims):
         print(
             f"  compiled optimised <= 6.7% at C=1024 and <= 4% at C=2048: "
@@ -759,6 +827,7 @@ def table_curve(dims, batch, repeats, device, modes=("eager", "compiled")):
         },
         "floor_ms": {str(d): floor[0] for d, floor in floors.items()},
         "floor_pct": {str(d): pct for d, pct in floor_pct.items()},
+        "floor_model_pct": {str(d): pct for d, pct in floor_model.items()},
     }
 
 

@@ -1,7 +1,10 @@
-"""The mHC benchmark's floor: the bytes it counts for the optimised kernels (quoted in README)."""
+"""The mHC benchmark's floor: the bytes it counts for the optimised kernels (quoted in README), and
+the stub kernels that measure it in the model."""
 
 import os
 import sys
+
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -26,3 +29,58 @@ def test_floor_counts_each_kernels_least_bytes():
 def test_cold_stream_cost_is_measured():
     per_read, per_write = bench_mhc.cold_stream_cost("cpu", repeats=1)
     assert per_read > 0 and per_write >= 0
+
+
+def _flat(out):
+    """Nested tuples of tensors -> [tensor, ...] in order."""
+    return [out] if isinstance(out, torch.Tensor) else [t for item in out for t in _flat(item)]
+
+
+def _layout(out):
+    """Nested tuples of tensors -> [(shape, dtype), ...] in order."""
+    return [(tuple(t.shape), t.dtype) for t in _flat(out)]
+
+
+def test_floor_stubs_return_what_the_kernels_return_and_move_only_the_counted_tensors():
+    """The in-model floor (floor_kernels) stands for the real kernels only if each stub returns
+    their shapes and dtypes, and reads and writes exactly the n*C- and C-sized tensors
+    KERNEL_TRAFFIC counts: every stream-sized input it counts changes the output, every one it
+    does not count leaves the output alone, and the stream-sized outputs are what it writes."""
+    mhc = bench_mhc.mhc
+    torch.manual_seed(0)
+    n, dim, tokens = 4, 32, 6
+    lanes, lane = torch.randn(2, 3, n, dim), torch.randn(2, 3, dim)
+    stream, grad_out, f, grad_h = lanes, torch.randn_like(lanes), lane, torch.randn_like(lane)
+    sized = {tuple(lanes.shape), tuple(lane.shape)}  # what the floor counts: n*C or C per token
+    params = mhc.hc_params(mhc.HyperConnection(n, dim))
+    head = mhc.head_params(mhc.HyperHead(n, dim))
+    with torch.no_grad():
+        _, kept = mhc.mix_in(stream, params, 20)
+        grad_b, grad_c, _ = mhc.mix_out_backward(grad_out, stream, kept, f)
+        _, head_kept = mhc.collapse(stream, head)
+        args = {  # every kernel's arguments, as RecomputedBlock passes them
+            "mix_in": (stream, params, 20),
+            "mix_out": (stream, kept, f),
+            "mix_out_backward": (grad_out, stream, kept, f),
+            "mix_in_backward": (grad_h, grad_b, grad_c, grad_out, stream, kept, params, 20),
+            "collapse": (stream, head),
+            "collapse_backward": (grad_h, stream, head_kept, head),
+        }
+        for name in bench_mhc.KERNELS:
+            real = getattr(mhc, name)(*args[name])
+            stub = getattr(bench_mhc, f"_stub_{name}")
+            out = stub(*args[name])
+            assert _layout(out) == _layout(real), name
+            read = 0
+            for i, arg in enumerate(args[name]):
+                if not isinstance(arg, torch.Tensor) or tuple(arg.shape) not in sized:
+                    continue
+                moved = list(args[name])
+                moved[i] = arg + 1.0
+                changed = any(
+                    not torch.equal(a, b) for a, b in zip(_flat(out), _flat(stub(*moved)))
+                )
+                read += arg.numel() if changed else 0
+            written = sum(t.numel() for t in _flat(out) if tuple(t.shape) in sized)
+            counted = bench_mhc.KERNEL_TRAFFIC[name](n * dim, dim)
+            assert (read, written) == (tokens * counted[0], tokens * counted[1]), name
