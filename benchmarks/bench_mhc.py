@@ -22,7 +22,9 @@ Tables, all measured in one run, 1 thread per process unless --threads:
      time is printed on its own lines); the activation memory each keeps; one layer's parts
      (coefficients, Sinkhorn, pre-mix, post-mix, F) eager and compiled; the optimised model's
      compiled kernels timed inside it, beside their floor (the least bytes they must move,
-     streamed cold: stream_floor, cold_stream_cost). The mixing work grows with C, F's with
+     streamed cold: stream_floor, cold_stream_cost) and two sets of stand-ins timed the same way
+     (STUBS: the kernels without their coefficient math; stubs that move only the floor's
+     bytes). The mixing work grows with C, F's with
      C^2, so one size would hide the trend. An A/A control, a second residual model timed in
      the same rounds, gives the curve's resolution on the machine it ran on. --curve ends with
      the headline line.
@@ -296,8 +298,6 @@ def curve_runs(cfg, device):
     first (so it shares its model between two variants exactly as the residual does), timed in the
     same rounds: the A/A test. Its "overhead" is what separate models of equal work differ by on
     this machine (where their memory sits, drift the interleaving did not cancel): the resolution.
-    ('floor', 'compiled'): the optimised model with floor_kernels(), stubs that only move the
-    kernels' least bytes: the floor measured in the model.
     """
     torch.manual_seed(0)
     residual = mhc.Transformer(cfg, hyper=False).to(device)
@@ -313,9 +313,7 @@ def curve_runs(cfg, device):
         "naive": mhc.CompiledModel(hyper, "naive"),
         "optimised": mhc.CompiledModel(hyper, "optimised", recompute=l_r),
         "control": mhc.CompiledModel(control, "residual"),
-        "floor": mhc.CompiledModel(hyper, "optimised", recompute=l_r),
     }
-    compiled["floor"].kernels = floor_kernels()
     return (
         idx,
         tgt,
@@ -365,7 +363,7 @@ def curve_point(dim, batch, repeats, device, modes, stage):
             )
     saved = {}
     for key, (model, run) in runs.items():
-        if key[0] in ("control", "floor"):  # timed only
+        if key[0] == "control":
             continue
         model.zero_grad(set_to_none=True)
         loss, saved[key] = mhc.saved_activation_bytes(model, lambda run=run: run(batch))
@@ -408,17 +406,19 @@ KERNELS = (
 )
 
 
-def kernel_times(cfg, batch, repeats, device):
+def kernel_times(cfg, batch, repeats, device, kernels=None):
     """ms per step spent in each compiled kernel of the optimised model, timed inside the model.
 
     The same CompiledModel as the curve (its graphs are cached: nothing compiles again here), each
     of its kernels wrapped by a timer (a device sync either side on a GPU). -> ({kernel: ms per
     step}, calls per step). The sum against the measured step overhead says whether the overhead
-    is the mixing kernels themselves or the plumbing around them.
+    is the mixing kernels themselves or the plumbing around them. kernels: stand-ins to time in
+    their place (stub_kernels), default the model's own.
     """
     torch.manual_seed(0)
     model = mhc.Transformer(cfg, hyper=True).to(device)
     run = mhc.CompiledModel(model, "optimised", mhc.default_recompute_block(cfg.n_hc, cfg.n_layers))
+    run.kernels = kernels or run.kernels
     d = mhc.synthetic_batch(cfg, batch, torch.Generator().manual_seed(0), device)
     spent, calls = dict.fromkeys(KERNELS, 0.0), dict.fromkeys(KERNELS, 0)
 
@@ -509,56 +509,96 @@ def stream_floor(cfg, batch, calls, cost):
     return 1e3 * (read * per_read + written * per_write), read / MiB, written / MiB
 
 
-# The floor measured in the model: the optimised model run with every mixing kernel replaced by a
-# stub that moves that kernel's KERNEL_TRAFFIC bytes (each tensor read once, each output written
-# once, in one compiled loop) and computes none of the mixing: its numbers are wrong on purpose,
-# its step time is what kernels at the floor would cost, Python, calls and F's per-layer backward
-# included. Beside stream_floor's arithmetic, the check that nothing else in the step costs more.
+# Two sets of stand-ins for the six kernels, timed inside the model like them (kernel_times), to
+# split the kernels' time. Floor stubs move exactly KERNEL_TRAFFIC's bytes (each tensor read once,
+# each output written once, one compiled loop) and compute nothing: the floor with every call's
+# own cost in it. Pass stubs are the real kernels without the coefficient math (gates, Sinkhorn
+# and its backward): the same library matmuls and the same passes over the stream. So
+#   real - passes    = the coefficient math, fused into the loops;
+#   passes - floor   = the pass structure: the projection's matmuls run by the BLAS library (a
+#                      torch.compile region on CPUs leaves x W to it: Inductor's GEMM template
+#                      wants constant weights) and the extra reads of X around them;
+#   floor stubs - stream_floor = the calls' own cost and what the probe's rate misses.
+# The stubs' numbers are wrong on purpose: timing only.
 
 
 def _stub_coefficients(x, n):
-    """The kept coefficients' shapes (49 numbers per token) from n^2 + 2n of x's: [..., C]."""
+    """The kept coefficients' shapes from x [..., >= n^2 + 2n]: (A [..., n], B [..., n, n],
+    C [..., n], all [..., n^2 + 2n]), one sigmoid in place of the gates and Sinkhorn."""
     small = torch.sigmoid(x[..., : n * n + 2 * n])
     return small[..., :n], small[..., 2 * n :].unflatten(-1, (n, n)), small[..., n : 2 * n], small
 
 
-def _stub_mix_in(stream, params, iters):
+def _floor_mix_in(stream, params, iters):
     h = stream.mean(-2)  # X -> h
     a, b, c, projected = _stub_coefficients(h, stream.shape[-2])
     return h, (a, b, c, projected, a[..., :1])
 
 
-def _stub_mix_out(stream, kept, f):
+def _floor_mix_out(stream, kept, f):
     return 0.5 * stream + 0.5 * f.unsqueeze(-2)  # X, f -> X'
 
 
-def _stub_mix_out_backward(grad_out, stream, kept, f):
+def _floor_mix_out_backward(grad_out, stream, kept, f):
     _, b, c, _, _ = kept
     return torch.zeros_like(b), torch.zeros_like(c), grad_out.mean(-2) + 1e-3 * f  # dX', f -> df
 
 
-def _stub_mix_in_backward(grad_h, grad_b, grad_c, grad_out, stream, kept, params, iters):
+def _floor_mix_in_backward(grad_h, grad_b, grad_c, grad_out, stream, kept, params, iters):
     grad_x = 0.5 * grad_out + 1e-3 * stream + 0.5 * grad_h.unsqueeze(-2)  # dX', X, dh -> dX
     return grad_x, tuple(torch.zeros_like(p) for p in params)
 
 
-def _stub_collapse(stream, params):
+def _floor_collapse(stream, params):
     x = stream.mean(-2)  # X_L -> x
     weights, _, _, _ = _stub_coefficients(x, stream.shape[-2])
     return x, (weights, weights, weights[..., :1])
 
 
-def _stub_collapse_backward(grad_out, stream, kept, params):
+def _floor_collapse_backward(grad_out, stream, kept, params):
     grad_x = 1e-3 * stream + 0.25 * grad_out.unsqueeze(-2)  # X_L, dx -> dX_L
     return grad_x, *(torch.zeros_like(p) for p in params)
 
 
-def floor_kernels(backend="inductor"):
-    """mhc.MixingKernels' six functions as compiled stubs that only move the floor's bytes."""
+def _passes_mix_in(stream, params, iters):
+    """mhc.mix_in without the gates and Sinkhorn: the projection, its norm, the pre-mix."""
+    x = stream.to(params[0].dtype)
+    projected, inv_rms = mhc.norm_then_project(x.flatten(-2), params[0])
+    a, b, c, _ = _stub_coefficients(projected, stream.shape[-2])
+    return mhc.pre_mix(a, x).to(stream.dtype), (a, b, c, projected, inv_rms)
+
+
+def _passes_mix_in_backward(grad_h, grad_b, grad_c, grad_out, stream, kept, params, iters):
+    """mhc.mix_in_backward without the gates' and Sinkhorn's backward (dB, dC taken as the
+    logits' gradients): the pre-mix's, the projection's and the post-mix's passes."""
+    a, b, _, projected, inv_rms = kept
+    n, x = stream.shape[-2], stream.to(a.dtype)
+    grad_a, grad_x = mhc.pre_mix_backward(grad_h.to(a.dtype), a, x)
+    grad_logits = torch.cat([grad_a, grad_c, grad_b.flatten(-2)], dim=-1)
+    grad_flat, grad_proj = mhc.norm_then_project_backward(
+        grad_logits, x.flatten(-2), params[0].to(a.dtype), projected, inv_rms
+    )
+    through_post_mix = mhc.lanes_matmul(b.to(stream.dtype).transpose(-1, -2), grad_out)
+    grad_x = grad_x + grad_flat.unflatten(-1, (n, -1)) + through_post_mix
+    rest = tuple(torch.zeros_like(p) for p in params[1:])
+    return grad_x.to(stream.dtype), (grad_proj.to(params[0].dtype), *rest)
+
+
+STUBS = {  # {set: {kernel: function}}; the passes of the other four are the real kernels
+    "floor": {name: globals()[f"_floor_{name}"] for name in KERNELS},
+    "passes": {
+        **{name: getattr(mhc, name) for name in KERNELS},
+        "mix_in": _passes_mix_in,
+        "mix_in_backward": _passes_mix_in_backward,
+    },
+}
+
+
+def stub_kernels(which, backend="inductor"):
+    """mhc.MixingKernels with STUBS[which] compiled in place of the six kernels."""
     kernels = mhc.MixingKernels()
-    for name in KERNELS:
-        stub = globals()[f"_stub_{name}"]
-        setattr(kernels, name, torch.compile(stub, backend=backend, dynamic=False))
+    for name, fn in STUBS[which].items():
+        setattr(kernels, name, torch.compile(fn, backend=backend, dynamic=False))
     return kernels
 
 
@@ -657,7 +697,7 @@ def table_curve(dims, batch, repeats, device, modes=("eager", "compiled")):
         f"rounds; F eager in every eager run, compiled in every compiled run",
         flush=True,
     )
-    points, parts, kernels, floors = {}, {}, {}, {}
+    points, parts, kernels, floors, stubs = {}, {}, {}, {}, {}
     cost = cold_stream_cost(device) if "compiled" in modes else None
     for dim in dims:
         points[dim] = curve_point(dim, batch, repeats, device, modes, stage)
@@ -674,6 +714,14 @@ def table_curve(dims, batch, repeats, device, modes=("eager", "compiled")):
         if "compiled" in modes:
             kernels[dim] = kernel_times(points[dim][0], batch, max(3, repeats // 2), device)
             floors[dim] = stream_floor(points[dim][0], batch, kernels[dim][1], cost)
+            stubs[dim] = {  # ms per step of each stand-in set, timed the same way
+                which: sum(
+                    kernel_times(
+                        points[dim][0], batch, max(3, repeats // 2), device, stub_kernels(which)
+                    )[0].values()
+                )
+                for which in STUBS
+            }
         stage(f"C={dim}: per-part and per-kernel timings done")
     keys = [(v, m) for m in modes for v in CURVE_VARIANTS]
     print("\nstep ms and overhead over the residual of the same mode (eager or compiled)")
@@ -738,13 +786,16 @@ def table_curve(dims, batch, repeats, device, modes=("eager", "compiled")):
             "\nwhere the optimised compiled step's overhead goes: ms per step in each compiled "
             "kernel, timed inside the model (calls per step in brackets), against the measured "
             "overhead over the compiled residual; floor: the least those calls can take, their "
-            "bytes (KERNEL_TRAFFIC: each tensor read or written once) streamed cold on this device"
+            "bytes (KERNEL_TRAFFIC: each tensor read or written once) streamed cold on this "
+            "device; passes, floor*: the STUBS sets timed in the model in the kernels' place (the "
+            "kernels without their coefficient math; stubs that only move the floor's bytes)"
         )
         names = [n.replace("_backward", "_bwd") for n in KERNELS]
         print(
             f"{'C':>6} "
             + " ".join(f"{n:>14}" for n in names)
-            + f" {'sum':>8} {'overhead':>9} {'floor':>7} {'MiB r/w':>11}"
+            + f" {'sum':>8} {'overhead':>9} {'passes':>7} {'floor*':>7} {'floor':>7}"
+            + f" {'MiB r/w':>11}"
         )
         for dim, (ms, calls) in kernels.items():
             median = points[dim][1]
@@ -754,7 +805,8 @@ def table_curve(dims, batch, repeats, device, modes=("eager", "compiled")):
             print(
                 f"{dim:>6} "
                 + " ".join(f"{c:>14}" for c in cells)
-                + f" {sum(ms.values()):>8.1f} {step_extra:>9.1f} {floor_ms:>7.1f}"
+                + f" {sum(ms.values()):>8.1f} {step_extra:>9.1f} {stubs[dim]['passes']:>7.1f}"
+                + f" {stubs[dim]['floor']:>7.1f} {floor_ms:>7.1f}"
                 + f" {f'{read:.0f}/{written:.0f}':>11}"
             )
     control = {
@@ -787,17 +839,6 @@ def table_curve(dims, batch, repeats, device, modes=("eager", "compiled")):
             "  floor: the optimised kernels' least bytes streamed cold, over the compiled "
             "residual's step: " + " ".join(f"C={d} {pct:.1f}%" for d, pct in floor_pct.items())
         )
-    floor_model = {
-        d: 100 * (points[d][1]["floor", "compiled"] / points[d][1]["residual", "compiled"] - 1)
-        for d in dims
-        if "compiled" in modes
-    }
-    if floor_model:
-        print(
-            "  floor in the model: the optimised model with stub kernels that only move those "
-            "bytes (floor_kernels), compiled: "
-            + " ".join(f"C={d} {pct:+.1f}%" for d, pct in floor_model.items())
-        )
     if "compiled" in modes and {1024, 2048} <= set(dims):
         print(
             f"  compiled optimised <= 6.7% at C=1024 and <= 4% at C=2048: "
@@ -827,7 +868,7 @@ def table_curve(dims, batch, repeats, device, modes=("eager", "compiled")):
         },
         "floor_ms": {str(d): floor[0] for d, floor in floors.items()},
         "floor_pct": {str(d): pct for d, pct in floor_pct.items()},
-        "floor_model_pct": {str(d): pct for d, pct in floor_model.items()},
+        "stubs_ms_per_step": {f"{k} {d}": ms for d, row in stubs.items() for k, ms in row.items()},
     }
 
 

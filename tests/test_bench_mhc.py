@@ -41,11 +41,12 @@ def _layout(out):
     return [(tuple(t.shape), t.dtype) for t in _flat(out)]
 
 
-def test_floor_stubs_return_what_the_kernels_return_and_move_only_the_counted_tensors():
-    """The in-model floor (floor_kernels) stands for the real kernels only if each stub returns
-    their shapes and dtypes, and reads and writes exactly the n*C- and C-sized tensors
-    KERNEL_TRAFFIC counts: every stream-sized input it counts changes the output, every one it
-    does not count leaves the output alone, and the stream-sized outputs are what it writes."""
+def test_stubs_return_what_the_kernels_return_and_floor_stubs_move_only_the_counted_tensors():
+    """The stand-ins (STUBS) time in the kernels' place only if each returns the real kernel's
+    shapes and dtypes; the floor stubs stand for the floor only if they read and write exactly the
+    n*C- and C-sized tensors KERNEL_TRAFFIC counts: every stream-sized input it counts changes the
+    output, every one it does not count leaves the output alone, and the stream-sized outputs are
+    what it writes."""
     mhc = bench_mhc.mhc
     torch.manual_seed(0)
     n, dim, tokens = 4, 32, 6
@@ -66,11 +67,13 @@ def test_floor_stubs_return_what_the_kernels_return_and_move_only_the_counted_te
             "collapse": (stream, head),
             "collapse_backward": (grad_h, stream, head_kept, head),
         }
+        assert set(bench_mhc.STUBS) == {"floor", "passes"}
         for name in bench_mhc.KERNELS:
             real = getattr(mhc, name)(*args[name])
-            stub = getattr(bench_mhc, f"_stub_{name}")
+            for which, stubs in bench_mhc.STUBS.items():
+                assert _layout(stubs[name](*args[name])) == _layout(real), (which, name)
+            stub = bench_mhc.STUBS["floor"][name]
             out = stub(*args[name])
-            assert _layout(out) == _layout(real), name
             read = 0
             for i, arg in enumerate(args[name]):
                 if not isinstance(arg, torch.Tensor) or tuple(arg.shape) not in sized:
@@ -84,3 +87,19 @@ def test_floor_stubs_return_what_the_kernels_return_and_move_only_the_counted_te
             written = sum(t.numel() for t in _flat(out) if tuple(t.shape) in sized)
             counted = bench_mhc.KERNEL_TRAFFIC[name](n * dim, dim)
             assert (read, written) == (tokens * counted[0], tokens * counted[1]), name
+
+
+def test_pass_stubs_drop_only_the_coefficient_math():
+    """The passes set is the kernels without gates and Sinkhorn: with those taken out of the real
+    mix_in (A, B, C replaced by the stub's sigmoid), the pre-mix and kept projection agree."""
+    mhc = bench_mhc.mhc
+    for name in ("mix_out", "mix_out_backward", "collapse", "collapse_backward"):
+        assert bench_mhc.STUBS["passes"][name] is getattr(mhc, name)  # no coefficient math
+    torch.manual_seed(0)
+    stream, params = torch.randn(2, 3, 4, 32), mhc.hc_params(mhc.HyperConnection(4, 32))
+    h, (a, _, _, projected, inv_rms) = bench_mhc.STUBS["passes"]["mix_in"](stream, params, 20)
+    want_projected, want_inv_rms = mhc.norm_then_project(stream.flatten(-2), params[0])
+    torch.testing.assert_close(projected, want_projected)
+    torch.testing.assert_close(inv_rms, want_inv_rms)
+    torch.testing.assert_close(a, torch.sigmoid(want_projected[..., :4]))
+    torch.testing.assert_close(h, (a.unsqueeze(-1) * stream).sum(-2))
