@@ -707,27 +707,31 @@ def run_recomputed_layers(stream, layers, block, iters=20, kernels=None, head=No
 # interleaved rounds, glibc malloc told to keep what it frees; two runs on a shared 2-core
 # machine, the first is benchmarks/curve_cpu.json):
 #     C                     256            512            1024           2048
-#     naive, compiled      +53% / +51%    +29% / +28%    +15% / +15%    +4.5% / +2.1%
-#     optimised, compiled  +41% / +46%    +25% / +22%    +10% / +9.8%   +5.9% / +0.7%
-#     naive, eager        +137% / +143%   +67% / +67%    +35% / +34%    +18% / +11%
-#     optimised, eager    +113% / +105%   +53% / +52%    +29% / +24%    +11% / +7.6%
-#     A/A control, comp.   -3.3% / -1.7%  -0.5% / -1.6%  -1.4% / -1.0%  -0.6% / +0.4%
-# The A/A control is a second residual model timed alongside: the resolution. Over these and four
-# earlier runs the optimised path is ahead of naive at C = 256 and 512 every time and at 1024 in
-# five of six; at C = 2048 the step times cannot order them (the A/A read 5-9% there in two runs,
-# and 0.7% above is less than the kernels alone take). Its kernels, timed inside the model, are
-# steadier: 36-46 ms per step at C = 1024 (11-14% of the residual's step), 62-77 ms at C = 2048
-# (4.4-5.6%). It keeps a quarter of naive's extra activations.
+#     naive, compiled      +55% / +56%    +31% / +32%    +13% / +20%    +5.6% / +7.0%
+#     optimised, compiled  +41% / +44%    +29% / +27%    +13% / +17%    +7.7% / +2.2%
+#     naive, eager        +137% / +140%   +70% / +75%    +34% / +34%    +19% / +12%
+#     optimised, eager    +117% / +118%   +58% / +55%    +23% / +25%    +7.7% / +2.6%
+#     A/A control, comp.   -2.7% / -2.6%  -0.4% / +0.0%  -1.2% / -1.7%  -0.9% / -3.6%
+# The A/A control is a second residual model timed alongside: the resolution within a run. From
+# run to run the overheads at C >= 1024 move by more (compiled optimised 9.2-19% at C = 1024 over
+# nine runs, naive 13-22%), and the kernels' own time with them: the machine is shared. Over the
+# nine the optimised path is ahead of naive at C = 256 and 512 every time and at 1024 in seven;
+# at C = 2048 the step times cannot order them. Its kernels, timed inside the model, are
+# steadier: 36-52 ms per step at C = 1024, 62-79 ms at C = 2048. It keeps a quarter of naive's
+# extra activations.
 # An earlier version compiled the plain autograd math of two regions per layer and replayed the
 # whole coefficient region (20 Sinkhorn rounds included) under autograd in backward: +80% / +24%
 # at C = 256 / 1024, slower than naive everywhere. Keeping the 49 coefficients per token and
 # writing the backward out removed the replay. V4's 6.7% is not reached at C = 1024 on this CPU.
-# The floor (bench_mhc.stream_floor): the least bytes these calls must move, 116 MiB read and 57
-# written per step at C = 1024, streamed by one core with caches cold (as F leaves them), take
-# 18 ms, 5.7% of the residual's step (2.3-2.5% at C = 2048); the kernels take 2.1-2.5 times that:
-# three skinny matmuls per layer run apart by MKL (~9 ms per step), ~0.4 ms of Sinkhorn per layer
-# (tokens-last: see tokens_last), and each kernel's loops rereading the stream from cache. Within
-# 1.2x of the floor, matmuls hidden under the streaming, is hand-written kernels' ground.
+# Where the kernels' time goes (bench_mhc.STUBS, stand-ins timed in the model in their place;
+# C = 1024, the two runs): the kernels 44 / 38 ms per step; the same kernels without the gates and
+# Sinkhorn 46 / 37 ms: fused, the coefficient math is nearly free and the time is the passes over
+# the stream; stubs that only move the least bytes (116 MiB read, 57 written per step) 21 / 22 ms,
+# 5.7 / 6.5% of the residual's step. So kernels at the floor would only just meet V4's 6.7% here,
+# and these take about twice the floor: each projection matmul goes to the BLAS library (a compiled
+# region on CPUs leaves it there: Inductor's CPU GEMM template, which fuses work around a matmul,
+# takes constant weights only), a pass of its own over X, with the passes around it. At C = 2048:
+# kernels 79 / 69 ms, without the coefficient math 86 / 71, floor stubs 39 / 34 (2.8 / 2.5%).
 # Measured and dropped: one call for mix_out + the next mix_in and for mix_in_backward + the next
 # mix_out_backward (13 calls per step, not 22: under 1 ms), token tiles unrolled inside the
 # compiled functions (slower, and 50-105 s to compile).

@@ -455,14 +455,20 @@ for dim in (128, 1024):
 # the step overhead measured in the same run. The bars are the steadier number: the overhead is a
 # difference of two steps of separate models, and the A/A control (a second residual model of the
 # same work, the grey band above and the error bars here) shows how far two such models read
-# apart: within 3.3% in the recorded run, but 5-9% at C = 2048 in others, where one of six runs
-# read the optimised model *below* the residual. The kernels say 4.4-5.6% there.
-# The crimson marks (and the dashed line above) are the kernels' floor: the least bytes those calls
-# must move (each tensor they need read once, each output written once: 116 MiB read and 57 MiB
-# written per step at C = 1024), at the rate one core streams memory with caches cold, as F's
-# matmuls leave them. The kernels take about twice their floor; V4's 6.7% at C = 1024 would need
-# them within 1.2 times it, with their skinny matmuls hidden under the streaming: hand-fused
-# kernels' ground, not what the compiler makes of these functions.
+# apart within a run: within 2.7% in the recorded one, but 5-9% at C = 2048 in others, and from
+# run to run the overheads at C >= 1024 move by more than that (9.2-19% at C = 1024 over nine).
+# The crimson dashes (and the dashed line above) are the kernels' floor: the least bytes those
+# calls must move (each tensor they need read once, each output written once: 116 MiB read and
+# 57 MiB written per step at C = 1024), at the rate one core streams memory with caches cold, as
+# F's matmuls leave them. The other marks are stand-ins timed in the kernels' place: blue, the same
+# kernels without the gates and Sinkhorn, which cost about as much as the kernels from C = 1024 on
+# (the time is the passes over the stream, not the coefficient math); crimson crosses, stubs that
+# only move the floor's bytes, each call's own cost included: 5.7% of the residual's step at
+# C = 1024.
+# V4's 6.7% is at this machine's floor for this design, and the compiled kernels take about twice
+# it: each projection matmul goes to the BLAS library as a pass of its own over the stream, with
+# the loops around it reading the stream again. Fusing those matmuls into the streaming loops is
+# hand-written kernels' ground; a GPU is where V4 measured its 6.7%.
 
 # %%
 if curve and "parts_ms" in curve:
@@ -516,12 +522,27 @@ if curve and "parts_ms" in curve:
                 range(len(dims)), floor, "_", color="crimson", ms=30, mew=2,
                 label="floor: their least bytes, streamed cold",
             )  # fmt: skip
+        stubs = curve.get("stubs_ms_per_step", {})  # stand-ins timed in the kernels' place
+        for which, marker, color, label in (
+            ("passes", "D", "#4c72b0", "the kernels without gates and Sinkhorn (same passes)"),
+            ("floor", "x", "crimson", "stubs that only move the floor's bytes"),
+        ):
+            if f"{which} {dims[0]}" in stubs:
+                right.plot(
+                    range(len(dims)), [stubs[f"{which} {d}"] for d in dims], marker, ms=8,
+                    mew=2, color=color, ls="none", label=label,
+                )  # fmt: skip
         right.set_xticks(range(len(dims)), [f"C={d}" for d in dims])
         right.set_ylabel("ms per step (4 layers)")
         right.set_title("Optimised, compiled: its kernels, timed inside the model")
         right.legend(fontsize=9, loc="best", markerscale=0.5)
         for i, (d, total, extra) in enumerate(zip(dims, bottom, overhead)):
-            floor_note = f" (floor {floor[i]:.1f})" if "floor_ms" in curve else ""
+            floor_note = f", floor {floor[i]:.1f}" if "floor_ms" in curve else ""
+            if f"passes {d}" in stubs:
+                floor_note += (
+                    f", without the coefficient math {stubs[f'passes {d}']:.1f}, "
+                    f"floor stubs {stubs[f'floor {d}']:.1f}"
+                )
             print(f"C={d}: kernels {total:.1f}{floor_note} ms per step, overhead {extra:.1f} ms")
     plt.tight_layout()
     plt.show()
