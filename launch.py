@@ -28,7 +28,7 @@ DEFAULT_TIMEOUT_S = 60.0
 TIMEOUT_ENV = "PG_TIMEOUT_S"
 
 
-# ---- backend, device, set-up ----------------------------------------------------------------------
+# ---- backend, device, set-up ---------------------------------------------------------------------
 
 
 def choose_backend(backend=None, device=None):

@@ -34,7 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # appended: a graded submission earlier on the path stays first
     sys.path.append(ROOT)
 import cp_compress as cpc  # noqa: E402
-from memory_timeline import MemoryTimeline  # noqa: E402
+from memory.memory_timeline import MemoryTimeline  # noqa: E402
 
 DIM = 64
 LAYERS = {

@@ -49,7 +49,7 @@ import torch.multiprocessing as mp
 # the technique files at the root; appended, so a graded submission earlier on the path stays first
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import mhc  # noqa: E402
-from memory_timeline import MemoryTimeline  # noqa: E402
+from memory.memory_timeline import MemoryTimeline  # noqa: E402
 
 MiB = 2**20
 VARIANTS = {  # name: (hyper, forward options)

@@ -69,7 +69,7 @@ def record_rank_timeline(rank, world, zero_width=None, steps=2, optimizer="muon_
 
     optimizer: "muon_zero" (sharded; at world 1 this is replicated Muon) or "adamw" (torch's).
     """
-    from memory_timeline import MemoryTimeline
+    from memory.memory_timeline import MemoryTimeline
 
     torch.manual_seed(0)
     model = mz.TinyMoE(vocab=512, dim=96, heads=4, kv_dim=24, layers=2, experts=8, ffn=96)

@@ -25,8 +25,8 @@ if SUBMISSION:
     # from here on `import mhc` anywhere in this process is the student's (or its stub's) mhc.
     import importlib
 
-    for name in ("muon_zero", "mhc", "cp_compress", "tensor_ckpt", "memory_timeline"):
-        if os.path.exists(os.path.join(SUBMISSION, name + ".py")):
+    for name in ("muon_zero", "mhc", "cp_compress", "tensor_ckpt", "memory.memory_timeline"):
+        if os.path.exists(os.path.join(SUBMISSION, name.replace(".", os.sep) + ".py")):
             try:
                 importlib.import_module(name)
             except Exception:  # a file that fails to import fails its own tests, with the error

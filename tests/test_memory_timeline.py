@@ -14,17 +14,15 @@ matplotlib.use("Agg")
 
 from harness import run_ranks  # noqa: E402
 
-import memory_timeline  # noqa: E402
-from memory_timeline import (  # noqa: E402
+from memory import memory_timeline  # noqa: E402
+from memory.allocator_model import CachingAllocatorModel, SimulatedOutOfMemoryError  # noqa: E402
+from memory.memory_timeline import (  # noqa: E402
     CATEGORIES,
-    CachingAllocatorModel,
     MemoryTimeline,
-    SimulatedOutOfMemoryError,
     gather_timelines,
-    plot_timeline,
-    plot_timelines,
     predicted_optimizer_state_bytes,
 )
+from memory.plots import plot_timeline, plot_timelines  # noqa: E402
 
 MiB = 2**20
 

@@ -19,7 +19,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from harness import run_ranks, run_torchrun
 
 import tensor_ckpt as tc
-from memory_timeline import MemoryTimeline
+from memory.memory_timeline import MemoryTimeline
 from tensor_ckpt import checkpoint_tensors, forget
 
 B, T, C, H = 2, 16, 32, 4

@@ -22,6 +22,7 @@ is the reference's. Usage:
 import argparse
 import ast
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ ASSIGNMENT_FILES = (
     "mhc.py",
     "cp_compress.py",
     "tensor_ckpt.py",
-    "memory_timeline.py",
+    "memory/memory_timeline.py",
 )
 BEGIN, END, HINT = "### BEGIN SOLUTION", "### END SOLUTION", "# hint:"
 
@@ -150,6 +151,12 @@ def write_student(out, root=ROOT, files=None, only=None):
     written = []
     for name in assignment_files(root, files):
         path = os.path.join(root, name)
+        package = os.path.dirname(name)
+        if package:  # the package's other modules come along, so it imports from ``out`` alone
+            os.makedirs(os.path.join(out, package), exist_ok=True)
+            for other in os.listdir(os.path.join(root, package)):
+                if other.endswith(".py") and os.path.join(package, other) != name:
+                    shutil.copy(os.path.join(root, package, other), os.path.join(out, package))
         with open(path) as f:
             text = f.read()
         with open(os.path.join(out, name), "w") as f:
@@ -162,7 +169,7 @@ def check_imports(out, names):
     """Import each student file in a fresh interpreter started in ``out``; return the failures."""
     failures = {}
     for name in names:
-        module = os.path.splitext(name)[0]
+        module = os.path.splitext(name)[0].replace(os.sep, ".")
         env = dict(os.environ, PYTHONPATH=os.path.abspath(out), CUDA_VISIBLE_DEVICES="")
         proc = subprocess.run(
             [sys.executable, "-c", f"import {module}; assert {module}.__file__"],

@@ -117,7 +117,8 @@ def timeline(png, device):
     import torch.nn as nn
     import torch.nn.functional as F
 
-    import memory_timeline as mt
+    import memory.memory_timeline as mt
+    import memory.plots as mt_plots
 
     class Block(nn.Module):
         def __init__(self, d, heads):
@@ -162,7 +163,7 @@ def timeline(png, device):
     reserved = getattr(tl, "cuda_reserved", None)
     if reserved is not None:
         print(f"measured memory_reserved peak: {reserved.max() / 2**20:.3f} MiB")
-    ax = mt.plot_timeline(tl, show_reserved=True)
+    ax = mt_plots.plot_timeline(tl, show_reserved=True)
     ax.figure.tight_layout()
     os.makedirs(os.path.dirname(png), exist_ok=True)
     ax.figure.savefig(png, dpi=120)

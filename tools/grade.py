@@ -126,9 +126,13 @@ def stage(submission, root=ROOT, out=None):
     out = out or os.path.join(root, "build", "grading", "submission")
     shutil.rmtree(out, ignore_errors=True)
     names = write_student(out, root)
-    found = [n for n in names if os.path.isfile(os.path.join(submission, n))]
-    for name in found:
-        shutil.copyfile(os.path.join(submission, name), os.path.join(out, name))
+    found = []
+    for name in names:  # memory/memory_timeline.py may also be handed in as memory_timeline.py
+        for given in (name, os.path.basename(name)):
+            if os.path.isfile(os.path.join(submission, given)):
+                shutil.copyfile(os.path.join(submission, given), os.path.join(out, name))
+                found.append(name)
+                break
     return out, found, [n for n in names if n not in found]
 
 

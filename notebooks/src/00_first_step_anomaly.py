@@ -25,15 +25,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from memory_timeline import (
-    COLORS,
-    MemoryTimeline,
-    MiB,
-    SimulatedOutOfMemoryError,
-    plot_timeline,
-    plot_timelines,
-    predicted_optimizer_state_bytes,
-)
+from memory.allocator_model import SimulatedOutOfMemoryError
+from memory.memory_timeline import COLORS, MemoryTimeline, MiB, predicted_optimizer_state_bytes
+from memory.plots import plot_timeline, plot_timelines
 
 plt.rcParams.update({"figure.dpi": 110, "font.size": 10, "figure.figsize": (10, 4)})
 torch.set_num_threads(2)

@@ -26,7 +26,8 @@ import torch
 
 import muon_zero as mz
 from benchmarks import bench_muon_zero as bench  # the V4-Flash-like inventory
-from memory_timeline import MiB, plot_timelines
+from memory.memory_timeline import MiB
+from memory.plots import plot_timelines
 from tests.harness import run_ranks  # real gloo ranks, as the tests use
 
 plt.rcParams.update({"figure.dpi": 110, "font.size": 10, "legend.fontsize": 10})

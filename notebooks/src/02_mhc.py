@@ -22,7 +22,8 @@ import matplotlib.pyplot as plt
 import torch
 
 import mhc
-from memory_timeline import MemoryTimeline, plot_timelines
+from memory.memory_timeline import MemoryTimeline
+from memory.plots import plot_timelines
 
 plt.rcParams.update({"figure.dpi": 110, "font.size": 10})
 torch.set_num_threads(1)  # tiny tensors: threads only add contention

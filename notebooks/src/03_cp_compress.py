@@ -25,7 +25,8 @@ from matplotlib.ticker import FixedLocator, NullLocator
 
 import cp_compress as cpc
 from benchmarks import bench_cp_compress as bench
-from memory_timeline import MiB, plot_timelines
+from memory.memory_timeline import MiB
+from memory.plots import plot_timelines
 from tests.harness import run_ranks, run_torchrun
 
 plt.rcParams.update({"figure.dpi": 110, "font.size": 10})

@@ -22,7 +22,8 @@ import torch.nn as nn
 
 import tensor_ckpt as tc
 from benchmarks import bench_tensor_ckpt as bench
-from memory_timeline import MiB, plot_timeline
+from memory.memory_timeline import MiB
+from memory.plots import plot_timeline
 
 plt.rcParams.update({"figure.dpi": 110, "font.size": 11})
 torch.set_num_threads(2)

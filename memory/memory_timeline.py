@@ -1,58 +1,36 @@
-"""Categorised memory timelines of any training loop, on CPU or CUDA, for notebooks and benchmarks.
+"""Categorised memory timelines of any training loop, on CPU or CUDA, for lessons and benchmarks.
 
 What the standard tools assume: a GPU. `torch.cuda.memory._record_memory_history` needs CUDA; the
-profiler's memory timeline runs on a CPU but is deprecated; MemTracker categorises on a CPU but
-refuses a second iteration without a reset. A course machine often has no GPU, and the lesson this
-file serves (the first-step anomaly: optimizer state appears inside step 1 and sits under every
-later step) needs several steps, categorised, with a prediction to check. So this recorder:
+profiler's memory timeline runs on a CPU but is deprecated; MemTracker refuses a second iteration
+without a reset. The lesson this file serves, the first-step anomaly (optimizer state appears
+inside step 1 and sits under every later step), needs several steps, categorised, on any machine:
 
-    from memory_timeline import MemoryTimeline, plot_timeline, predicted_optimizer_state_bytes
+    from memory.memory_timeline import MemoryTimeline, predicted_optimizer_state_bytes
     tl = MemoryTimeline(model=model, optimizer=opt)
     with tl.record():
         for step in range(1, 4):
             with tl.phase("forward", step):   loss = model(x).mean()
             with tl.phase("backward", step):  loss.backward()
             with tl.phase("optimizer", step): opt.step(); opt.zero_grad()
-    print(tl.summary()); plot_timeline(tl)
+    print(tl.summary())                        # memory.plots.plot_timeline(tl) draws it
     jump = tl.peak(step=2) - tl.peak(step=1)   # == predicted_optimizer_state_bytes(opt, tl.device)
 
-Run it: `python memory_timeline.py` records a 3-step AdamW run and prints the summary and the
-step-2 prediction against the measurement (`--help` for the options, `--device cuda` on a GPU).
+How it sees memory: a TorchDispatchMode registers every tensor storage an op returns, once, with a
+weakref callback for its release (a view costs nothing; a copying reshape does). Only storages on
+the timeline's device count. On CUDA the real allocator is sampled beside it after each free.
 
-How it sees memory. A TorchDispatchMode watches every aten op; each tensor storage an op returns is
-registered once, with a weakref callback that records its release. So the timeline exists on a
-machine with no GPU, and it counts storages (a view costs nothing; a reshape that copies does).
-Tensors created before `record()` are not seen, except the model's parameters and any gradients and
-optimizer state that already exist. Only storages on the timeline's device count: on CUDA, AdamW's
-`step` counters (kept on the CPU unless fused or capturable) are not device memory. On CUDA the
-real allocator is sampled beside it (`memory_allocated`, `memory_reserved`), after each free has
-taken effect. That CUDA path has not yet run on a GPU in this project; the order in which it
-samples is checked on the CPU with a fake sampler that counts a storage until its memory is
-actually released (tests/test_memory_timeline.py).
+How it categorises, when recording ends (one category per storage for its whole life): parameters;
+gradients (storages that end up as a `.grad`); optimizer_state (reachable from `optimizer.state`,
+or tagged with `tl.tag`); activations (allocated in a "forward" phase and still alive when it ends:
+held for backward); temporaries (everything else allocated inside a phase, recomputation
+included); other (allocated outside any phase: input batches, data).
 
-How it categorises (decided when recording ends, so a storage carries one category for its whole
-life):
-- parameters: storages of the model's parameters;
-- gradients: storages that end up as some parameter's `.grad`;
-- optimizer_state: tensors reachable from `optimizer.state`, or tagged with
-  `tl.tag(tensors, category)`;
-- activations: allocated during a "forward" phase and still alive when that phase ends, i.e. held
-  for the backward (by autograd, or by a checkpointing scheme);
-- temporaries: every other storage allocated inside a phase (recomputation during backward lands
-  here);
-- other: allocated outside any phase (input batches, data).
-
-The "reserved" line on CPU is a MODEL: each allocation and free is replayed through
-`CachingAllocatorModel`, a small model of PyTorch's CUDA caching allocator, so a student can see
-allocated vs reserved and the first-step set-up without a GPU. It is labelled as a model wherever
-it is drawn. `limit_bytes` turns that model into a budget: an allocation that would push modelled
-reserved memory past it raises `SimulatedOutOfMemoryError`, the way a real GPU raises
-`torch.OutOfMemoryError`.
-
-The recorder costs Python time on every op: never time a step while recording."""
+The "reserved" line on CPU is a MODEL (memory/allocator_model.py) of PyTorch's CUDA caching
+allocator; `limit_bytes` turns it into a budget that raises `SimulatedOutOfMemoryError` the way a
+GPU raises `torch.OutOfMemoryError`. The recorder costs Python time on every op: never time a step
+while recording. Run it: `python -m memory.memory_timeline` (`--help` for the options)."""
 
 import argparse
-import bisect
 import contextlib
 import itertools
 import time
@@ -65,14 +43,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from memory.allocator_model import CachingAllocatorModel, SimulatedOutOfMemoryError
+
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "other")
 PHASES = ("forward", "backward", "optimizer")
 MiB = 2**20
 _UNTRACKED = -1  # a storage that existed before recording and is not ours to count
-
-
-class SimulatedOutOfMemoryError(RuntimeError):
-    """The modelled CUDA allocator could not stay within `limit_bytes`."""
 
 
 @dataclass
@@ -573,7 +549,7 @@ def gather_timelines(timeline, dst=0, group=None):
     return out
 
 
-# ---- appendix: plots, the modelled CUDA caching allocator, command line and demo ----
+# ---- categories' colours (the plots in memory/plots.py import them) ----
 
 COLORS = {
     "parameters": "#4c72b0",
@@ -587,296 +563,6 @@ COLORS = {
 PHASE_COLORS = {"forward": "#e4e4e4", "backward": "#fbf0bd", "optimizer": "#d5eef2"}
 EVENTS_XLABEL = "allocation events (one per allocation or free, evenly spaced)"
 TIME_XLABEL = "seconds while recording (includes the recorder's own overhead)"
-
-
-def plot_timeline(tl, ax=None, title=None, show_reserved=True, legend=True, ymax=None, x="events"):
-    """Stacked area by category, phase bands, step boundaries, the reserved line(s), the limit.
-
-    x="events" (default) spaces allocations and frees evenly, as PyTorch's memory viz does, so a
-    spike that lasts a microsecond is as visible as a plateau; x="time" uses seconds while recording
-    (which include the recorder's own overhead). A run that ran out of its simulated budget gets the
-    failed allocation marked with an X above the last event."""
-    import matplotlib.pyplot as plt
-
-    tl._check_done()
-    if x not in ("events", "time"):
-        raise ValueError(f"x must be 'events' or 'time', got {x!r}")
-    if ax is None:
-        _, ax = plt.subplots(figsize=(11, 4.2))
-    xs = np.arange(tl.num_events) if x == "events" else tl.times
-
-    def at(i):  # x position of event index i (phase boundaries are event indices)
-        return xs[min(i, tl.num_events - 1)] if x == "time" else i
-
-    ax.stackplot(
-        xs,
-        *[tl.bytes[c] / MiB for c in CATEGORIES],
-        labels=CATEGORIES,
-        colors=[COLORS[c] for c in CATEGORIES],
-        step="post",
-        linewidth=0,
-    )
-    total = tl.series() / MiB
-    ax.plot(xs, total, color="k", lw=0.6, label="allocated (recorded)", drawstyle="steps-post")
-    seen_steps = set()
-    for name, step, a, b, _, _ in tl.phases:
-        ax.axvspan(at(a), at(b), color=PHASE_COLORS.get(name, "#f2f2f2"), zorder=-1, lw=0)
-        if step not in seen_steps:
-            seen_steps.add(step)
-            ax.axvline(at(a), color="0.35", lw=0.9, ls=":")
-            ax.text(
-                at(a),
-                1.0,
-                f" step {step}",
-                transform=ax.get_xaxis_transform(),
-                va="bottom",
-                fontsize=10,
-                color="0.2",
-            )
-    top = max(total.max(), tl.reserved_model.max() / MiB if show_reserved else 0)
-    if show_reserved:
-        ax.plot(
-            xs,
-            tl.reserved_model / MiB,
-            color="k",
-            lw=1.2,
-            ls="--",
-            label="reserved (modelled CUDA allocator)",
-            drawstyle="steps-post",
-        )
-        if tl.cuda_reserved is not None:
-            where = tl.device.type
-            ax.plot(
-                xs,
-                tl.cuda_allocated / MiB,
-                color="0.25",
-                lw=1.2,
-                drawstyle="steps-post",
-                label=f"allocated ({where}, measured)",
-            )
-            ax.plot(
-                xs,
-                tl.cuda_reserved / MiB,
-                color="0.55",
-                lw=1.5,
-                drawstyle="steps-post",
-                label=f"reserved ({where}, measured)",
-            )
-            top = max(top, tl.cuda_reserved.max() / MiB)
-    if tl.limit_bytes is not None:
-        limit = tl.limit_bytes / MiB
-        ax.axhline(limit, color="red", lw=1.3, ls="-.", label=f"memory limit ({limit:.0f} MiB)")
-        top = max(top, limit)
-    x_end = xs[-1]
-    oom = tl.out_of_memory
-    if oom is not None:
-        x_end = oom.event if x == "events" else xs[-1]
-        # where modelled reserved memory would have gone: the new segment crosses the limit
-        y0, y = oom.reserved / MiB, oom.reserved_needed / MiB
-        ax.plot([x_end, x_end], [y0, y], color="red", lw=1.2, ls=":")
-        ax.plot([x_end], [y], "X", color="red", ms=12, mec="k", label="simulated out of memory")
-        ax.annotate(
-            f"step {oom.step} {oom.phase}: a new {(y - y0):.0f} MiB segment would\n"
-            f"reserve {y:.0f} MiB, over the {tl.limit_bytes / MiB:.0f} MiB limit",
-            (x_end, y),
-            xytext=(-14, 0),
-            textcoords="offset points",
-            ha="right",
-            va="center",
-            fontsize=10,
-            color="darkred",
-        )
-        top = max(top, y)
-    ax.set_xlabel(EVENTS_XLABEL if x == "events" else TIME_XLABEL, fontsize=10)
-    ax.set_ylabel("memory (MiB)", fontsize=10)
-    ax.set_xlim(xs[0], x_end + (0.02 * x_end if oom is not None else 0))
-    ax.set_ylim(0, ymax if ymax is not None else top * 1.1)
-    ax.tick_params(labelsize=10)
-    ax.set_title(
-        title if title is not None else (tl.name or "memory timeline"), pad=18, fontsize=11
-    )
-    if legend:
-        ax.legend(
-            handles=_legend_handles([ax], [tl]),
-            loc="upper left",
-            bbox_to_anchor=(1.01, 1.0),
-            fontsize=10,
-            framealpha=0.9,
-        )
-    return ax
-
-
-def _legend_handles(axes, timelines):
-    """One legend entry per label over several axes, then one patch per phase band's colour."""
-    from matplotlib.patches import Patch
-
-    handles = {}
-    for ax in axes:
-        for handle, label in zip(*ax.get_legend_handles_labels()):
-            handles.setdefault(label, handle)
-    for name in dict.fromkeys(p[0] for tl in timelines for p in tl.phases):
-        handles[f"{name} phase"] = Patch(
-            color=PHASE_COLORS.get(name, "#f2f2f2"), label=f"{name} phase"
-        )
-    return list(handles.values())
-
-
-def plot_timelines(timelines, titles=None, sharey=True, width=5.5, height=3.8, x="events", ncols=2):
-    """Several timelines in a grid (`ncols` per row), on one y scale so their heights compare."""
-    import matplotlib.pyplot as plt
-
-    if not timelines:
-        raise ValueError("plot_timelines needs at least one recorded timeline")
-    for tl in timelines:
-        tl._check_done()
-    titles = titles or [tl.name for tl in timelines]
-    ncols = max(1, min(ncols, len(timelines)))
-    nrows = -(-len(timelines) // ncols)
-    fig, axes = plt.subplots(
-        nrows, ncols, figsize=(width * ncols + 0.5, height * nrows + 1.0), squeeze=False
-    )
-    ymax = None
-    if sharey:
-        highest = [
-            [tl.series().max(), tl.reserved_model.max(), tl.limit_bytes or 0]
-            + ([tl.out_of_memory.reserved_needed] if tl.out_of_memory else [])
-            for tl in timelines
-        ]
-        ymax = 1.1 * max(max(h) for h in highest) / MiB
-    used = axes.flat[: len(timelines)]
-    for tl, title, ax in zip(timelines, titles, used):
-        plot_timeline(tl, ax=ax, title=title, legend=False, ymax=ymax, x=x)
-    for ax in axes.flat[len(timelines) :]:
-        ax.set_visible(False)
-    handles = _legend_handles(used, timelines)
-    fig.legend(
-        handles=handles, loc="lower center", ncol=min(6, len(handles)), fontsize=10, frameon=False
-    )
-    legend_rows = -(-len(handles) // 6)
-    fig.tight_layout(rect=(0, 0.055 * legend_rows * 4 / (height * nrows + 1.0), 1, 1))
-    return fig
-
-
-class CachingAllocatorModel:
-    """Replays allocations and frees the way PyTorch's CUDA caching allocator would serve them.
-
-    The rules modelled (the allocator's defaults; expandable segments off):
-    - every request is rounded up to a multiple of 512 bytes;
-    - requests of at most 1 MiB come from the small pool, larger ones from the large pool;
-    - a new segment (one cudaMalloc) is 2 MiB for the small pool, 20 MiB for large requests under
-      10 MiB, and the request rounded up to 2 MiB otherwise;
-    - a request takes the best-fitting free block of its pool and splits it when the remainder is at
-      least 512 bytes (small pool) or more than 1 MiB (large pool);
-    - a freed block merges with free neighbours in its segment and stays cached: reserved memory
-      never shrinks, except when a request would exceed `limit_bytes`, where wholly free segments
-      are released first (as `empty_cache` does on an OOM retry) before giving up.
-    Not modelled: streams, events, per-stream pools, garbage-collection thresholds, max_split_size.
-    """
-
-    MIN_BLOCK, SMALL_SIZE, SMALL_BUFFER = 512, MiB, 2 * MiB
-    LARGE_BUFFER, MIN_LARGE_ALLOC, ROUND_LARGE = 20 * MiB, 10 * MiB, 2 * MiB
-
-    def __init__(self, limit_bytes=None):
-        self.limit_bytes = limit_bytes
-        self.reserved = 0  # bytes held in segments
-        self.allocated = 0  # bytes in blocks handed out (rounded sizes)
-        self._segments = {}  # segment id -> [size, pool, number of blocks in use]
-        self._free = {"small": [], "large": []}  # sorted (size, segment, offset) of free blocks
-        self._blocks = {}  # segment id -> {offset: [size, in_use]}
-        self._block_ending_at = {}  # segment id -> {end offset: start offset}: left neighbours
-        self._live = {}  # allocation key -> (segment, offset)
-        self._segment_ids = itertools.count()
-
-    @classmethod
-    def round_size(cls, nbytes):
-        return max(cls.MIN_BLOCK, -(-nbytes // cls.MIN_BLOCK) * cls.MIN_BLOCK)
-
-    @classmethod
-    def segment_size(cls, size):
-        if size <= cls.SMALL_SIZE:
-            return cls.SMALL_BUFFER
-        if size < cls.MIN_LARGE_ALLOC:
-            return cls.LARGE_BUFFER
-        return -(-size // cls.ROUND_LARGE) * cls.ROUND_LARGE
-
-    def malloc(self, key, nbytes):
-        size = self.round_size(nbytes)
-        pool = "small" if size <= self.SMALL_SIZE else "large"
-        free = self._free[pool]
-        i = bisect.bisect_left(free, (size, -1, -1))
-        if i == len(free):
-            self._new_segment(self.segment_size(size), pool, size)
-            i = bisect.bisect_left(free, (size, -1, -1))
-        block_size, seg, offset = free.pop(i)
-        remainder = block_size - size
-        if remainder >= self.MIN_BLOCK if pool == "small" else remainder > self.SMALL_SIZE:
-            self._set_block(seg, offset + size, remainder, False)
-            bisect.insort(free, (remainder, seg, offset + size))
-        else:
-            size = block_size
-        self._set_block(seg, offset, size, True)
-        self._segments[seg][2] += 1
-        self._live[key] = (seg, offset)
-        self.allocated += size
-
-    def free(self, key):
-        seg, offset = self._live.pop(key)
-        size = self._pop_block(seg, offset)
-        self.allocated -= size
-        self._segments[seg][2] -= 1
-        pool = self._segments[seg][1]
-        blocks = self._blocks[seg]
-        right = offset + size
-        if right in blocks and not blocks[right][1]:
-            right_size = self._pop_block(seg, right)
-            self._unfree(pool, seg, right, right_size)
-            size += right_size
-        left = self._block_ending_at[seg].get(offset)
-        if left is not None and not blocks[left][1]:
-            left_size = self._pop_block(seg, left)
-            self._unfree(pool, seg, left, left_size)
-            offset, size = left, size + left_size
-        self._set_block(seg, offset, size, False)
-        bisect.insort(self._free[pool], (size, seg, offset))
-
-    def _set_block(self, seg, offset, size, in_use):
-        self._blocks[seg][offset] = [size, in_use]
-        self._block_ending_at[seg][offset + size] = offset
-
-    def _pop_block(self, seg, offset):
-        size = self._blocks[seg].pop(offset)[0]
-        del self._block_ending_at[seg][offset + size]
-        return size
-
-    def _unfree(self, pool, seg, offset, size):
-        free = self._free[pool]
-        del free[bisect.bisect_left(free, (size, seg, offset))]
-
-    def _new_segment(self, seg_size, pool, request):
-        if self.limit_bytes is not None and self.reserved + seg_size > self.limit_bytes:
-            self._release_free_segments()
-            if self.reserved + seg_size > self.limit_bytes:
-                raise SimulatedOutOfMemoryError(
-                    f"modelled CUDA out of memory: tried to allocate {request / MiB:.2f} MiB "
-                    f"(a new {seg_size / MiB:.0f} MiB segment); {self.allocated / MiB:.2f} MiB "
-                    f"allocated, {self.reserved / MiB:.2f} MiB reserved, "
-                    f"limit {self.limit_bytes / MiB:.2f} MiB. "
-                    "Fix: shrink the batch, shard or drop optimizer state, checkpoint activations, "
-                    "or raise limit_bytes."
-                )
-        seg = next(self._segment_ids)
-        self._segments[seg] = [seg_size, pool, 0]
-        self._blocks[seg], self._block_ending_at[seg] = {}, {}
-        self._set_block(seg, 0, seg_size, False)
-        bisect.insort(self._free[pool], (seg_size, seg, 0))
-        self.reserved += seg_size
-
-    def _release_free_segments(self):
-        for seg, (seg_size, pool, in_use) in list(self._segments.items()):
-            if in_use == 0:
-                self._unfree(pool, seg, 0, seg_size)
-                del self._blocks[seg], self._block_ending_at[seg], self._segments[seg]
-                self.reserved -= seg_size
 
 
 def _demo_run(device, steps, batch):
@@ -981,6 +667,8 @@ def main(argv=None):
         import matplotlib
 
         matplotlib.use("Agg")
+        from memory.plots import plot_timeline
+
         ax = plot_timeline(tl)
         ax.figure.tight_layout()
         ax.figure.savefig(args.plot, dpi=120)
