@@ -46,10 +46,18 @@ def pytest_collectreport(report):
         _write({"event": "collect_error", "nodeid": report.nodeid, "output": text})
 
 
+def crash_line(report):
+    """pytest's crash message (the exception and its message), or "" where there is none."""
+    crash = getattr(getattr(report, "longrepr", None), "reprcrash", None)
+    return (crash.message if crash is not None else "").strip()
+
+
 def pytest_runtest_logreport(report):
     # a test passes when its call passed and set-up/teardown did not fail
     if report.when == "call" or report.outcome != "passed":
-        output = "" if report.passed else (report.longreprtext or "")[-4000:]
+        output = ""
+        if not report.passed:  # the assertion message first, so it survives any truncation
+            output = crash_line(report) + "\n\n" + (report.longreprtext or "")[-4000:]
         _write(
             {
                 "event": "result",
