@@ -503,8 +503,9 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# **What to look at:** the dark bars cross the red line from step 2 on, never in step 1; the
-# light bars (two micro-batches) stay well under it in every step.
+# **What to look at:** the dark bars (one batch of 8, recorded without a limit) cross the red line
+# from step 2 on, never in step 1; the light bars (two micro-batches, recorded under the limit) stay
+# well under it in every step.
 #
 # ## AdamW vs SGD with momentum vs Muon
 # The jump is the optimizer state, so it scales with how much state an optimizer keeps per
