@@ -40,6 +40,18 @@ class CachingAllocatorModel:
         self._live = {}  # allocation key -> (segment, offset)
         self._segment_ids = itertools.count()
 
+    def segments(self):
+        """Each segment as (size, pool, blocks), blocks as (offset, size, key; None when free)."""
+        keys = {where: key for key, where in self._live.items()}
+        return [
+            (
+                size,
+                pool,
+                [(o, b[0], keys.get((seg, o))) for o, b in sorted(self._blocks[seg].items())],
+            )
+            for seg, (size, pool, _) in self._segments.items()
+        ]
+
     @classmethod
     def round_size(cls, nbytes):
         return max(cls.MIN_BLOCK, -(-nbytes // cls.MIN_BLOCK) * cls.MIN_BLOCK)

@@ -1,9 +1,8 @@
 """Categorised memory timelines of any training loop, on CPU or CUDA, for lessons and benchmarks.
 
-What the standard tools assume: a GPU. `torch.cuda.memory._record_memory_history` needs CUDA; the
-profiler's memory timeline runs on a CPU but is deprecated; MemTracker refuses a second iteration
-without a reset. The lesson this file serves, the first-step anomaly (optimizer state appears
-inside step 1 and sits under every later step), needs several steps, categorised, on any machine:
+What the standard tools assume: a GPU (`torch.cuda.memory._record_memory_history`), or one step
+(MemTracker refuses a second without a reset; the profiler's timeline is deprecated). The
+first-step anomaly, optimizer state born in step 1 under every later step, needs several steps:
 
     from memory.memory_timeline import MemoryTimeline, predicted_optimizer_state_bytes
     tl = MemoryTimeline(model=model, optimizer=opt)
@@ -15,20 +14,15 @@ inside step 1 and sits under every later step), needs several steps, categorised
     print(tl.summary())                        # memory.plots.plot_timeline(tl) draws it
     jump = tl.peak(step=2) - tl.peak(step=1)   # == predicted_optimizer_state_bytes(opt, tl.device)
 
-How it sees memory: a TorchDispatchMode registers every tensor storage an op returns, once, with a
-weakref callback for its release (a view costs nothing; a copying reshape does). Only storages on
-the timeline's device count. On CUDA the real allocator is sampled beside it after each free.
-
-How it categorises, when recording ends (one category per storage for its whole life): parameters;
-gradients (storages that end up as a `.grad`); optimizer_state (reachable from `optimizer.state`,
-or tagged with `tl.tag`); activations (allocated in a "forward" phase and still alive when it ends:
-held for backward); temporaries (everything else allocated inside a phase, recomputation
-included); other (allocated outside any phase: input batches, data).
-
-The "reserved" line on CPU is a MODEL (memory/allocator_model.py) of PyTorch's CUDA caching
-allocator; `limit_bytes` turns it into a budget that raises `SimulatedOutOfMemoryError` the way a
-GPU raises `torch.OutOfMemoryError`. The recorder costs Python time on every op: never time a step
-while recording. Run it: `python -m memory.memory_timeline` (`--help` for the options)."""
+How it sees memory: a TorchDispatchMode registers every storage an op returns, once, with a weakref
+callback for its release (a view costs nothing). Only storages on the timeline's device count; on
+CUDA the real allocator is sampled beside it after each free. Each storage gets one category:
+parameters; gradients (ends up as a `.grad`); optimizer_state (in `optimizer.state`, or
+`tl.tag`ged); activations (made in a "forward" phase, alive when it ends: held for backward);
+temporaries (anything else made inside a phase); other (made outside any phase: input batches).
+The "reserved" line is a MODEL of PyTorch's CUDA caching allocator (memory/allocator_model.py);
+`limit_bytes` makes it raise `SimulatedOutOfMemoryError` as a GPU raises `torch.OutOfMemoryError`.
+Never time a recorded step (Python runs per op). Run: `python -m memory.memory_timeline --help`."""
 
 import argparse
 import contextlib
@@ -63,9 +57,7 @@ class OutOfMemoryPoint:
     reserved_needed: int  # what reserved would have become with the new segment (> the limit)
 
 
-# --------------------------------------------------------------------------------------------------
-# The recorder: every storage an op returns, registered once, freed by a weakref callback
-# --------------------------------------------------------------------------------------------------
+# ---- The recorder: every storage an op returns, registered once, freed by a weakref callback ----
 
 
 class _StorageWatcher(TorchDispatchMode):
@@ -105,11 +97,8 @@ def _tensors_in(obj):
     """Every tensor inside nested dicts / lists / tuples (optimizer state is such a nest)."""
     if isinstance(obj, torch.Tensor):
         yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors_in(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
+    elif isinstance(obj, (dict, list, tuple)):
+        for v in obj.values() if isinstance(obj, dict) else obj:
             yield from _tensors_in(v)
 
 
@@ -122,26 +111,23 @@ class MemoryTimeline:
     """Records, per tensor storage, when it was allocated and freed and what it was for.
 
     model:         an nn.Module or an iterable of parameters (their storages are "parameters").
-    optimizer:     an optimizer, a list of them, or None (tensors in `.state` are
-                   "optimizer_state").
+    optimizer:     an optimizer, a list of them, or None (its `.state` is "optimizer_state").
     device:        "cpu", "cuda[:i]" or "meta" (shapes only: no data, any size; it also stands in
                    for a GPU in tests, as a device that is not the CPU); default: the parameters'.
     limit_bytes:   a budget for the modelled reserved memory; exceeding it raises
                    SimulatedOutOfMemoryError and leaves the point in `tl.out_of_memory`.
-    device_memory: a callable returning the device's (allocated, reserved) bytes, sampled beside
-                   every event; default on CUDA: torch.cuda.memory_allocated / memory_reserved, none
-                   elsewhere. Tests pass a fake to check when samples are taken.
+    device_memory: a callable giving the device's (allocated, reserved) bytes, sampled beside every
+                   event; default: torch.cuda.memory_allocated / memory_reserved on CUDA, else none.
     """
 
     def __init__(
         self, model=None, optimizer=None, device=None, limit_bytes=None, name="", device_memory=None
     ):
-        params = model.parameters() if isinstance(model, torch.nn.Module) else (model or [])
-        self._params = list(params)
-        if isinstance(optimizer, (list, tuple)):
-            self._optimizers = list(optimizer)
-        else:
-            self._optimizers = [optimizer] if optimizer is not None else []
+        self._params = list(
+            model.parameters() if isinstance(model, torch.nn.Module) else model or []
+        )
+        optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
+        self._optimizers = [opt for opt in optimizers if opt is not None]
         if device is None:
             device = self._params[0].device if self._params else torch.device("cpu")
         self.device = torch.device(device)
@@ -153,14 +139,12 @@ class MemoryTimeline:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         if device_memory is None and self.device.type == "cuda":
-            dev = self.device
-            device_memory = lambda: (  # noqa: E731
-                torch.cuda.memory_allocated(dev),
-                torch.cuda.memory_reserved(dev),
-            )
+
+            def device_memory(dev=self.device):
+                return torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev)
+
         self._device_memory = device_memory
-        self.name = name
-        self.limit_bytes = limit_bytes
+        self.name, self.limit_bytes = name, limit_bytes
         self.allocator_model = CachingAllocatorModel(limit_bytes)
         self.phases = []  # (phase, step, first event index, last event index + 1, t0, t1)
         self._events = []  # (seconds since start, storage id, +bytes / -bytes)
@@ -171,13 +155,10 @@ class MemoryTimeline:
         self._origin = {}  # storage id -> phase it was allocated in (None outside phases)
         self._alive_after_forward = set()
         self._kind = {}  # storage id -> parameters / gradients / optimizer_state / a tag
-        self._ids = WeakIdKeyDictionary()
-        self._refs = {}
+        self._ids, self._refs = WeakIdKeyDictionary(), {}  # storage -> id; id -> weakref
         self._next_id = itertools.count()
-        self._recording = False
-        self._done = False
-        self._current_phase = self._current_step = None
-        self._t0 = None
+        self._recording = self._done = False
+        self._current_phase = self._current_step = self._t0 = None
         self._pending_tags = []
         self.out_of_memory = None  # an OutOfMemoryPoint when limit_bytes was exceeded
         self.cuda_snapshot = None  # the allocator history, when record(cuda_history=True) on CUDA
@@ -188,21 +169,14 @@ class MemoryTimeline:
     def record(self, cuda_history=False):
         """Records everything run inside the `with` block.
 
-        cuda_history=True (CUDA only) also keeps the allocator's own event history, with stack
-        traces, in `tl.cuda_snapshot`: save it with pickle and drop it on
-        https://pytorch.org/memory_viz."""
+        cuda_history=True (CUDA only) also keeps the allocator's own history, with stack traces,
+        in `tl.cuda_snapshot`: pickle it and drop it on https://pytorch.org/memory_viz."""
         if self._recording:
-            raise RuntimeError(
-                "this MemoryTimeline is already recording: record() cannot be nested. "
-                "Use one `with tl.record():` around the whole loop."
-            )
+            raise RuntimeError("record() cannot be nested: use one `with tl.record():` per run")
         if self._done:
             raise RuntimeError("this MemoryTimeline has already recorded a run; make a new one.")
         if cuda_history and self.device.type != "cuda":
-            raise ValueError(
-                "cuda_history=True needs a CUDA timeline (device='cuda'); on CPU the "
-                "modelled reserved line stands in for the allocator"
-            )
+            raise ValueError("cuda_history=True needs a CUDA timeline (device='cuda')")
         self._recording, self._t0 = True, time.perf_counter()
         for tensors, category in self._pending_tags:
             self.tag(tensors, category)
@@ -259,9 +233,7 @@ class MemoryTimeline:
         ### END SOLUTION
 
     def tag(self, tensors, category):
-        """Declares the category of tensors the recorder cannot infer (state kept outside .state).
-
-        Call it before or inside `record()`; a tag wins over every inferred category."""
+        """Declares the category of tensors kept outside `.state` (before or in record(); wins)."""
         if category not in CATEGORIES:
             raise ValueError(f"unknown category {category!r}; choose one of {CATEGORIES}")
         tensors = list(_tensors_in(tensors if isinstance(tensors, torch.Tensor) else list(tensors)))
@@ -331,20 +303,15 @@ class MemoryTimeline:
     def _event(self, sid, delta, update_model, released=True):
         """Appends one allocation (+bytes) or free (-bytes), with the lines sampled after it.
 
-        released=False: a free recorded from a weakref callback, whose memory the device allocator
-        still counts. Its sample is left open and taken at the next hook the recorder gets (another
-        event, the next op, a phase's end), when the release has taken effect."""
+        released=False: a free from a weakref callback, whose memory the device still counts: its
+        sample is taken at the next hook (an event, an op, a phase's end), once it is released."""
         try:
             update_model()  # may raise SimulatedOutOfMemoryError: the op that allocated fails
         except SimulatedOutOfMemoryError:
-            model = self.allocator_model
+            m, where = self.allocator_model, (self._current_phase, self._current_step)
+            need = m.reserved + m.segment_size(m.round_size(delta))
             self.out_of_memory = OutOfMemoryPoint(
-                len(self._events),
-                delta,
-                self._current_phase,
-                self._current_step,
-                model.reserved,
-                model.reserved + model.segment_size(model.round_size(delta)),
+                len(self._events), delta, *where, m.reserved, need
             )
             raise
         self._events.append((self._now(), sid, delta))
@@ -393,48 +360,32 @@ class MemoryTimeline:
 
     def _finish(self):
         """Turns the event list into per-category series; drops every reference to live tensors."""
-        n = len(self._events)
+        self.num_events = n = len(self._events)
         self.times = np.array([e[0] for e in self._events], dtype=float)
         columns = {c: np.zeros(n, dtype=np.int64) for c in CATEGORIES}
         for i, (_, sid, delta) in enumerate(self._events):
             columns[self.category_of(sid)][i] = delta
         self.bytes = {c: np.cumsum(col) for c, col in columns.items()}
         self.reserved_model = np.array(self._reserved_model, dtype=np.int64)
-        if self._unsettled:  # a free at the very end: sampled now, after the recording
-            self._settle_device_samples()
+        self._settle_device_samples()  # a free at the very end: sampled now, after the recording
         samples = np.array(self._device_samples, dtype=np.int64).reshape(-1, 2)
         # the device's own lines (CUDA's memory_allocated / memory_reserved), None where unsampled
-        self.cuda_allocated, self.cuda_reserved = (
-            (samples[:, 0], samples[:, 1]) if len(samples) else (None, None)
-        )
-        self.num_events = n
+        self.cuda_allocated, self.cuda_reserved = samples.T if len(samples) else (None, None)
         self._params, self._optimizers, self._ids, self._refs = [], [], WeakIdKeyDictionary(), {}
         self._device_memory = None  # a closure over the device: not picklable, not needed now
 
     def __getstate__(self):  # picklable once recorded (gather_timelines sends it between ranks)
         if not self._done:
             raise RuntimeError("only a finished MemoryTimeline can be pickled or gathered")
-        state = self.__dict__.copy()
-        dropped = (
-            "_ids",
-            "_refs",
-            "_next_id",
-            "_sizes",
-            "_origin",
-            "_kind",
-            "_alive_after_forward",
-        )
-        for key in dropped:
-            state.pop(key, None)
-        return state
+        live = ("_ids", "_refs", "_next_id", "_sizes", "_origin", "_kind", "_alive_after_forward")
+        return {key: value for key, value in self.__dict__.items() if key not in live}
 
     def _check_done(self):
         if not self._done:
             raise RuntimeError("no recorded run yet: use `with tl.record(): ...` first")
         if self.num_events == 0:
             raise ValueError(
-                "the timeline is empty: nothing was allocated while recording. Did the training "
-                "loop run inside `with tl.record():`, on this timeline's device?"
+                "the timeline is empty: nothing on its device was allocated inside tl.record()"
             )
 
     def series(self, category=None):
@@ -486,21 +437,18 @@ class MemoryTimeline:
         return "\n".join(lines)
 
 
-# --------------------------------------------------------------------------------------------------
-# The step-2 prediction: what the optimizer's lazily created state will cost, before any step
-# --------------------------------------------------------------------------------------------------
+# ---- The step-2 prediction: what the optimizer's lazily created state costs, before any step ----
 
 
 def predicted_optimizer_state_bytes(optimizer, device):
     """Bytes of state `optimizer` will hold on `device` once each of its parameters has had a step.
 
-    Read from the parameters and hyperparameters alone, before any step runs (the state does not
-    exist yet). With N parameter values in T tensors, all fp32:
-    - Adam / AdamW: exp_avg and exp_avg_sq (plus max_exp_avg_sq with amsgrad), each shaped like its
-      parameter, and a scalar `step` per tensor. PyTorch keeps `step` beside the parameter only
-      when fused=True or capturable=True; otherwise it lives on the CPU, because a GPU kernel
-      launch to add 1 costs more than the copy. So AdamW holds 8N + 4T bytes on the CPU, 8N on a
-      GPU.
+    Read from the parameters and hyperparameters alone, before the state exists. With N fp32
+    parameter values in T tensors:
+    - Adam / AdamW: exp_avg and exp_avg_sq (plus max_exp_avg_sq with amsgrad) shaped like each
+      parameter, and a scalar `step` per tensor, kept beside the parameter only when fused or
+      capturable, else on the CPU (a kernel launch to add 1 costs more than the copy): 8N + 4T
+      bytes on the CPU, 8N on a GPU.
     - SGD: one momentum buffer shaped like the parameter when momentum != 0, else nothing.
     - Muon: one momentum buffer shaped like the parameter.
     optimizer: one optimizer or a list of them. device: where bytes count ("cpu", "cuda", "meta").
@@ -543,34 +491,23 @@ def gather_timelines(timeline, dst=0, group=None):
     import torch.distributed as dist
 
     timeline._check_done()
-    world = dist.get_world_size(group)
-    out = [None] * world if dist.get_rank(group) == dst else None
+    out = [None] * dist.get_world_size(group) if dist.get_rank(group) == dst else None
     dist.gather_object(timeline, out, dst=dst, group=group)
     return out
 
 
 # ---- categories' colours (the plots in memory/plots.py import them) ----
 
-COLORS = {
-    "parameters": "#4c72b0",
-    "gradients": "#dd8452",
-    "optimizer_state": "#55a868",
-    "activations": "#c44e52",
-    "temporaries": "#8172b3",
-    "other": "#937860",
-}
+COLORS = dict(zip(CATEGORIES, ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860")))
 # phase shading: neutral tints that no category uses, so a band never reads as memory
 PHASE_COLORS = {"forward": "#e4e4e4", "backward": "#fbf0bd", "optimizer": "#d5eef2"}
-EVENTS_XLABEL = "allocation events (one per allocation or free, evenly spaced)"
-TIME_XLABEL = "seconds while recording (includes the recorder's own overhead)"
 
 
 def _demo_run(device, steps, batch):
     """A 2-layer MLP whose activations outweigh its weights, trained with AdamW, recorded."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)
-    ).to(device)
+    nn = torch.nn
+    model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
     x = torch.randn(batch, 256, device=device)
     predicted = predicted_optimizer_state_bytes(opt, device)  # before the state exists
@@ -592,25 +529,22 @@ def main(argv=None):
         description="Record a small AdamW training run's memory timeline, print the peak of each "
         "category, and check the step-2 prediction: step 2's peak = step 1's + the optimizer state."
     )
-    parser.add_argument(
-        "--steps", type=int, default=3, help="training steps to record, at least 2 (default 3)"
-    )
-    parser.add_argument(
+    add = parser.add_argument
+    add("--steps", type=int, default=3, help="training steps to record, at least 2 (default 3)")
+    add(
         "--batch",
         type=int,
         default=2048,
         help="rows per batch; activations grow with it (default 2048)",
     )
-    parser.add_argument(
+    add(
         "--device",
         choices=["cpu", "cuda"],
-        default=None,
         help="where the model runs (default: cuda when a GPU is visible, else cpu)",
     )
-    parser.add_argument(
+    add(
         "--plot",
         metavar="FILE.png",
-        default=None,
         help="also save the timeline plot to this PNG file (needs matplotlib)",
     )
     args = parser.parse_args(argv)
@@ -623,22 +557,16 @@ def main(argv=None):
     if args.plot is not None and not args.plot.endswith(".png"):
         parser.error(f"--plot takes a .png file name, got {args.plot!r}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    why = (
-        f"--device {args.device}"
-        if args.device
-        else "automatic: " + ("a GPU is visible" if device == "cuda" else "no GPU visible")
-    )
+    why = "a GPU is visible" if device == "cuda" else "no GPU visible"
+    why = f"--device {device}" if args.device else f"automatic: {why}"
     print(f"device: {device} ({why})")
 
     t0 = time.perf_counter()
     print(f"recording {args.steps} AdamW steps ...", flush=True)
     model, tl, predicted = _demo_run(device, args.steps, args.batch)
-    n = sum(p.numel() for p in model.parameters())
-    t = len(list(model.parameters()))
-    print(
-        f"recorded {args.steps} steps, {tl.num_events} allocation events, "
-        f"in {time.perf_counter() - t0:.1f} s\n"
-    )
+    n, t = sum(p.numel() for p in model.parameters()), len(list(model.parameters()))
+    took = time.perf_counter() - t0
+    print(f"recorded {args.steps} steps, {tl.num_events} allocation events, in {took:.1f} s\n")
     print("peak bytes per category over the run:")
     print(tl.summary())
     if tl.cuda_allocated is not None:
@@ -650,28 +578,21 @@ def main(argv=None):
     step_on = "on the CPU, not counted here" if device != "cpu" else "counted"
     print(
         f"\nstep-2 prediction: AdamW state for N = {n:,} values in T = {t} tensors, 8 B per "
-        f"value\n(two fp32 moments) plus a 4 B step counter per tensor ({step_on}):"
-    )
-    print(f"  predicted jump {predicted:>12,} B = {predicted / MiB:.4f} MiB")
-    print(
+        f"value\n(two fp32 moments) plus a 4 B step counter per tensor ({step_on}):\n"
+        f"  predicted jump {predicted:>12,} B = {predicted / MiB:.4f} MiB\n"
         f"  measured  jump {jump:>12,} B = {jump / MiB:.4f} MiB "
         f"({peaks[0] / MiB:.3f} -> {peaks[1] / MiB:.3f} MiB), off by {jump - predicted:+,} B"
     )
     peak_phase = max(PHASES, key=lambda ph: tl.peak(step=1, phase=ph))
-    if peak_phase != "backward":
+    if peak_phase != "backward":  # then the optimizer step, not backward, sets step 1's peak
         print(
             f"  note: step 1 peaks in its {peak_phase} phase, not in backward, so the jump is not "
             "the whole state (activations are too small next to the weights: raise --batch)"
         )
     if args.plot:
-        import matplotlib
+        from memory.plots import save_png
 
-        matplotlib.use("Agg")
-        from memory.plots import plot_timeline
-
-        ax = plot_timeline(tl)
-        ax.figure.tight_layout()
-        ax.figure.savefig(args.plot, dpi=120)
+        save_png(tl, args.plot)
         print(f"\nplot saved to {args.plot}")
 
 

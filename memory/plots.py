@@ -2,14 +2,10 @@
 
 import numpy as np
 
-from memory.memory_timeline import (
-    CATEGORIES,
-    COLORS,
-    EVENTS_XLABEL,
-    PHASE_COLORS,
-    TIME_XLABEL,
-    MiB,
-)
+from memory.memory_timeline import CATEGORIES, COLORS, PHASE_COLORS, MiB
+
+EVENTS_XLABEL = "allocation events (one per allocation or free, evenly spaced)"
+TIME_XLABEL = "seconds while recording (includes the recorder's own overhead)"
 
 
 def plot_timeline(tl, ax=None, title=None, show_reserved=True, legend=True, ymax=None, x="events"):
@@ -178,3 +174,13 @@ def plot_timelines(timelines, titles=None, sharey=True, width=5.5, height=3.8, x
     legend_rows = -(-len(handles) // 6)
     fig.tight_layout(rect=(0, 0.055 * legend_rows * 4 / (height * nrows + 1.0), 1, 1))
     return fig
+
+
+def save_png(tl, path, dpi=120):
+    """Draws `tl` with plot_timeline into the PNG file `path`, without a display (for --plot)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    ax = plot_timeline(tl)
+    ax.figure.tight_layout()
+    ax.figure.savefig(path, dpi=dpi)

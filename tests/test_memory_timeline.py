@@ -318,6 +318,15 @@ def test_caching_allocator_model_rules():
     assert m.reserved == 22 * MiB
     m.malloc("c", 18 * MiB + 1)  # >= 10 MiB and no room: own segment, rounded up to 2 MiB
     assert m.reserved == 22 * MiB + 20 * MiB
+    assert m.segments() == [  # each segment's blocks by offset, with the key using each
+        (2 * MiB, "small", [(0, 512, "a"), (512, 2 * MiB - 512, None)]),
+        (
+            20 * MiB,
+            "large",
+            [(0, 3 * MiB, "b"), (3 * MiB, 12 * MiB, "x"), (15 * MiB, 5 * MiB, None)],
+        ),
+        (20 * MiB, "large", [(0, 18 * MiB + 512, "c"), (18 * MiB + 512, 2 * MiB - 512, None)]),
+    ]
     m.free("b")
     m.malloc("d", 3 * MiB)  # reuses the cached block: reserved does not move
     assert m.reserved == 42 * MiB

@@ -1,5 +1,8 @@
 """Every committed notebook is executed, in step with its source, and re-runs as a student runs it.
 
+The re-run fills in the exercises' reference answers (tests/notebook_answers.py): every check cell
+must say "right:", and, run again with a wrong answer and with None, "wrong:" and "fill in".
+
 A student opens a notebook with `jupyter lab` in notebooks/ (or `make lab`): the kernel starts in
 notebooks/, with no PYTHONPATH. So the re-execution here starts a fresh kernel in notebooks/ too;
 the files import because the venv's .pth (written by `make`) puts the repository root on sys.path.
@@ -17,6 +20,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = os.path.join(ROOT, "notebooks")
 sys.path.insert(0, NOTEBOOKS)
 from build import execute, read_source, sources  # noqa: E402
+
+from tests.notebook_answers import assert_verdicts, fill_in_answers  # noqa: E402
 
 SOURCES = sources()
 TIME_LIMIT_S = 240
@@ -58,7 +63,9 @@ def test_notebook_reexecutes(source):
     assert any(
         o.get("output_type") == "display_data" for c in code for o in c.get("outputs", [])
     ), "the committed notebook must be committed executed, with its plots"
+    verdicts = fill_in_answers(nb, _names([source])[0])
     start = time.monotonic()
     # a fresh kernel started in notebooks/; raises CellExecutionError with the failing cell
     execute(nb, timeout=TIME_LIMIT_S, cwd=NOTEBOOKS)
     assert time.monotonic() - start < TIME_LIMIT_S
+    assert_verdicts(verdicts)

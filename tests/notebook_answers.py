@@ -1,0 +1,61 @@
+"""The notebooks' exercises: reference answers, a wrong answer each, and the code using them.
+
+An exercise (notebooks/checks.py) is an `answer_x = None` line and a check cell whose first line is
+`# check: answer_x`. tests/test_notebooks.py re-runs every notebook through `fill_in_answers`: each
+answer line gets its reference, each check cell must then say "right:", and is re-run after it
+with the wrong answer ("wrong:") and with None ("fill in"). A new exercise needs its entry in
+ANSWERS, or the test fails naming it.
+"""
+
+import copy
+import re
+
+from notebooks.checks import RIGHT, TODO, WRONG
+
+ANSWERS = {  # notebook -> {variable: (reference answer, a wrong answer)}, as Python source
+    "00_first_step_anomaly": {
+        "answer_sgd_jump": ("5_847_040", "11_694_196"),  # 4N; AdamW's 8N + 4T is wrong
+        "answer_sgd_limit_mib": ("78", "88"),  # under 88 MiB both SGD steps fit
+        "answer_segments_mib": ("[2, 20, 14]", "[2, 20, 12.3]"),  # 12.3 MiB rounds up to 14
+        "answer_amsgrad_jump": ("17_541_236", "17_541_120"),  # 12N + 4T; 12N forgets counters
+    },
+}
+ANSWER_LINE = re.compile(r"^(answer_\w+) = None\b", re.M)
+CHECK_LINE = re.compile(r"# check: (answer_\w+)\s*$")
+
+
+def fill_in_answers(nb, name, answers=None):
+    """Fills nb's answers with the references and adds, after each check cell, the same check
+    with the wrong answer and with None; returns [(cell, the verdict it must print)]."""
+    answers = ANSWERS.get(name, {}) if answers is None else answers
+    found, cells, verdicts = set(), [], []
+    for cell in nb.cells:
+        cells.append(cell)
+        if cell.cell_type != "code":
+            continue
+        for var in ANSWER_LINE.findall(cell.source):
+            assert var in answers, f"{name}: add {var}'s answers to tests/notebook_answers.py"
+            found.add(var)
+            cell.source = cell.source.replace(f"{var} = None", f"{var} = {answers[var][0]}", 1)
+        checked = CHECK_LINE.match(cell.source.split("\n", 1)[0])
+        if checked:
+            var = checked.group(1)
+            verdicts.append((cell, RIGHT))
+            for value, verdict in ((answers[var][1], WRONG), ("None", TODO)):
+                probe = copy.deepcopy(cell)
+                probe.source = f"{var} = {value}\n" + cell.source
+                cells.append(probe)
+                verdicts.append((probe, verdict))
+    assert found == set(answers), f"{name}: no exercise for {sorted(set(answers) - found)}"
+    nb.cells = cells
+    return verdicts
+
+
+def assert_verdicts(verdicts):
+    """Each executed check cell printed exactly one verdict line, the expected one."""
+    for cell, verdict in verdicts:
+        said = [line for o in cell.outputs for line in o.get("text", "").splitlines()]
+        said = [line for line in said if line.startswith((RIGHT, WRONG, TODO))]
+        assert len(said) == 1 and said[0].startswith(verdict), (
+            f"this check cell should say {verdict!r}, it said {said}:\n{cell.source}"
+        )

@@ -1,0 +1,97 @@
+"""The check cells' helpers (notebooks/checks.py): a verdict with its reason, never the answer."""
+
+import os
+import re
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "notebooks"))
+from build import sources  # noqa: E402
+from checks import RIGHT, TODO, WRONG, check, number, one_of  # noqa: E402
+
+from tests.notebook_answers import ANSWERS  # noqa: E402
+
+
+def said(capsys):
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1, f"a check prints exactly one line, got {lines}"
+    return lines[0]
+
+
+def test_unfilled_answer_asks_for_it_and_does_not_raise(capsys):
+    assert check("answer_x", None, number(42)) is None
+    line = said(capsys)
+    assert line.startswith(TODO) and "answer_x" in line and "42" not in line
+
+
+@pytest.mark.parametrize("answer, side", [(9_000_000, "too high"), (7, "too low")])
+def test_wrong_number_says_which_way_without_the_answer(capsys, answer, side):
+    assert check("answer_x", answer, number(5_847_040, unit="B", hint="count buffers")) is False
+    line = said(capsys)
+    assert line.startswith(WRONG) and side in line and "count buffers" in line
+    assert "5,847,040" not in line and "5847040" not in line
+
+
+def test_right_number_within_tolerance_confirms_it(capsys):
+    assert check("answer_x", 5_847_040, number(5_847_040, unit="B")) is True
+    assert said(capsys).startswith(RIGHT)
+    assert check("answer_x", 101.0, number(100.0, rel=0.02)) is True
+    assert said(capsys).startswith(RIGHT)
+    assert check("answer_x", 103.0, number(100.0, rel=0.02)) is False
+    assert said(capsys).startswith(WRONG)
+
+
+def test_choices_and_answers_of_the_wrong_kind(capsys):
+    judge = one_of(["backward"], hint="when are the activations largest?")
+    assert check("answer_phase", " Backward", judge) is True and said(capsys).startswith(RIGHT)
+    assert check("answer_phase", "forward", judge) is False
+    assert "activations largest" in said(capsys)
+    assert check("answer_x", "many", number(3)) is False  # float("many") fails: judged wrong
+    assert said(capsys).startswith(WRONG)
+
+
+def test_every_exercise_has_its_answers_and_every_answer_its_exercise():
+    """Static: each `answer_x = None` has a `# check: answer_x` cell and an ANSWERS entry."""
+    for path in sources():
+        name = os.path.splitext(os.path.basename(path))[0]
+        text = open(path).read()
+        filled = set(re.findall(r"^(answer_\w+) = None\b", text, re.M))
+        checked = set(re.findall(r"^# check: (answer_\w+)\s*$", text, re.M))
+        assert filled == checked, f"{name}: answers {filled} vs check cells {checked}"
+        assert filled == set(ANSWERS.get(name, {})), (
+            f"{name}: tests/notebook_answers.py must list exactly {sorted(filled)}"
+        )
+
+
+def test_answers_are_filled_in_and_a_wrong_reference_is_caught():
+    """The mechanism test_notebooks uses, on a two-cell notebook in a real kernel."""
+    import nbformat
+    from build import execute
+
+    from tests.notebook_answers import assert_verdicts, fill_in_answers
+
+    def notebook():
+        return nbformat.v4.new_notebook(
+            cells=[
+                nbformat.v4.new_code_cell("answer_q = None  # your prediction"),
+                nbformat.v4.new_code_cell(
+                    "# check: answer_q\nfrom notebooks.checks import check, number\n"
+                    'check("answer_q", answer_q, number(2 + 2))'
+                ),
+            ]
+        )
+
+    nb = notebook()
+    verdicts = fill_in_answers(nb, "fake", {"answer_q": ("4", "5")})
+    assert [v for _, v in verdicts] == [RIGHT, WRONG, TODO] and len(nb.cells) == 4
+    execute(nb, timeout=60, cwd=ROOT)
+    assert_verdicts(verdicts)
+    nb = notebook()
+    verdicts = fill_in_answers(nb, "fake", {"answer_q": ("5", "4")})  # a reference gone stale
+    execute(nb, timeout=60, cwd=ROOT)
+    with pytest.raises(AssertionError, match="should say 'right:'"):
+        assert_verdicts(verdicts)
+    with pytest.raises(AssertionError, match="add answer_q's answers"):
+        fill_in_answers(notebook(), "fake", {})
