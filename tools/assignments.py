@@ -299,7 +299,7 @@ def main(argv=None):
         return 1
     names = write_student(args.out, args.root)
     for name in names:
-        count = sum(r.file == name for r in regions)
+        count = sum(r.file == os.path.basename(name) for r in regions)
         where = os.path.join(os.path.relpath(args.out, os.getcwd()), name)
         print(f"{where}: {count} region(s) stubbed")
     failures = check_imports(args.out, names)

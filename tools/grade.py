@@ -365,7 +365,7 @@ def function_lines(staged, files):
 
 def function_table(results, regions, lines, width=64):
     """Per region: its line in the graded file, tests passed, points, the first failing line."""
-    rows = ["", f"{'function (line)':<44}{'tests':>7}{'points':>9}   first failing line"]
+    rows = ["", f"{'function (line)':<52}{'tests':>7}{'points':>9}   first failing line"]
     for r in regions:
         mine = [t for t in results["tests"] if r.qualname in _solutions(t)]
         if not mine:
@@ -379,7 +379,7 @@ def function_table(results, regions, lines, width=64):
         first = first if len(first) <= width else first[: width - 3] + "..."
         where = f"{r.file}:{lines[r.qualname]}" if r.qualname in lines else r.file
         label = f"{r.qualname.split('.', 1)[1]} ({where})"
-        rows.append(f"{label:<44}{f'{ok}/{len(mine)}':>7}{f'{got}/{most}':>9}   {first}")
+        rows.append(f"{label:<52}{f'{ok}/{len(mine)}':>7}{f'{got}/{most}':>9}   {first}")
     return "\n".join(rows)
 
 

@@ -80,12 +80,14 @@ def _tensor_summary(obj):
     torch = __import__("sys").modules.get("torch")
     if torch is None or not isinstance(obj, torch.Tensor):
         return None
+    if obj.numel() <= 8:  # a few values say more than a shape
+        return " ".join(repr(obj).split())
     return f"tensor(shape={list(obj.shape)}, dtype={str(obj.dtype).replace('torch.', '')})"
 
 
 def pytest_assertrepr_compare(config, op, left, right):
     """`assert a == b` on tensors: their shapes, and how far apart and where."""
-    if _tensor_summary(left) is None and _tensor_summary(right) is None:
+    if op != "==" or (_tensor_summary(left) is None and _tensor_summary(right) is None):
         return None
     import torch
 
