@@ -15,11 +15,16 @@ TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 NPROC ?= 4
 TECHNIQUES := muon_zero.py mhc.py cp_compress.py tensor_ckpt.py
-# a student's folder of files to grade (default: the reference itself)
+# a student's folder of files to grade (default: the reference itself); ONLY: regions or file
+# stems, comma-separated (muon_zero.newton_schulz); TIMEOUT: seconds per test; OUT: where
+# `make assignments` writes (default build/student, never overwritten once edited)
 SUBMISSION ?=
+ONLY ?=
+TIMEOUT ?=
+OUT ?=
 
 .PHONY: venv venv-test demo test lint bench notebooks lab assignments grade grade-check \
-	gpu-check clean
+	grade-mistakes gpu-check clean
 
 venv:
 	@tools/venv.sh "$(PYTHON)" "$(VENV)" "$(TORCH_INDEX)" requirements.txt
@@ -57,14 +62,19 @@ lab: venv
 	cd notebooks && $(abspath $(VENV))/bin/jupyter lab
 
 assignments: venv
-	$(PY) tools/assignments.py
+	$(PY) tools/assignments.py $(if $(OUT),--out "$(OUT)")
 
 grade: venv-test
-	$(PY) tools/grade.py $(if $(SUBMISSION),--submission "$(SUBMISSION)")
+	$(PY) tools/grade.py $(if $(SUBMISSION),--submission "$(SUBMISSION)") \
+	  $(if $(ONLY),--only "$(ONLY)") $(if $(TIMEOUT),--per-test-timeout "$(TIMEOUT)")
 
 # every solution region, stubbed alone, must make each graded test that names it fail
 grade-check: venv-test
 	$(PY) tools/grade.py --check-regions
+
+# every catalogued mistake (tests/mistakes/) spliced in alone loses points, with its message
+grade-mistakes: venv-test
+	$(PY) tools/grade.py --check-mistakes $(ONLY)
 
 gpu-check: venv-test
 	$(PY) tools/gpu_check.py

@@ -98,25 +98,99 @@ def test_not_graded():
 """
 
 
-def _fake_repo(path, source=FAKE, tests=FAKE_TESTS):
+# pure functions only, so the feedback and mistakes checks run in seconds: `quadruple` needs
+# `double`, and `ramp`'s tests share a module-scoped fixture
+PURE = '''\
+"""A fake technique file of pure functions."""
+
+import torch
+
+
+def double(x):
+    """Twice x."""
+    ### BEGIN SOLUTION
+    return 2 * x
+    ### END SOLUTION
+
+
+def quadruple(x):
+    """Four times x, by doubling twice."""
+    ### BEGIN SOLUTION
+    return double(double(x))
+    ### END SOLUTION
+
+
+def ramp(n):
+    """0, 1, ..., n - 1 as a float tensor."""
+    ### BEGIN SOLUTION
+    return torch.arange(n, dtype=torch.float32)
+    ### END SOLUTION
+'''
+
+PURE_TESTS = """\
+import pytest
+import torch
+
+import pure
+
+
+@pytest.mark.grade(points=2, solution="pure.double")
+def test_double():
+    got = pure.double(3)
+    assert got == 6, f"double(3) must be 6, got {got}"
+
+
+@pytest.mark.grade(points=1, solution="pure.quadruple", needs=("pure.double",))
+def test_quadruple():
+    assert pure.quadruple(1) == 4, "quadruple(1) must be 4"
+
+
+@pytest.mark.grade(points=1, solution="pure.ramp")
+def test_ramp():
+    assert torch.equal(pure.ramp(1000), torch.arange(1000.0))
+
+
+@pytest.fixture(scope="module")
+def checked_ramp():
+    got = pure.ramp(500)
+    assert (got == torch.arange(500.0)).all(), "ramp(500) must count up from 0"
+    return got
+
+
+@pytest.mark.grade(points=1, solution="pure.ramp")
+@pytest.mark.parametrize("i", [0, 1, 2])
+def test_ramp_entries(checked_ramp, i):
+    assert checked_ramp[i] == i
+"""
+
+
+def _fake_repo(path, source=FAKE, tests=FAKE_TESTS, stem="fake"):
     """A repository shaped like this one: a root file, tests/ with our conftest and harness."""
-    os.makedirs(path / "tests")
+    os.makedirs(path / "tests" / "mistakes")
     shutil.copy(os.path.join(ROOT, "pytest.ini"), path / "pytest.ini")
-    for name in ("conftest.py", "harness.py"):
+    for name in ("conftest.py", "harness.py", os.path.join("mistakes", "__init__.py")):
         shutil.copy(os.path.join(ROOT, "tests", name), path / "tests" / name)
-    (path / "fake.py").write_text(source)
-    (path / "tests" / "test_fake.py").write_text(tests)
+    (path / f"{stem}.py").write_text(source)
+    (path / "tests" / f"test_{stem}.py").write_text(tests)
     return str(path)
 
 
-def _grade(*args):
+def _grade(*args, **env):
     proc = subprocess.run(
         [sys.executable, os.path.join(TOOLS, "grade.py"), *args],
         capture_output=True,
         text=True,
         timeout=600,
+        env=dict(os.environ, **env),
     )
     return proc.returncode, proc.stdout + proc.stderr
+
+
+def _submission(path, **files):
+    path.mkdir()
+    for name, text in files.items():
+        (path / f"{name}.py").write_text(text)
+    return str(path)
 
 
 # ---- the stubber, on text ----
@@ -205,12 +279,13 @@ def test_submission_shadows_the_reference_and_a_hang_scores_zero(tmp_path):
     )
     code, out = _grade(
         "--root", repo, "--submission", str(hangs), "--out", str(tmp_path / "h.json"),
-        "--per-test-timeout", "8",
+        "--per-test-timeout", "8", GRADE_NOTICE_S="3",
     )  # fmt: skip
     results = json.loads((tmp_path / "h.json").read_text())
     scores = {t["name"].split("::")[-1]: t["score"] for t in results["tests"]}
     assert scores == {"test_double": 2, "test_total_on_ranks": 0, "test_total_under_torchrun": 0}
     assert "Timeout" in " ".join(t["output"] for t in results["tests"]), out
+    assert "still running: test_total_on_ranks (3 s)" in out  # the grader names a slow test
     # and nothing of it runs on: torchrun starts each worker in a session of its own, which a
     # process-group kill misses (its two spinning workers once outlived the suite)
     time.sleep(1)
@@ -240,6 +315,136 @@ def test_region_check_finds_ungraded_regions_and_weak_tests(tmp_path):
     assert "fake.helper: no graded test names it" in out
     assert "test_double passes against the stub" in out
     assert "ok   fake.Summer.total: 2 of 2 graded tests fail" in out
+
+
+def test_feedback_leads_with_the_message_and_blames_the_needed_region(tmp_path):
+    repo = _fake_repo(tmp_path / "repo", PURE, PURE_TESTS, stem="pure")
+    wrong = PURE.replace("return 2 * x", "return 3 * x").replace(
+        "torch.arange(n, dtype=torch.float32)", "torch.arange(n, dtype=torch.float32) + 1"
+    )
+    submission = _submission(tmp_path / "wrong", pure=wrong)
+    code, out = _grade(
+        "--root", repo, "--submission", submission, "--out", str(tmp_path / "w.json")
+    )
+    tests = {
+        t["name"].split("::")[-1]: t["output"]
+        for t in json.loads((tmp_path / "w.json").read_text())["tests"]
+    }
+    assert tests["test_double"].startswith("AssertionError: double(3) must be 6, got 9"), out
+    assert tests["test_quadruple"] == "blocked by `double` (fails its own tests)", out
+    # a tensor comparison: shapes and where they differ, never a thousand values
+    assert "shape=[1000]" in tests["test_ramp"] and len(tests["test_ramp"]) < 2000, out
+    assert "tensor([" not in tests["test_ramp"], out
+    # a module-scoped fixture's failure: written out once, then pointed to
+    first = tests["test_ramp_entries[0]"]
+    assert first.startswith("AssertionError: ramp(500) must count up from 0"), out
+    for i in (1, 2):
+        assert "the same failure as" in tests[f"test_ramp_entries[{i}]"], out
+    assert out.count("in checked_ramp") == 1, out  # its traceback on the console once
+    assert out.count("tests/test_pure.py:") <= 3 * 6, out  # a few traceback lines each
+    # the per-function table, with the lines of the student's own file
+    assert "double (pure.py:6)" in out and "quadruple (pure.py:13)" in out, out
+    assert "blocked by `double` (fails its own tests)" in out, out
+    # quadruple written, double left as its stub: quadruple's test runs into double's stub
+    assignments.write_student(str(tmp_path / "stub"), repo)
+    text = (
+        (tmp_path / "stub" / "pure.py")
+        .read_text()
+        .replace(
+            "raise NotImplementedError('pure.quadruple: Four times x, by doubling twice.')",
+            "return double(double(x))",
+        )
+    )
+    only_quadruple = _submission(tmp_path / "quad", pure=text)
+    code, out = _grade(
+        "--root", repo, "--submission", only_quadruple, "--out", str(tmp_path / "q.json")
+    )
+    tests = json.loads((tmp_path / "q.json").read_text())["tests"]
+    outputs = {t["name"].split("::")[-1]: t["output"] for t in tests}
+    assert outputs["test_quadruple"] == "blocked by `double` (not implemented)", out
+    assert "double (pure.py:6)" in out and "not implemented" in out, out
+
+
+def test_only_one_region_and_an_import_failure(tmp_path):
+    repo = _fake_repo(tmp_path / "repo", PURE, PURE_TESTS, stem="pure")
+    broken = PURE.replace("import torch", "import torch\ndef broken(:")
+    submission = _submission(tmp_path / "broken", pure=broken)
+    out_json = str(tmp_path / "o.json")
+    code, out = _grade(
+        "--root", repo, "--submission", submission, "--out", out_json, "--only", "pure.quadruple"
+    )
+    results = json.loads(open(out_json).read())
+    names = sorted(t["name"].split("::")[-1] for t in results["tests"])
+    assert names == ["test_double", "test_quadruple"], out  # and the tests of what it needs
+    for t in results["tests"]:
+        assert t["output"].startswith("could not import pure.py: SyntaxError at line 4"), out
+    assert "could not import pure.py: SyntaxError at line 4" in out.split("assignment")[-1], out
+    code, out = _grade("--root", repo, "--only", "pure.nosuch")
+    assert code != 0 and "no such region or file" in out, out
+
+
+MISTAKES = """\
+from tests.mistakes import Mistake
+
+MISTAKES = [
+    Mistake(region="pure.double", name="triples", message="double(3) must be 6",
+            body="### BEGIN SOLUTION\\nreturn 3 * x\\n### END SOLUTION\\n"),
+    Mistake(region="pure.double", name="adds instead", message="double(3) must be 6",
+            body="return x + x\\n"),
+    Mistake(region="pure.double", name="off by one", message="twice",
+            body="return 2 * x + 1\\n"),
+]
+"""
+
+
+def test_mistakes_check_splices_each_body_and_matches_its_message(tmp_path):
+    repo = _fake_repo(tmp_path / "repo", PURE, PURE_TESTS, stem="pure")
+    (tmp_path / "repo" / "tests" / "mistakes" / "pure.py").write_text(MISTAKES)
+    code, out = _grade("--root", repo, "--check-mistakes")
+    assert code == 1, out
+    lines = [line for line in out.splitlines() if " / " in line]
+    assert len(lines) == 3, out
+    assert lines[0].startswith("ok     pure.double / triples: 2 of 2 tests fail"), out
+    assert "double(3) must be 6, got 9" in lines[0], out
+    assert lines[1].startswith("DEFECT pure.double / adds instead: 0 of 2"), out
+    assert "keeps its points" in lines[1], out
+    assert lines[2].startswith("DEFECT pure.double / off by one"), out
+    assert "no first line contains 'twice'" in lines[2] and "got 7" in lines[2], out
+    code, out = _grade("--root", repo, "--check-mistakes", "pure.ramp")
+    assert code == 1 and "no mistakes catalogued" in out, out
+
+
+def test_assignments_never_overwrites_a_students_edits(tmp_path, capsys):
+    repo = _fake_repo(tmp_path / "repo", PURE, PURE_TESTS, stem="pure")
+    out = tmp_path / "student"
+    assert assignments.main(["--root", repo, "--out", str(out)]) == 0
+    assert assignments.main(["--root", repo, "--out", str(out)]) == 0  # unchanged: rewritten
+    work = (out / "pure.py").read_text().replace("raise NotImplementedError('pure.double", "#", 1)
+    (out / "pure.py").write_text(work)
+    capsys.readouterr()
+    assert assignments.main(["--root", repo, "--out", str(out)]) == 1
+    assert "holds edits (pure.py differ" in capsys.readouterr().out
+    assert (out / "pure.py").read_text() == work
+
+
+def test_table_gives_the_student_files_lines_and_each_regions_needs(tmp_path):
+    (tmp_path / "pure.py").write_text(PURE)
+    regions = assignments.find_regions(str(tmp_path / "pure.py"))
+    student = assignments.stub_text(PURE, regions).splitlines()
+    for r in regions:
+        assert student[r.student_line - 1].strip().startswith("raise NotImplementedError"), r
+    graded = [
+        {"nodeid": "t::test_q", "points": 1, "solutions": ["pure.quadruple"],
+         "needs": ["pure.double"]},
+        {"nodeid": "t::test_d", "points": 2, "solutions": ["pure.double"], "needs": []},
+        {"nodeid": "t::test_r", "points": 1, "solutions": ["pure.ramp"], "needs": []},
+    ]  # fmt: skip
+    text = assignments.table(regions, graded)
+    assert "| `pure.py` | `quadruple` (line 13) | `test_q` | 1 | `double` |" in text, text
+    reordered = list(reversed(regions))
+    assert assignments.implementation_order(reordered, graded) == [
+        "pure.ramp", "pure.double", "pure.quadruple"
+    ]  # fmt: skip
 
 
 # ---- this repository's assignments ----

@@ -16,15 +16,21 @@ The student version replaces each region, markers included, by one line at the r
 is the reference's. Usage:
 
     python tools/assignments.py            # write build/student/, check each file imports
-    python tools/assignments.py --table    # markdown table: regions, graded tests, points
+    python tools/assignments.py --out DIR  # elsewhere
+    python tools/assignments.py --table    # markdown table: regions, tests, points, needs, order
+
+A folder that already holds edited student files is never overwritten: the command says so and
+exits 1.
 """
 
 import argparse
 import ast
+import filecmp
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,6 +54,7 @@ class Region:
     end: int
     indent: str
     message: str  # what the student's NotImplementedError says
+    student_line: int = 0  # the line of its `raise NotImplementedError` in the student file
 
 
 def _functions(tree, stem):
@@ -92,6 +99,10 @@ def find_regions(path):
             begin = None
     if begin is not None:
         raise ValueError(f"{name}:{begin}: BEGIN SOLUTION is never closed")
+    removed = 0  # each region above this one shrank to its one-line raise
+    for r in regions:
+        r.student_line = r.begin - removed
+        removed += r.end - r.begin
     return regions
 
 
@@ -165,6 +176,18 @@ def write_student(out, root=ROOT, files=None, only=None):
     return written
 
 
+def edited(out, root=ROOT, files=None):
+    """The assignment files in ``out`` that differ from what write_student would write there."""
+    with tempfile.TemporaryDirectory() as fresh:
+        names = write_student(fresh, root, files)
+        return [
+            n
+            for n in names
+            if os.path.exists(os.path.join(out, n))
+            and not filecmp.cmp(os.path.join(out, n), os.path.join(fresh, n), shallow=False)
+        ]
+
+
 def check_imports(out, names):
     """Import each student file in a fresh interpreter started in ``out``; return the failures."""
     failures = {}
@@ -184,21 +207,69 @@ def check_imports(out, names):
     return failures
 
 
-def table(regions, graded):
-    """Markdown table of regions with the graded tests naming each and their points.
+def dependencies(regions, graded):
+    """qualname -> the other regions its graded tests need (their markers' `needs=`), in order."""
+    known = [r.qualname for r in regions]
+    deps = {}
+    for r in regions:
+        needed = {n for g in graded if r.qualname in g["solutions"] for n in g.get("needs", ())}
+        deps[r.qualname] = [q for q in known if q in needed and q != r.qualname]
+    return deps
 
-    ``graded`` is a list of dicts with ``nodeid``, ``points``, ``solutions`` (grade.collect()).
+
+def implementation_order(regions, graded):
+    """The regions in an order that puts each after every region it needs (else file order)."""
+    deps, done, order = dependencies(regions, graded), set(), []
+
+    def visit(qualname, path):
+        if qualname in done or qualname in path:  # a cycle: file order decides
+            return
+        for need in deps.get(qualname, ()):
+            visit(need, path | {qualname})
+        done.add(qualname)
+        order.append(qualname)
+
+    for r in regions:
+        visit(r.qualname, set())
+    return order
+
+
+def _short(qualname, file_stem):
+    stem, rest = qualname.split(".", 1)
+    return rest if stem == file_stem else qualname
+
+
+def table(regions, graded):
+    """Markdown table of regions, the graded tests naming each, their points and dependencies,
+    then the order to implement them in; line numbers are the student file's.
+
+    ``graded`` is a list of dicts with ``nodeid``, ``points``, ``solutions``, ``needs``
+    (grade.collect()).
     """
-    rows = ["| file | function (region) | graded tests | points |", "|---|---|---|---|"]
+    deps = dependencies(regions, graded)
+    rows = [
+        "| file | function (line in the student file) | graded tests | points | needs |",
+        "|---|---|---|---|---|",
+    ]
     total = 0
     for r in regions:
         tests = [g for g in graded if r.qualname in g["solutions"]]
         points = sum(g["points"] for g in tests)
         total += points
         names = "<br>".join(f"`{g['nodeid'].split('::', 1)[-1]}`" for g in tests) or "**none**"
-        short = r.qualname.split(".", 1)[1]
-        rows.append(f"| `{r.file}` | `{short}` (line {r.begin}) | {names} | {points} |")
-    rows.append(f"| **total** | {len(regions)} regions | {len(graded)} graded tests | {total} |")
+        stem = r.qualname.split(".", 1)[0]
+        needs = ", ".join(f"`{_short(q, stem)}`" for q in deps[r.qualname]) or "-"
+        rows.append(
+            f"| `{r.file}` | `{_short(r.qualname, stem)}` (line {r.student_line}) | {names} "
+            f"| {points} | {needs} |"
+        )
+    rows.append(f"| **total** | {len(regions)} regions | {len(graded)} graded tests | {total} | |")
+    rows += ["", "Order to implement them in (each region after the regions it needs):", ""]
+    order = implementation_order(regions, graded)
+    for name in dict.fromkeys(r.file for r in regions):
+        stem = os.path.splitext(name)[0]
+        mine = [q for q in order if next(r for r in regions if r.qualname == q).file == name]
+        rows.append(f"- `{name}`: " + " → ".join(f"`{_short(q, stem)}`" for q in mine))
     return "\n".join(rows)
 
 
@@ -217,9 +288,18 @@ def main(argv=None):
 
         print(table(regions, collect(args.root)))
         return 0
+    changed = edited(args.out, args.root)
+    if changed:  # a student's work: never overwrite it
+        shown = os.path.relpath(args.out, os.getcwd())
+        print(
+            f"{shown}/ holds edits ({', '.join(changed)} differ from the stubs): left as it is.\n"
+            f"Grade it with `make grade SUBMISSION={shown}`; for fresh stubs, write them "
+            f"elsewhere (`make assignments OUT={shown}-new`) or move {shown}/ away first."
+        )
+        return 1
     names = write_student(args.out, args.root)
     for name in names:
-        count = sum(r.file == name for r in regions)
+        count = sum(r.file == os.path.basename(name) for r in regions)
         where = os.path.join(os.path.relpath(args.out, os.getcwd()), name)
         print(f"{where}: {count} region(s) stubbed")
     failures = check_imports(args.out, names)
