@@ -23,8 +23,8 @@ ONLY ?=
 TIMEOUT ?=
 OUT ?=
 
-.PHONY: venv venv-test demo test lint bench notebooks lab assignments grade grade-check \
-	grade-mistakes gpu-check clean
+.PHONY: venv venv-test demo test test-slow test-all lint bench notebooks lab assignments grade \
+	grade-check grade-mistakes gpu-check clean
 
 venv:
 	@tools/venv.sh "$(PYTHON)" "$(VENV)" "$(TORCH_INDEX)" requirements.txt
@@ -47,9 +47,20 @@ lint: venv-test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# one line per test as it finishes, then the ten slowest
+# Two tiers (tests/conftest.py says which tests are slow, and why): `make test` lints, then runs
+# the default tier, one representative of every slow part; `make test-slow` the rest (CI runs
+# both). One line per test as it finishes, the ten slowest, then the tier's wall time.
 test: lint
-	$(PY) -m pytest -v --durations=10
+	@echo '$(PY) -m pytest -v -m "not slow" --durations=10'; start=$$SECONDS; rc=0; \
+	$(PY) -m pytest -v -m "not slow" --durations=10 || rc=$$?; \
+	echo "make test: the default tier took $$((SECONDS - start)) s"; exit $$rc
+
+test-slow: venv-test
+	@echo '$(PY) -m pytest -v -m slow --durations=10'; start=$$SECONDS; rc=0; \
+	$(PY) -m pytest -v -m slow --durations=10 || rc=$$?; \
+	echo "make test-slow: the slow tier took $$((SECONDS - start)) s"; exit $$rc
+
+test-all: test test-slow
 
 bench: venv
 	@for b in benchmarks/bench_*.py; do echo "=== $$b"; $(PY) $$b || exit 1; done
