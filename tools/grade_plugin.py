@@ -216,10 +216,11 @@ def student_output(report):
     # the exception's lines are the message above: the traceback keeps only where it was raised
     body = "\n".join(line for line in body.splitlines() if not line.startswith("E   "))
     key = (message, body)
-    if key in _SEEN and _SEEN[key] != report.nodeid:
+    if report.when == "setup" and key in _SEEN and _SEEN[key] != report.nodeid:
         head = message.splitlines()[0] if message else ""
         return f"{head}\n(the same failure as {_SEEN[key]}: a fixture they share failed)"
-    _SEEN.setdefault(key, report.nodeid)
+    if report.when == "setup":  # a shared fixture's failure repeats in each test that uses it
+        _SEEN.setdefault(key, report.nodeid)
     return f"{message}\n\n{_cut(body)}"
 
 
