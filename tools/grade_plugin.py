@@ -228,7 +228,7 @@ def student_output(report):
         return f"{head}\n(the same failure as {_SEEN[key]}: a fixture they share failed)"
     if report.when == "setup":  # a shared fixture's failure repeats in each test that uses it
         _SEEN.setdefault(key, report.nodeid)
-    return f"{message}\n\n{_cut(body)}"
+    return f"{_cut(message, 20, 2000)}\n\n{_cut(body)}"  # a huge message is cut at its end too
 
 
 def pytest_runtest_logreport(report):
