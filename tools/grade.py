@@ -51,7 +51,9 @@ class Outcome(NamedTuple):
     stubs: tuple = ()  # regions whose stub raised NotImplementedError in this test
 
 
-def _pytest(root, args, report, submission=None, timeout=1800.0, quiet=False, only=None):
+def _pytest(
+    root, args, report, submission=None, timeout=1800.0, quiet=False, only=None, stop_on=None
+):
     """Run pytest in ``root`` with the grade plugin; return (exit code, seconds, timed out).
 
     ``quiet`` keeps pytest's own output back unless it fails (for collection and the checks).
@@ -60,6 +62,9 @@ def _pytest(root, args, report, submission=None, timeout=1800.0, quiet=False, on
     env["PYTHONPATH"] = os.pathsep.join(p for p in (TOOLS, env.get("PYTHONPATH")) if p)
     env.pop("GRADE_SUBMISSION", None)
     env.pop("GRADE_ONLY", None)
+    env.pop("GRADE_STOP_ON", None)
+    if stop_on:
+        env["GRADE_STOP_ON"] = stop_on
     if submission:
         env["GRADE_SUBMISSION"] = os.path.abspath(submission)
     if only:
@@ -144,7 +149,14 @@ def outcomes(events):
 
 
 def run_graded(
-    root, submission=None, nodeids=None, per_test_s=180, overall_s=1800, quiet=False, only=None
+    root,
+    submission=None,
+    nodeids=None,
+    per_test_s=180,
+    overall_s=1800,
+    quiet=False,
+    only=None,
+    stop_on=None,
 ):
     """Run the graded tests (or just ``nodeids``); return (graded, outcomes, seconds, timed out).
 
@@ -158,7 +170,9 @@ def run_graded(
         args += ["--continue-on-collection-errors", "--tb=short", "-rN", "--disable-warnings"]
         args += ["--no-header"]
         args += list(nodeids or ["tests"])
-        _, seconds, timed_out = _pytest(root, args, report, submission, overall_s, quiet, only)
+        _, seconds, timed_out = _pytest(
+            root, args, report, submission, overall_s, quiet, only, stop_on
+        )
         events = _events(report)
     graded = [e for e in events if e["event"] == "collected"]
     results = outcomes(events)
@@ -188,40 +202,49 @@ def blocked_by(graded, results):
     """nodeid -> "blocked by `X` (why)" for each failing test a region it needs explains.
 
     A needed region is "not implemented" when its stub raised NotImplementedError in any test,
-    and "fails its own tests" when a test naming it (not blocked itself) fails. A test that ran
-    into another region's stub is blocked by it, whether or not its marker names it."""
+    and "fails its own tests" when a test naming it fails on its own account (not blocked
+    itself); when all its failing tests are blocked, by what blocks them. A test that ran into
+    another region's stub is blocked by it, whether or not its marker names it. A test is never
+    blocked by its own region: in a cycle of needs the test asked about first shows its failure."""
     stubbed = {s for r in results.values() for s in r.stubs}
     tests = {g["nodeid"]: g for g in graded}
-    memo = {}
+    memo = {}  # nodeid -> (region, why) or None: fails on its own account
 
     def why(nodeid):
         if nodeid in memo:
             return memo[nodeid]
-        memo[nodeid] = None  # a cycle of needs explains nothing
+        memo[nodeid] = None
         mine, raised = tests[nodeid]["solutions"], result_of(results, nodeid).stubs
         if any(s in mine for s in raised):
             return None  # its own region is the stub: not implemented, nothing else to blame
         others = [s for s in raised if s not in mine]  # the stub it ran into says it needs it
         for need in [*others, *tests[nodeid].get("needs", ())]:
-            short = need.split(".", 1)[-1]
+            if need in mine:
+                continue
             if need in stubbed:
-                memo[nodeid] = f"blocked by `{short}` (not implemented)"
+                memo[nodeid] = (need, "not implemented")
                 break
             own = [
                 t
                 for t in tests
                 if t != nodeid and need in tests[t]["solutions"] and not result_of(results, t)[0]
             ]
-            if own:
-                deeper = [why(t) for t in own]
-                deeper = [d for d in deeper if d]
-                root_cause = deeper[0] if len(deeper) == len(own) else None
-                memo[nodeid] = root_cause or f"blocked by `{short}` (fails its own tests)"
+            causes = [why(t) for t in own]
+            if any(c is None for c in causes):
+                memo[nodeid] = (need, "fails its own tests")
+                break
+            upstream = [c for c in causes if c[0] not in mine]
+            if upstream:
+                memo[nodeid] = upstream[0]
                 break
         return memo[nodeid]
 
     failing = [t for t in tests if not result_of(results, t)[0]]
-    return {t: why(t) for t in failing if why(t)}
+    blocked = {t: why(t) for t in failing}
+    return {
+        t: f"blocked by `{region.split('.', 1)[-1]}` ({reason})"
+        for t, (region, reason) in ((t, b) for t, b in blocked.items() if b)
+    }
 
 
 def stage(submission, root=ROOT, out=None):
@@ -525,10 +548,11 @@ def check_mistakes(root, which, per_test_s, overall_s):
     for m in mistakes:
         label = f"{m.region} / {m.name}"
         region = regions.get(m.region)
-        tests = [
+        tests = [g["nodeid"] for g in graded if m.region in g["solutions"]]  # its own first
+        tests += [
             g["nodeid"]
             for g in graded
-            if m.region in g["solutions"] or m.region in g.get("needs", ())
+            if m.region in g.get("needs", ()) and g["nodeid"] not in tests
         ]
         if region is None or not tests:
             defects += 1
@@ -542,9 +566,11 @@ def check_mistakes(root, which, per_test_s, overall_s):
                 text = splice(f.read(), region, m.body)
             with open(path, "w") as f:
                 f.write(text)
-            _, results, seconds, _ = run_graded(root, staged, tests, per_test_s, overall_s, True)
-        firsts = [first_line(result_of(results, t).output) for t in tests]
-        firsts = [f for t, f in zip(tests, firsts) if not result_of(results, t).passed]
+            _, results, seconds, _ = run_graded(
+                root, staged, tests, per_test_s, overall_s, True, stop_on=m.message
+            )  # the run stops at the first failure that shows the message: the rest cannot undo it
+        ran = [t for t in tests if t in results]
+        firsts = [first_line(results[t].output) for t in ran if not results[t].passed]
         matching = [f for f in firsts if m.message in f]
         shown = (matching or firsts or [""])[0]
         shown = shown if len(shown) <= 160 else shown[:157] + "..."
@@ -556,8 +582,7 @@ def check_mistakes(root, which, per_test_s, overall_s):
             verdict, seen = "ok    ", shown
         defects += verdict == "DEFECT"
         print(
-            f"{verdict} {label}: {len(firsts)} of {len(tests)} tests fail ({seconds:.0f} s): "
-            f"{seen}",
+            f"{verdict} {label}: {len(firsts)} of {len(ran)} tests fail ({seconds:.0f} s): {seen}",
             flush=True,
         )
     print(

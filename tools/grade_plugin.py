@@ -8,7 +8,8 @@ which one is still running), "result" (outcome, and for a failure the output a s
 test on several ranks, the first failing rank's), then a short traceback cut at its end; tensors
 in assertion explanations are summarised, never printed whole; a failure shared by several tests
 (a module-scoped fixture's) is written out once. GRADE_ONLY (comma-separated regions or file
-stems) keeps only the tests naming them and the tests of the regions those need.
+stems) keeps only the tests naming them and the tests of the regions those need; GRADE_STOP_ON
+ends the run at the first failure whose first line contains it (the mistakes check).
 """
 
 import json
@@ -178,6 +179,12 @@ def pytest_runtest_makereport(item, call):
         where = f"rank {rank}" + (f"; ranks {_ranks(same)} the same" if same else "")
         where += f"; ranks {_ranks(others)} failed otherwise" if others else ""
         report.grade_rank = (first, where, errors[rank])
+    wanted = os.environ.get("GRADE_STOP_ON")  # the mistakes check: stop once it is seen
+    if report.failed and wanted:
+        rank = getattr(report, "grade_rank", None)
+        first = (rank[0] if rank else crash_line(report)).splitlines()[:1]
+        if first and wanted in first[0]:
+            item.session.shouldfail = "the failure the mistakes check looks for was seen"
     return report
 
 
@@ -216,11 +223,12 @@ def student_output(report):
     # the exception's lines are the message above: the traceback keeps only where it was raised
     body = "\n".join(line for line in body.splitlines() if not line.startswith("E   "))
     key = (message, body)
-    if key in _SEEN and _SEEN[key] != report.nodeid:
+    if report.when == "setup" and key in _SEEN and _SEEN[key] != report.nodeid:
         head = message.splitlines()[0] if message else ""
         return f"{head}\n(the same failure as {_SEEN[key]}: a fixture they share failed)"
-    _SEEN.setdefault(key, report.nodeid)
-    return f"{message}\n\n{_cut(body)}"
+    if report.when == "setup":  # a shared fixture's failure repeats in each test that uses it
+        _SEEN.setdefault(key, report.nodeid)
+    return f"{_cut(message, 20, 2000)}\n\n{_cut(body)}"  # a huge message is cut at its end too
 
 
 def pytest_runtest_logreport(report):
