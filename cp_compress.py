@@ -597,49 +597,41 @@ def validate_layout(seq_per_rank, cu_seqlens, cp_size, ratio, overlap, top_k, wi
         )
 
 
-def validate_input(layer, x, cu_seqlens, cp_size):
-    """This rank's own input, checked before the guard: shapes and dtypes the layer can take."""
-    dim = layer.wq.shape[0]
-    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != dim:
-        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"x must be [tokens, features] with features = dim = {dim}, got {shape}")
-    if x.dtype != layer.wq.dtype:
-        raise ValueError(f"x must have the weights' dtype {layer.wq.dtype}, got {x.dtype}")
-    validate_layout(
-        x.shape[0], cu_seqlens, cp_size, layer.ratio, layer.overlap, layer.top_k, layer.window
-    )
-
-
-def agreement_fields(layer, x, cu_seqlens):
-    """Everything that must be equal on every rank, as readable values (in the order reported),
-    each weight by its digest. Built from any input, even one validation refused."""
-    fields = {
-        "tokens per rank": x.shape[0] if x.dim() else None,
-        "x features": tuple(x.shape[1:]),
-        "x dtype": str(x.dtype),
-        "cu_seqlens": cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens,
-    }
-    for name in "kind ratio window top_k heads head_dim index_heads index_dim".split():
-        fields[name] = getattr(layer, name)
-    fields["dim"] = layer.wq.shape[0]
-    for name, p in layer.named_parameters():
-        fields[f"weight {name}"] = launch.weights_digest([(name, p)])
-    return fields
+LAYER_FIELDS = "kind ratio window top_k heads head_dim index_heads index_dim".split()
 
 
 def check_inputs(layer, x, cu_seqlens, group=None, entry="context_parallel"):
     """Validate this rank's input, then the agreement guard: every rank raises or none does.
 
-    The validation's verdict travels as one more field, so a rank that refused its input is
+    What must be equal on every rank is compared exactly (each weight by its digest). The verdict
+    of this rank's validation travels as one more field, so a rank that refused its input is
     reported beside the field that made it differ (a shard of another length, say)."""
+    dim, error = layer.wq.shape[0], None
     try:
-        validate_input(layer, x, cu_seqlens, dist.get_world_size(group))
-        error = None
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != dim:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(
+                f"x must be [tokens, features] with features = dim = {dim}, got {shape}"
+            )
+        if x.dtype != layer.wq.dtype:
+            raise ValueError(f"x must have the weights' dtype {layer.wq.dtype}, got {x.dtype}")
+        sizes = (layer.ratio, layer.overlap, layer.top_k, layer.window)
+        validate_layout(x.shape[0], cu_seqlens, dist.get_world_size(group), *sizes)
     except ValueError as err:
         error = str(err)
-    try:
-        fields = {"entry point": entry, **agreement_fields(layer, x, cu_seqlens)}
-    except Exception as err:  # an input too odd to describe still joins the guard, with its error
+    fields = {"entry point": entry}
+    try:  # any input, even one validation refused; one too odd to describe joins with its error
+        cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens
+        shape = {
+            "tokens per rank": x.shape[0] if x.dim() else None,
+            "x features": tuple(x.shape[1:]),
+        }
+        fields |= shape | {"x dtype": str(x.dtype), "cu_seqlens": cu, "dim": dim}
+        fields |= {name: getattr(layer, name) for name in LAYER_FIELDS}
+        fields |= {
+            f"weight {n}": launch.weights_digest([(n, p)]) for n, p in layer.named_parameters()
+        }
+    except Exception as err:
         fields, error = {"entry point": entry}, error or f"unreadable input: {err!r}"
     launch.agree({**fields, "validation": error or "passed"}, group=group, who="cp_compress")
     if error:  # the same on every rank: the fields agreed
