@@ -982,3 +982,40 @@ def test_command_line_checks_arguments_before_any_work(capsys, monkeypatch):
         err = capsys.readouterr().err
         assert info.value.code == 2 and says in err and "Traceback" not in err, (argv, err)
     assert not dist.is_initialized()
+
+
+def _bytes_on_the_wire(rank, world_size):
+    """What the forward hands to the point-to-point sends and to the all-gather, counted."""
+    sent = {"p2p": 0, "all_gather": 0}
+    batch, gather = dist.batch_isend_irecv, dist.all_gather_single
+
+    def counting_batch(ops):
+        sent["p2p"] += sum(o.tensor.nbytes for o in ops if o.op is dist.isend)
+        return batch(ops)
+
+    def counting_gather(out, inp, *args, **kwargs):
+        sent["all_gather"] += (world_size - 1) * inp.nbytes  # a ring: each rank passes on cp-1
+        return gather(out, inp, *args, **kwargs)
+
+    dist.batch_isend_irecv, dist.all_gather_single = counting_batch, counting_gather
+    results = []
+    for kind, ratio in (("csa", M), ("hca", M_HCA)):
+        layer = make_layer(kind)
+        cu = layouts(world_size, S, ratio)[2]
+        x = torch.randn(world_size * S, 16, generator=torch.Generator().manual_seed(3))
+        sent.update(p2p=0, all_gather=0)
+        with torch.no_grad():
+            layer.context_parallel(cpc.shard_sequence(x, world_size, rank), cu)
+        expected = cpc.stage_bytes(layer, S, world_size, rank)
+        results.append((dict(sent), expected))
+    return results
+
+
+def test_stage_bytes_counts_what_the_forward_sends():
+    for rank_results in run_ranks(_bytes_on_the_wire, 3, timeout=60):
+        for sent, expected in rank_results:
+            assert sent["p2p"] == expected["stage1_halo"] + expected["window_halo"], (
+                sent,
+                expected,
+            )
+            assert sent["all_gather"] == expected["stage2_allgather"], (sent, expected)
