@@ -1,9 +1,16 @@
 """cp_compress.py: the two-stage CP protocol equals single-device compressed attention.
 
 Tolerances. Everything runs in fp32. CP and the reference compute the same sums in a different
-order (gathered vs. dense-masked softmax, a rank's buffer vs. a per-document view), so values agree
-to a few ulps: we allow 1e-5 relative to the largest magnitude of the reference (1e-5 * max|ref|).
-Top-k indices, entry counts and every boundary-value check are integers and must match exactly.
+order (gathered vs. dense-masked softmax, a rank's buffer vs. a per-document view, or any order a
+student's own pooling picks), so values agree to a few ulps (fp32 keeps 24 bits, ~6e-8): we allow
+1e-5 relative to the largest magnitude of the reference, over 100x that, while every mistake the
+catalogue (tests/mistakes/cp_compress.py) holds is off by 1e-2 or more. Top-k indices, entry counts,
+visibility and every boundary-value check are integers or copies and must match exactly; the test
+inputs keep the k-th and (k+1)-th indexer scores at least 2e-5 apart (relative), so no fp32 op
+order can swap a selection.
+
+Graded tests name the quantity, expected vs got and how far, in their first line; a multi-rank
+test raises the failing rank's message first (`ranks` below), never a tensor dump.
 """
 
 import math
@@ -16,6 +23,7 @@ import torch.nn.functional as F
 from harness import RankFailure, run_ranks
 
 import cp_compress as cpc
+from benchmarks.bench_cp_compress import allgather_baseline
 
 S = 24  # tokens per rank: a multiple of m = 4 (CSA) and m' = 8 (HCA in tests)
 M, M_HCA = 4, 8
@@ -23,6 +31,10 @@ WINDOW, TOP_K = 6, 5
 
 
 def close(actual, expected, what, rel=1e-5):
+    """fp32 agreement: max |cp - ref| <= rel * max |ref| (see the module docstring)."""
+    assert actual.shape == expected.shape, (
+        f"{what}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
+    )
     scale = max(expected.abs().max().item(), 1e-30)
     err = (actual - expected).abs().max().item()
     assert err <= rel * scale, f"{what}: max |cp - ref| = {err:.3e} > {rel:g} * {scale:.3e}"
@@ -70,6 +82,36 @@ def make_layer(kind):
     return cpc.CompressedAttention("hca", dim=16, heads=2, head_dim=8, ratio=M_HCA, window=WINDOW)
 
 
+PROTOCOL_NEEDS = (
+    "cp_compress.halo_rows",
+    "cp_compress.compress_local",
+    "cp_compress.select_and_pad",
+    "cp_compress.visibility",
+    "cp_compress.exchange_halo",
+)
+
+
+def first_line(traceback_text):
+    """The last exception's first line of a formatted traceback."""
+    lines = traceback_text.strip().splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent")]
+    tail = lines[starts[-1] + 1 :] if starts else lines
+    return next((x for x in tail if x and not x[0].isspace()), lines[-1] if lines else "")
+
+
+def ranks(fn, world_size, args=(), timeout=120):
+    """run_ranks, but a failing rank's own message is the failure's first line."""
+    try:
+        return run_ranks(fn, world_size, args=args, timeout=timeout)
+    except RankFailure as failure:  # the rank that failed first, not a peer it left waiting
+        own = [(r, t) for r, t in failure.errors.items() if "AssertionError" in first_line(t)]
+        rank, text = (own or list(failure.errors.items()))[0]
+        raise AssertionError(
+            f"{first_line(text).removeprefix('AssertionError: ')} (rank {rank} of {world_size})"
+            f"\n{failure}"
+        ) from None
+
+
 # --------------------------------------------------------------------------------------------------
 # Pure functions, one process
 # --------------------------------------------------------------------------------------------------
@@ -77,9 +119,18 @@ def make_layer(kind):
 
 @pytest.mark.grade(points=2, solution="cp_compress.halo_rows")
 def test_halo_rows_counts_the_overlap():
-    assert cpc.halo_rows(4, overlap=True) == 7  # own block may start 3 back, plus the block before
-    assert cpc.halo_rows(4, overlap=False) == 3
-    assert cpc.halo_rows(128, overlap=False) == 127
+    for m in (1, 4, 8, 128):
+        got = cpc.halo_rows(m, overlap=True)
+        assert got == 2 * m - 1, (
+            f"the halo must carry 2m-1 rows under CSA's overlap (the entry's own block may start "
+            f"m-1 tokens back, and it also pools the whole block before): halo_rows({m}, "
+            f"overlap=True) returned {got}, expected {2 * m - 1}"
+        )
+        got = cpc.halo_rows(m, overlap=False)
+        assert got == m - 1, (
+            f"without overlap (HCA) the halo is m-1 rows (a block ending on a rank starts at most "
+            f"m-1 tokens before it): halo_rows({m}, overlap=False) returned {got}, expected {m - 1}"
+        )
 
 
 def test_compressed_entry_ends_per_document():
@@ -145,50 +196,141 @@ def test_compress_reference_matches_scalar_loops(overlap):
     close(got, _naive_compress(kv, score, ape, cu, 4, overlap), "compress_reference")
 
 
+def _rows_for_one_rank(cu, m, overlap, halo):
+    """own/prev row indices into [halo rows | s rows] for one rank holding the whole sequence,
+    built here from the definitions (not from local_entry_rows), and which entries start a doc."""
+    own, prev, first = [], [], []
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        for j in range((b - a) // m):
+            start = halo + a + j * m
+            own.append(list(range(start, start + m)))
+            prev.append(list(range(start - m, start)) if j > 0 else [-1] * m)
+            first.append(j == 0)
+    own = torch.tensor(own, dtype=torch.long).reshape(-1, m)
+    prev = torch.tensor(prev, dtype=torch.long).reshape(-1, m) if overlap else None
+    return own, prev, first
+
+
 @pytest.mark.grade(points=2, solution="cp_compress.compress_local")
 @pytest.mark.parametrize("overlap", [True, False])
 def test_compress_local_on_one_rank_matches_reference(overlap):
     g = torch.Generator().manual_seed(1)
-    sets, m, s = (2 if overlap else 1), 4, 20
-    kv, score = torch.randn(s, sets, 3, generator=g), torch.randn(s, sets, 3, generator=g)
-    ape = torch.randn(m, sets, 3, generator=g)
-    cu = torch.tensor([0, 3, 13, 14, 20])
-    h = cpc.halo_rows(m, overlap)
-    ext_kv, ext_score = (
-        torch.cat([torch.zeros(h, sets, 3), kv]),
-        torch.cat([torch.zeros(h, sets, 3), score]),
+    sets, m, s, C, halo = (2 if overlap else 1), 4, 24, 3, 5
+    kv, score = torch.randn(s, sets, C, generator=g), torch.randn(s, sets, C, generator=g)
+    ape = torch.randn(m, sets, C, generator=g)
+    cu = torch.tensor([0, 3, 15, 16, 24])  # 3 entries, then 2; documents shorter than a block
+    # halo rows of random values: an entry that starts its document must not read them
+    ext_kv = torch.cat([torch.randn(halo, sets, C, generator=g), kv])
+    ext_score = torch.cat([torch.randn(halo, sets, C, generator=g), score])
+    own, prev, starts_doc = _rows_for_one_rank(cu, m, overlap, halo)
+    n, slots = own.shape[0], s // m + 1
+    buf = cpc.compress_local(ext_kv, ext_score, ape, own, prev, slots)
+    assert tuple(buf.shape) == (slots, C), (
+        f"compress_local must return [slots, C] = {(slots, C)}, got {tuple(buf.shape)}"
     )
-    ends, starts = cpc.compressed_entry_ends(cu, m)
-    own, prev = cpc.local_entry_rows(ends, starts, 0, s, m, overlap)
-    buf = cpc.compress_local(ext_kv, ext_score, ape, own, prev, s // m + 1)
-    assert buf.shape == (s // m + 1, 3) and buf[ends.numel() :].abs().max() == 0
-    close(
-        buf[: ends.numel()],
-        _naive_compress(kv, score, ape, cu, m, overlap)[: ends.numel()],
-        "compress_local",
+    tail = buf[n:].abs().max().item()
+    assert tail == 0, (
+        f"the buffer holds the {n} valid entries first and zero rows after (padding at the tail): "
+        f"rows {n}..{slots - 1} are not zero (max |row| = {tail:.3e})"
+    )
+    expected = _naive_compress(kv, score, ape, cu, m, overlap)[:n]
+    scale = expected.abs().max().item()
+    errors = (buf[:n] - expected).abs().amax(dim=1)
+    bad = [e for e in range(n) if errors[e] > 1e-5 * scale]
+    if overlap and bad and all(starts_doc[e] for e in bad):
+        raise AssertionError(
+            f"an entry that starts its document has no previous block (prev_rows == -1: padding, "
+            f"logit -inf, value 0), so it pools only its own m rows: entries {bad} differ, max "
+            f"|got - expected| = {errors.max():.3e} (tolerance {1e-5 * scale:.1e})"
+        )
+    assert not bad, (
+        f"entry {bad[0]} differs from the per-channel softmax pooling of its window (own block "
+        f"from set 0{', the block before from set 1' if overlap else ''}, softmax over the "
+        f"window's rows): max |got - expected| = {errors[bad[0]]:.3e} (tolerance "
+        f"{1e-5 * scale:.1e}), {len(bad)} of {n} entries off"
     )
 
 
 @pytest.mark.grade(points=2, solution="cp_compress.select_and_pad")
 def test_select_and_pad():
-    gathered = torch.arange(1, 3 * 3 + 1, dtype=torch.float32).view(
-        3, 3, 1
-    )  # rank r: rows 3r+1..3r+3
-    out = cpc.select_and_pad(gathered, [2, 0, 1], total=6)
-    assert out.flatten().tolist() == [1, 2, 7, 0, 0, 0]
+    for cp, slots, C, counts, total in (
+        (3, 3, 1, [2, 0, 1], 6),
+        (4, 5, 2, [4, 3, 5, 1], 16),
+        (2, 4, 3, [0, 0], 6),
+    ):
+        gathered = torch.arange(1, cp * slots * C + 1, dtype=torch.float32).view(cp, slots, C)
+        out = cpc.select_and_pad(gathered, counts, total)
+        assert tuple(out.shape) == (total, C), (
+            f"select_and_pad must return [total, C] = {(total, C)}, got {tuple(out.shape)}"
+        )
+        picked = [(r, j) for r, n in enumerate(counts) for j in range(n)]
+        expected = torch.zeros(total, C)
+        for i, (r, j) in enumerate(picked):
+            expected[i] = gathered[r, j]
+        if torch.equal(out, expected):
+            continue
+        n = len(picked)
+        assert not torch.equal(out[total - n :], expected[:n]) or n == total, (
+            f"padding rows belong at the tail: the {n} valid entries must be rows 0..{n - 1}, "
+            f"zero rows after, but they sit at rows {total - n}..{total - 1} (counts {counts})"
+        )
+        last = [gathered[r, slots - n_r + j] for r, n_r in enumerate(counts) for j in range(n_r)]
+        assert not (n and torch.equal(out[:n], torch.stack(last))), (
+            f"rank r's valid entries are the FIRST counts[r] rows of its buffer, got the last ones "
+            f"(counts {counts}, {slots} slots per rank)"
+        )
+        assert not torch.equal(out, gathered.flatten(0, 1)[:total]), (
+            f"only rank r's first counts[r] rows are entries (the rest of its buffer is padding): "
+            f"the buffers were kept whole, cut to total (counts {counts}, {slots} slots per rank)"
+        )
+        row = next(i for i in range(total) if not torch.equal(out[i], expected[i]))
+        what = f"rank {picked[row][0]}'s buffer row {picked[row][1]}" if row < n else "a zero row"
+        raise AssertionError(
+            f"row {row} must be {what} (rank r's first counts[r] rows, in rank order, then zero "
+            f"rows): expected {expected[row].tolist()}, got {out[row].tolist()} (counts {counts})"
+        )
 
 
 @pytest.mark.grade(points=2, solution="cp_compress.visibility")
 def test_visibility_rule():
-    cu = torch.tensor([0, 9, 16])
-    ends, starts = cpc.compressed_entry_ends(cu, 4)  # entries end at 3, 7 (doc 0) and 12 (doc 1)
-    pos = torch.arange(16)
-    vis = cpc.visibility(pos, cpc.doc_start_of(pos, cu), ends, starts)
-    assert vis[2].tolist() == [False, False, False]
-    assert vis[3].tolist() == [True, False, False]  # the last token of a block sees that block
-    assert vis[8].tolist() == [True, True, False]
-    assert vis[11].tolist() == [False, False, False]  # another document: nothing
-    assert vis[12].tolist() == [False, False, True]
+    cu = torch.tensor([0, 9, 16, 17, 30])
+    ends, starts = cpc.compressed_entry_ends(cu, 4)  # doc 0: ends 3, 7; doc 1: 12; doc 3: 20..28
+    ends = torch.cat([ends, torch.tensor([30, 30])])  # two padding entries: never visible
+    starts = torch.cat([starts, torch.tensor([-1, -1])])
+    pos = torch.arange(30)
+    doc = cpc.doc_start_of(pos, cu)
+    got = cpc.visibility(pos, doc, ends, starts)
+    assert tuple(got.shape) == (30, ends.numel()), (
+        f"visibility must return [queries, entries] = {(30, ends.numel())}, got {tuple(got.shape)}"
+    )
+    assert got.dtype == torch.bool, (
+        f"visibility must return a bool tensor (the layer masks with ~visible), got {got.dtype}"
+    )
+    for t in range(30):
+        for e in range(ends.numel()):
+            end, own = int(ends[e]), int(starts[e]) == int(doc[t])
+            want = own and end <= t
+            if bool(got[t, e]) == want:
+                continue
+            where = f"query {t} (document starting at {int(doc[t])}), entry {e} ending at {end}"
+            if not own and int(starts[e]) < 0:
+                raise AssertionError(f"padding entries must never be visible: {where} is visible")
+            assert own, (
+                f"a query sees only entries of its own document: {where} of the document "
+                f"starting at {int(starts[e])} is visible"
+            )
+            assert not (want and end == t), (
+                f"the last token of a block sees that block (end(e) <= t, the public V4 code's "
+                f"rule; the paper's strict e < floor(t/m) is not this file's): {where} is not "
+                f"visible"
+            )
+            assert want, (
+                f"a block is visible only once complete (end(e) <= t): {where} is visible "
+                f"{end - t} token(s) early"
+            )
+            raise AssertionError(
+                f"a query sees every complete block of its own document: {where} is not visible"
+            )
 
 
 def test_index_scores_and_top_k():
@@ -266,18 +408,20 @@ def test_attention_matches_sdpa_and_sink_only_rescales():
 def test_shard_sequence():
     x = torch.arange(12)
     assert cpc.shard_sequence(x, 3, 1).tolist() == [4, 5, 6, 7]
-    with pytest.raises(ValueError, match="not divisible by cp_size=5"):
+    with pytest.raises(ValueError, match="must be divisible by cp_size=5"):
         cpc.shard_sequence(x, 5, 0)
 
 
 def test_validate_layout_refuses_bad_input():
     cu = torch.tensor([0, 10, 32])
     cpc.validate_layout(16, cu, 2, 4, True, 8, 6)  # fine
-    with pytest.raises(ValueError, match="not a positive multiple of the compression ratio m=4"):
+    with pytest.raises(
+        ValueError, match="must be a positive multiple of the compression ratio m=4"
+    ):
         cpc.validate_layout(18, torch.tensor([0, 36]), 2, 4, True, 8, 6)
     with pytest.raises(ValueError, match="halo"):
         cpc.validate_layout(4, torch.tensor([0, 8]), 2, 4, True, 1, 2)  # 2m-1 = 7 rows > s = 4
-    with pytest.raises(ValueError, match="sum to 30 tokens but cp_size"):
+    with pytest.raises(ValueError, match=r"must sum to cp_size\*s = 2\*16 = 32 tokens, got 30"):
         cpc.validate_layout(16, torch.tensor([0, 10, 30]), 2, 4, True, 8, 6)
     with pytest.raises(ValueError, match="strictly increase"):
         cpc.validate_layout(16, torch.tensor([0, 10, 10, 32]), 2, 4, True, 8, 6)
@@ -295,8 +439,109 @@ def test_validate_layout_refuses_bad_input():
 # --------------------------------------------------------------------------------------------------
 
 
+def check_halo_size(shipped, h, m, overlap, err=None):
+    """Name a halo of the wrong size, from the row counts asked of halo_from_previous."""
+    wrong = [rows for rows in shipped if rows != h]
+    rule = "2m-1 rows under CSA's overlap" if overlap else "m-1 rows without overlap (HCA)"
+    assert not wrong, (
+        f"the halo must carry {rule}: the protocol shipped {wrong[0]} rows for m={m}, expected {h}"
+        + (f" ({type(err).__name__}: {err})" if err else "")
+    )
+
+
+def check_protocol(layer, x, cu, rank, world_size):
+    """context_parallel_compress on its own, against what is computed here from the definitions:
+    the counts per rank, every entry (the whole sequence compressed on one device), the padding,
+    and which entries each local query sees. Raises with the first mistake, named."""
+    T, m, overlap = x.shape[0], layer.ratio, layer.overlap
+    s, h = T // world_size, 2 * m - 1 if overlap else m - 1
+    shipped, real = [], cpc.halo_from_previous
+
+    def recording(t, rows, group=None):
+        shipped.append(rows)
+        return real(t, rows, group)
+
+    cpc.halo_from_previous = recording  # only read to name a mistake once a check has failed
+    try:
+        with torch.no_grad():
+            proj = layer.project(cpc.shard_sequence(x, world_size, rank))
+            args = (layer.ape, layer.normalise, cu, m, overlap)
+            try:
+                shard = cpc.context_parallel_compress(proj.kv, proj.gate, *args)
+            except Exception as err:  # rows indexed past a halo of the wrong size, say
+                check_halo_size(shipped, h, m, overlap, err)
+                raise
+            full = layer.project(x)
+            expected = layer.normalise(
+                cpc.compress_reference(full.kv, full.gate, *args[:1], cu, m, overlap)
+            )
+    finally:
+        cpc.halo_from_previous = real
+    docs = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
+    entries = [(a + (j + 1) * m - 1, a, j > 0) for a, b in docs for j in range((b - a) // m)]
+    n = len(entries)
+    counts = [sum(1 for end, _, _ in entries if end // s == r) for r in range(world_size)]
+    got_counts = [int(c) for c in shard.counts]
+    assert got_counts == counts, (
+        f"counts must be the entries whose block ENDS on each rank (they follow where documents "
+        f"start, not s/m): got {got_counts}, expected {counts} for cu_seqlens {cu.tolist()}"
+    )
+    assert tuple(shard.entries.shape) == tuple(expected.shape), (
+        f"the shard's entries must be the whole sequence's cp*s/m = {T // m} rows, padding at the "
+        f"tail: got shape {tuple(shard.entries.shape)}, expected {tuple(expected.shape)}"
+    )
+    scale = expected.abs().max().item()
+    errors = (shard.entries - expected).abs().amax(dim=1)
+    bad = [e for e in range(T // m) if errors[e] > 1e-5 * scale]
+    if bad:
+        check_halo_size(shipped, h, m, overlap)
+        assert bad[0] < n, (
+            f"padding entries (after the {n} valid ones) must be zero rows at the tail: row "
+            f"{bad[0]} holds max |x| = {shard.entries[bad[0]].abs().max():.3e}"
+        )
+        end, doc, has_prev = entries[bad[0]]
+        first_row = end - m + 1 - (m if overlap and has_prev else 0)
+        owner = end // s
+        assert first_row >= owner * s, (
+            f"entries whose pooling window starts on the previous rank differ: the halo must "
+            f"bring rank {owner - 1}'s last {h} raw rows (kv and gate); entry {bad[0]} pools "
+            f"global rows {first_row}..{end} and is owned by rank {owner}: max |cp - ref| = "
+            f"{errors[bad[0]]:.3e} (tolerance {1e-5 * scale:.1e})"
+        )
+        raise AssertionError(
+            f"entry {bad[0]} (block ending at global position {end}, owned by rank {owner}) "
+            f"differs from the single-device compressed sequence: max |cp - ref| = "
+            f"{errors[bad[0]]:.3e} (tolerance {1e-5 * scale:.1e}), {len(bad)} entries off"
+        )
+    padded = entries + [(T, -1, False)] * (T // m - n)
+
+    def rule(positions):  # [len, T/m]: same document and the block complete, from the definition
+        doc_of = {t: max(a for a, _ in docs if a <= t) for t in positions}
+        rows = [[d == doc_of[t] and end <= t for end, d, _ in padded] for t in positions]
+        return torch.tensor(rows, dtype=torch.bool).reshape(len(positions), T // m)
+
+    want, got = rule(range(rank * s, rank * s + s)), shard.visible
+    assert tuple(got.shape) == (s, T // m) and got.dtype == torch.bool, (
+        f"visible must be a bool [s, cp*s/m] = {(s, T // m)} tensor, got {got.dtype} "
+        f"{tuple(got.shape)}"
+    )
+    if not torch.equal(got, want):
+        t, e = (got != want).nonzero()[0].tolist()
+        where = f"local query {t} (global {rank * s + t}), entry {e} ending at {padded[e][0]}"
+        assert not (e >= n and got[t, e]), f"padding entries must never be visible: {where}"
+        assert not (rank > 0 and torch.equal(got, rule(range(s)))), (
+            f"visibility must use global positions (query i of rank r is token r*s + i): {where} "
+            f"is {'visible' if got[t, e] else 'not visible'}"
+        )
+        raise AssertionError(
+            f"visibility: {where} must be {'visible' if want[t, e] else 'not visible'} (same "
+            f"document and end(e) <= t), got the opposite"
+        )
+
+
 def _equivalence(rank, world_size):
-    """For CSA and HCA and every layout: entries, top-k, scores, output and all gradients."""
+    """For CSA and HCA and every layout: the protocol's own output, then the layer's entries,
+    top-k, scores, output and all gradients against the single-device reference."""
     checked = []
     for kind, ratio in (("csa", M), ("hca", M_HCA)):
         layer = make_layer(kind)
@@ -306,6 +551,7 @@ def _equivalence(rank, world_size):
             x = torch.randn(T, 16, generator=g)
             grad_out = torch.randn(T, layer.heads, layer.head_dim, generator=g)
             grad_scores = torch.randn(T, T // ratio, generator=g)
+            check_protocol(layer, x, cu, rank, world_size)
 
             x_ref = x.clone().requires_grad_()
             out_ref, ex_ref = layer.reference(x_ref, cu)
@@ -321,38 +567,34 @@ def _equivalence(rank, world_size):
             cpc.probe_loss(out_cp, ex, mine(grad_out), mine(grad_scores)).backward()
             where = f"{kind} W={world_size} rank={rank} cu={cu.tolist()}"
 
-            assert ex.entries.shape == (T // ratio, ex_ref.entries.shape[1])
-            close(ex.entries, ex_ref.entries, f"entries {where}")
-            n_valid = sum(ex.counts)
-            assert ex.entries[n_valid:].abs().max() == 0 if n_valid < T // ratio else True
-            assert n_valid == sum(
-                (b - a) // ratio for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())
-            )
-            assert max(ex.counts) <= S // ratio, "a rank owns at most s/m entries"
-            close(out_cp, mine(out_ref), f"output {where}")
-            close(x_cp.grad, mine(x_ref.grad), f"d input {where}")
+            close(ex.entries, ex_ref.entries, f"the layer's entries ({where})")
+            close(out_cp, mine(out_ref), f"the layer's output ({where})")
             if kind == "csa":
-                assert torch.equal(ex.top_k, mine(ex_ref.top_k)), f"top-k {where}"
                 finite = ex.scores.isfinite()
-                assert torch.equal(finite, mine(ex_ref.scores).isfinite()), f"visibility {where}"
-                close(ex.scores[finite], mine(ex_ref.scores)[finite], f"index scores {where}")
+                assert torch.equal(finite, mine(ex_ref.scores).isfinite()), (
+                    f"the indexer's visible set differs from the reference ({where})"
+                )
+                assert torch.equal(ex.top_k, mine(ex_ref.top_k)), f"top-k differs ({where})"
+                close(ex.scores[finite], mine(ex_ref.scores)[finite], f"index scores ({where})")
+            flow = "gradients must flow back through the halo and the all-gather to every rank"
+            close(x_cp.grad, mine(x_ref.grad), f"{flow}: d input ({where})")
             for name, p in layer.named_parameters():
                 dist.all_reduce(p.grad)  # each rank holds its queries' share
                 assert ref_grads[name].abs().max() > 0, f"{name} got no gradient in the reference"
-                close(p.grad, ref_grads[name], f"d {name} {where}")
+                close(p.grad, ref_grads[name], f"{flow}: d {name} ({where})")
             layer.zero_grad()
 
             # the simple baseline (all-gather raw rows) computes the same thing
-            out_base, _ = layer.allgather_baseline(mine(x), cu)
+            out_base, _ = allgather_baseline(layer, mine(x), cu)
             close(out_base, mine(out_ref.detach()), f"baseline output {where}")
             checked.append((kind, len(cu) - 1))
     return checked
 
 
-@pytest.mark.grade(points=1, solution="cp_compress.context_parallel_compress")
+@pytest.mark.grade(points=1, solution="cp_compress.context_parallel_compress", needs=PROTOCOL_NEEDS)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_cp_equals_single_device_reference(world_size):
-    results = run_ranks(_equivalence, world_size, timeout=120)
+    results = ranks(_equivalence, world_size, timeout=120)
     assert all(len(r) == 10 for r in results)  # 2 layer kinds x 5 layouts on every rank
 
 
@@ -366,22 +608,38 @@ def _boundary_values(rank, world_size):
         return (p // s) * 10000 + p % s  # the value of global position p
 
     for overlap in (True, False):
-        h = cpc.halo_rows(m, overlap)
+        h = 2 * m - 1 if overlap else m - 1
         halo = cpc.halo_from_previous(value, h)
+        got = [int(v) for v in halo.flatten().tolist()]
+        assert not (any(got) and got[0] // 10000 == rank + 1), (
+            f"the halo comes from the PREVIOUS rank (exchange_halo sends to rank + 1 and "
+            f"receives from rank - 1): rank {rank} received rows of rank {rank + 1}"
+        )
         if rank == 0:
-            assert halo.abs().max() == 0
+            assert not any(got), (
+                f"rank 0 has no previous rank: its halo must be zeros (the line does not wrap "
+                f"around like a ring), got values of rank {max(got) // 10000}"
+            )
         else:
-            assert halo.flatten().tolist() == [expect(p) for p in range(rank * s - h, rank * s)]
+            want = [expect(p) for p in range(rank * s - h, rank * s)]
+            assert got == want, (
+                f"rank {rank}'s halo must be rank {rank - 1}'s last {h} rows (values {want[0]}.."
+                f"{want[-1]}), got {got[:2]}..{got[-2:]}"
+            )
         # backward: the gradient of the halo lands on the previous rank's last h rows, exactly
         weight = (rank * 100 + torch.arange(h, dtype=torch.float32))[:, None]
         (halo * weight).sum().backward()
-        grad = value.grad.flatten().tolist()
+        grad = [int(v) for v in value.grad.flatten().tolist()]
         value.grad = None
-        if rank + 1 < world_size:
-            assert grad[: s - h] == [0] * (s - h)
-            assert grad[s - h :] == [(rank + 1) * 100 + i for i in range(h)]
-        else:
-            assert grad == [0] * s
+        want = [0] * (s - h) + [(rank + 1) * 100 + i for i in range(h)]
+        last = rank + 1 == world_size
+        want = [0] * s if last else want
+        assert grad == want, (
+            f"to_next=False is the backward pass: rank {rank + 1} sends the halo's gradient back "
+            f"to rank {rank}, onto its last {h} rows{' (the last rank: none)' if last else ''}: "
+            f"rank {rank}'s gradient rows {s - h}.. are {grad[s - h : s - h + 3]}..., expected "
+            f"{want[s - h : s - h + 3]}..."
+        )
         # a document starting 2m-1 tokens before every boundary: which raw rows feed which entry
         cu = torch.tensor(
             sorted({0, world_size * s} | {b - (2 * m - 1) for b in range(s, world_size * s, s)})
@@ -407,9 +665,9 @@ def _boundary_values(rank, world_size):
     return out
 
 
-@pytest.mark.grade(points=3, solution="cp_compress.exchange_halo")
+@pytest.mark.grade(points=3, solution="cp_compress.exchange_halo", needs=("cp_compress.halo_rows",))
 def test_boundary_values_show_exactly_what_crossed():
-    results = run_ranks(_boundary_values, 4, timeout=60)
+    results = ranks(_boundary_values, 4, timeout=60)
     # rank 1's first entry (ends at 16): 7 rows from rank 0 (9..15) and its own row 0
     assert results[1]["first_entry_sources"] == [9, 10, 11, 12, 13, 14, 15, 10000]
     assert results[3]["first_entry_sources"] == [
@@ -453,9 +711,10 @@ def test_bad_input_raises_on_every_rank():
     for msgs in results:
         assert "tokens per rank differs across ranks" in msgs["mismatched shards"]
         assert (
-            "not a positive multiple of the compression ratio m=4" in msgs["s not a multiple of m"]
+            "must be a positive multiple of the compression ratio m=4"
+            in msgs["s not a multiple of m"]
         )
-        assert "document lengths sum to" in msgs["lengths do not sum"]
+        assert "document lengths must sum to" in msgs["lengths do not sum"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -532,8 +791,10 @@ def _guard_all_cases(rank, world_size):
         layer, x, cu = _guard_inputs(rank, world_size, case)
         try:
             odd = rank == world_size - 1
-            method = "allgather_baseline" if case == "entry point" and odd else "context_parallel"
-            getattr(layer, method)(x, cu)
+            if case == "entry point" and odd:
+                allgather_baseline(layer, x, cu)
+            else:
+                layer.context_parallel(x, cu)
             messages[case] = None
         except ValueError as err:
             messages[case] = str(err)
@@ -555,7 +816,7 @@ def test_guard_every_rank_raises_the_same_error_naming_the_cause(world_size):
 def test_guard_names_the_ranks_and_values():
     results = run_ranks(_guard_all_cases, 3, timeout=60)
     msg = results[0]["cu_seqlens"]
-    assert "rank 0,1 have [0, 4, 9, 12, 48]" in msg and "rank 2 has [0, 5, 7, 13, 48]" in msg, msg
+    assert "ranks 0,1 have [0, 4, 9, 12, 48]" in msg and "rank 2 has [0, 5, 7, 13, 48]" in msg, msg
 
 
 def _one_case(rank, world_size, case):
@@ -677,17 +938,19 @@ def _cp_vs_plain_sdpa(rank, world_size):
         for cu in layouts(world_size, S, ratio):
             T = world_size * S
             x = torch.randn(T, 16, generator=torch.Generator().manual_seed(int(cu.sum())))
+            check_protocol(layer, x, cu, rank, world_size)
             expected = plain_attention(layer, x, cu)
             out, _ = layer.context_parallel(cpc.shard_sequence(x, world_size, rank), cu)
-            close(out, cpc.shard_sequence(expected, world_size, rank), f"{kind} cu={cu.tolist()}")
+            where = f"{kind} cu={cu.tolist()}"
+            close(out, cpc.shard_sequence(expected, world_size, rank), f"output vs SDPA ({where})")
             checked += 1
     return checked
 
 
-@pytest.mark.grade(points=2, solution="cp_compress.context_parallel_compress")
+@pytest.mark.grade(points=2, solution="cp_compress.context_parallel_compress", needs=PROTOCOL_NEEDS)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_cp_matches_plain_sdpa_attention(world_size):
-    assert run_ranks(_cp_vs_plain_sdpa, world_size, timeout=120) == [10] * world_size
+    assert ranks(_cp_vs_plain_sdpa, world_size, timeout=120) == [10] * world_size
 
 
 def test_command_line_checks_arguments_before_any_work(capsys, monkeypatch):
@@ -704,17 +967,55 @@ def test_command_line_checks_arguments_before_any_work(capsys, monkeypatch):
         "--seed",
         "--backend",
         "--device",
+        "--timeout",
     ):
         assert option in help_text
     monkeypatch.setenv("WORLD_SIZE", "3")
     for argv, says in (
-        (["--seq-per-rank", "130"], "not a multiple of m=4"),
+        (["--seq-per-rank", "130"], "must be a positive multiple of the compression ratio m=4"),
         (["--window", "0"], "must be >= 1"),
-        (["--seq-per-rank", "128", "--m-hca", "128"], "no entry for m=128"),
-        (["--seq-per-rank", "4", "--m-hca", "4"], "shorter than a halo"),
+        (["--seq-per-rank", "128", "--m-hca", "128"], "an entry for m=128"),
+        (["--seq-per-rank", "4", "--m-hca", "4"], "halo must come from one rank"),
     ):
         with pytest.raises(SystemExit) as info:
             cpc.parse_args(argv)
         err = capsys.readouterr().err
         assert info.value.code == 2 and says in err and "Traceback" not in err, (argv, err)
     assert not dist.is_initialized()
+
+
+def _bytes_on_the_wire(rank, world_size):
+    """What the forward hands to the point-to-point sends and to the all-gather, counted."""
+    sent = {"p2p": 0, "all_gather": 0}
+    batch, gather = dist.batch_isend_irecv, dist.all_gather_single
+
+    def counting_batch(ops):
+        sent["p2p"] += sum(o.tensor.nbytes for o in ops if o.op is dist.isend)
+        return batch(ops)
+
+    def counting_gather(out, inp, *args, **kwargs):
+        sent["all_gather"] += (world_size - 1) * inp.nbytes  # a ring: each rank passes on cp-1
+        return gather(out, inp, *args, **kwargs)
+
+    dist.batch_isend_irecv, dist.all_gather_single = counting_batch, counting_gather
+    results = []
+    for kind, ratio in (("csa", M), ("hca", M_HCA)):
+        layer = make_layer(kind)
+        cu = layouts(world_size, S, ratio)[2]
+        x = torch.randn(world_size * S, 16, generator=torch.Generator().manual_seed(3))
+        sent.update(p2p=0, all_gather=0)
+        with torch.no_grad():
+            layer.context_parallel(cpc.shard_sequence(x, world_size, rank), cu)
+        expected = cpc.stage_bytes(layer, S, world_size, rank)
+        results.append((dict(sent), expected))
+    return results
+
+
+def test_stage_bytes_counts_what_the_forward_sends():
+    for rank_results in run_ranks(_bytes_on_the_wire, 3, timeout=60):
+        for sent, expected in rank_results:
+            assert sent["p2p"] == expected["stage1_halo"] + expected["window_halo"], (
+                sent,
+                expected,
+            )
+            assert sent["all_gather"] == expected["stage2_allgather"], (sent, expected)
