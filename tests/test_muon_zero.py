@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from harness import RankFailure, run_ranks, run_torchrun
 
 import muon_zero as mz
+from benchmarks import bench_muon_zero as bench
 
 VOCAB, DIM, HIDDEN, EXPERTS, FFN = 16, 12, 20, 5, 8
 GLOBAL_BATCH, SEQ, STEPS = 12, 6, 5  # 12 samples split evenly over 1, 2, 3 and 4 ranks
@@ -571,20 +572,20 @@ def test_split_experts_and_plan():
     plan = mz.plan_muon(
         [(64, 48)] * 5 + [(32, 48)], [(48, 32)] * 6 + [(32, 48)] * 12, world_size=4, zero_width=2
     )
-    rows = plan.rows()
+    rows = bench.rank_rows(plan)
     assert [r["dense"] for r in rows] == [
         len(plan.dense_buckets[0]),
         len(plan.dense_buckets[1]),
     ] * 2
     assert sum(r["experts"] for r in rows) == 18 and sum(len(b) for b in plan.dense_buckets) == 6
     assert [r["replica"] for r in rows] == [0, 0, 1, 1] and plan.owned(0)[0] == plan.owned(2)[0]
-    s = plan.summary()
+    s = bench.plan_summary(plan)
     assert (
         s["expert_padding"] == (4 * 5 - 18) / 18
         and 0 <= s["dense_padding"]
         and s["dense_imbalance"] >= 1
     )
-    assert "rank" in plan.format() and len(plan.format().splitlines()) == 5
+    assert "rank" in mz.format_plan(plan) and len(mz.format_plan(plan).splitlines()) == 5
     with pytest.raises(ValueError, match="zero_width=3 must divide"):
         mz.plan_muon([(4, 4)], [], world_size=4, zero_width=3)
 
