@@ -787,7 +787,7 @@ def checkpoint(opt, gather):
     if gather and opt.world_size > 1:
         mine = generators[opt.rank].to(opt.device)
         everyone = all_gather_chunks(mine, opt.process_group, opt.world_size).cpu()
-        generators = dict(enumerate(everyone))
+        generators = {r: t.clone() for r, t in enumerate(everyone)}  # own storage: set_state
     if gather and opt._momentum is not None:
         full = [torch.zeros_like(p) for p in opt.params]
         for shards, buffers in zip(opt.shards, opt._momentum):
@@ -873,7 +873,7 @@ def load_checkpoint(opt, state_dict):
     opt.steps, generators = rounding.get("steps", 0), rounding.get("generators", {})
     where = (rounding.get("world_size"), rounding.get("zero_width"))
     if where == (opt.world_size, opt.zero_width) and opt.rank in generators:
-        opt._sr_generator.set_state(torch.as_tensor(generators[opt.rank]).cpu())
+        opt._sr_generator.set_state(torch.as_tensor(generators[opt.rank]).cpu().clone())
     else:
         opt._sr_generator.manual_seed(rounding_seed(opt.seed, opt.rank, opt.steps))
 

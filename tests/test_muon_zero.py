@@ -973,3 +973,141 @@ def test_a_model_converted_after_construction_is_refused():
     m(torch.randn(2, 4, dtype=torch.float64)).sum().backward()
     with pytest.raises(ValueError, match="float64"):
         opt.step()
+
+
+# --------------------------------------------------------------------------------------------------
+# Seams: clipping under ZeRO, exact resume with stochastic rounding, demo data and options
+# --------------------------------------------------------------------------------------------------
+
+MAX_NORM = 0.05  # below the test model's gradient norm on every step: clipping is active
+
+
+def reference_torch_clipped(P, steps=STEPS, max_norm=MAX_NORM):
+    """torch.optim.Muon + AdamW on one process, clip_grad_norm_ over every parameter first."""
+    L = {k: v.clone().requires_grad_() for k, v in P.items() if k not in EXPERT}
+    for k in EXPERT:
+        L[k] = [m.clone().requires_grad_() for m in P[k]]
+    mats = [L[k] for k in DENSE] + [m for k in EXPERT for m in L[k]]
+    muon = torch.optim.Muon(mats, lr=LR_MUON, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    adam = torch.optim.AdamW([L[k] for k in ADAMW], lr=LR_ADAM, betas=(0.9, 0.95), weight_decay=0.1)
+    norms = []
+    for s in range(steps):
+        forward_loss(L, *batch(s)).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(mats + [L[k] for k in ADAMW], max_norm).item())
+        muon.step(), adam.step(), muon.zero_grad(), adam.zero_grad()
+    return {k: (torch.stack(v) if isinstance(v, list) else v).detach() for k, v in L.items()}, norms
+
+
+def check_clipping(rank, world):
+    P0 = make_params()
+    ref, norms = reference_torch_clipped(P0)
+    out = {"min_norm": min(norms)}
+    for z in [z for z in (1, 2, 3, 4) if world % z == 0]:  # replica groups must not count twice
+        got, _ = run_muon_zero(P0, rank, world, ns_coefficients=mz.STANDARD_NS_COEFFICIENTS,
+                               update_rms=0.2, grad_sync="fp32", zero_width=z,
+                               max_grad_norm=MAX_NORM)  # fmt: skip
+        out[z] = rel_change_error(P0, got, ref)
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_clipping_inside_step_matches_clip_grad_norm_on_one_process(world):
+    """max_grad_norm clips the averaged gradient by its global norm, each matrix counted once
+    (dense buckets are replicated across replica groups): equal to torch.optim.Muon + AdamW with
+    clip_grad_norm_ on the full batch. Tolerance: bf16 NS, as the unclipped comparison."""
+    for r in run_ranks(check_clipping, world, timeout=120):
+        assert r["min_norm"] > 2 * MAX_NORM, f"clipping never bit: norms down to {r['min_norm']}"
+        for z, err in r.items():
+            if z != "min_norm":
+                assert err < BF16_TOL, f"clipped at zero_width {z} of {world}: {err:.2e} off"
+
+
+def test_tiny_gradients_do_not_stall_newton_schulz():
+    """A gradient scaled to 1e-30 (clipping can do that) still gets a full, unit-RMS-ish update."""
+    g = torch.Generator().manual_seed(4)
+    G = torch.randn(12, 20, generator=g)
+    big = mz.muon_update(G, torch.zeros(12, 20), coefficients=mz.STANDARD_NS_COEFFICIENTS)
+    tiny = mz.muon_update(G * 1e-30, torch.zeros(12, 20), coefficients=mz.STANDARD_NS_COEFFICIENTS)
+    rms = tiny.pow(2).mean().sqrt().item()
+    assert 0.1 < rms < 0.3, f"update RMS {rms:.3g} for a 1e-30 gradient: NS stalled under eps"
+    # in fp32 NS the two agree to fp32 rounding (the 1e-30 scale itself is inexact in fp32)
+    kw = dict(coefficients=mz.STANDARD_NS_COEFFICIENTS, ns_dtype=torch.float32)
+    big, tiny = (mz.muon_update(G * s, torch.zeros(12, 20), **kw) for s in (1.0, 1e-30))
+    assert (tiny - big).norm() / big.norm() < 1e-4, "NS must be scale-invariant down to 1e-30"
+    L = leaves(make_params())
+    opt = mz.MuonZeRO(groups(L), lr=LR_MUON, max_grad_norm=1e-30, grad_sync="fp32")
+    before = L["w_in"].detach().clone()
+    forward_loss(L, *batch(0)).backward()
+    opt.step()
+    moved = (L["w_in"].detach() - before * (1 - LR_MUON * 0.1)).norm() / before.norm()
+    assert moved > 1e-3, f"a clipped step moved w_in by {moved:.2e} of its norm: stalled"
+
+
+def check_resume(rank, world):
+    """3 steps, save, a fresh optimizer loads, 3 more == 6 uninterrupted steps, bitwise."""
+    P0, out = make_params(), {}
+    per = GLOBAL_BATCH // world
+    for sync in ("fp32", "bf16_sr"):
+        end, _ = run_muon_zero(P0, rank, world, steps=6, grad_sync=sync)
+        mid, opt = run_muon_zero(P0, rank, world, steps=3, grad_sync=sync)
+        for how, state in (("local", opt.state_dict()), ("gathered", opt.gather_state_dict())):
+            got, _ = run_muon_zero(mid, rank, world, steps=3, start=3, state=state, grad_sync=sync)
+            out[f"{sync} {how}"] = all(torch.equal(got[k], end[k]) for k in end)
+    # resharding (another zero width): momenta load, the rounding generator is reseeded
+    L = leaves(mid)
+    other = mz.MuonZeRO(groups(L), lr=LR_MUON, zero_width=1 if world > 1 else None)
+    full = opt.gather_state_dict()
+    other.load_state_dict(full)
+    again = other.gather_state_dict()
+    out["reshard momenta"] = all(
+        torch.equal(full["state"][i][k], again["state"][i][k])
+        for i in full["state"] for k in full["state"][i] if torch.is_tensor(full["state"][i][k])
+    )  # fmt: skip
+    expect = torch.Generator().manual_seed(mz.rounding_seed(0, rank, 3)).get_state()
+    out["reshard reseeded"] = world == 1 or torch.equal(other._sr_generator.get_state(), expect)
+    x, y = batch(3)
+    forward_loss(L, x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]).backward()
+    other.step()
+    out["reshard replicas equal"] = all_equal_across_ranks([L[k] for k in L])
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_resume_is_exact_in_every_sync_mode(world):
+    for rank, r in enumerate(run_ranks(check_resume, world, timeout=120)):
+        bad = [k for k, ok in r.items() if not ok]
+        assert not bad, f"rank {rank} of {world}: {bad}"
+
+
+def test_demo_batch_is_linear_in_seq():
+    g = torch.Generator().manual_seed(1)
+    x, y = mz.demo_batch(3, 7, 64, g)
+    start = torch.randint(0, 64, (3, 1), generator=torch.Generator().manual_seed(1))
+    expect = [start]
+    for _ in range(7):
+        expect.append((5 * expect[-1] + 3) % 64)
+    expect = torch.cat(expect, dim=1)
+    assert torch.equal(x, expect[:, :-1]) and torch.equal(y, expect[:, 1:])
+    t = time.perf_counter()
+    x, _ = mz.demo_batch(2, 2_000_000, 64, g)
+    assert x.shape == (2, 2_000_000) and time.perf_counter() - t < 5
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (("--seq", "10000000"), "--seq 10000000"),
+        (("--steps", "0"), "--steps"),
+        (("--zero-width", "0"), "--zero-width"),
+        (("--lr", "nan"), "--lr"),
+        (("--max-grad-norm", "0"), "--max-grad-norm"),
+        (("--timeout", "-1"), "--timeout"),
+    ],
+)
+def test_demo_refuses_bad_options_in_one_line(args, words):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "muon_zero.py", *args], capture_output=True, text=True,
+                         timeout=60, cwd=mz.__file__.rsplit("/", 1)[0])  # fmt: skip
+    assert out.returncode == 2 and words in out.stderr.splitlines()[-1], out.stderr
