@@ -719,7 +719,8 @@ def test_split_experts():
     for numels, w in cases:
         ranges = mz.split_experts(numels, w)
         assert len(ranges) == w and ranges[0][0] == 0 and ranges[-1][1] == len(numels), (
-            f"split_experts({len(numels)} experts, {w}) must give {w} runs covering 0..{len(numels)}, "
+            f"split_experts({len(numels)} experts, {w}) must give {w} runs covering "
+            f"0..{len(numels)}, "
             f"got {ranges[:3]}...{ranges[-1:]}"
         )
         assert all(a[1] == b[0] and a[0] <= a[1] for a, b in zip(ranges, ranges[1:])), (
