@@ -552,7 +552,7 @@ def test_stochastic_rounding_is_unbiased():
     #    Each rounding is lo or hi; with p = (x - lo) / ulp the mean has std ulp·sqrt(p(1-p)/N), so
     #    a 5-sigma bound fails by chance with probability < 1e-6. Round-to-nearest is off by p·ulp.
     N = 200_000
-    for x0 in (1.0 + 0.3 * 2**-7, -3.0 - 0.9 * 2**-6, 1e-30 * 1.37):
+    for x0 in (-3.0 - 0.9 * 2**-6, 1.0 + 0.3 * 2**-7, 1e-30 * 1.37):
         x = torch.full((N,), x0, dtype=torch.float32)
         r = mz.stochastic_round_to_bf16(x, generator=g).double()
         lo, hi = r.min().item(), r.max().item()
@@ -674,8 +674,10 @@ def test_pack_dense():
         (16, 16),
         (48, 48),
     ]
-    for balance in ("ns_cost", "numel", "both"):
-        buckets = mz.pack_dense(shapes, 3, balance=balance)
+    for shapes, width, balance in [(shapes, 3, b) for b in ("ns_cost", "numel", "both")] + [
+        ([(8, 8), (16, 16), (8, 8)], 1, "both")
+    ]:
+        buckets = mz.pack_dense(shapes, width, balance=balance)
         assert sorted(i for b in buckets for i in b) == list(range(len(shapes))), (
             f"balance={balance!r}: every matrix must land in exactly one bucket, got {buckets}"
         )
@@ -686,16 +688,20 @@ def test_pack_dense():
                 f"{[shapes[i] for i in b]}"
             )
     # Two loads that conflict: (64, 64) costs 6x what (8, 1024) does, with half its elements.
+    # Eight small squares and one 8x costlier: smallest first would stack it on a full bucket.
     conflict = [(64, 64), (64, 64), (8, 1024)]
-    for balance, weight in (("ns_cost", mz.ns_cost), ("numel", numel)):
+    few_big = [(16, 16)] * 8 + [(32, 32)]
+    for case, balance, weight in ((conflict, "ns_cost", mz.ns_cost), (conflict, "numel", numel),
+                                  (few_big, "ns_cost", mz.ns_cost)):  # fmt: skip
         best = min(
-            max(sum(weight(conflict[i]) for i in range(3) if side[i] == q) for q in (0, 1))
-            for side in itertools.product((0, 1), repeat=3)
+            max(sum(weight(case[i]) for i in range(len(case)) if side[i] == q) for q in (0, 1))
+            for side in itertools.product((0, 1), repeat=len(case))
         )
-        got = _max_load(mz.pack_dense(conflict, 2, balance=balance), conflict, weight)
+        got = _max_load(mz.pack_dense(case, 2, balance=balance), case, weight)
         assert got <= 4 / 3 * best, (
-            f"pack_dense must balance what `balance` names: balance={balance!r} packed a heaviest "
-            f"bucket of {got:,}, the optimum is {best:,} (LPT stays within 4/3 of it)"
+            f"pack_dense must balance what `balance` names, heaviest matrices first: "
+            f"balance={balance!r} packed a heaviest bucket of {got:,}, the optimum is {best:,} "
+            f"(LPT stays within 4/3 of it)"
         )
     big = [(256, 256), (128, 128)] + [(32, 32)] * 12
     for balance, weight in (("ns_cost", mz.ns_cost), ("numel", numel)):
@@ -1120,7 +1126,7 @@ def test_muon_update_matches_torch_muon_rule():
                 f"torch.optim.Muon's average form lerp(M, G, 1 - momentum)"
             )
             rms, want_rms = got.pow(2).mean().sqrt().item(), want.pow(2).mean().sqrt().item()
-            assert abs(rms / want_rms - 1) < 1e-3, (
+            assert abs(rms / want_rms - 1) < 2e-2, (  # NS(X) is not exactly orthogonal
                 f"{what}: update RMS {rms:.4f}, expected {want_rms:.4f}: the update must be "
                 f"NS(X)·sqrt(max(n, m))·update_rms"
             )
@@ -1210,6 +1216,7 @@ def check_clipping(rank, world):
     return out
 
 
+@pytest.mark.grade(points=2, solution="muon_zero.sharded_step", needs=SHARDED_NEEDS)
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_clipping_inside_step_matches_clip_grad_norm_on_one_process(world):
     """max_grad_norm clips the averaged gradient by its global norm, each matrix counted once
@@ -1219,7 +1226,12 @@ def test_clipping_inside_step_matches_clip_grad_norm_on_one_process(world):
         assert r["min_norm"] > 2 * MAX_NORM, f"clipping never bit: norms down to {r['min_norm']}"
         for z, err in r.items():
             if z != "min_norm":
-                assert err < BF16_TOL, f"clipped at zero_width {z} of {world}: {err:.2e} off"
+                assert err < TORCH_BF16_TOL, (
+                    f"max_grad_norm must clip the averaged gradient by its norm over the whole "
+                    f"model, each matrix counted once: at zero_width {z} of {world} ranks 5 steps "
+                    f"are {err:.2e} from clip_grad_norm_ + torch.optim.Muon (tolerance "
+                    f"{TORCH_BF16_TOL:g})"
+                )
 
 
 def test_tiny_gradients_do_not_stall_newton_schulz():
