@@ -13,8 +13,9 @@ length, then on 4 ranks at a growing one, it prints side by side, per rank:
 - forward+backward time (median of 3, the slowest rank) and peak memory (the slowest rank's peak of
   storages allocated during the step, from memory_timeline; a separate, untimed run).
 Bytes are exact counts of what each rank sends (hands to the collectives). Time on a shared CPU
-is noisy. Backend and device are chosen as the technique files choose them (cp_compress.setup's
-rules): NCCL on CUDA when every rank can have a GPU of its own, else gloo on the CPU.
+is noisy. Backend and device are chosen as the technique files choose them (launch.choose_backend):
+NCCL on CUDA when every rank can have a GPU of its own, else gloo on the CPU. The baseline,
+`allgather_baseline`, lives here: it is what the protocol is priced against.
 """
 
 import argparse
@@ -34,6 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # appended: a graded submission earlier on the path stays first
     sys.path.append(ROOT)
 import cp_compress as cpc  # noqa: E402
+import launch  # noqa: E402
 from memory.memory_timeline import MemoryTimeline  # noqa: E402
 
 DIM = 64
@@ -53,8 +55,52 @@ LAYERS = {
 }
 
 
+def allgather_baseline(layer, x, cu_seqlens, group=None):
+    """The simple baseline: all-gather the raw compressor rows (and window K/V) of every token and
+    compress the whole sequence on every rank; the attention is the layer's own. Same result as
+    layer.context_parallel. -> ([s, H, D], Extras)."""
+    cpc.check_inputs(layer, x, cu_seqlens, group, entry="allgather_baseline")
+    rank, cp = dist.get_rank(group), dist.get_world_size(group)
+    s, D, m = x.shape[0], layer.head_dim, layer.ratio
+    cu_seqlens = cu_seqlens.to(x.device)
+    proj = layer.project(x)
+    raw_local = torch.stack([proj.kv, proj.gate], dim=1)
+    raw = cpc.all_gather_entries(raw_local, group).flatten(0, 1)  # [T, 2, sets, C]
+    window_all = cpc.all_gather_entries(proj.window_kv, group).flatten(0, 1)  # [T, D]
+    entries = layer.normalise(
+        cpc.compress_reference(raw[:, 0], raw[:, 1], layer.ape, cu_seqlens, m, layer.overlap)
+    )
+    ends, doc_starts = cpc.compressed_entry_ends(cu_seqlens, m)
+    pos = rank * s + torch.arange(s, device=x.device)
+    pad = cp * s // m - ends.numel()
+    entry_end = torch.cat([ends, ends.new_full((pad,), cp * s)])
+    entry_doc = torch.cat([doc_starts, doc_starts.new_full((pad,), -1)])
+    visible = cpc.visibility(pos, cpc.doc_start_of(pos, cu_seqlens), entry_end, entry_doc)
+    window_all = torch.cat([window_all.new_zeros(layer.window - 1, D), window_all])
+    window_ext = window_all[rank * s : rank * s + s + layer.window - 1]
+    return layer.attend_local(proj, entries, visible, window_ext, rank * s, cu_seqlens)
+
+
+def bytes_sent(layer, method, s, world, rank):
+    """Bytes this rank hands to the collectives, per stage, for one step of `method`."""
+    if method == "context_parallel":
+        return cpc.stage_bytes(layer, s, world, rank)
+    channels = layer.head_dim + (layer.index_dim if layer.overlap else 0)
+    sets = 2 if layer.overlap else 1
+    return {
+        "allgather_raw": (world - 1) * s * 2 * sets * channels * 4,
+        "allgather_window": (world - 1) * s * layer.head_dim * 4,
+    }
+
+
+METHODS = {
+    "context_parallel": lambda layer, x, cu: layer.context_parallel(x, cu),
+    "allgather_baseline": allgather_baseline,
+}
+
+
 def step(layer, method, x, cu):
-    out, extras = getattr(layer, method)(x, cu)
+    out, extras = METHODS[method](layer, x, cu)
     out.square().mean().backward()
     return extras
 
@@ -64,7 +110,7 @@ def recorded_step(layer, method, x, cu, name):
     tl = MemoryTimeline(model=layer, name=name)
     with tl.record():
         with tl.phase("forward"):
-            out, extras = getattr(layer, method)(x, cu)
+            out, extras = METHODS[method](layer, x, cu)
             loss = out.square().mean()
         with tl.phase("backward"):
             loss.backward()
@@ -86,7 +132,8 @@ def measure(rank, world, layer_name, total, device, reps=3):
     layer, s, cu, x = build_inputs(rank, world, layer_name, total, device)
     row = {}
     for method in ("context_parallel", "allgather_baseline"):
-        extras = step(layer, method, x, cu)  # warm-up, and the byte counts
+        step(layer, method, x, cu)  # warm-up
+        detail = bytes_sent(layer, method, s, world, rank)
         times = []
         for _ in range(reps):
             dist.barrier()
@@ -97,8 +144,8 @@ def measure(rank, world, layer_name, total, device, reps=3):
         x.grad = None
         tl, _ = recorded_step(layer, method, x, cu, name=method)
         row[method] = dict(
-            bytes=sum(extras.bytes_sent.values()),
-            detail=extras.bytes_sent,
+            bytes=sum(detail.values()),
+            detail=detail,
             time=statistics.median(times),
             peak=tl.peak(),
         )
@@ -121,7 +168,7 @@ def rank_profile(rank, world, layer_name, total, record=True):
         else:
             tl, extras = None, step(layer, method, x, cu)
         out[method] = dict(
-            bytes=extras.bytes_sent, timeline=tl, counts=getattr(extras, "counts", None)
+            bytes=bytes_sent(layer, method, s, world, rank), timeline=tl, counts=extras.counts
         )
         layer.zero_grad(set_to_none=True)
         x.grad = None
@@ -132,7 +179,7 @@ def worker(rank, world, port, jobs, queue, backend, device):
     # the rank's device is set before the group is created, as in the technique files' set-up
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    backend, device_type, _ = cpc.choose_backend(backend, device)
+    backend, device_type, _ = launch.choose_backend(backend, device)
     dev = torch.device("cpu")
     if device_type == "cuda":
         dev = torch.device("cuda", rank % torch.cuda.device_count())
@@ -229,7 +276,7 @@ def main():
     )
     args = parser.parse_args()
     os.environ["LOCAL_WORLD_SIZE"] = "4"  # the largest run decides, and fails before any work
-    backend, device, why = cpc.choose_backend(args.backend, args.device)
+    backend, device, why = launch.choose_backend(args.backend, args.device)
     fixed = 1024 if args.quick else 4096
     growing = [512, 1024, 2048] if args.quick else [2048, 4096, 8192]
     print(

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_muon_zero.py          # about a minute on 2 idle CPU cores
     .venv/bin/python benchmarks/bench_muon_zero.py --device cuda    # tables 4-5 on a GPU
+    .venv/bin/python benchmarks/bench_muon_zero.py --agreement      # table 6 alone (1-3 ranks)
 
 Tables, all from one run:
   1. the ownership plan for a DeepSeek-V4-Flash-like inventory (built by the planner alone, no
@@ -10,10 +11,12 @@ Tables, all from one run:
   3. gradient-sync error against an fp64 sum at 2..64 ranks: bf16 stochastic rounding + all-to-all
      + fp32 sum (V4) vs a bf16 ring reduce-scatter vs fp32 (numerics simulated exactly, per rank);
   4. batched vs per-matrix Newton-Schulz time; 5. MuonZeRO step time vs torch.optim.Muon (one
-     process in a process group of one, on --backend/--device).
+     process in a process group of one, on --backend/--device); 6. (--agreement) agreement with
+     torch.optim.Muon on the demo model at 1-3 gloo ranks, bf16 and fp32 Newton-Schulz.
 """
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -23,6 +26,7 @@ import torch.nn.functional as F
 
 # the technique files at the root; appended, so a graded submission earlier on the path stays first
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import launch  # noqa: E402
 import muon_zero as mz  # noqa: E402
 
 
@@ -93,6 +97,46 @@ def record_rank_timeline(rank, world, zero_width=None, steps=2, optimizer="muon_
     return tl
 
 
+def rank_rows(plan):
+    """One dict per rank: matrices, elements, padding, NS cost and NS calls (same-shape runs)."""
+    rows = []
+    for r in range(plan.world_size):
+        dense, experts = plan.owned(r)
+        shapes = [plan.dense_shapes[i] for i in dense] + [plan.expert_shapes[i] for i in experts]
+        dense_numel = sum(math.prod(plan.dense_shapes[i]) for i in dense)
+        expert_numel = sum(math.prod(plan.expert_shapes[i]) for i in experts)
+        rows.append(
+            dict(
+                rank=r,
+                replica=r // plan.zero_width,
+                dense=len(dense),
+                experts=len(experts),
+                numel=dense_numel + expert_numel,
+                dense_padding=plan.dense_bucket_numel - dense_numel,
+                expert_padding=plan.expert_chunk_numel - expert_numel,
+                ns_cost=sum(mz.ns_cost(s) for s in shapes),
+            )
+        )
+    return rows
+
+
+def plan_summary(plan):
+    """Whole-plan figures: max matrices per rank, padding fractions, NS-cost imbalance."""
+    rows = rank_rows(plan)
+    dense_total = sum(n * m for n, m in plan.dense_shapes)
+    expert_total = sum(n * m for n, m in plan.expert_shapes)
+    dense_costs = [sum(mz.ns_cost(plan.dense_shapes[i]) for i in b) for b in plan.dense_buckets]
+    dense_pad = plan.zero_width * plan.dense_bucket_numel - dense_total
+    expert_pad = plan.world_size * plan.expert_chunk_numel - expert_total
+    return dict(
+        max_dense_per_rank=max(r["dense"] for r in rows),
+        max_experts_per_rank=max(r["experts"] for r in rows),
+        dense_padding=dense_pad / max(dense_total, 1),
+        expert_padding=expert_pad / max(expert_total, 1),
+        dense_imbalance=max(dense_costs) / max(sum(dense_costs) / len(dense_costs), 1),
+    )
+
+
 def table(rows, headers):
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
 
@@ -107,7 +151,9 @@ def plan_rows(dense, experts, settings):
     for dp, cap in settings:
         cells = []
         for b in ("ns_cost", "numel", "both"):
-            s = mz.plan_muon(dense, experts if b == "both" else [], dp, cap, balance=b).summary()
+            s = plan_summary(
+                mz.plan_muon(dense, experts if b == "both" else [], dp, cap, balance=b)
+            )
             pad, imbalance = 100 * s["dense_padding"], s["dense_imbalance"]
             cells.append(f"{s['max_dense_per_rank']} / {pad:.1f}% / {imbalance:.2f}")
         experts_cells = [str(s["max_experts_per_rank"]), f"{100 * s['expert_padding']:.2f}%"]
@@ -144,7 +190,9 @@ def bench_plan():
     memory = []
     for dp in (8, 16, 32, 64, 128, 256):
         plan = mz.plan_muon(dense, experts, dp, dp)
-        per_rank = max(r["numel"] + r["dense_padding"] + r["expert_padding"] for r in plan.rows())
+        per_rank = max(
+            r["numel"] + r["dense_padding"] + r["expert_padding"] for r in rank_rows(plan)
+        )
         memory.append([str(dp), f"{4 * per_rank / 2**30:.2f}", f"{8 * adamw / 2**30:.2f}",
                        f"{4 * (dense_numel + expert_numel) / 2**30:.1f}",
                        f"{8 * (dense_numel + expert_numel + adamw) / 2**30:.1f}"])  # fmt: skip
@@ -257,6 +305,78 @@ def bench_speed(device=torch.device("cpu")):
     print(table(rows, ["optimizer", "ms / step", "vs torch"]))
 
 
+def _agreement_batch(step, batch=12, seq=16, vocab=64):
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _agreement_rank(rank, world, ns_dtype, steps=5):
+    """MuonZeRO (torch's 5 NS steps, update RMS 0.2, fp32 sync) on this rank's slice of each batch:
+    the TinyMoE demo model's parameters after `steps` steps."""
+    torch.manual_seed(0)
+    model = mz.TinyMoE()
+    opt = mz.MuonZeRO(mz.muon_param_groups(model), lr=0.02, ns_dtype=ns_dtype, update_rms=0.2,
+                      ns_coefficients=mz.STANDARD_NS_COEFFICIENTS, grad_sync="fp32")  # fmt: skip
+    per = 12 // world
+    for step in range(steps):
+        x, y = _agreement_batch(step)
+        x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _agreement_torch(steps=5):
+    """torch.optim.Muon (bf16 NS) + AdamW on one process, full batch, each expert its own leaf."""
+    torch.manual_seed(0)
+    model = mz.TinyMoE()
+    roles = {id(p): g["role"] for g in mz.muon_param_groups(model) for p in g["params"]}
+    leaves, muon, adam = {}, [], []
+    for n, p in model.named_parameters():
+        if roles[id(p)].startswith("expert"):
+            leaves[n] = [e.detach().clone().requires_grad_() for e in p]
+            muon += leaves[n]
+        else:
+            leaves[n] = p.detach().clone().requires_grad_()
+            (adam if roles[id(p)] == "adamw" else muon).append(leaves[n])
+    opts = [torch.optim.Muon(muon, lr=0.02, adjust_lr_fn="match_rms_adamw"),
+            torch.optim.AdamW(adam, lr=0.02, betas=(0.9, 0.95), weight_decay=0.1)]  # fmt: skip
+    for step in range(steps):
+        x, y = _agreement_batch(step)
+        params = {n: torch.stack(v) if isinstance(v, list) else v for n, v in leaves.items()}
+        logits = torch.func.functional_call(model, params, (x,))
+        F.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    return {n: (torch.stack(v) if isinstance(v, list) else v).detach() for n, v in leaves.items()}
+
+
+def bench_agreement():
+    """Table 6: relative error of the parameter change after 5 steps, max over tensors."""
+    from tests.harness import run_ranks
+
+    torch.manual_seed(0)
+    start = {n: p.detach().clone() for n, p in mz.TinyMoE().named_parameters()}
+
+    def err(got, ref):
+        return max(((got[n] - ref[n]).norm() / (ref[n] - start[n]).norm()).item() for n in start)
+
+    reference, rows = _agreement_torch(), []
+    one_fp32 = run_ranks(_agreement_rank, 1, args=(torch.float32,))[0]
+    for world in (1, 2, 3):
+        bf16 = run_ranks(_agreement_rank, world, args=(torch.bfloat16,))[0]
+        fp32 = run_ranks(_agreement_rank, world, args=(torch.float32,))[0]
+        rows.append([str(world), f"{err(bf16, reference):.1e}", f"{err(fp32, one_fp32):.1e}"])
+    print("\nTable 6. MuonZeRO against references on the demo model (TinyMoE, 5 steps, torch's "
+          "5 NS steps,\nupdate RMS 0.2, fp32 gradient sync): bf16 NS vs torch.optim.Muon + AdamW "
+          "on one process (bf16 NS\ntoo), and fp32 NS vs MuonZeRO on one process; relative error "
+          "of the parameter change.")  # fmt: skip
+    print(table(rows, ["ranks", "bf16 NS vs torch.optim.Muon", "fp32 NS vs one process"]))
+
+
 def main():
     parser = argparse.ArgumentParser(
         description="Benchmark muon_zero.py: plan at V4 scale, sync error, NS batching, step time.",
@@ -268,6 +388,9 @@ def main():
                         help="where tables 4-5 run (default: cpu; 1-3 run on the CPU)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=int(os.environ.get("BENCH_THREADS", "2")),
                         help="CPU threads for torch (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--agreement", action="store_true",
+                        help="print only table 6: agreement with torch.optim.Muon at 1-3 gloo "
+                        "ranks")  # fmt: skip
     args = parser.parse_args()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         parser.error("the benchmark runs in one process: use plain python, not torchrun")
@@ -276,12 +399,14 @@ def main():
     backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
     device = args.device or ("cuda" if backend == "nccl" else "cpu")
     try:
-        mz.choose_backend(backend, device)
+        launch.choose_backend(backend, device)
     except ValueError as e:
         parser.error(str(e))
     torch.set_num_threads(args.threads)
     t0 = time.time()
-    _, _, dev = mz.setup(backend, device, seed=0)
+    if args.agreement:  # its own gloo ranks, no process group here
+        return bench_agreement()
+    _, _, dev = launch.setup(backend, device, seed=0)
     try:
         stages = [("tables 1-2: ownership plans at V4 scale", bench_plan),
                   ("table 3: gradient-sync error", bench_sync_error),
@@ -290,7 +415,7 @@ def main():
             print(f"\n[bench] {name} ... ({time.time() - t0:.0f} s elapsed)", flush=True)
             stage()
     finally:
-        mz.teardown()
+        launch.teardown()
     print(f"\n(total {time.time() - t0:.0f} s, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads)")  # fmt: skip
 

@@ -1,10 +1,10 @@
 """The public DeepSeek-V4 attention (Hugging Face transformers) as an oracle for cp_compress.py.
 
 Tiny random V4 attention layers are built from transformers' own DeepSeek-V4 classes, their
-weights are loaded into cp_compress through `from_v4_state_dict`, and the two compute, for ONE
-document (the public code has no notion of packed documents: it pools across document boundaries
-and lets a query see entries of other documents; cp_compress compresses each document on its own,
-deliberately):
+weights are loaded into cp_compress through `interop.v4_attention.from_v4_state_dict`, and the two
+compute, for ONE document (the public code has no notion of packed documents: it pools across
+document boundaries and lets a query see entries of other documents; cp_compress compresses each
+document on its own, deliberately):
 
 - the compressed entries of CSA (m = 4; main channels and the indexer's) and HCA (m' = 8 and V4's
   128), read at the output of V4's kv_norm, i.e. before V4 applies RoPE (which cp_compress leaves
@@ -30,6 +30,7 @@ from transformers import DeepseekV4Config
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 
 import cp_compress as cpc
+from interop.v4_attention import from_v4_state_dict
 
 DIM, HEADS, HEAD_DIM, Q_RANK = 32, 2, 16, 24
 INDEX_HEADS, INDEX_DIM, TOP_K = 2, 8, 5
@@ -143,7 +144,7 @@ def comparison_rows(seed=0):
     # CSA, m = 4: main and indexer entries, window K/V, visibility, scores, top-k
     attn = random_v4_attention(config, 0, seed)
     seen, _, window_v4 = v4_run(attn, x)
-    layer, _ = cpc.from_v4_state_dict(attn.state_dict(), "csa", M_CSA, WINDOW, top_k=TOP_K)
+    layer, _ = from_v4_state_dict(attn.state_dict(), "csa", M_CSA, WINDOW, top_k=TOP_K)
     with torch.no_grad():
         proj = layer.project(x)
         entries = layer.normalise(
@@ -200,7 +201,7 @@ def comparison_rows(seed=0):
         cfg.compress_rates["heavily_compressed_attention"] = m_hca
         attn = random_v4_attention(cfg, 1, seed + 7)
         seen, block_bias, _ = v4_run(attn, x_hca)
-        layer, _ = cpc.from_v4_state_dict(attn.state_dict(), "hca", m_hca, WINDOW)
+        layer, _ = from_v4_state_dict(attn.state_dict(), "hca", m_hca, WINDOW)
         cu_hca, pos_hca = torch.tensor([0, length]), torch.arange(length)
         with torch.no_grad():
             proj = layer.project(x_hca)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from harness import RankFailure, run_ranks
 
 import cp_compress as cpc
+from benchmarks.bench_cp_compress import allgather_baseline
 
 S = 24  # tokens per rank: a multiple of m = 4 (CSA) and m' = 8 (HCA in tests)
 M, M_HCA = 4, 8
@@ -266,18 +267,20 @@ def test_attention_matches_sdpa_and_sink_only_rescales():
 def test_shard_sequence():
     x = torch.arange(12)
     assert cpc.shard_sequence(x, 3, 1).tolist() == [4, 5, 6, 7]
-    with pytest.raises(ValueError, match="not divisible by cp_size=5"):
+    with pytest.raises(ValueError, match="must be divisible by cp_size=5"):
         cpc.shard_sequence(x, 5, 0)
 
 
 def test_validate_layout_refuses_bad_input():
     cu = torch.tensor([0, 10, 32])
     cpc.validate_layout(16, cu, 2, 4, True, 8, 6)  # fine
-    with pytest.raises(ValueError, match="not a positive multiple of the compression ratio m=4"):
+    with pytest.raises(
+        ValueError, match="must be a positive multiple of the compression ratio m=4"
+    ):
         cpc.validate_layout(18, torch.tensor([0, 36]), 2, 4, True, 8, 6)
     with pytest.raises(ValueError, match="halo"):
         cpc.validate_layout(4, torch.tensor([0, 8]), 2, 4, True, 1, 2)  # 2m-1 = 7 rows > s = 4
-    with pytest.raises(ValueError, match="sum to 30 tokens but cp_size"):
+    with pytest.raises(ValueError, match=r"must sum to cp_size\*s = 2\*16 = 32 tokens, got 30"):
         cpc.validate_layout(16, torch.tensor([0, 10, 30]), 2, 4, True, 8, 6)
     with pytest.raises(ValueError, match="strictly increase"):
         cpc.validate_layout(16, torch.tensor([0, 10, 10, 32]), 2, 4, True, 8, 6)
@@ -343,7 +346,7 @@ def _equivalence(rank, world_size):
             layer.zero_grad()
 
             # the simple baseline (all-gather raw rows) computes the same thing
-            out_base, _ = layer.allgather_baseline(mine(x), cu)
+            out_base, _ = allgather_baseline(layer, mine(x), cu)
             close(out_base, mine(out_ref.detach()), f"baseline output {where}")
             checked.append((kind, len(cu) - 1))
     return checked
@@ -453,9 +456,10 @@ def test_bad_input_raises_on_every_rank():
     for msgs in results:
         assert "tokens per rank differs across ranks" in msgs["mismatched shards"]
         assert (
-            "not a positive multiple of the compression ratio m=4" in msgs["s not a multiple of m"]
+            "must be a positive multiple of the compression ratio m=4"
+            in msgs["s not a multiple of m"]
         )
-        assert "document lengths sum to" in msgs["lengths do not sum"]
+        assert "document lengths must sum to" in msgs["lengths do not sum"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -532,8 +536,10 @@ def _guard_all_cases(rank, world_size):
         layer, x, cu = _guard_inputs(rank, world_size, case)
         try:
             odd = rank == world_size - 1
-            method = "allgather_baseline" if case == "entry point" and odd else "context_parallel"
-            getattr(layer, method)(x, cu)
+            if case == "entry point" and odd:
+                allgather_baseline(layer, x, cu)
+            else:
+                layer.context_parallel(x, cu)
             messages[case] = None
         except ValueError as err:
             messages[case] = str(err)
@@ -555,7 +561,7 @@ def test_guard_every_rank_raises_the_same_error_naming_the_cause(world_size):
 def test_guard_names_the_ranks_and_values():
     results = run_ranks(_guard_all_cases, 3, timeout=60)
     msg = results[0]["cu_seqlens"]
-    assert "rank 0,1 have [0, 4, 9, 12, 48]" in msg and "rank 2 has [0, 5, 7, 13, 48]" in msg, msg
+    assert "ranks 0,1 have [0, 4, 9, 12, 48]" in msg and "rank 2 has [0, 5, 7, 13, 48]" in msg, msg
 
 
 def _one_case(rank, world_size, case):
@@ -704,14 +710,15 @@ def test_command_line_checks_arguments_before_any_work(capsys, monkeypatch):
         "--seed",
         "--backend",
         "--device",
+        "--timeout",
     ):
         assert option in help_text
     monkeypatch.setenv("WORLD_SIZE", "3")
     for argv, says in (
-        (["--seq-per-rank", "130"], "not a multiple of m=4"),
+        (["--seq-per-rank", "130"], "must be a positive multiple of the compression ratio m=4"),
         (["--window", "0"], "must be >= 1"),
-        (["--seq-per-rank", "128", "--m-hca", "128"], "no entry for m=128"),
-        (["--seq-per-rank", "4", "--m-hca", "4"], "shorter than a halo"),
+        (["--seq-per-rank", "128", "--m-hca", "128"], "an entry for m=128"),
+        (["--seq-per-rank", "4", "--m-hca", "4"], "halo must come from one rank"),
     ):
         with pytest.raises(SystemExit) as info:
             cpc.parse_args(argv)

@@ -15,6 +15,7 @@ pytest.importorskip("transformers.models.deepseek_v4")
 from oracle_v4_attention import comparison_rows, random_v4_attention, v4_config  # noqa: E402
 
 import cp_compress as cpc  # noqa: E402
+from interop.v4_attention import V4_NOT_LOADED, from_v4_state_dict  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +42,8 @@ def test_the_comparison_sees_a_wrong_eps(rows, monkeypatch):
 
 def test_adapter_reports_what_it_cannot_load():
     attn = random_v4_attention(v4_config(), 0, seed=3)
-    layer, skipped = cpc.from_v4_state_dict(attn.state_dict(), "csa", 4, 8, top_k=5)
-    assert set(skipped) == set(cpc.V4_NOT_LOADED)
+    layer, skipped = from_v4_state_dict(attn.state_dict(), "csa", 4, 8, top_k=5)
+    assert set(skipped) == set(V4_NOT_LOADED)
     loaded = {k for k in attn.state_dict() if k not in skipped}
     assert len(loaded) == 12  # every other V4 weight has a place here
     assert torch.equal(layer.sink, attn.sinks)

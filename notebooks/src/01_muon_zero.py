@@ -69,10 +69,10 @@ ax.set_yticks(range(16))
 ax.legend(ncol=1, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="matrix shape")
 fig.tight_layout()
 plt.show()
-print(plan.format())
+print(mz.format_plan(plan))
 
 # %%
-s = plan.summary()
+s = bench.plan_summary(plan)
 largest = max(dense, key=lambda t: t[0] * t[1])
 print(
     f"Experts: {len(experts)} matrices of {experts[0][0] * experts[0][1] / 1e6:.1f} M elements "
@@ -92,7 +92,7 @@ print(
 full_dense, _, _ = bench.v4_flash_inventory()
 widths = [8, 16, 32, 64, 128, 256]
 balances = ("ns_cost", "numel", "both")
-summaries = {b: [mz.plan_muon(full_dense, [], w, w, balance=b).summary() for w in widths]
+summaries = {b: [bench.plan_summary(mz.plan_muon(full_dense, [], w, w, balance=b)) for w in widths]
              for b in balances}  # fmt: skip
 fig, axes = plt.subplots(1, 2, figsize=(10, 4))
 for k, balance in enumerate(balances):
@@ -169,7 +169,7 @@ for name, tl in zip(names, runs + [sharded[1]]):
 _, all_experts, adamw_numel = bench.v4_flash_inventory()
 muon_numel = sum(n * m for n, m in full_dense) + sum(n * m for n, m in all_experts)
 big = mz.plan_muon(full_dense, all_experts, 64, 64)
-share = max(r["numel"] + r["dense_padding"] + r["expert_padding"] for r in big.rows())
+share = max(r["numel"] + r["dense_padding"] + r["expert_padding"] for r in bench.rank_rows(big))
 print(f"replicated Muon momentum {4 * muon_numel / 2**30:,.0f} GiB per rank; MuonZeRO at 64 "
       f"ranks {4 * share / 2**30:.1f} GiB per rank, plus {8 * adamw_numel / 2**30:.1f} GiB of "
       f"replicated AdamW moments for the embedding and head")  # fmt: skip

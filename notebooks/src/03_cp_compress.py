@@ -174,10 +174,11 @@ stage("done")
 # %% [markdown]
 # ## 4. Faithful to the public V4 code, and where this file goes further
 # The same random weights, loaded into transformers' DeepSeek-V4 attention and, through
-# `cpc.from_v4_state_dict`, into this file's layer, give the same compressed entries, window K/V,
-# visibility sets, indexer scores and top-k (one document; `tests/test_cp_v4_oracle.py` checks it).
-# Integer rows count mismatches. What this file leaves out of V4's attention (the low-rank query
-# path, RoPE, the output projection) is listed in its docstring: none of it crosses a rank boundary.
+# `interop.v4_attention.from_v4_state_dict`, into this file's layer, give the same compressed
+# entries, window K/V, visibility sets, indexer scores and top-k (one document;
+# `tests/test_cp_v4_oracle.py` checks it). Integer rows count mismatches. What this file leaves out
+# of V4's attention (the low-rank query path, RoPE, the output projection) is listed in that
+# module's docstring: none of it crosses a rank boundary.
 
 # %%
 try:  # transformers is a test-only dependency: without it this cell says so and moves on
