@@ -56,7 +56,9 @@ def stage(text):
 # uses four made-up matrices A-D on three ranks: on top, ZeRO's cuts; below, the fix, where each
 # rank owns whole matrices in its **bucket**, and the buckets are **padded** (filled with unused
 # zeros) to the size of the largest bucket so that every rank's piece is the same size, as the
-# collectives need.
+# **collectives** need (the operations that move data between ranks: a **reduce-scatter** sums
+# the gradients and leaves each rank the sum of its own piece; an **all-gather** gives every rank
+# every rank's piece, here the updated parameters).
 
 # %%
 sizes = {"A": 7, "B": 4, "C": 5, "D": 2}  # elements of four made-up matrices
@@ -108,12 +110,14 @@ print(f"{total} elements on {ranks} ranks: ZeRO gives each rank {total / ranks:g
 # the price is the hatched padding, set by the *largest bucket*, not by the largest matrix.
 #
 # ## 2. The key picture: who owns what in one V4 stage
-# Now the real shapes: one pipeline stage of a DeepSeek-V4-Flash-like model (6 of its 43 layers;
+# Now the real shapes: one **pipeline stage** (the slice of consecutive layers one group of ranks
+# holds when the model is split by layers) of a DeepSeek-V4-Flash-like model (6 of its 43 layers;
 # shapes from the public config, see `bench_muon_zero.v4_flash_inventory`) over 16 data-parallel
 # ranks. V4 treats two kinds of matrix differently. The **dense** matrices (attention and shared
 # layers) go whole into `zero_width` buckets, packed largest-first (each matrix to the bucket it
 # raises least) and balanced on both NS cost (compute) and element count (memory). The **expert**
-# matrices of the mixture-of-experts layers are all the same few shapes, so V4 lays them end to
+# matrices of the **mixture-of-experts** layers (each token is sent to a few of many small
+# feed-forward networks, the experts) are all the same few shapes, so V4 lays them end to
 # end into one vector split over every rank at matrix boundaries. Each bar below is one rank's
 # dense bucket, each segment one whole matrix (width = its elements); the hatched tail is padding.
 

@@ -345,8 +345,10 @@ stage("done")
 # `interop.v4_attention.from_v4_state_dict`, into this file's layer, give the same compressed
 # entries, window K/V, visibility sets, indexer scores and top-k (one document;
 # `tests/test_cp_v4_oracle.py` checks it). Integer rows count mismatches. What this file leaves out
-# of V4's attention (the low-rank query path, RoPE, the output projection) is listed in that
-# module's docstring: none of it crosses a rank boundary.
+# of V4's attention (the low-rank query path, **RoPE**, the rotary position embedding that turns
+# queries and keys by an angle set by their position, and the output projection) is listed in
+# `interop/v4_attention.py`'s docstring: none of it crosses a rank boundary. "Window K/V" are the
+# keys and values of the sliding window.
 
 # %%
 try:  # transformers is a test-only dependency: without it this cell says so and moves on
