@@ -19,6 +19,17 @@ ANSWERS = {  # notebook -> {variable: (reference answer, a wrong answer)}, as Py
         "answer_segments_mib": ("[2, 20, 14]", "[2, 20, 12.3]"),  # 12.3 MiB rounds up to 14
         "answer_amsgrad_jump": ("17_541_236", "17_541_120"),  # 12N + 4T; 12N forgets counters
     },
+    "01_muon_zero": {
+        "answer_matrices_per_rank": ("[1, 2, 2, 2]", "[2, 2, 2, 1]"),  # the 64x64 fills rank 0
+        "answer_padding_elements": ("2048", "0"),  # padded to the largest bucket, not matrix
+        "answer_momentum_gib": ("4.76", "4.12"),  # dense / 32 + experts / 256; all / 256 is wrong
+        "answer_fraction_up": ("0.3", "0.0"),  # unbiased: up with the distance; 0 is nearest
+    },
+    "03_cp_compress": {
+        "answer_halo": ("(8, 15)", "(8, 8)"),  # 2m - 1 under packing; m is the unpacked case
+        "answer_entries": ("[3, 4]", "[4, 4]"),  # ends 3, 8, 12 | 16, 23, 27, 31; not s/m each
+        "answer_slots": ("257", "256"),  # s/m + 1; s/m is the most that end on a rank
+    },
 }
 ANSWER_LINE = re.compile(r"^(answer_\w+) = None\b", re.M)
 CHECK_LINE = re.compile(r"# check: (answer_\w+)\s*$")
