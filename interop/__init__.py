@@ -1,0 +1,1 @@
+"""Adapters that load the public DeepSeek-V4 weights into the chapters' modules."""
