@@ -939,7 +939,7 @@ def parse_args(argv=None):
     world, count = int(os.environ.get("WORLD_SIZE", "1")), launch.at_least(1)
     parser = argparse.ArgumentParser(
         description="mHC demo: residual vs naive vs optimised mHC in one process, then the same "
-        "model as a 1F1B pipeline over the torchrun ranks (posted-ahead vs blocking receives)."
+        "model as a 1F1B pipeline over the torchrun ranks, receives posted ahead."
     )
     add = parser.add_argument
     add("--dim", type=count, default=128, help="C, the width of one lane (128)")

@@ -100,9 +100,14 @@ def test_sinkhorn_matches_v4_and_is_doubly_stochastic():
     assert cols < 1e-5, f"columns of B must sum to 1 after 20 rounds, worst error {cols:.1e}"
     # V4 fixes the order (the docstring says so): compared to float64 rounding, 1e-12
     err = (b - v4_sinkhorn(logits.mT).mT).abs().max().item()
+    rows_first = (b - v4_sinkhorn(logits)).abs().max().item() < 1e-12  # V4's loop in B's layout
     assert err < 1e-12, (
-        f"B differs from V4's Sinkhorn by {err:.1e}: V4's order is a softmax down each column "
-        f"(dim=-2) + eps, a row step, then iters - 1 rounds of (columns, rows), each sum + eps"
+        "B is normalised rows first (softmax along rows, columns last): V4 starts with a softmax "
+        "down each column (dim=-2) and ends every round on the rows"
+        if rows_first
+        else f"B differs from V4's Sinkhorn by {err:.1e}: V4's order is a softmax down each "
+        f"column (dim=-2) + eps, a row step, then iters - 1 rounds of (columns, rows), each "
+        f"sum + eps"
     )
     # without eps: the Sinkhorn limit depends on exp(logits) only up to row and column scalings
     shift = torch.randn(64, 4, 1, dtype=torch.float64) + torch.randn(64, 1, 4, dtype=torch.float64)
@@ -188,7 +193,10 @@ def test_layer_matches_the_equations_token_by_token():
                 f"{name} must have shape {tuple(expected.shape)}, got {tuple(got[i].shape)}"
             )
             err = (got[i] - expected).abs().max().item()
-            assert err < 1e-12, f"{name} differs from V4 §2.2 by {err:.1e}: {FORMULAS[name]}"
+            assert err < 1e-12, (
+                f"{name} differs from V4 §2.2 by {err:.1e}: {FORMULAS[name]}, x_hat = vec(X) / "
+                f"rms(vec(X)) over all n*C numbers of a token, W = hc.proj"
+            )
         h = torch.stack([torch.stack([sum(coeffs[bi][t][0][i] * stream[bi, t, i] for i in range(n))
                                       for t in range(8)]) for bi in range(2)])  # fmt: skip
         f = sublayer(h)
@@ -381,19 +389,25 @@ def test_one_recomputed_block_layer_by_layer(with_head):
         f"F must run once per layer: it ran {calls[0]} times for 3 layers; backward must use the "
         f"graph forward kept (torch.autograd.backward(f, grad_f)), not run F again"
     )
-    names = [f"layer {i} {kind}.{n}" for i, (s, hc) in enumerate(layers)
-             for kind, m in (("F", s), ("hc", hc)) for n, _ in m.named_parameters()]  # fmt: skip
-    names += [f"hyper_head.{n}" for n, _ in head.named_parameters()] if head is not None else []
     scale = max(g.abs().max().item() for g in ref)
-    for name, g, r in zip(names, got, ref):
+    groups = [[(f"layer {i} {kind}.{n}", i) for kind, m in (("F", s), ("hc", hc))
+               for n, _ in m.named_parameters()] for i, (s, hc) in enumerate(layers)]  # fmt: skip
+    if head is not None:
+        groups.append([(f"hyper_head.{n}", None) for n, _ in head.named_parameters()])
+    checked = list(zip([name for group in groups for name in group], got, ref))
+    for name, g, r in sorted(checked, key=lambda c: -1 if c[0][1] is None else -c[0][1]):
+        (label, i), last = name, len(layers) - 1  # checked in backward's order: head, L-1, ...
         err = (g - r).abs().max().item() / max(r.abs().max().item(), 1e-3 * scale)
-        hint = (
-            "with a head, rebuild X_L as well and start from kernels.collapse_backward"
-            if name.startswith("hyper_head")
-            else "each layer's backward must read its own input X_i (X_0, or rebuilt from it by "
-            "the post-mix of the layers before), its kept coefficients and f_i"
-        )
-        assert err < 1e-9, f"{name}: gradient differs from the plain layers by {err:.1e}: {hint}"
+        if i is None:
+            hint = "with a head, rebuild X_L as well and start from kernels.collapse_backward"
+        elif i == last:
+            hint = (f"layer {i}'s backward must read its own input X_{i} (rebuilt from X_0"
+                    f" by the post-mix of the layers before), its coefficients, f_{i}")  # fmt: skip
+        else:
+            hint = (f"the layers after it are right, so the gradient passed down from layer "
+                    f"{i + 1} is wrong: it is B^T dX' (mix_out_backward's dX) plus the pre-mix's "
+                    f"and the norm's terms (mix_in_backward)")  # fmt: skip
+        assert err < 1e-9, f"{label}: gradient differs from the plain layers by {err:.1e}: {hint}"
     err = (got_x - ref_x).abs().max().item() / ref_x.abs().max().item()
     assert err < 1e-9, f"the block input's gradient dX_0 differs by {err:.1e}"
 
