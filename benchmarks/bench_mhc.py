@@ -4,20 +4,22 @@
     python benchmarks/bench_mhc.py --curve         # table 3 only: the issue-11 curve and headline
     python benchmarks/bench_mhc.py --curve --device cuda   # the same curve on a GPU (Triton)
     python benchmarks/bench_mhc.py --quick         # smaller, for a smoke test
+    python benchmarks/bench_mhc.py --accounting    # bytes and work per token, no timing (seconds)
 
 Tables, all measured in one run, 1 thread per process unless --threads:
   1. one process, 8 layers, C = 256, T = 128, batch 4, fp32 CPU eager: plain residual, naive mHC,
-     fused mixing alone, fused mixing with selective recomputation (recomputation alone is no
-     longer a variant: what a block keeps is what the fused ops' written-out backward needs).
+     fused mixing alone (variant "fused"), fused mixing with selective recomputation
+     ("optimised"; recomputation alone is no variant: a block keeps what the written-out
+     backward needs).
      Peak activation memory from memory_timeline (storages made in forward and alive at its
      end), the peak of activations + backward temporaries (recomputation lives there), median
      step time (variants interleaved so machine noise hits all alike), lane-mixing bytes per
-     layer (mhc.mixing_bytes_per_token).
+     layer (mixing_bytes_per_token, here).
   2. a 2-stage 1F1B pipeline on gloo: residual vs mHC, the stream exchange blocking or posted
      ahead (async), the third reduction alone and with the other two.
   3. the curve over C (issue 11): 4 layers, T = 128, batch 2, C in 256 512 1024 2048; residual,
      naive mHC and optimised mHC (fused mixing + selective recomputation), each eager and compiled
-     (mhc.CompiledModel; F eager in all eager runs, compiled in all compiled runs); forward +
+     (compiled/mhc_compiled.py; F eager in all eager runs, compiled in all compiled runs); forward +
      backward, median of interleaved rounds after a warm-up step that holds the compilation (its
      time is printed on its own lines); the activation memory each keeps; one layer's parts
      (coefficients, Sinkhorn, pre-mix, post-mix, F) eager and compiled; the optimised model's
@@ -41,6 +43,8 @@ import statistics
 import sys
 import tempfile
 import time
+import types
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -49,22 +53,95 @@ import torch.multiprocessing as mp
 # the technique files at the root; appended, so a graded submission earlier on the path stays first
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import mhc  # noqa: E402
+from compiled.mhc_compiled import CompiledModel  # noqa: E402
 from memory.memory_timeline import MemoryTimeline  # noqa: E402
 
 MiB = 2**20
 VARIANTS = {  # name: (hyper, forward options)
     "residual": (False, {}),
     "naive mHC": (True, {}),
-    "fused only": (True, dict(fused=True)),
-    "fused+recompute": (True, dict(fused=True, recompute="auto")),
+    "fused only": (True, dict(variant="fused")),
+    "fused+recompute": (True, dict(variant="optimised")),  # L_r: default_recompute_block
 }
 
 
 def options_for(cfg, options, n_layers=None):
     options = dict(options)
-    if options.get("recompute") == "auto":
-        options["recompute"] = mhc.default_recompute_block(cfg.n_hc, n_layers or cfg.n_layers)
+    if options.get("variant") == "optimised":
+        options["block"] = mhc.default_recompute_block(cfg.n_hc, n_layers or cfg.n_layers)
     return options
+
+
+# ---- accounting: bytes and work per token, counted (no timing) --------------------------------
+
+
+def mixing_bytes_per_token(n, dim, fused, bytes_per_element=4):
+    """Bytes one layer's lane mixing reads and writes per token: {op: (read, write)}.
+
+    Counted op by op as eager autograd runs it (naive) or one pass per operation (fused):
+      coefficients  naive: sum of squares (read nC), X/rms (read nC, write nC), projection (read
+                    nC); fused (norm_then_project): one pass reads nC; both write the 2n+n^2 logits
+      pre-mix       naive: A_i X_i (read nC, write nC), sum over lanes (read nC, write C);
+                    fused: read nC, write C
+      post-mix      naive: B X (read nC, write nC), C f (read C, write nC), add (read 2nC, write nC)
+                    fused: read nC + C, write nC  (the mHC paper's (3n+1)C -> (n+1)C, 3nC -> nC)
+    The per-token coefficients (n^2 + 2n numbers) are left out: O(n^2), not O(nC).
+    """
+    nc, k = n * dim, 2 * n + n * n
+    if fused:
+        counts = {"coefficients": (nc, k), "pre_mix": (nc, dim), "post_mix": (nc + dim, nc)}
+    else:
+        counts = {
+            "coefficients": (3 * nc, nc + k),
+            "pre_mix": (2 * nc, nc + dim),
+            "post_mix": ((3 * n + 1) * dim, 3 * nc),
+        }
+    return {op: (r * bytes_per_element, w * bytes_per_element) for op, (r, w) in counts.items()}
+
+
+@dataclass
+class OverheadEstimate:
+    """Work per token per layer, mixing against F (multiply-adds or element accesses)."""
+
+    dim: int
+    mixing: int  # projection multiply-adds + fused mixing element reads and writes
+    f: int  # F's multiply-adds, attention and MLP layers averaged
+
+    @property
+    def ratio(self):
+        return self.mixing / self.f
+
+
+def expected_overhead(n, dim, seq_len):
+    """mixing ~ n*C per token per layer (a projection to 2n+n^2 numbers plus ~(4n+2)C element
+    reads/writes), F ~ C^2 (attention 4C^2 + 2TC, MLP 8C^2 multiply-adds): ratio ~ 1/C."""
+    reads_writes = sum(r + w for r, w in mixing_bytes_per_token(n, dim, True, 1).values())
+    mixing = n * dim * (2 * n + n * n) + reads_writes
+    f = ((4 * dim * dim + 2 * seq_len * dim) + 8 * dim * dim) // 2
+    return OverheadEstimate(dim, mixing, f)
+
+
+def table_accounting(cfg):
+    """The lane-mixing bytes per token and layer, and what that predicts for the overhead."""
+    naive = mixing_bytes_per_token(cfg.n_hc, cfg.dim, False)
+    fused = mixing_bytes_per_token(cfg.n_hc, cfg.dim, True)
+    print(f"\nlane-mixing bytes per token per layer at C={cfg.dim}, read/written (fp32):")
+    for op in naive:
+        print(
+            f"  {op:<13} naive {naive[op][0]:>6}/{naive[op][1]:<6} "
+            f"fused {fused[op][0]:>6}/{fused[op][1]:<6}"
+        )
+    here, big = (expected_overhead(cfg.n_hc, c, cfg.seq_len) for c in (cfg.dim, 1024))
+    print(
+        f"\nwhat to expect at C={cfg.dim}: per token and layer the lane mixing does ~n*C work "
+        f"({here.mixing} operations)\n  against F's ~C^2 ({here.f} multiply-adds): "
+        f"{100 * here.ratio:.0f}%. But eager mode runs the mixing as over a hundred\n"
+        f"  small ops per layer (the 20 Sinkhorn rounds alone are 120), each a pass over memory "
+        f"plus\n  Python dispatch, while F is a few large matmuls: at small C mHC takes a multiple "
+        f"of the\n  residual's step time on either path. The arithmetic ratio falls as 1/C "
+        f"({100 * big.ratio:.1f}% at C=1024);\n  `python benchmarks/bench_mhc.py --curve` "
+        f"measures the overhead over C."
+    )
 
 
 def make(cfg, hyper, device="cpu"):
@@ -113,7 +190,7 @@ def step_times(cfg, batch, variants, repeats):
 def mixing_bytes_per_layer(cfg, batch, hyper, fused):
     if not hyper:  # x + F(x): read 2C, write C
         return 3 * cfg.dim * 4 * batch * cfg.seq_len
-    counts = mhc.mixing_bytes_per_token(cfg.n_hc, cfg.dim, fused)
+    counts = mixing_bytes_per_token(cfg.n_hc, cfg.dim, fused)
     return sum(r + w for r, w in counts.values()) * batch * cfg.seq_len
 
 
@@ -136,7 +213,7 @@ def table_one_process(cfg, batch, repeats):
                 act,
                 act_temp,
                 times[name],
-                mixing_bytes_per_layer(cfg, batch, hyper, options.get("fused", False)),
+                mixing_bytes_per_layer(cfg, batch, hyper, "variant" in options),
             )
         )
     base_act, base_time = rows[0][1], rows[0][3]
@@ -169,8 +246,8 @@ def _pipeline_worker(rank, world, port, cfg, batch, repeats, out_path):
         "residual, blocking": (False, dict(), False),
         "naive mHC, blocking": (True, dict(), False),
         "naive mHC, posted ahead": (True, dict(), True),
-        "fused+recompute, blocking": (True, dict(fused=True, recompute=recompute), False),
-        "all three": (True, dict(fused=True, recompute=recompute), True),
+        "fused+recompute, blocking": (True, dict(variant="optimised", block=recompute), False),
+        "all three": (True, dict(variant="optimised", block=recompute), True),
     }
     runs = {
         name: make(cfg, hyper) + (hyper, options, overlap)
@@ -189,8 +266,7 @@ def _pipeline_worker(rank, world, port, cfg, batch, repeats, out_path):
                 d[:, 1:],
                 n_micro,
                 overlap=overlap,
-                fused=options.get("fused", False),
-                recompute=options.get("recompute", 0),
+                **options,
             )
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -293,7 +369,7 @@ def curve_runs(cfg, device):
     """{(variant, 'eager'|'compiled'): (model, step)} for one C; step() returns the loss.
 
     Two models (residual, mHC with the same seed); naive and optimised run the same mHC parameters.
-    F is eager in every eager run and compiled in every compiled run (mhc.CompiledModel).
+    F is eager in every eager run and compiled in every compiled run (CompiledModel).
     ('control', mode): a second residual model built the same way, run eagerly and compiled like the
     first (so it shares its model between two variants exactly as the residual does), timed in the
     same rounds: the A/A test. Its "overhead" is what separate models of equal work differ by on
@@ -309,10 +385,10 @@ def curve_runs(cfg, device):
     d = mhc.synthetic_batch(cfg, 2, torch.Generator().manual_seed(0), device)
     idx, tgt = d[:, :-1], d[:, 1:]
     compiled = {
-        "residual": mhc.CompiledModel(residual, "residual"),
-        "naive": mhc.CompiledModel(hyper, "naive"),
-        "optimised": mhc.CompiledModel(hyper, "optimised", recompute=l_r),
-        "control": mhc.CompiledModel(control, "residual"),
+        "residual": CompiledModel(residual),
+        "naive": CompiledModel(hyper, "naive"),
+        "optimised": CompiledModel(hyper, "optimised", block=l_r),
+        "control": CompiledModel(control),
     }
     return (
         idx,
@@ -323,7 +399,7 @@ def curve_runs(cfg, device):
             ("naive", "eager"): (hyper, lambda b: hyper(idx[:b], tgt[:b])),
             ("optimised", "eager"): (
                 hyper,
-                lambda b: hyper(idx[:b], tgt[:b], fused=True, recompute=l_r),
+                lambda b: hyper(idx[:b], tgt[:b], "optimised", l_r),
             ),
             **{
                 (name, "compiled"): (run.model, lambda b, run=run: run(idx[:b], tgt[:b]))
@@ -417,7 +493,7 @@ def kernel_times(cfg, batch, repeats, device, kernels=None):
     """
     torch.manual_seed(0)
     model = mhc.Transformer(cfg, hyper=True).to(device)
-    run = mhc.CompiledModel(model, "optimised", mhc.default_recompute_block(cfg.n_hc, cfg.n_layers))
+    run = CompiledModel(model, "optimised", mhc.default_recompute_block(cfg.n_hc, cfg.n_layers))
     run.kernels = kernels or run.kernels
     d = mhc.synthetic_batch(cfg, batch, torch.Generator().manual_seed(0), device)
     spent, calls = dict.fromkeys(KERNELS, 0.0), dict.fromkeys(KERNELS, 0)
@@ -454,13 +530,14 @@ def kernel_times(cfg, batch, repeats, device, kernels=None):
 # tensor (lanes) and C-sized tensor (lane) it needs read once, every output written once; the
 # per-token coefficients (49 numbers) and the projection weights left out. {kernel: (read, written)}
 # with lanes, lane the bytes per token. mix_out_backward and mix_in_backward cannot be one loop:
-# F's backward sits between them (it needs df first, and mix_in_backward its dh), so dX' is read by
-# both; dB = dX' X^T is counted with mix_in_backward, which reads X anyway.
+# F's backward sits between them (it needs df first, and mix_in_backward its dh), so the post-mix's
+# dX = B^T dX' is written by the one and read by the other; dB = dX' X^T is counted with
+# mix_in_backward, which reads X anyway.
 KERNEL_TRAFFIC = {
     "mix_in": lambda lanes, lane: (lanes, lane),  # X -> h
     "mix_out": lambda lanes, lane: (lanes + lane, lanes),  # X, f -> X'
-    "mix_out_backward": lambda lanes, lane: (lanes + lane, lane),  # dX', f -> df
-    "mix_in_backward": lambda lanes, lane: (2 * lanes + lane, lanes),  # dX', X, dh -> dX
+    "mix_out_backward": lambda lanes, lane: (lanes + lane, lanes + lane),  # dX', f -> dX_B, df
+    "mix_in_backward": lambda lanes, lane: (2 * lanes + lane, lanes),  # dX_B, X, dh -> dX
     "collapse": lambda lanes, lane: (lanes, lane),  # X_L -> x
     "collapse_backward": lambda lanes, lane: (lanes + lane, lanes),  # X_L, dx -> dX_L
 }
@@ -541,11 +618,12 @@ def _floor_mix_out(stream, kept, f):
 
 def _floor_mix_out_backward(grad_out, stream, kept, f):
     _, b, c, _, _ = kept
-    return torch.zeros_like(b), torch.zeros_like(c), grad_out.mean(-2) + 1e-3 * f  # dX', f -> df
+    grad_f = grad_out.mean(-2) + 1e-3 * f  # dX', f -> dX_B, df
+    return torch.zeros_like(b), 0.5 * grad_out, torch.zeros_like(c), grad_f
 
 
-def _floor_mix_in_backward(grad_h, grad_b, grad_c, grad_out, stream, kept, params, iters):
-    grad_x = 0.5 * grad_out + 1e-3 * stream + 0.5 * grad_h.unsqueeze(-2)  # dX', X, dh -> dX
+def _floor_mix_in_backward(grad_h, grad_b, grad_c, grad_x_post, stream, kept, params, iters):
+    grad_x = 0.5 * grad_x_post + 1e-3 * stream + 0.5 * grad_h.unsqueeze(-2)  # dX_B, X, dh -> dX
     return grad_x, tuple(torch.zeros_like(p) for p in params)
 
 
@@ -568,7 +646,7 @@ def _passes_mix_in(stream, params, iters):
     return mhc.pre_mix(a, x).to(stream.dtype), (a, b, c, projected, inv_rms)
 
 
-def _passes_mix_in_backward(grad_h, grad_b, grad_c, grad_out, stream, kept, params, iters):
+def _passes_mix_in_backward(grad_h, grad_b, grad_c, grad_x_post, stream, kept, params, iters):
     """mhc.mix_in_backward without the gates' and Sinkhorn's backward (dB, dC taken as the
     logits' gradients): the pre-mix's, the projection's and the post-mix's passes."""
     a, b, _, projected, inv_rms = kept
@@ -578,8 +656,7 @@ def _passes_mix_in_backward(grad_h, grad_b, grad_c, grad_out, stream, kept, para
     grad_flat, grad_proj = mhc.norm_then_project_backward(
         grad_logits, x.flatten(-2), params[0].to(a.dtype), projected, inv_rms
     )
-    through_post_mix = mhc.lanes_matmul(b.to(stream.dtype).transpose(-1, -2), grad_out)
-    grad_x = grad_x + grad_flat.unflatten(-1, (n, -1)) + through_post_mix
+    grad_x = grad_x + grad_flat.unflatten(-1, (n, -1)) + grad_x_post
     rest = tuple(torch.zeros_like(p) for p in params[1:])
     return grad_x.to(stream.dtype), (grad_proj.to(params[0].dtype), *rest)
 
@@ -595,11 +672,11 @@ STUBS = {  # {set: {kernel: function}}; the passes of the other four are the rea
 
 
 def stub_kernels(which, backend="inductor"):
-    """mhc.MixingKernels with STUBS[which] compiled in place of the six kernels."""
-    kernels = mhc.MixingKernels()
-    for name, fn in STUBS[which].items():
-        setattr(kernels, name, torch.compile(fn, backend=backend, dynamic=False))
-    return kernels
+    """The kernels RecomputedBlock takes, STUBS[which] compiled in the six kernels' place."""
+    compiled = {
+        name: torch.compile(fn, backend=backend, dynamic=False) for name, fn in STUBS[which].items()
+    }
+    return types.SimpleNamespace(**compiled)
 
 
 def _time_part(fn, args, grads, repeats, device):
@@ -619,13 +696,39 @@ def _time_part(fn, args, grads, repeats, device):
     return 1e3 * statistics.median(times)
 
 
+class Written(torch.autograd.Function):
+    """A pure forward and its written-out backward as one autograd op, for timing the pair."""
+
+    @staticmethod
+    def forward(ctx, pair, *inputs):
+        ctx.pair, ctx.inputs = pair, inputs
+        return pair[0](*inputs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, *ctx.pair[1](grad, *ctx.inputs)
+
+
+def written(forward, backward, **kwargs):
+    """fn(*inputs) running forward(*inputs, **kwargs), backward(grad, *inputs, **kwargs)."""
+    pair = (lambda *x: forward(*x, **kwargs), lambda g, *x: backward(g, *x, **kwargs))
+    return lambda *inputs: Written.apply(pair, *inputs)
+
+
+SINKHORN = (
+    lambda x, iters: mhc.sinkhorn_knopp(x.detach(), iters),
+    lambda g, x, iters: (mhc.sinkhorn_backward(x.detach(), g, iters),),
+)
+
+
 def part_times(cfg, batch, repeats, device, modes):
     """One layer's parts, forward + backward, ms: {part: {'eager'|'fused'|'compiled': ms}}.
 
     coefficients = mhc_coefficients with 1 Sinkhorn round (norm, projection, gates); Sinkhorn =
     sinkhorn_knopp with the configured rounds on [B, T, n, n] logits; pre-mix A X; post-mix + merge
-    B X + C f; F = the mean of one attention and one MLP sublayer. 'fused' is the hand-written
-    backward version where one exists; 'compiled' is torch.compile of the plain math.
+    B X + C f; F = the mean of one attention and one MLP sublayer. 'fused' is mhc.py's pure
+    forward with its written-out backward (Written) where the part is one kernel pair: Sinkhorn,
+    pre-mix, post-mix; 'compiled' is torch.compile of the plain math.
     """
     torch.manual_seed(0)
     model = mhc.Transformer(cfg).to(device)
@@ -641,8 +744,8 @@ def part_times(cfg, batch, repeats, device, modes):
     g_abc = (torch.randn(*shape, n, device=device), torch.randn(*shape, n, n, device=device))
     g_abc = (g_abc[0], g_abc[1], torch.randn(*shape, n, device=device))
 
-    def coefficients(x, optimised=False):
-        return mhc.mhc_coefficients(x, hc, 1, optimised=optimised)
+    def coefficients(x):
+        return mhc.mhc_coefficients(x, hc, 1)
 
     def sinkhorn(x):
         return mhc.sinkhorn_knopp(x, iters)
@@ -657,15 +760,15 @@ def part_times(cfg, batch, repeats, device, modes):
         return model.sublayers[0](x) + model.sublayers[1](x)
 
     parts = {  # name: (plain fn, hand-written fn or None, args, output grads, divide by)
-        "coefficients": (
-            coefficients,
-            lambda x: coefficients(x, True),
-            (stream,),
-            g_abc,
+        "coefficients": (coefficients, None, (stream,), g_abc),
+        "Sinkhorn": (sinkhorn, written(*SINKHORN, iters=iters), (logits,), None),
+        "pre-mix": (pre_mix, written(mhc.pre_mix, mhc.pre_mix_backward), (a, stream), None),
+        "post-mix": (
+            post_mix,
+            written(mhc.post_mix, mhc.post_mix_backward),
+            (b, stream, c, f),
+            None,
         ),
-        "Sinkhorn": (sinkhorn, lambda x: mhc.SinkhornReplay.apply(x, iters), (logits,), None),
-        "pre-mix": (pre_mix, mhc.FusedPreMix.apply, (a, stream), None),
-        "post-mix": (post_mix, mhc.FusedPostMixMerge.apply, (b, stream, c, f), None),
         "F": (sublayers, None, (h,), None),
     }
     rows = {}
@@ -882,6 +985,11 @@ def main():
     )
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats (smoke)")
     parser.add_argument(
+        "--accounting",
+        action="store_true",
+        help="only the counted bytes and work per token (mhc.py's demo size, or --dims), no timing",
+    )
+    parser.add_argument(
         "--dims",
         type=int,
         nargs="+",
@@ -942,6 +1050,10 @@ def main():
     # 0.4-6.9% off at C <= 1024 in two runs on a shared 2-core machine (0.4-4.5% in five with 21)
     curve_repeats = args.repeats or (2 if args.quick else 21)
     dims = args.dims or ((64, 128) if args.quick else (256, 512, 1024, 2048))
+    if args.accounting:
+        for dim in args.dims or (128,):
+            table_accounting(mhc.Config(dim=dim, seq_len=32, n_heads=max(1, dim // 32)))
+        return
     allocator = steady_allocator()
     print(
         f"mHC benchmark, torch {torch.__version__}, {torch.get_num_threads()} threads, "

@@ -4,7 +4,7 @@ The oracle is Hugging Face transformers' own DeepSeek-V4 implementation (a test-
 DeepseekV4HyperConnection, DeepseekV4HyperHead, and DeepseekV4DecoderLayer.forward, whose mixing
 (post * F + comb^T X) is run as written; only its attention, MoE and pre-norms are swapped for
 mhc.py's F modules (F is not what is compared, the hyper-connections are). Tiny random V4 modules
-are built, their weights loaded into mhc.py through mhc.from_v4_state_dict, and these compared:
+are built, their weights loaded into mhc.py by interop/v4_mhc.py's from_v4_state_dict, and compared:
 A, B, C of every layer, the stream after each of several layers (reference, fused and recomputed
 paths), the head's lane collapse, and B at logits of +-60 (where Sinkhorn without eps gives NaN).
 
@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 import mhc
+from interop import v4_mhc
 
 N_HC, DIM, LAYERS, BATCH, SEQ = 4, 16, 3, 2, 8  # LAYERS V4 decoder layers = 2 * LAYERS mHC layers
 
@@ -116,7 +117,7 @@ def build(dtype, seed=0):
     randomise(head.hc_fn, head.hc_base, head.hc_scale, gen)
     head.to(dtype)
     state.update({f"model.hc_head.{k}": v for k, v in head.state_dict().items()})
-    mhc.from_v4_state_dict(model, state)
+    v4_mhc.from_v4_state_dict(model, state)
     return v4, layers, head, model
 
 
@@ -155,21 +156,23 @@ def measure(dtype):
                     diffs[key] = max(diffs[key], (e - g).abs().max().item())
             v4_stream = layer.forward(v4_stream)
             ours["reference"] = model.run_layers(ours["reference"], 2 * i, 2 * i + 2)
-            ours["fused"] = model.run_layers(ours["fused"], 2 * i, 2 * i + 2, fused=True)
-            ours["recomputed"] = model.run_layers(ours["recomputed"], 2 * i, 2 * i + 2, True, 2)
+            ours["fused"] = model.run_layers(ours["fused"], 2 * i, 2 * i + 2, "fused")
+            ours["recomputed"] = model.run_layers(
+                ours["recomputed"], 2 * i, 2 * i + 2, "optimised", 2
+            )
             for name in ours:
                 per_layer[name] = max(per_layer[name], (ours[name] - v4_stream).abs().max().item())
         for name, value in per_layer.items():
             diffs[f"stream after each of {2 * LAYERS} layers, {name}"] = value
         diffs["head: lanes collapsed"] = (
-            (head(v4_stream) - model.collapse(v4_stream)).abs().max().item()
+            (head(v4_stream) - model.hyper_head(v4_stream)).abs().max().item()
         )
         hc = layers[0].attn_hc
         with torch.no_grad():  # comb logits = base: rows of +-60 (no eps: NaN)
             hc.scale[2] = 0.0
             sign = torch.randn(N_HC, N_HC, generator=torch.Generator().manual_seed(7)).sign()
             hc.base[2 * N_HC :] = 60.0 * sign.reshape(-1)
-            for key, value in mhc.hc_params_from_v4(hc.fn, hc.base, hc.scale, N_HC).items():
+            for key, value in v4_mhc.hc_params_from_v4(hc.fn, hc.base, hc.scale, N_HC).items():
                 getattr(model.hcs[0], key).copy_(value)
         expected_b = v4_coefficients(hc, stream)[1]
         got_b = mhc.mhc_coefficients(stream, model.hcs[0], 20)[1]

@@ -1,5 +1,5 @@
-"""The mHC benchmark's floor: the bytes it counts for the optimised kernels (quoted in README), and
-the stub kernels that measure it in the model."""
+"""The mHC benchmark's accounting: the bytes it counts per layer (the mHC paper's counts) and
+for the optimised kernels (quoted in README), and the stubs that measure the floor in the model."""
 
 import os
 import sys
@@ -20,10 +20,10 @@ def test_floor_counts_each_kernels_least_bytes():
     ms, read, written = bench_mhc.stream_floor(cfg, 2, calls, (per_mib, 2 * per_mib))
     # batch 2 x T 128 = 256 tokens: the stream S = 256 x 4 lanes x 1024 x 4 B = 4 MiB, a lane
     # s = 1 MiB. Read: mix_in S, mix_out S + s, mix_out_backward S + s, mix_in_backward 2S + s,
-    # collapse S, its backward S + s; written: s, S, s, S, s, S.
+    # collapse S, its backward S + s; written: s, S, S + s (the post-mix's dX and df), S, s, S.
     assert read == 4 * 4 + 7 * 5 + 4 * 5 + 4 * 9 + 4 + 5 == 116
-    assert written == 4 * 1 + 7 * 4 + 4 * 1 + 4 * 4 + 1 + 4 == 57
-    assert ms == 1e3 * (116 + 2 * 57)
+    assert written == 4 * 1 + 7 * 4 + 4 * 5 + 4 * 4 + 1 + 4 == 73
+    assert ms == 1e3 * (116 + 2 * 73)
 
 
 def test_cold_stream_cost_is_measured():
@@ -57,13 +57,13 @@ def test_stubs_return_what_the_kernels_return_and_floor_stubs_move_only_the_coun
     head = mhc.head_params(mhc.HyperHead(n, dim))
     with torch.no_grad():
         _, kept = mhc.mix_in(stream, params, 20)
-        grad_b, grad_c, _ = mhc.mix_out_backward(grad_out, stream, kept, f)
+        grad_b, grad_x, grad_c, _ = mhc.mix_out_backward(grad_out, stream, kept, f)
         _, head_kept = mhc.collapse(stream, head)
         args = {  # every kernel's arguments, as RecomputedBlock passes them
             "mix_in": (stream, params, 20),
             "mix_out": (stream, kept, f),
             "mix_out_backward": (grad_out, stream, kept, f),
-            "mix_in_backward": (grad_h, grad_b, grad_c, grad_out, stream, kept, params, 20),
+            "mix_in_backward": (grad_h, grad_b, grad_c, grad_x, stream, kept, params, 20),
             "collapse": (stream, head),
             "collapse_backward": (grad_h, stream, head_kept, head),
         }
@@ -103,3 +103,32 @@ def test_pass_stubs_drop_only_the_coefficient_math():
     torch.testing.assert_close(inv_rms, want_inv_rms)
     torch.testing.assert_close(a, torch.sigmoid(want_projected[..., :4]))
     torch.testing.assert_close(h, (a.unsqueeze(-1) * stream).sum(-2))
+
+
+def test_mixing_bytes_match_the_paper_counts():
+    n, dim = 4, 1024
+    naive = bench_mhc.mixing_bytes_per_token(n, dim, False, 1)
+    fused = bench_mhc.mixing_bytes_per_token(n, dim, True, 1)
+    assert naive["post_mix"] == ((3 * n + 1) * dim, 3 * n * dim)  # mHC paper: (3n+1)C, 3nC
+    assert fused["post_mix"] == ((n + 1) * dim, n * dim)  # -> (n+1)C reads, nC writes
+    assert fused["pre_mix"] == (n * dim, dim)
+    assert naive["pre_mix"] == (2 * n * dim, (n + 1) * dim)
+    assert fused["coefficients"][0] == n * dim and naive["coefficients"][0] == 3 * n * dim
+    assert bench_mhc.mixing_bytes_per_token(n, dim, True, 4)["pre_mix"] == (4 * n * dim, 4 * dim)
+    small, big = bench_mhc.expected_overhead(4, 128, 64), bench_mhc.expected_overhead(4, 1024, 64)
+    assert big.ratio < small.ratio / 4  # mixing ~ n C, F ~ C^2
+
+
+def test_written_pairs_time_the_same_math():
+    """The parts table's 'fused' column runs mhc.py's pure forward and written-out backward."""
+    mhc = bench_mhc.mhc
+    gen = torch.Generator().manual_seed(0)
+    b = torch.rand(2, 4, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(2, 4, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    c = torch.rand(2, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    f = torch.randn(2, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    fn = bench_mhc.written(mhc.post_mix, mhc.post_mix_backward)
+    assert torch.autograd.gradcheck(fn, (b, x, c, f))
+    sinkhorn = bench_mhc.written(*bench_mhc.SINKHORN, iters=5)
+    assert torch.autograd.gradcheck(sinkhorn, (torch.randn(2, 4, 4, dtype=torch.float64,
+                                                           requires_grad=True),))  # fmt: skip

@@ -9,11 +9,12 @@ Tolerances, and why:
            (layer 0's B logits: the expanded lanes are identical, and a row-stochastic B cannot
            change identical lanes) are compared against 1e-3 of the model's largest gradient.
   bf16:    1e-2 relative on the loss (bf16 keeps 8 bits of mantissa).
-Graded tests (course assignments) carry @pytest.mark.grade(points, solution=...): each fails when
-the body it grades is replaced by `raise NotImplementedError`.
+Graded tests (course assignments) carry @pytest.mark.grade(points, solution=..., needs=...): each
+fails when the body it grades is replaced by `raise NotImplementedError` or by a mistake of
+tests/mistakes/mhc.py, and its first line then says what is wrong; `needs` names the other regions
+it calls. They compare behaviour (any op order, a loop or a batch) at float64 tolerances, except
+where V4 fixes the exact order (Sinkhorn's, stated in its docstring).
 """
-
-import math
 
 import pytest
 import torch
@@ -37,8 +38,8 @@ def build(n_layers=6, hyper=True, seed=0, dtype=torch.float32):
                 hc.gate.copy_(torch.rand(3, generator=gen) * 0.5 + 0.5)
                 for p in (hc.bias_pre, hc.bias_post, hc.bias_res):
                     p.add_(torch.randn(p.shape, generator=gen).to(dtype))
-            model.collapse.gate.fill_(0.7)
-            model.collapse.bias.add_(torch.randn(4, generator=gen).to(dtype))
+            model.hyper_head.gate.fill_(0.7)
+            model.hyper_head.bias.add_(torch.randn(4, generator=gen).to(dtype))
     return model
 
 
@@ -75,17 +76,39 @@ def v4_sinkhorn(comb_logits, iters=20, eps=EPS):
 
 # ---- Sinkhorn-Knopp ------------------------------------------------------------------------------
 
+NEEDS_LAYER = ("mhc.sinkhorn_knopp", "mhc.mhc_coefficients")  # the reference model's regions
+NEEDS_KERNELS = (*NEEDS_LAYER, "mhc.post_mix_backward")  # and the kernels' (mix_out_backward)
+
 
 @pytest.mark.grade(points=2, solution="mhc.sinkhorn_knopp")
 def test_sinkhorn_matches_v4_and_is_doubly_stochastic():
-    logits = torch.randn(64, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 4, 4, dtype=torch.float64, generator=gen)
     b = mhc.sinkhorn_knopp(logits, iters=20)
-    # V4 keeps comb = B^T: its loop on the transposed logits, transposed back, is B
-    assert (b - v4_sinkhorn(logits.mT).mT).abs().max() < 1e-12
-    assert (b > 0).all()
-    # rows are normalised last: exact up to eps (s / (s + 1e-6)); columns converge geometrically
-    assert (b.sum(-1) - 1).abs().max() < 2e-6
-    assert (b.sum(-2) - 1).abs().max() < 1e-5
+    assert b.shape == logits.shape, f"B must keep the logits' shape {logits.shape}, got {b.shape}"
+    # float32, where exp(-120) underflows to 0: without eps a row or column of zeros gives 0/0
+    extreme = mhc.sinkhorn_knopp(60.0 * torch.randn(256, 4, 4, generator=gen).sign(), 20)
+    assert torch.isfinite(extreme).all(), (
+        "B has NaN or inf at logits of +-60 (float32): add eps after the softmax and to every "
+        "sum, as V4 does (sum + eps)"
+    )
+    rows, cols = (b.sum(-1) - 1).abs().max().item(), (b.sum(-2) - 1).abs().max().item()
+    assert rows < 2e-6, (
+        f"rows of B must sum to 1 (to eps), worst |row sum - 1| = {rows:.1e}: every round ends "
+        f"with the row step (sum over dim=-1), after the column step (dim=-2)"
+    )
+    assert cols < 1e-5, f"columns of B must sum to 1 after 20 rounds, worst error {cols:.1e}"
+    # V4 fixes the order (the docstring says so): compared to float64 rounding, 1e-12
+    err = (b - v4_sinkhorn(logits.mT).mT).abs().max().item()
+    rows_first = (b - v4_sinkhorn(logits)).abs().max().item() < 1e-12  # V4's loop in B's layout
+    assert err < 1e-12, (
+        "B is normalised rows first (softmax along rows, columns last): V4 starts with a softmax "
+        "down each column (dim=-2) and ends every round on the rows"
+        if rows_first
+        else f"B differs from V4's Sinkhorn by {err:.1e}: V4's order is a softmax down each "
+        f"column (dim=-2) + eps, a row step, then iters - 1 rounds of (columns, rows), each "
+        f"sum + eps"
+    )
     # without eps: the Sinkhorn limit depends on exp(logits) only up to row and column scalings
     shift = torch.randn(64, 4, 1, dtype=torch.float64) + torch.randn(64, 1, 4, dtype=torch.float64)
     limit = mhc.sinkhorn_knopp(logits, iters=200, eps=0)
@@ -94,13 +117,13 @@ def test_sinkhorn_matches_v4_and_is_doubly_stochastic():
     k = torch.tensor([[2.0, 0.5], [-1.0, 0.3]], dtype=torch.float64)
     p = 1 / (1 + torch.exp((k[0, 1] + k[1, 0] - k[0, 0] - k[1, 1]) / 2))
     expected = torch.stack([torch.stack([p, 1 - p]), torch.stack([1 - p, p])])
-    assert torch.allclose(mhc.sinkhorn_knopp(k, iters=200, eps=0), expected, atol=1e-12)
+    got = mhc.sinkhorn_knopp(k, iters=200, eps=0)
+    assert torch.allclose(got, expected, atol=1e-12), f"2 x 2 limit: got {got}, want {expected}"
 
 
-def test_sinkhorn_gradients_and_replay():
+def test_sinkhorn_gradients_and_written_out_backward():
     small = torch.randn(3, 4, 4, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda x: mhc.sinkhorn_knopp(x, 20), (small,))
-    assert torch.autograd.gradcheck(lambda x: mhc.SinkhornReplay.apply(x, 20), (small,))
     # the written-out backward against autograd through the plain loop, ordinary and +-60 logits
     gen = torch.Generator().manual_seed(3)
     for scale in (1.0, 60.0):
@@ -114,15 +137,13 @@ def test_sinkhorn_gradients_and_replay():
 
 
 def test_sinkhorn_survives_logits_of_60():
-    """Issue 9.7: without eps a column that underflows to 0 gives 0/0 = NaN (~10% of matrices)."""
+    """Without eps a column that underflows to 0 gives 0/0 = NaN (~10% of matrices)."""
     gen = torch.Generator().manual_seed(0)
     logits = 60.0 * torch.randn(1000, 4, 4, generator=gen).sign()
     b = mhc.sinkhorn_knopp(logits, 20)
     assert torch.isfinite(b).all()
     assert (b - v4_sinkhorn(logits.mT).mT).abs().max() < 1e-6
-    row = torch.tensor([[60.0, -60, -60, -60]]).expand(
-        4, 4
-    )  # the issue's example, in comb's layout
+    row = torch.tensor([[60.0, -60, -60, -60]]).expand(4, 4)  # in comb's layout
     assert torch.isfinite(mhc.sinkhorn_knopp(row.mT, 20)).all()
     assert (mhc.sinkhorn_knopp(row.mT, 20) - v4_sinkhorn(row).mT).abs().max() < 1e-6
 
@@ -140,22 +161,42 @@ def coefficients_by_hand(x, hc, n):
     return a, v4_sinkhorn(b_logits.T).T, c
 
 
-@pytest.mark.grade(points=3, solution="mhc.mhc_coefficients")
-def test_layer_matches_the_equations_token_by_token():
-    """V4 §2.2 for one token at a time, independently of mhc_coefficients and the einsums."""
+FORMULAS = {
+    "A": "A = sigmoid(alpha_pre * x_hat W_pre + S_pre) + eps",
+    "B": "B = sinkhorn_knopp(alpha_res * x_hat W_res (row-major n x n) + S_res)",
+    "C": "C = 2 sigmoid(alpha_post * x_hat W_post + S_post)",
+}
+
+
+def one_token_at_a_time():
     model = build(n_layers=1, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(3)
+    stream = torch.randn(2, 8, 4, 16, dtype=torch.float64, generator=gen)
+    coeffs = [[coefficients_by_hand(stream[b, t], model.hcs[0], 4) for t in range(8)]
+              for b in range(2)]  # fmt: skip
+    return model, stream, coeffs
+
+
+@pytest.mark.grade(points=3, solution="mhc.mhc_coefficients", needs=("mhc.sinkhorn_knopp",))
+def test_layer_matches_the_equations_token_by_token():
+    """V4 §2.2 for one token at a time (float64: 1e-12), independently of mhc_coefficients."""
+    model, stream, coeffs = one_token_at_a_time()
     hc, sublayer, n = model.hcs[0], model.sublayers[0], 4
-    stream = torch.randn(
-        2, 8, n, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(3)
-    )
     with torch.no_grad():
-        coeffs = [[coefficients_by_hand(stream[b, t], hc, n) for t in range(8)] for b in range(2)]
-        a, b, c = mhc.mhc_coefficients(stream, hc, 20)
+        got = mhc.mhc_coefficients(stream, hc, 20)
+        assert len(got) == 3, "mhc_coefficients must return (A, B, C)"
         for i, name in enumerate("ABC"):
             expected = torch.stack(
                 [torch.stack([coeffs[bi][t][i] for t in range(8)]) for bi in range(2)]
             )
-            assert ((a, b, c)[i] - expected).abs().max() < 1e-12, name
+            assert got[i].shape == expected.shape, (
+                f"{name} must have shape {tuple(expected.shape)}, got {tuple(got[i].shape)}"
+            )
+            err = (got[i] - expected).abs().max().item()
+            assert err < 1e-12, (
+                f"{name} differs from V4 §2.2 by {err:.1e}: {FORMULAS[name]}, x_hat = vec(X) / "
+                f"rms(vec(X)) over all n*C numbers of a token, W = hc.proj"
+            )
         h = torch.stack([torch.stack([sum(coeffs[bi][t][0][i] * stream[bi, t, i] for i in range(n))
                                       for t in range(8)]) for bi in range(2)])  # fmt: skip
         f = sublayer(h)
@@ -166,10 +207,39 @@ def test_layer_matches_the_equations_token_by_token():
                 for i in range(n):  # output lane i = sum_j B_ij X_j + C_i f
                     lanes = sum(mix[i, j] * stream[bi, t, j] for j in range(n))
                     expected[bi, t, i] = lanes + c_t[i] * f[bi, t]
-        assert (mhc.mhc_layer_reference(stream, sublayer, hc) - expected).abs().max() < 1e-12
-        assert (mhc.mhc_layer_fused(stream, sublayer, hc) - expected).abs().max() < 1e-12
-        got = mhc.run_recomputed_block(stream, [(sublayer, hc)])
-        assert (got - expected).abs().max() < 1e-12
+        err = (mhc.mhc_layer_reference(stream, sublayer, hc) - expected).abs().max().item()
+        assert err < 1e-12, f"the layer B X + C F(A X) differs from the equations by {err:.1e}"
+
+
+def test_kernels_forward_matches_the_equations_token_by_token():
+    model, stream, coeffs = one_token_at_a_time()
+    expected = mhc.mhc_layer_reference(stream, model.sublayers[0], model.hcs[0])
+    with torch.no_grad():
+        got = mhc.run_recomputed_block(stream, [(model.sublayers[0], model.hcs[0])])
+    assert (got - expected).abs().max() < 1e-12
+    _, kept = mhc.mix_in(stream, mhc.hc_params(model.hcs[0]), 20)
+    for i, name in enumerate("ABC"):
+        want = torch.stack([torch.stack([coeffs[bi][t][i] for t in range(8)]) for bi in range(2)])
+        assert (kept[i] - want).abs().max() < 1e-12, name
+
+
+def test_initial_mixing_is_the_lane_mean_or_one_half_at_one_lane():
+    """The docstrings' promise at alpha = 0: A = 1/n + eps and the head the lanes' mean (times
+    1 + n eps) for n >= 2; at n = 1 a sigmoid cannot reach 1, so A = 1/2 + eps and the head
+    returns (1/2 + eps) X."""
+    for n in (1, 2, 4):
+        hc, head = mhc.HyperConnection(n, 8).double(), mhc.HyperHead(n, 8).double()
+        with torch.no_grad():
+            hc.gate.zero_()
+            head.gate.zero_()
+        lanes = torch.randn(3, n, 8, dtype=torch.float64)
+        a, _, c = mhc.mhc_coefficients(lanes, hc)
+        # 1e-7: the biases are initialised in float32 (-log(n - 1) to ~6e-8 relative)
+        share = 1 / n if n > 1 else 0.5
+        assert (a - (share + EPS)).abs().max() < 1e-7, (n, a)
+        assert (c - 1).abs().max() < 1e-12, (n, c)
+        want = lanes.sum(-2) * (share + EPS)
+        assert (head(lanes) - want).abs().max() < 1e-7 * lanes.abs().max(), n
 
 
 def test_streams_expand_once_and_collapse_once_through_the_learned_head():
@@ -179,25 +249,19 @@ def test_streams_expand_once_and_collapse_once_through_the_learned_head():
     assert stream.shape == (4, 8, 4, 16)
     assert all(torch.equal(stream[..., i, :], model.embed(idx)) for i in range(4))
     lanes = torch.randn(4, 8, 4, 16, dtype=torch.float64)
-    head = model.collapse
+    head = model.hyper_head
     flat = lanes.flatten(-2)
     x_hat = flat / flat.pow(2).mean(-1, keepdim=True).add(EPS).sqrt()
     weights = torch.sigmoid(head.gate * (x_hat @ head.proj) + head.bias) + EPS
     collapsed = (weights.unsqueeze(-1) * lanes).sum(-2)
-    logits = model.head(model.norm(collapsed)).reshape(-1, 64)
+    logits = model.lm_head(model.norm(collapsed)).reshape(-1, 64)
     expected = torch.nn.functional.cross_entropy(logits, tgt.reshape(-1))
     assert torch.allclose(model.head_loss(lanes, tgt), expected, atol=1e-12)
-    # at gate 0 and its initial bias, the head is the mean of the lanes (+ eps per lane)
-    fresh = mhc.HyperHead(4, 16).double()
-    with torch.no_grad():
-        fresh.gate.zero_()
-        fresh.bias.fill_(-math.log(3))  # its init, in float64
-    assert (fresh(lanes) - lanes.mean(-2) * (1 + 4 * EPS)).abs().max() < 1e-12
     residual = build(n_layers=2, hyper=False)
     x = residual.embed(idx)
     for sublayer in residual.sublayers:
         x = x + sublayer(x)
-    logits = residual.head(residual.norm(x)).reshape(-1, 64)
+    logits = residual.lm_head(residual.norm(x)).reshape(-1, 64)
     assert torch.allclose(
         residual(idx, tgt), torch.nn.functional.cross_entropy(logits, tgt.reshape(-1))
     )
@@ -206,75 +270,70 @@ def test_streams_expand_once_and_collapse_once_through_the_learned_head():
 # ---- fused lane mixing ---------------------------------------------------------------------------
 
 
-def test_fused_forward_ops_match_plain_math_and_gradcheck():
+def test_written_out_backwards_match_autograd_and_gradcheck():
     gen = torch.Generator().manual_seed(0)
-    a = torch.rand(2, 3, 4, generator=gen, dtype=torch.float64)
-    stream = torch.randn(2, 3, 4, 5, generator=gen, dtype=torch.float64)
+    a = torch.rand(2, 3, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    stream = torch.randn(2, 3, 4, 5, generator=gen, dtype=torch.float64, requires_grad=True)
     plain_pre = sum(a[..., i, None] * stream[..., i, :] for i in range(4))
-    assert torch.allclose(mhc.FusedPreMix.apply(a, stream), plain_pre, atol=1e-12)
-    weight = torch.randn(20, 24, generator=gen, dtype=torch.float64)
-    flat = stream.flatten(-2)
-    plain_logits = (flat / flat.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()) @ weight
-    assert torch.allclose(mhc.NormThenProject.apply(flat, weight), plain_logits, atol=1e-12)
-    flat, weight = flat.clone().requires_grad_(), weight.requires_grad_()
-    assert torch.autograd.gradcheck(mhc.NormThenProject.apply, (flat, weight))
-    a, stream = a.clone().requires_grad_(), stream.clone().requires_grad_()
-    assert torch.autograd.gradcheck(mhc.FusedPreMix.apply, (a, stream))
+    assert torch.allclose(mhc.pre_mix(a, stream), plain_pre, atol=1e-12)
+    grad_h = torch.randn(plain_pre.shape, generator=gen, dtype=torch.float64)
+    expected = torch.autograd.grad(plain_pre, (a, stream), grad_h)
+    for g, e in zip(mhc.pre_mix_backward(grad_h, a.detach(), stream.detach()), expected):
+        assert (g - e).abs().max() < 1e-12
+    weight = torch.randn(20, 24, generator=gen, dtype=torch.float64, requires_grad=True)
+    flat = stream.detach().flatten(-2).requires_grad_()
+    plain = (flat / flat.pow(2).mean(-1, keepdim=True).add(EPS).sqrt()) @ weight
+    projected, inv_rms = mhc.norm_then_project(flat.detach(), weight.detach())
+    assert torch.allclose(projected * inv_rms, plain, atol=1e-12)
+    grad = torch.randn(plain.shape, generator=gen, dtype=torch.float64)
+    expected = torch.autograd.grad(plain, (flat, weight), grad)
+    got = mhc.norm_then_project_backward(grad, flat.detach(), weight.detach(), projected, inv_rms)
+    for g, e in zip(got, expected):
+        assert (g - e).abs().max() < 1e-12
+
+
+DERIVATIVES = {
+    "dB": "dB = dX' X^T per token ([n, C] @ [C, n])",
+    "dX": "dX = B^T dX' (B transposed: lane j feeds output lane i through B_ij)",
+    "dC": "dC_i = <dX'_i, f> over C",
+    "df": "df = sum_i C_i dX'_i",
+}
 
 
 @pytest.mark.grade(points=2, solution="mhc.post_mix_backward")
 def test_fused_post_mix_merge_backward():
+    """The four gradients of X' = B X + C f against autograd of the plain expression, float64
+    (any op order or loop agrees to 1e-12)."""
     gen = torch.Generator().manual_seed(1)
     b, stream = (torch.rand(2, 3, 4, 4, generator=gen, dtype=torch.float64),
                  torch.randn(2, 3, 4, 5, generator=gen, dtype=torch.float64))  # fmt: skip
     c, f = (torch.rand(2, 3, 4, generator=gen, dtype=torch.float64),
             torch.randn(2, 3, 5, generator=gen, dtype=torch.float64))  # fmt: skip
-    inputs = [t.clone().requires_grad_() for t in (b, stream, c, f)]
-    out = mhc.FusedPostMixMerge.apply(*inputs)
-    plain = torch.stack([sum(b[..., i, j, None] * stream[..., j, :] for j in range(4))
-                         + c[..., i, None] * f for i in range(4)], dim=-2)  # fmt: skip
-    assert torch.allclose(out, plain, atol=1e-12)
-    grad_out = torch.randn(out.shape, generator=gen, dtype=torch.float64)
-    got = torch.autograd.grad(out, inputs, grad_out)
     leaves = [t.clone().requires_grad_() for t in (b, stream, c, f)]
     lb, ls, lc, lf = leaves
     reference = (lb.unsqueeze(-1) * ls.unsqueeze(-3)).sum(-2) + lc.unsqueeze(-1) * lf.unsqueeze(-2)
+    grad_out = torch.randn(reference.shape, generator=gen, dtype=torch.float64)
     expected = torch.autograd.grad(reference, leaves, grad_out)
-    for name, g, e in zip(("B", "X", "C", "f"), got, expected):
-        assert (g - e).abs().max() < 1e-12, name
-    assert torch.autograd.gradcheck(mhc.FusedPostMixMerge.apply, tuple(inputs))
-
-
-def test_mixing_bytes_match_the_paper_counts():
-    n, dim = 4, 1024
-    naive, fused = (
-        mhc.mixing_bytes_per_token(n, dim, False, 1),
-        mhc.mixing_bytes_per_token(n, dim, True, 1),
-    )
-    assert naive["post_mix"] == (
-        (3 * n + 1) * dim,
-        3 * n * dim,
-    )  # mHC paper: (3n+1)C reads, 3nC writes
-    assert fused["post_mix"] == ((n + 1) * dim, n * dim)  # -> (n+1)C reads, nC writes
-    assert fused["pre_mix"] == (n * dim, dim)
-    assert naive["pre_mix"] == (2 * n * dim, (n + 1) * dim)
-    assert fused["coefficients"][0] == n * dim and naive["coefficients"][0] == 3 * n * dim
-    assert mhc.mixing_bytes_per_token(n, dim, True, 4)["pre_mix"] == (4 * n * dim, 4 * dim)
-    small, big = mhc.expected_overhead(4, 128, 64), mhc.expected_overhead(4, 1024, 64)
-    assert big.ratio < small.ratio / 4  # mixing ~ n C, F ~ C^2
+    got = mhc.post_mix_backward(grad_out, b, stream, c, f)
+    assert len(got) == 4, "post_mix_backward must return (dB, dX, dC, df)"
+    for (name, formula), g, e in zip(DERIVATIVES.items(), got, expected):
+        assert g.shape == e.shape, f"{name} must have shape {tuple(e.shape)}, got {tuple(g.shape)}"
+        err = (g - e).abs().max().item()
+        assert err < 1e-12, f"{name} differs from autograd by {err:.1e}: {formula}"
 
 
 # ---- the whole model, every path -----------------------------------------------------------------
 
 PATHS = {
-    "fused": dict(fused=True),
-    "recomputed": dict(recompute=2),
-    "recomputed L_r=4": dict(recompute=4),
-    "fused+recomputed": dict(fused=True, recompute=3),
+    "fused": dict(variant="fused"),
+    "optimised L_r=2": dict(variant="optimised", block=2),
+    "optimised L_r=4": dict(variant="optimised", block=4),
+    "optimised L_r=3": dict(variant="optimised", block=3),
+    "optimised, default L_r": dict(variant="optimised"),
 }
 
 
-@pytest.mark.grade(points=4, solution="mhc.RecomputedBlock.backward")
+@pytest.mark.grade(points=4, solution="mhc.RecomputedBlock.backward", needs=NEEDS_KERNELS)
 def test_every_optimised_path_equals_the_reference_in_float64():
     model = build(dtype=torch.float64)
     idx, tgt = batch(0)
@@ -285,11 +344,76 @@ def test_every_optimised_path_equals_the_reference_in_float64():
         loss = model(idx, tgt, **options)
         loss.backward()
         assert abs(loss.item() - ref_loss.item()) < 1e-12, name
-        assert_grads_close(grads_of(model), ref, 1e-9, name)
+        assert_grads_close(grads_of(model), ref, 1e-9, f"variant {name}")
 
 
-@pytest.mark.grade(points=1, solution="mhc.RecomputedBlock.backward")
-@pytest.mark.parametrize("path", [p for p in PATHS if "recomputed" in p])
+def block_gradients(head, layers, stream, run):
+    """Gradients of a random projection of run() w.r.t. the block input and every parameter."""
+    params = [p for sublayer, hc in layers for p in (*sublayer.parameters(), *hc.parameters())]
+    params += list(head.parameters()) if head is not None else []
+    for p in params:
+        p.grad = None
+    stream = stream.clone().requires_grad_()
+    out = run(stream)
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(5), dtype=out.dtype)
+    (out * weight).sum().backward()
+    return stream.grad, [p.grad.clone() for p in params]
+
+
+@pytest.mark.grade(points=2, solution="mhc.RecomputedBlock.backward", needs=NEEDS_KERNELS)
+@pytest.mark.parametrize("with_head", [False, True])
+def test_one_recomputed_block_layer_by_layer(with_head):
+    """One block of 3 layers against the plain layers in float64 (1e-9), each gradient named by
+    its layer, and F run once per layer (its graph is kept, never rebuilt)."""
+    model = build(n_layers=3, dtype=torch.float64)
+    layers, head = list(zip(model.sublayers, model.hcs)), model.hyper_head if with_head else None
+    gen = torch.Generator().manual_seed(4)
+    stream = torch.randn(2, 8, 4, 16, dtype=torch.float64, generator=gen)
+
+    def plain(x):
+        for sublayer, hc in layers:
+            x = mhc.mhc_layer_reference(x, sublayer, hc)
+        return head(x) if head is not None else x
+
+    calls = [0]
+    hooks = [s.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+             for s in model.sublayers]  # fmt: skip
+    ref_x, ref = block_gradients(head, layers, stream, plain)
+    calls[0] = 0
+    got_x, got = block_gradients(
+        head, layers, stream, lambda x: mhc.run_recomputed_block(x, layers, 20, None, head)
+    )
+    for h in hooks:
+        h.remove()
+    assert calls[0] == 3, (
+        f"F must run once per layer: it ran {calls[0]} times for 3 layers; backward must use the "
+        f"graph forward kept (torch.autograd.backward(f, grad_f)), not run F again"
+    )
+    scale = max(g.abs().max().item() for g in ref)
+    groups = [[(f"layer {i} {kind}.{n}", i) for kind, m in (("F", s), ("hc", hc))
+               for n, _ in m.named_parameters()] for i, (s, hc) in enumerate(layers)]  # fmt: skip
+    if head is not None:
+        groups.append([(f"hyper_head.{n}", None) for n, _ in head.named_parameters()])
+    checked = list(zip([name for group in groups for name in group], got, ref))
+    for name, g, r in sorted(checked, key=lambda c: -1 if c[0][1] is None else -c[0][1]):
+        (label, i), last = name, len(layers) - 1  # checked in backward's order: head, L-1, ...
+        err = (g - r).abs().max().item() / max(r.abs().max().item(), 1e-3 * scale)
+        if i is None:
+            hint = "with a head, rebuild X_L as well and start from kernels.collapse_backward"
+        elif i == last:
+            hint = (f"layer {i}'s backward must read its own input X_{i} (rebuilt from X_0"
+                    f" by the post-mix of the layers before), its coefficients, f_{i}")  # fmt: skip
+        else:
+            hint = (f"the layers after it are right, so the gradient passed down from layer "
+                    f"{i + 1} is wrong: it is B^T dX' (mix_out_backward's dX) plus the pre-mix's "
+                    f"and the norm's terms (mix_in_backward)")  # fmt: skip
+        assert err < 1e-9, f"{label}: gradient differs from the plain layers by {err:.1e}: {hint}"
+    err = (got_x - ref_x).abs().max().item() / ref_x.abs().max().item()
+    assert err < 1e-9, f"the block input's gradient dX_0 differs by {err:.1e}"
+
+
+@pytest.mark.grade(points=1, solution="mhc.RecomputedBlock.backward", needs=NEEDS_KERNELS)
+@pytest.mark.parametrize("path", [p for p in PATHS if p.startswith("optimised L")])
 def test_recomputed_training_tracks_the_reference_over_steps_fp32(path):
     training_tracks_the_reference(path)
 
@@ -324,7 +448,7 @@ def test_bf16_model_mixes_in_fp32_like_v4():
     ref, model = build(), build(dtype=torch.bfloat16)
     stream = torch.randn(2, 8, 4, 16).bfloat16()
     assert all(t.dtype == torch.float32 for t in mhc.mhc_coefficients(stream, model.hcs[0]))
-    assert model.collapse(stream).dtype == torch.bfloat16
+    assert model.hyper_head(stream).dtype == torch.bfloat16
     idx, tgt = batch(0)
     expected = ref(idx, tgt).item()
     for options in [{}, *PATHS.values()]:
@@ -339,19 +463,17 @@ def test_recomputation_keeps_only_block_inputs_and_f_outputs():
     model = build(n_layers=8)
     idx, tgt = batch(0)
     rows, n, dim = idx.numel(), model.cfg.n_hc, model.cfg.dim
-    _, naive = mhc.saved_activation_bytes(model, lambda: model(idx, tgt))
-    _, fused = mhc.saved_activation_bytes(model, lambda: model(idx, tgt, fused=True))
-    _, recomputed = mhc.saved_activation_bytes(
-        model, lambda: model(idx, tgt, fused=True, recompute=4)
-    )
-    _, per_layer = mhc.saved_activation_bytes(
-        model, lambda: model(idx, tgt, fused=True, recompute=1)
-    )
+
+    def saved(**options):
+        return mhc.saved_activation_bytes(model, lambda: model(idx, tgt, **options))[1]
+
+    naive, fused = saved(), saved(variant="fused")
+    recomputed, per_layer = saved(variant="optimised", block=4), saved(variant="optimised", block=1)
     assert recomputed < fused < naive
+    # fused is blocks of one layer: exactly what optimised keeps with L_r = 1
+    assert fused == per_layer
     # going from blocks of 4 to blocks of 1 adds exactly 6 more block inputs (n*C each)
     assert per_layer - recomputed == 6 * rows * n * dim * 4
-    # and versus storing every layer: the stream (n*C per layer) is gone
-    assert fused - recomputed >= 6 * rows * n * dim * 4
 
 
 def test_recomputed_model_keeps_exactly_block_inputs_f_outputs_and_coefficients():
@@ -364,29 +486,27 @@ def test_recomputed_model_keeps_exactly_block_inputs_f_outputs_and_coefficients(
     idx, tgt = batch(0)
     rows, n, dim = idx.numel(), model.cfg.n_hc, model.cfg.dim
     _, base = mhc.saved_activation_bytes(residual, lambda: residual(idx, tgt))
-    _, kept = mhc.saved_activation_bytes(model, lambda: model(idx, tgt, recompute=4))
+    _, kept = mhc.saved_activation_bytes(
+        model, lambda: model(idx, tgt, variant="optimised", block=4)
+    )
     coefficients = 2 * n * n + 4 * n + 1
     per_token = dim + n * dim + 8 * (dim + coefficients) + 2 * n + 1
     assert kept - base == rows * per_token * 4
 
 
-def test_fused_collapse_equals_the_plain_head_and_gradchecks():
+def test_written_out_collapse_equals_the_plain_head():
     model = build(n_layers=2, dtype=torch.float64)
-    head = model.collapse
-    with torch.no_grad():
-        head.gate.fill_(0.7)
-        head.bias.add_(torch.randn(4, dtype=torch.float64))
+    head = model.hyper_head
     stream = torch.randn(3, 5, 4, 16, dtype=torch.float64, requires_grad=True)
-    plain, fused = head(stream), head(stream, fused=True)
+    plain = head(stream)
+    params = mhc.head_params(head)
+    fused, kept = mhc.collapse(stream.detach(), [p.detach() for p in params])
     assert (plain - fused).abs().max() < 1e-12
     grad = torch.randn_like(plain)
-    params = [stream, head.proj, head.gate, head.bias]
-    expected = torch.autograd.grad(plain, params, grad)
-    got = torch.autograd.grad(fused, params, grad)
+    expected = torch.autograd.grad(plain, [stream, *params], grad)
+    got = mhc.collapse_backward(grad, stream.detach(), kept, [p.detach() for p in params])
     for name, g, e in zip(("stream", "proj", "gate", "bias"), got, expected):
         assert (g - e).abs().max() < 1e-12 * max(1.0, e.abs().max().item()), name
-    inputs = [t.detach().clone().requires_grad_() for t in params]
-    assert torch.autograd.gradcheck(mhc.FusedCollapse.apply, tuple(inputs))
 
 
 def test_recompute_blocks_stay_inside_stages_and_default_block_size():
@@ -405,25 +525,42 @@ def test_recompute_blocks_stay_inside_stages_and_default_block_size():
 
 @pytest.mark.grade(points=2, solution="mhc.one_f_one_b")
 def test_one_f_one_b_schedule():
-    # written out by hand: 4 stages, 6 micro-batches, stage 1 has 2 warm-up forwards
-    expected = [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("F", 4), ("B", 2),
-                ("F", 5), ("B", 3), ("B", 4), ("B", 5)]  # fmt: skip
-    assert mhc.one_f_one_b(4, 1, 6) == expected
-    for n_stages, n_micro in [(1, 3), (2, 2), (4, 4), (4, 7), (3, 5)]:
+    for n_stages, n_micro in [(4, 6), (1, 3), (2, 2), (4, 4), (4, 7), (3, 5)]:
         for stage in range(n_stages):
             order = mhc.one_f_one_b(n_stages, stage, n_micro)
+            where = f"stage {stage} of {n_stages}, {n_micro} micro-batches"
             every = [("F", i) for i in range(n_micro)] + [("B", i) for i in range(n_micro)]
-            assert sorted(order) == sorted(every)
+            assert sorted(order) == sorted(every), (
+                f"{where}: every micro-batch must run one forward and one backward, got {order}"
+            )
+            warmup = n_stages - stage - 1
+            leading = next(k for k, (kind, _) in enumerate(order) if kind == "B")
+            assert leading == warmup + 1, (
+                f"{where}: {leading} forwards before the first backward, expected {warmup + 1}: "
+                + ("the warm-up is n_stages - stage - 1 forwards"
+                   if leading > warmup + 1 else "the steady state runs a forward, then a backward")
+            )  # fmt: skip
+            steady = order[warmup : 2 * n_micro - warmup]
+            assert [k for k, _ in steady] == ["F", "B"] * (n_micro - warmup), (
+                f"{where}: after the warm-up, the steady state runs a forward, then a backward, "
+                f"until the forwards are done; got {order}"
+            )
             in_flight, peak = set(), 0
             for kind, i in order:
                 if kind == "F":
                     in_flight.add(i)
                 else:
-                    assert i in in_flight, "backward before its forward"
+                    assert i in in_flight, f"{where}: backward {i} before its forward"
                     in_flight.remove(i)
                 peak = max(peak, len(in_flight))
-            assert peak == min(n_stages - stage, n_micro), "1F1B holds <= stages - stage"
-            assert [i for k, i in order if k == "B"] == list(range(n_micro))
+            assert peak == min(n_stages - stage, n_micro), f"{where}: holds {peak} micro-batches"
+            assert [i for k, i in order if k == "B"] == list(range(n_micro)), (
+                f"{where}: backwards must run in micro-batch order, got {order}"
+            )
+    # written out by hand: 4 stages, 6 micro-batches, stage 1 has 2 warm-up forwards
+    expected = [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("F", 4), ("B", 2),
+                ("F", 5), ("B", 3), ("B", 4), ("B", 5)]  # fmt: skip
+    assert mhc.one_f_one_b(4, 1, 6) == expected
 
 
 # ---- pipeline parallelism ------------------------------------------------------------------------
@@ -436,8 +573,8 @@ def _pipeline_rank(rank, world_size, n_layers, hyper, steps, overlap=True, dtype
     out = []
     for step in range(steps):
         idx, tgt = batch(step, size=8)
-        loss, stats = mhc.pipeline_step(model, idx, tgt, n_micro=4, fused=True,
-                                        recompute=2 if hyper else 0, overlap=overlap)  # fmt: skip
+        options = dict(variant="optimised", block=2) if hyper else {}
+        loss, stats = mhc.pipeline_step(model, idx, tgt, 4, **options, overlap=overlap)
         mine = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         out.append((None if loss is None else loss.item(), mine, stats))
         opt.step()
@@ -474,11 +611,22 @@ def check_against_reference(results, ref_steps, world_size, rtol, loss_tol, byte
                 assert stats.bytes_sent_forward == stream_bytes
             if rank > 0:
                 assert stats.bytes_sent_backward == stream_bytes
-        assert abs(results[-1][1][step][0] - ref_loss) < loss_tol * abs(ref_loss)
+        loss = results[-1][1][step][0]
+        assert abs(loss / ref_loss - 4) > 1e-3, (
+            f"the last stage's loss is n_micro = 4 times one process's ({loss:.4f} vs "
+            f"{ref_loss:.4f}): divide each micro-batch's loss by n_micro (the mean over the batch)"
+        )
+        assert abs(loss - ref_loss) < loss_tol * abs(ref_loss), (
+            f"step {step}: the last stage's loss {loss:.6f} differs from one process's "
+            f"{ref_loss:.6f}: each micro-batch's idx and targets must stay paired"
+        )
         assert_grads_close(merged, ref_grads, rtol, f"{world_size} stages, step {step}")
 
 
-@pytest.mark.grade(points=5, solution="mhc.pipeline_step")
+NEEDS_PIPELINE = ("mhc.one_f_one_b", "mhc.RecomputedBlock.backward", *NEEDS_KERNELS)
+
+
+@pytest.mark.grade(points=5, solution="mhc.pipeline_step", needs=NEEDS_PIPELINE)
 @pytest.mark.parametrize(
     "world_size,overlap", [(1, True), (2, True), (2, False), (3, True), (4, True)]
 )
@@ -491,6 +639,27 @@ def test_pipeline_equals_single_process(world_size, overlap):
     # 1e-4: the head's gate gradient is one scalar summed over every token, in another grouping
     # (per micro-batch) with cancellation: measured 3.5e-5 relative in fp32 (float64: 1e-9 below)
     check_against_reference(results, ref_steps, world_size, 1e-4, 1e-6)
+
+
+@pytest.mark.grade(points=1, solution="mhc.pipeline_step", needs=NEEDS_PIPELINE)
+def test_pipeline_step_runs_the_variant_it_is_given():
+    """At one stage, pipeline_step(variant=...) keeps what model(idx, targets, variant=...) keeps
+    (summed over its micro-batches): 'optimised' keeps far less than 'naive'."""
+    idx, tgt = batch(0, size=8)
+    saved = {}
+    for variant, block in (("naive", None), ("optimised", 2)):
+        model = build(n_layers=4)
+        run = lambda: mhc.pipeline_step(model, idx, tgt, 1, variant, block)  # noqa: E731
+        _, saved[variant] = mhc.saved_activation_bytes(model, run)
+        _, saved[variant + " model"] = mhc.saved_activation_bytes(
+            model, lambda: model(idx, tgt, variant, block)
+        )
+    assert saved["optimised"] < saved["naive"], (
+        f"pipeline_step ignored variant='optimised': it kept {saved['optimised']} bytes for "
+        f"backward, not less than 'naive' ({saved['naive']}); pass variant and block to "
+        f"model.run_layers"
+    )
+    assert saved["optimised"] == saved["optimised model"], "one stage keeps what the model keeps"
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
@@ -513,7 +682,7 @@ def _recorded_p2p_rank(rank, world_size, overlap):
 
     model, ops = build(n_layers=4), []
     groups = mhc.pipeline_groups()
-    links = {id(groups.forward): "activations", id(groups.backward): "gradients"}
+    links = {id(groups["forward"]): "activations", id(groups["backward"]): "gradients"}
     originals = dist.isend, dist.irecv
 
     def record(kind, original):
@@ -576,11 +745,13 @@ def test_bad_input_single_process():
         with pytest.raises(ValueError, match="n_hc=4, dim=16"):
             mhc.mhc_layer_reference(torch.randn(shape), sublayer, hc)
         with pytest.raises(ValueError, match="n_hc=4, dim=16"):
-            mhc.mhc_layer_fused(torch.randn(shape), sublayer, hc)
-        with pytest.raises(ValueError, match="n_hc=4, dim=16"):
             mhc.run_recomputed_block(torch.randn(shape), [(sublayer, hc)])
     with pytest.raises(ValueError, match="L_r"):
-        model(*batch(0), recompute=-1)
+        model(*batch(0), variant="optimised", block=-1)
+    with pytest.raises(ValueError, match="L_r"):
+        model(*batch(0), variant="fused", block=2)  # a block size means variant 'optimised'
+    with pytest.raises(ValueError, match="variant must be one of"):
+        model(*batch(0), variant="recomputed")
     with pytest.raises(ValueError, match="L_r"):
         mhc.recompute_blocks(0, 4, 0)
     with pytest.raises(ValueError, match="divides"):
@@ -617,16 +788,18 @@ def _differing_rank(rank, world_size, what):
         model = model.double()
     idx, tgt = batch(0, size=12 if (odd and what == "shape") else 8)
     n_micro = 8 if (odd and what == "n_micro") else 4
-    recompute = 3 if (odd and what == "recompute") else 2
+    block = 3 if (odd and what == "block") else 2
+    if odd and what == "batch":  # the data-parallel habit: each rank its own loader
+        idx, tgt = batch(7, size=8)
     try:
-        mhc.pipeline_step(model, idx, tgt, n_micro=n_micro, recompute=recompute)
+        mhc.pipeline_step(model, idx, tgt, n_micro, "optimised", block)
     except ValueError as e:
         return str(e)
     return None
 
 
 FIELDS = {"init": "initial parameters", "dtype": "parameter dtype", "shape": "idx shape",
-          "recompute": "recompute", "n_micro": "n_micro"}  # fmt: skip
+          "block": "block (L_r)", "n_micro": "n_micro", "batch": "batch (sha256"}  # fmt: skip
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -672,15 +845,19 @@ def test_demo_arguments_are_checked_before_any_work(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "3")
     bad = [(["--layers", "8"], "--layers"), (["--batch", "10"], "--batch"),
            (["--dim", "30", "--heads", "4"], "--heads"), (["--micro", "2"], "--micro")]  # fmt: skip
+    bad += [(["--heads", "0"], "--heads"), (["--micro", "0"], "--micro"),
+            (["--dim", "x"], "--dim"), (["--timeout", "0"], "--timeout")]  # fmt: skip
+    if not torch.cuda.is_available():
+        bad.append((["--device", "cuda"], "no CUDA GPU"))
     for argv, word in bad:
         with pytest.raises(SystemExit):
             mhc.parse_args(argv)
         err = capsys.readouterr().err.strip().splitlines()
-        assert word in err[-1], err
+        assert word in err[-1] and "Traceback" not in "".join(err), err
 
 
 def test_demo_runs_under_torchrun_on_three_stages():
     args = ["--dim", "32", "--layers", "6", "--steps", "2", "--batch", "12"]
     out = run_torchrun("mhc.py", nproc=3, args=args, timeout=300).stdout
     assert "pipeline: 3 stage(s)" in out and "sent per step" in out and "last stage" in out
-    assert "posted ahead" in out and "waited ms" in out
+    assert "posted ahead" in out and "waited on receives" in out

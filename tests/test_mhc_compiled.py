@@ -1,4 +1,4 @@
-"""mhc.CompiledModel (torch.compile) against the plain autograd model: the same numbers, F run once.
+"""compiled/mhc_compiled.py against the plain autograd model: the same numbers, F run once.
 
 The reference is the eager model with the plain autograd layer (mhc.mhc_layer_reference): no fused
 ops, no recomputation, no compiler. Compile time is the cost here: Inductor writes and builds C++
@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import mhc
+from compiled.mhc_compiled import CompiledModel
 
 SMALL = dict(vocab_size=32, seq_len=8, dim=16, n_heads=2, n_hc=4, n_layers=4, sinkhorn_iters=3)
 
@@ -78,11 +79,12 @@ def count_calls(runner):
     return calls
 
 
-@pytest.mark.parametrize("variant", ["optimised", "naive"])
+@pytest.mark.parametrize("variant", ["optimised", "fused", "naive"])
 def test_compiled_matches_reference_float64(variant):
     reference = build(dtype=torch.float64)
     model = copy.deepcopy(reference)
-    runner = mhc.CompiledModel(model, variant, recompute=2, backend="aot_eager")  # 2 blocks of 2
+    block = 2 if variant == "optimised" else None  # 2 blocks of 2
+    runner = CompiledModel(model, variant, block=block, backend="aot_eager")
     idx, tgt = batch(0)
     ref_loss = reference(idx, tgt)
     ref_loss.backward()
@@ -96,7 +98,7 @@ def test_compiled_matches_reference_float64(variant):
 def test_compiled_optimised_trains_like_reference_fp32_and_runs_f_once(backend):
     reference = build()
     model = copy.deepcopy(reference)
-    runner = mhc.CompiledModel(model, recompute=2, backend=backend)
+    runner = CompiledModel(model, block=2, backend=backend)
     calls = count_calls(runner)
     # SGD, not Adam: Adam divides by sqrt(v), so on gradients that are zero in exact arithmetic it
     # turns 1e-9 of rounding into a full-size step, and the two models would part for no real reason
@@ -121,18 +123,18 @@ def test_compiled_optimised_trains_like_reference_fp32_and_runs_f_once(backend):
 def test_compiled_residual_and_no_grad_forward():
     reference = build(hyper=False)
     idx, tgt = batch(0)
-    loss = mhc.CompiledModel(copy.deepcopy(reference), backend="aot_eager")(idx, tgt)
+    loss = CompiledModel(copy.deepcopy(reference), backend="aot_eager")(idx, tgt)
     assert abs(loss.item() - reference(idx, tgt).item()) < 1e-5 * loss.item()
     hyper = build()
-    runner = mhc.CompiledModel(hyper, recompute=2, backend="aot_eager")
+    runner = CompiledModel(hyper, block=2, backend="aot_eager")
     with torch.no_grad():  # the inference graphs alone, no autograd.Function
         assert abs(runner(idx, tgt).item() - hyper(idx, tgt).item()) < 1e-5 * loss.item()
 
 
 def test_compiled_model_refuses_mismatched_variants():
     with pytest.raises(ValueError, match="hyper=True"):
-        mhc.CompiledModel(build(hyper=False), "optimised")
-    with pytest.raises(ValueError, match="hyper=False"):
-        mhc.CompiledModel(build(), "residual")
+        CompiledModel(build(hyper=False), "optimised")
     with pytest.raises(ValueError, match="variant must be one of"):
-        mhc.CompiledModel(build(), "fused")
+        CompiledModel(build(), "residual")
+    with pytest.raises(ValueError, match="L_r"):
+        CompiledModel(build(), "naive", block=2)

@@ -14,6 +14,7 @@ pytest.importorskip("transformers")
 import oracle_v4_mhc  # noqa: E402
 
 import mhc  # noqa: E402
+from interop import v4_mhc  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -48,6 +49,6 @@ def test_adapter_refuses_a_checkpoint_of_another_shape():
              for k, v in layer.state_dict().items() if "_hc." in k}  # fmt: skip
     state.update({f"hc_head.{k}": v for k, v in head.state_dict().items()})
     with pytest.raises(ValueError, match="shape"):
-        mhc.from_v4_state_dict(small, state)
+        v4_mhc.from_v4_state_dict(small, state)
     with pytest.raises(ValueError, match="lacks"):
-        mhc.from_v4_state_dict(model, {k: v for k, v in state.items() if "layers.2" not in k})
+        v4_mhc.from_v4_state_dict(model, {k: v for k, v in state.items() if "layers.2" not in k})

@@ -51,7 +51,7 @@ def record(hyper, steps=2, **options):
 
 
 L_r = mhc.default_recompute_block(cfg.n_hc, cfg.n_layers)
-timelines = [record(False), record(True), record(True, fused=True, recompute=L_r)]
+timelines = [record(False), record(True), record(True, variant="optimised", block=L_r)]
 titles = ["residual", "naive mHC", f"optimised mHC (fused, L_r={L_r})"]
 plot_timelines(timelines, titles=titles, width=3.0, height=4.0)
 plt.show()
@@ -93,8 +93,8 @@ def per_layer_per_token(hyper, **options):
 rows = {
     "residual": per_layer_per_token(False),
     "naive mHC": per_layer_per_token(True),
-    "fused": per_layer_per_token(True, fused=True),
-    "fused + recompute L_r=2": per_layer_per_token(True, fused=True, recompute=2),
+    "fused": per_layer_per_token(True, variant="fused"),
+    "fused + recompute L_r=2": per_layer_per_token(True, variant="optimised", block=2),
 }
 fig, ax = plt.subplots(figsize=(10, 3.5))
 ax.barh(
@@ -231,7 +231,7 @@ for block in blocks:
     data = mhc.synthetic_batch(cfg_deep, 2, torch.Generator().manual_seed(0), "cpu")
     with tl.record():
         with tl.phase("forward"):
-            loss = model(data[:, :-1], data[:, 1:], fused=True, recompute=block)
+            loss = model(data[:, :-1], data[:, 1:], variant="optimised", block=block)
         with tl.phase("backward"):
             loss.backward()
     measured.append((tl.series("activations") + tl.series("temporaries")).max())
@@ -260,10 +260,11 @@ print(f"default L_r for n={n}, L={depth}:", mhc.default_recompute_block(n, depth
 # ## 6. Faithful to the public V4 code
 # The same random weights, loaded into Hugging Face transformers' DeepSeek-V4 modules
 # (`DeepseekV4HyperConnection`, `DeepseekV4HyperHead`, and the mixing of `DeepseekV4DecoderLayer`)
-# and, through `mhc.from_v4_state_dict`, into `mhc.py`: A, B, C of every layer, the stream after
-# each of six layers on every path (reference, fused, recomputed), the head's lane collapse, and B
-# at logits of +-60 (where Sinkhorn without its eps returned NaN). This needs `transformers`, a
-# test-only dependency (the cell says so and skips if it is missing). Where the project deliberately
+# and, through `interop/v4_mhc.py`'s `from_v4_state_dict`, into `mhc.py`: A, B, C of every layer,
+# the stream after each of six layers on every path (reference, fused, recomputed), the head's lane
+# collapse, and B at logits of +-60 (where Sinkhorn without its eps returned NaN). This needs
+# `transformers`, a test-only dependency (the cell says so and skips if it is missing). Where the
+# project deliberately
 # goes further (a hand-written backward, selective recomputation, a pipeline) it is checked against
 # its own plain reference instead, in `tests/test_mhc.py`; F here is a small attention/MLP, not
 # V4's attention and MoE, so only the hyper-connections are compared.
@@ -332,7 +333,7 @@ def live_overheads(dim, rounds=3, batch=2, layers=4):
     runs = {
         "residual": (residual, {}),
         "naive": (hyper, {}),
-        "optimised": (hyper, dict(fused=True, recompute=l_r)),
+        "optimised": (hyper, dict(variant="optimised", block=l_r)),
     }
     times = {name: [] for name in runs}
     for rnd in range(rounds + 1):

@@ -1,0 +1,188 @@
+"""mhc.py under torch.compile: the same pure kernels and the same recompute bookkeeping, compiled.
+
+Run eagerly, mhc.py's mixing kernels are still a string of separate ops plus Python dispatch. Here
+the same functions go to torch.compile (Inductor: C++ loops on CPUs, Triton kernels on GPUs), which
+fuses each into a few loops over the lanes. What is compiled, and why:
+  - the six kernels (mix_in, mix_out, their backwards, the head's collapse and its
+    backward), each one region. They are pure functions with their backward written out, so every
+    region is an inference graph: no autograd inside, nothing saved, nothing for AOTAutograd to
+    partition, and Sinkhorn's replay fuses into the same loops as the gates around it. The
+    parameters are arguments, so one graph serves every layer of a shape.
+  - F on its own (torch.compile of each sublayer), run once per layer per step; the residual model
+    compiles x + F(x) per layer, so F is compiled in every variant alike.
+  - not an autograd.Function with a hand-written backward (dynamo traces its forward, not its
+    backward), and not a whole layer or recompute block: F would sit inside the region, and one
+    graph cannot keep F's autograd graph while running the mixing without one. Compiling a whole
+    plain layer is the naive variant: its partitioner chooses what to keep.
+The block's bookkeeping (keep X_0, each f and the coefficients, rebuild, walk backwards) stays in
+Python: mhc.RecomputedBlock, a few calls per layer.
+
+The kernels are mhc.py's own functions, re-bound (kernel_namespace) to three layout primitives
+Inductor fuses better: lanes_matmul as a broadcast sum (a bmm stays an external call that writes
+its output and reads it back), and Sinkhorn and its backward with the tokens on the last axis (so
+each of the 40 steps vectorises across tokens instead of looping over 4-wide rows).
+
+Settings: dynamic=False, one graph per shape (a shape change compiles again); dynamo's recompile
+limit is raised to 64 (every C, grad mode and F type is one more graph of the same code), and
+reaching it raises instead of falling back silently to eager. Timings: benchmarks/bench_mhc.py.
+"""
+
+import types
+
+import torch
+
+import mhc
+
+
+def lanes_matmul(m, x):
+    """m [..., p, q] @ x [..., q, r] -> [..., p, r] as loops Inductor fuses with their neighbours.
+
+    A short sum (q <= n) as a broadcast product summed over q. A long one (q = C, as dB = dX' X^T)
+    as p * r dot products over the contiguous last axis: one loop with p * r accumulators, where a
+    [p, r, q] product summed would give p * r loops of one dependent chain each.
+    """
+    if m.shape[-1] > x.shape[-1]:  # a long sum (p, r <= n)
+        rows, cols = m.unbind(-2), x.unbind(-1)
+        return torch.stack([torch.stack([(r * c).sum(-1) for c in cols], -1) for r in rows], -2)
+    return (m.unsqueeze(-1) * x.unsqueeze(-3)).sum(-2)
+
+
+def lane_sum(m, dim):
+    """m.sum(dim, keepdim=True) over a lane axis as n - 1 adds: elementwise work Inductor fuses
+    into the loop around it, where a sum is a loop of its own."""
+    parts = m.unbind(dim)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total.unsqueeze(dim)
+
+
+def sinkhorn_knopp(logits, iters=20, eps=mhc.EPS):
+    """mhc.sinkhorn_knopp's steps with the tokens last ([n, n, ...], a view). [..., n, n]."""
+    m = logits.movedim((-2, -1), (0, 1))
+    m = torch.softmax(m, dim=0) + eps
+    for dim in [1] + [0, 1] * (iters - 1):
+        m = m / (lane_sum(m, dim) + eps)
+    # back to [..., n, n] in memory too: the post-mix reads B per token (with B tokens-last,
+    # Inductor would loop lanes outermost and read the stream n times)
+    return m.movedim((0, 1), (-2, -1)).contiguous()
+
+
+def sinkhorn_backward(logits, grad, iters=20, eps=mhc.EPS):
+    """mhc.sinkhorn_backward with the tokens last. [..., n, n]."""
+    logits, grad = logits.movedim((-2, -1), (0, 1)), grad.movedim((-2, -1), (0, 1))
+    soft = torch.softmax(logits, dim=0)
+    matrix, steps = soft + eps, []
+    for dim in [1] + [0, 1] * (iters - 1):
+        sums = lane_sum(matrix, dim) + eps
+        matrix = matrix / sums
+        steps.append((matrix, sums, dim))
+    for matrix, sums, dim in reversed(steps):
+        grad = (grad - lane_sum(grad * matrix, dim)) / sums
+    grad = soft * (grad - lane_sum(grad * soft, 0))
+    return grad.movedim((0, 1), (-2, -1))
+
+
+LAYOUT = {"lanes_matmul": lanes_matmul, "sinkhorn_knopp": sinkhorn_knopp,
+          "sinkhorn_backward": sinkhorn_backward}  # fmt: skip
+
+
+def kernel_namespace(module=mhc):
+    """module's globals with every function it defines re-bound to them and LAYOUT swapped in:
+    mix_in, post_mix_backward, ... are mhc.py's own code, calling the primitives above."""
+    space = dict(vars(module))
+    for name, fn in vars(module).items():
+        if isinstance(fn, types.FunctionType) and fn.__module__ == module.__name__:
+            copy = types.FunctionType(fn.__code__, space, name, fn.__defaults__, fn.__closure__)
+            copy.__kwdefaults__, copy.__doc__ = fn.__kwdefaults__, fn.__doc__
+            space[name] = copy
+    space.update(LAYOUT)
+    return space
+
+
+_COMPILED = {}
+
+
+def compiled(fn, backend="inductor"):
+    """torch.compile(fn) made once per function and backend (graphs cached per shape, grad mode)."""
+    if (fn, backend) not in _COMPILED:
+        _COMPILED[fn, backend] = torch.compile(fn, backend=backend, dynamic=False)
+    return _COMPILED[fn, backend]
+
+
+KERNELS = ("mix_in", "mix_out", "mix_out_backward", "mix_in_backward", "collapse",
+           "collapse_backward")  # fmt: skip
+_SPACE = {}
+
+
+def compiled_kernels(backend="inductor"):
+    """The re-bound KERNELS, each compiled, as the `kernels` mhc.RecomputedBlock takes (a fresh
+    namespace each call; the compiled functions and their graphs are cached)."""
+    space = _SPACE.setdefault("space", kernel_namespace())
+    return types.SimpleNamespace(**{name: compiled(space[name], backend) for name in KERNELS})
+
+
+def residual_layer(x, sublayer):
+    """x + F(x), the baseline layer."""
+    return x + sublayer(x)
+
+
+class CompiledModel:
+    """model(idx, targets) with its layers compiled: the same parameters and the same math.
+
+    variant (mHC models, mhc.VARIANTS; residual models take None):
+      "optimised"  the default: mhc.RecomputedBlock in blocks of `block` layers (default L_r) with
+                   compiled_kernels(); F compiled on its own, run once per layer per step
+                   (self.f[i] is layer i's F);
+      "fused"      the same in blocks of one layer;
+      "naive"      each plain autograd layer, mixing and F, compiled whole.
+    A residual model compiles each x + F(x) whole. The head (norm, logits, loss) is compiled in
+    every variant; fused and optimised fold the lane collapse into their last block (compiled
+    kernels), naive collapses with the plain HyperHead inside the compiled head_loss. Graphs
+    compile on the first call per shape: warm up before timing. Train/eval mode, dtype, device
+    and grad mode are guarded by torch.compile. backend: torch.compile's ("aot_eager" traces the
+    same graphs without code generation, for quick checks).
+    """
+
+    def __init__(self, model, variant=None, block=None, backend="inductor"):
+        if model.hyper:
+            variant = variant or "optimised"
+            mhc.check_variant(variant, block)
+        elif variant is not None:
+            raise ValueError(f"variant {variant!r} needs an mHC model built with hyper=True")
+        cfg = model.cfg
+        self.block = (
+            1
+            if variant == "fused"
+            else block or mhc.default_recompute_block(cfg.n_hc, cfg.n_layers)
+        )
+        self.model, self.variant, self.backend = model, variant, backend
+        self.kernels = compiled_kernels(backend)
+        self.f = [torch.compile(s, backend=backend, dynamic=False) for s in model.sublayers]
+        self.head_loss = torch.compile(model.head_loss, backend=backend, dynamic=False)
+        limit = torch._dynamo.config.recompile_limit
+        torch._dynamo.config.recompile_limit = max(limit, 64)
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
+
+    def run_layers(self, stream, start=0, end=None, final=False):
+        """Layers [start, end) on the stream ([B, T, n, C], or [B, T, C] for the residual).
+        final: end with the lanes collapsed (fused, optimised: folded into the last block;
+        naive: left to head_loss, as mhc.Transformer.head_loss does)."""
+        model, iters = self.model, self.model.cfg.sinkhorn_iters
+        end = model.cfg.n_layers if end is None else end
+        if not model.hyper:
+            for sublayer in model.sublayers[start:end]:
+                stream = compiled(residual_layer, self.backend)(stream, sublayer)
+            return stream
+        if self.variant == "naive":
+            layer = compiled(mhc.mhc_layer_reference, self.backend)
+            for sublayer, hc in zip(model.sublayers[start:end], model.hcs[start:end]):
+                stream = layer(stream, sublayer, hc, iters)
+            return stream
+        layers = list(zip(self.f[start:end], model.hcs[start:end]))
+        head = model.hyper_head if final else None
+        return mhc.run_recomputed_layers(stream, layers, self.block, iters, self.kernels, head)
+
+    def __call__(self, idx, targets):
+        final = self.variant in ("fused", "optimised")
+        return self.head_loss(self.run_layers(self.model.embed_stream(idx), final=final), targets)
