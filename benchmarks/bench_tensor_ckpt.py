@@ -117,7 +117,7 @@ def memory(stack, fn, x, grad):
     return tl.peak("activations", step=0, phase="forward"), peak, tl
 
 
-OpCounter = tc.OpCounter  # aten ops run and bytes allocated
+OpCounter = tc.Meter  # aten ops run and bytes allocated
 
 
 def backward_work(fn, x, grad):

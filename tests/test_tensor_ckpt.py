@@ -288,7 +288,7 @@ def test_a_recompute_reading_another_forgotten_tensor_reuses_its_recompute():
     # fc1 runs once per backward, not once for itself and once more inside the GELU's subgraph.
     x = torch.randn(B, T, C, requires_grad=True)
     model = MLP()
-    ckpt = checkpoint_tensors(model, (x,), forget=["fc1", "gelu"])
+    ckpt = checkpoint_tensors(model, (x,), names=["fc1", "gelu"])
     gelu = next(u for u in ckpt.plan.units if u.name == "gelu")
     assert [n.name for n in gelu.nodes] == ["gelu"] and [d.name for d in gelu.deps] == ["fc1"]
     extra = backward_flops(ckpt, x) - backward_flops(model, x)
@@ -476,7 +476,7 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="forget\\(\\) needs a tensor"):
         checkpoint_tensors(ForgetsASize(), (x,))
     with pytest.raises(ValueError, match="no node named"):
-        checkpoint_tensors(MLP(), (x,), forget=["nonexistent"])
+        checkpoint_tensors(MLP(), (x,), names=["nonexistent"])
     with pytest.raises(ValueError, match="1 inputs"):
         checkpoint_tensors(MLP(), (x, x))
     ckpt = checkpoint_tensors(MLP(), (x,))
@@ -492,7 +492,7 @@ def test_leaf_modules_is_the_fix_for_untraceable_code_and_names_override_marks()
     # the opaque gate is re-run whole, and the GELU before it too: nothing saves the GELU's output
     assert [n.name for n in ckpt.plan.units[0].nodes] == ["gelu", "gate"]
     assert_bitwise(grads_of(model, x, model), grads_of(model, x, ckpt))
-    ckpt = checkpoint_tensors(model, (x,), forget=["gelu"], leaf_modules=(Gate,))
+    ckpt = checkpoint_tensors(model, (x,), names=["gelu"], leaf_modules=(Gate,))
     assert [u.name for u in ckpt.plan.units] == ["gelu"]
     assert_bitwise(grads_of(model, x, model), grads_of(model, x, ckpt))
 
@@ -537,7 +537,7 @@ def _data_parallel_rank(rank, world_size):
     model = tc.Block(C, H)
     x = torch.randn(world_size * B, T, C).view(world_size, B, T, C)[rank].clone().requires_grad_()
     try:  # a bad annotation is refused on every rank before any collective, so nobody waits
-        checkpoint_tensors(model, (x,), forget=["no_such_tensor"])
+        checkpoint_tensors(model, (x,), names=["no_such_tensor"])
         raise AssertionError("expected a ValueError")
     except ValueError:
         pass
@@ -711,7 +711,7 @@ def test_an_empty_example_batch_is_refused():
 def test_forgetting_a_view_of_attention_warns_with_the_op_and_its_flops():
     x = torch.randn(B, T, C, requires_grad=True)
     with pytest.warns(UserWarning) as record:
-        ckpt = checkpoint_tensors(tc.Block(C, H), (x,), forget=["reshape"])
+        ckpt = checkpoint_tensors(tc.Block(C, H), (x,), names=["reshape"])
     text = str(record[0].message)
     flops = ckpt.plan.units[0].op_flops
     sdpa = dict(flops)["scaled_dot_product_attention"]

@@ -147,7 +147,7 @@ points = {}
 for label, names in choices.items():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        c = tc.checkpoint_tensors(block, (x,), forget=names)
+        c = tc.checkpoint_tensors(block, (x,), names=names)
     held, _ = tc.activation_bytes(c, x)
     flops, ops, written = (a - b for a, b in zip(bench.backward_work(c, x, ones), plain_work))
     points[label] = ((plain_bytes - held) / MiB, flops / 1e6, written / MiB)
