@@ -40,6 +40,7 @@ Usage:
 import argparse
 import contextlib
 import functools
+import inspect
 import time
 import warnings
 import weakref
@@ -72,22 +73,68 @@ def forget(x):
 
 
 class Tracer(fx.Tracer):
-    """FX's tracer, with ``leaf_modules``: classes kept as one opaque node."""
+    """FX's tracer with two switches: ``leaf_modules`` run as one opaque node, ``trace_into`` opens
+    torch.nn classes (FX keeps every torch.nn module a leaf). A failure records where it was."""
 
-    def __init__(self, leaf_modules=()):
+    def __init__(self, leaf_modules=(), trace_into=()):
         super().__init__()
-        self.leaf_modules = tuple(leaf_modules)
+        self.leaf_modules, self.trace_into = tuple(leaf_modules), tuple(trace_into)
 
     def is_leaf_module(self, m, qualname):
-        return isinstance(m, self.leaf_modules) or super().is_leaf_module(m, qualname)
+        if isinstance(m, self.leaf_modules):
+            return True
+        return not isinstance(m, self.trace_into) and super().is_leaf_module(m, qualname)
+
+    def call_module(self, m, forward, args, kwargs):
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception as err:
+            if not hasattr(err, "inside"):  # the innermost module is the one to name
+                err.inside = (self.path_of_module(m), type(m))
+            raise
 
 
-def trace(module, leaf_modules=()):
-    """Symbolically trace ``module`` into a GraphModule that shares its parameters."""
+def traced_arguments(module, concrete_args, n_inputs=None):
+    """The names of forward's arguments a trace takes: the first ``n_inputs`` (default: those
+    without a default) not fixed by ``concrete_args``; the rest keep their defaults."""
+    params = [p for p in inspect.signature(module.forward).parameters.values()
+              if p.name not in concrete_args and p.kind in (p.POSITIONAL_ONLY,
+                                                            p.POSITIONAL_OR_KEYWORD)]  # fmt: skip
+    return [p.name for p in params if n_inputs is not None or p.default is p.empty][:n_inputs]
+
+
+def trace(module, leaf_modules=(), trace_into=(), concrete_args=None, n_inputs=None):
+    """Symbolically trace ``module`` into a GraphModule that shares its parameters.
+
+    A forward FX cannot take as it is (``**kwargs``, a decorator, optional arguments that would
+    become proxies, ``concrete_args`` {name: value} to fix) is traced through a generated forward
+    of the same class and attributes, taking only ``traced_arguments`` and passing the fixed ones
+    by keyword. The attention fast path (inference only, branching on shapes) is off meanwhile."""
+    root, concrete_args, forward = module, dict(concrete_args or {}), type(module).forward
+    code = forward.__code__
+    varargs = code.co_flags & (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS)
+    if (
+        concrete_args
+        or varargs
+        or hasattr(forward, "__wrapped__")
+        or n_inputs not in (None, code.co_argcount - 1)
+    ):
+        names = traced_arguments(module, concrete_args, n_inputs)
+        scope = {"forward": forward, "fixed": concrete_args}
+        call = ", ".join(f"{n}={n}" for n in names)
+        exec(f"def bound(self, {', '.join(names)}):\n return forward(self, {call}, **fixed)", scope)
+        root = object.__new__(
+            type(type(module).__name__, (type(module),), {"forward": scope["bound"]})
+        )
+        root.__dict__ = module.__dict__  # the same submodules, parameters, buffers and names
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
     try:
-        graph = Tracer(leaf_modules).trace(module)
+        graph = Tracer(leaf_modules, trace_into).trace(root)
     except Exception as err:  # TraceError, or what a Proxy raises in len(), bool()...
         raise untraceable(module, err) from err
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fastpath)
     return fx.GraphModule(module, graph, class_name=type(module).__name__ + "Traced")
 
 
@@ -268,8 +315,10 @@ def profile(gm, example_inputs):
                         env[n] = run_node(gm, n, env)
                     info.flops, info.aten_ops = flops.get_total_flops(), meter.ops
                     info.bytes_written = meter.bytes
-                    moved = [not torch.equal(a, b) for a, b in zip(rng[:2], rng_snapshot(device)[:2])
-                             if a is not None]  # fmt: skip
+                    after = rng_snapshot(device)
+                    moved = [
+                        a is not None and not torch.equal(a, b) for a, b in zip(rng[:2], after)
+                    ]
                     info.random = any(moved) or can_draw(gm, n)
                     info.mutates = tuple({storage_key(t) for t, v in zip(touched, versions)
                                           if t._version != v})  # fmt: skip
@@ -443,7 +492,8 @@ def run_forgetting(traced, inputs, owner):
     Runs the traced graph node by node under the two hooks and drops each value after its last use,
     as FX's generated code does: a forgotten storage dies in forward once its last reader ran, and
     autograd holds only handles to it. Then each LiveStorage gets what its recompute reads."""
-    call = ForwardCall({u.root: LiveStorage(u, owner) for u in traced.plan.units})
+    autocast = python_state(torch.nn.Module())[1]  # the recompute re-enters it
+    call = ForwardCall({u.root: LiveStorage(u, owner, autocast) for u in traced.plan.units})
     env = dict(zip(traced.placeholders, inputs))
     with torch.autograd.graph.saved_tensors_hooks(functools.partial(pack_hook, call), unpack_hook):
         for n in traced.nodes:
@@ -578,6 +628,7 @@ class LiveStorage:
 
     unit: ForgottenUnit
     owner: nn.Module  # the TensorCheckpoint: its module runs the ops, it counts recomputations
+    autocast: tuple  # (device type, enabled, dtype) of the forward, re-entered by the recompute
     layout: tuple = None  # (dtype, shape, stride, offset, storage bytes) of the root in forward
     inputs: dict = field(default_factory=dict)  # frontier node -> value kept for the recompute
     versions: dict = field(default_factory=dict)  # frontier node -> its _version after forward
@@ -604,16 +655,24 @@ class LiveStorage:
             raise RuntimeError(f"tensor_ckpt: recomputed '{self.unit.name}' has layout {layout}, "
                                f"forward had {self.layout}")  # fmt: skip
 
+    def as_in_forward(self):
+        """no_grad, with autocast as the forward ran (as torch.utils.checkpoint re-enters it)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.no_grad())
+        for device, enabled, dtype in self.autocast:
+            stack.enter_context(torch.autocast(device, dtype, enabled=enabled))
+        return stack
+
     def recompute(self):
         """The root of this storage: recomputed on first use, then the cached value."""
-        # hint: dependencies first (their recompute()), ops under torch.no_grad() and with the
-        # forward's generator state; count self.owner.recomputations; release what you read
+        # hint: dependencies first (their recompute()), ops under self.as_in_forward() and with
+        # the forward's generator state; count self.owner.recomputations; release what you read
         ### BEGIN SOLUTION
         if self.value is None:
             self.check_inputs()
             env = dict(self.inputs)
             env.update({root: dep.recompute() for root, dep in self.deps.items()})
-            with torch.no_grad():
+            with self.as_in_forward():
                 for n in self.unit.nodes:
                     with replayed_rng(self.rng.get(n)):
                         env[n] = run_node(self.owner.module, n, env)
@@ -659,27 +718,61 @@ class Traced:
                     self.drop_after.setdefault(n, []).append(m)
 
 
-def mode_of(module):
-    """Every submodule's ``training`` flag: a trace freezes Python values read from them."""
-    return tuple(m.training for m in module.modules())
+_PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+
+def _plain(v):
+    return isinstance(v, _PLAIN) or (isinstance(v, (tuple, list)) and all(map(_plain, v)))
+
+
+def python_state(module):
+    """What a trace may have read as Python values and frozen into the graph: every plain
+    attribute of every submodule (``training``, a dropout's ``p``, a ``use_*`` flag), of the
+    objects they hold (a config), and the autocast state. A change means a new plan."""
+    state, seen = [], set()
+    for name, m in module.named_modules():
+        held = [v for v in vars(m).values() if hasattr(v, "__dict__") and not callable(v)]
+        for obj in [m, *(v for v in held if not isinstance(v, (nn.Module, torch.Tensor)))]:
+            if id(obj) not in seen:
+                seen.add(id(obj))
+                state += [(name, k, repr(v)) for k, v in vars(obj).items() if _plain(v)]
+    autocast = [
+        (d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
+    ]
+    return tuple(state), tuple(autocast)
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and (a.shape == b.shape and a.dtype == b.dtype and bool((a == b).all()))
+        )
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # a value without a truth value for ==
+        return False
 
 
 class TensorCheckpoint(nn.Module):
-    """``module`` with its plan's tensors forgotten after forward (one plan per train/eval mode,
-    traced on the first call in that mode). Without gradients nothing is saved: the module runs."""
+    """``module`` with its plan's tensors forgotten after forward. A plan is kept per
+    ``python_state`` of the module, traced on the first call in that state (a flag flipped after
+    tracing re-plans, it never runs a stale graph). Without gradients the module itself runs."""
 
-    def __init__(self, module, trace_and_plan):
+    def __init__(self, module, trace_and_plan, arguments, concrete_args):
         super().__init__()
         self.module = module
         self.recomputations = 0  # recompute subgraphs run (one per forgotten storage per backward)
-        self._trace_and_plan = trace_and_plan  # inputs -> Traced, for the module's current mode
-        self._traced, self._last = {}, None  # mode_of(module) -> Traced; the last one used
+        self._trace_and_plan = trace_and_plan  # inputs -> Traced, for the module's current state
+        self._traced, self._last = {}, None  # python_state(module) -> Traced; the last one used
+        self.arguments, self.concrete_args = arguments, concrete_args  # traced names; fixed ones
 
     def traced_for(self, inputs):
-        mode = mode_of(self.module)
-        if mode not in self._traced:
-            self._traced[mode] = self._trace_and_plan(inputs)
-        self._last = self._traced[mode]
+        state = python_state(self.module)
+        if state not in self._traced:
+            self._traced[state] = self._trace_and_plan(inputs)
+        self._last = self._traced[state]
         return self._last
 
     @property
@@ -690,12 +783,32 @@ class TensorCheckpoint(nn.Module):
     def gm(self):
         return self._last.gm
 
-    def forward(self, *inputs):
+    def bind(self, args, kwargs):
+        """The traced arguments of a call, in order; every other one must be as it was traced."""
+        signature = inspect.signature(self.module.forward)
+        given = signature.bind(*args, **kwargs).arguments
+        for p in signature.parameters.values():
+            if p.kind is p.VAR_KEYWORD:
+                given.update(given.pop(p.name, {}))
+        inputs = tuple(given.pop(name) for name in self.arguments if name in given)
+        for name, value in given.items():
+            p = signature.parameters.get(name)
+            traced = self.concrete_args.get(name, p.default if p is not None else "not passed")
+            if not _same(value, traced):
+                raise ValueError(
+                    f"tensor_ckpt: argument '{name}' is {type(value).__name__} {value!r:.60}, "
+                    f"but the trace fixed it at {traced!r:.60}. Fix: pass it in concrete_args="
+                    f"{{'{name}': ...}} with this value, or trace it as an example input."
+                )
+        return inputs
+
+    def forward(self, *args, **kwargs):
         if not torch.is_grad_enabled():
-            return self.module(*inputs)
+            return self.module(*args, **kwargs)
+        inputs = self.bind(args, kwargs) if kwargs or self.concrete_args else args
         traced = self.traced_for(inputs)
         if not traced.plan.units:
-            return self.module(*inputs)
+            return self.module(*args, **kwargs)
         check_inputs(traced.placeholders, inputs)
         return run_forgetting(traced, inputs, self)
 
@@ -712,21 +825,33 @@ def buffers_kept(module):
                 b.copy_(saved)
 
 
-def checkpoint_tensors(module, example_inputs, names=None, leaf_modules=()):
+def checkpoint_tensors(
+    module, example_inputs, names=None, leaf_modules=(), trace_into=(), concrete_args=None
+):
     """Trace ``module`` on ``example_inputs``; return it with its marked tensors forgotten.
 
     ``names``: None to use the ``forget()`` marks in the forward, or FX node names to forget
-    instead (try annotations without editing the model). ``leaf_modules``: module classes FX
-    should not trace into. The result shares ``module``'s parameters; ``.plan`` says what happens.
-    """
+    instead (for a model you cannot edit). ``leaf_modules``: classes run as one node;
+    ``trace_into``: torch.nn classes to trace inside. ``example_inputs`` are forward's first
+    arguments; ``concrete_args`` {name: value} fixes others (None, flags) for every call. The
+    result shares ``module``'s parameters; ``.plan`` says what happens."""
+    concrete_args = dict(concrete_args or {})
+    arguments = traced_arguments(module, concrete_args, len(example_inputs))
+    odd = [(n, v) for n, v in zip(arguments, example_inputs) if not isinstance(v, torch.Tensor)]
+    if odd:
+        raise ValueError(
+            f"tensor_ckpt: example input '{odd[0][0]}' is {odd[0][1]!r}, not a tensor: a traced "
+            f"argument becomes a proxy, so `if {odd[0][0]} is None` would take the wrong branch. "
+            f"Fix: concrete_args={{'{odd[0][0]}': {odd[0][1]!r}}}."
+        )
 
     def trace_and_plan(inputs):
-        gm = trace(module, leaf_modules)
+        gm = trace(module, leaf_modules, trace_into, concrete_args, len(inputs))
         with buffers_kept(module):  # the example run must not move BatchNorm's statistics
             infos, saved_keys = profile(gm, tuple(inputs))
         return Traced(gm, make_plan(gm, infos, saved_keys, names))
 
-    ckpt = TensorCheckpoint(module, trace_and_plan)
+    ckpt = TensorCheckpoint(module, trace_and_plan, arguments, concrete_args)
     ckpt.traced_for(tuple(example_inputs))
     return ckpt
 
@@ -902,12 +1027,14 @@ def main(argv=None):
 
 
 def untraceable(module, err):
+    path, cls = getattr(err, "inside", ("", type(module)))
+    where = f"inside '{path}' ({cls.__name__})" if path else type(module).__name__
     return ValueError(
-        f"tensor_ckpt: torch.fx cannot trace {type(module).__name__}: {err}\n"
-        "Data-dependent Python control flow (an `if`/`while` on tensor values, len() of a tensor) "
-        "has no graph form. Fix: move that code into its own nn.Module and pass its class in "
-        "leaf_modules=(ThatModule,) so it runs as one opaque node, or express the branch with "
-        "tensor ops (torch.where)."
+        f"tensor_ckpt: torch.fx cannot trace {where}: {str(err).splitlines()[0]}\n"
+        "Python control flow on a traced value (an `if`/`while` on a tensor, len() of a tensor) "
+        f"has no graph form. Fix: pass leaf_modules=({cls.__name__},) so it runs as one opaque "
+        "node (nothing inside it can then be forgotten), fix the arguments that steer it with "
+        "concrete_args={name: value}, or express the branch with tensor ops (torch.where)."
     )
 
 
@@ -917,8 +1044,13 @@ def check_marks(marked, nodes, infos, units):
     tensor changed in place."""
     unknown = [m for m in marked if isinstance(m, str)]
     if unknown:
-        raise ValueError(f"tensor_ckpt: no node named {unknown} in the traced graph. Pick from: "
-                         f"{[n.name for n in nodes if infos[n].is_tensor]}")  # fmt: skip
+        leaves = [n.target for n in nodes if n.op == "call_module" and
+                  any(u.startswith(n.target + ".") for u in unknown)]  # fmt: skip
+        inside = (f" '{unknown[0]}' is inside the leaf module '{leaves[0]}': FX keeps torch.nn "
+                  "modules whole; pass its class in trace_into=(...) to trace inside it."
+                  if leaves else "")  # fmt: skip
+        raise ValueError(f"tensor_ckpt: no node named {unknown} in the traced graph.{inside} "
+                         f"Pick from: {[n.name for n in nodes if infos[n].is_tensor]}")  # fmt: skip
     forgotten = {}
     output_keys = {infos[a].key for a in nodes[-1].all_input_nodes if infos[a].is_tensor}
     for m in marked:

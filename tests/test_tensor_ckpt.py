@@ -8,6 +8,7 @@ by FlopCounterMode over the backward. The one tolerance: data-parallel gradients
 on the whole batch, where the batch sum is split differently (fp32, rtol 1e-5).
 """
 
+import copy
 import warnings
 
 import harness as tc_harness
@@ -810,3 +811,129 @@ def test_command_line_help_and_arguments_checked_before_any_work(capsys):
             tc.parse_args(args)
         assert bad.value.code == 2
         assert words in capsys.readouterr().err, args
+
+
+# -------------------------------------------------------------------------------------------------
+# the seams (issue 29): stale traces, models nobody here wrote, autocast
+# -------------------------------------------------------------------------------------------------
+
+
+class Switched(nn.Module):
+    """Python values read in forward, which a trace freezes: a flag and a dropout probability."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
+        self.use_tanh, self.p = False, 0.0
+
+    def forward(self, x):
+        h = self.fc1(x)
+        h = torch.tanh(h) if self.use_tanh else F.gelu(h)
+        return self.fc2(forget(F.dropout(h, self.p, self.training) * 2))
+
+
+def test_a_flag_or_dropout_p_changed_after_tracing_re_plans():
+    model = Switched().train()
+    x = torch.randn(B, T, C, requires_grad=True)
+    ckpt = checkpoint_tensors(model, (x,))
+    assert_bitwise(grads_of(model, x, model), grads_of(model, x, ckpt))
+    model.use_tanh = True  # the first trace ran F.gelu: it must not be replayed
+    assert_bitwise(grads_of(model, x, model), grads_of(model, x, ckpt))
+    assert "gelu" not in [n.name for n in ckpt.plan.units[0].nodes]  # a new trace, a new plan
+    model.p = 0.4  # traced at p = 0: now the mask must be drawn, and replayed in backward
+    assert_bitwise(
+        seeded(lambda: grads_of(model, x, model)), seeded(lambda: grads_of(model, x, ckpt))
+    )
+    assert ckpt.plan.units[0].random_nodes == ["dropout"]
+
+
+def _gpt2(**overrides):
+    transformers = pytest.importorskip("transformers")
+    config = dict(n_layer=2, n_embd=C, n_head=H, vocab_size=64, n_positions=T, bos_token_id=0,
+                  eos_token_id=0)  # fmt: skip
+    return transformers.GPT2Config(**{**config, **overrides})
+
+
+def test_gpt2_block_bitwise_with_its_layer_norm_and_gelu_forgotten():
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Attention, GPT2Block
+
+    torch.manual_seed(0)
+    block = GPT2Block(_gpt2()).train()  # dropout on: the masks must be the plain run's
+    x = torch.randn(B, T, C, requires_grad=True)
+    with pytest.raises(ValueError, match="(?s)inside 'attn' \\(GPT2Attention\\).*leaf_modules"):
+        checkpoint_tensors(block, (x,), names=["ln_2"])
+    ckpt = checkpoint_tensors(block, (x,), names=["ln_2", "mul_3"], leaf_modules=(GPT2Attention,))
+    assert [u.name for u in ckpt.plan.units] == ["ln_2", "mul_3"]
+    assert ckpt.plan.bytes_freed > 0 and ckpt.plan.recompute_flops == 0
+    assert_bitwise(
+        seeded(lambda: grads_of(block, x, block)), seeded(lambda: grads_of(block, x, ckpt))
+    )
+
+
+def test_gpt2_lm_head_model_bitwise_with_every_block_checkpointed():
+    from transformers import GPT2LMHeadModel
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(_gpt2()).train()
+    tokens = torch.randint(0, 64, (B, T))
+    plain = copy.deepcopy(model)
+    h = torch.randn(B, T, C)
+    fixed = dict(use_cache=False, position_ids=torch.arange(T).unsqueeze(0))  # as GPT2Model calls
+    for i, block in enumerate(model.transformer.h):
+        model.transformer.h[i] = checkpoint_tensors(
+            block, (h,), names=["ln_1", "ln_2", "mul_3"], leaf_modules=(GPT2Attention,),
+            concrete_args=fixed,
+        )  # fmt: skip
+
+    def run(lm):
+        lm.zero_grad(set_to_none=True)
+        logits = lm(tokens, use_cache=False).logits
+        (logits * torch.linspace(-1, 1, logits.numel()).view_as(logits)).sum().backward()
+        return logits.detach(), [p.grad for p in lm.parameters()]
+
+    assert_bitwise(seeded(lambda: run(plain)), seeded(lambda: run(model)))
+    assert all(b.recomputations == 3 for b in model.transformer.h)
+
+
+def test_transformer_encoder_layer_traced_inside_bitwise():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(C, H, 2 * C, dropout=0.1, batch_first=True).train()
+    x = torch.randn(B, T, C, requires_grad=True)
+    with pytest.raises(ValueError, match="concrete_args=\\{'src_mask': None\\}"):
+        checkpoint_tensors(layer, (x, None))  # an optional argument would become a proxy
+    with pytest.raises(ValueError, match="inside the leaf module 'self_attn'.*trace_into"):
+        checkpoint_tensors(layer, (x,), names=["self_attn.out_proj"])
+    ckpt = checkpoint_tensors(layer, (x,), names=["norm1", "dropout"])  # the mask is replayed
+    assert ckpt.plan.units[1].random_nodes == ["dropout"]
+    assert_bitwise(
+        seeded(lambda: grads_of(layer, x, layer)), seeded(lambda: grads_of(layer, x, ckpt))
+    )
+    stack = nn.Sequential(nn.Linear(C, C), layer)  # inside a container: a torch.nn leaf by default
+    with pytest.raises(ValueError, match="trace_into"):
+        checkpoint_tensors(stack, (x,), names=["1.norm1"])
+    ckpt = checkpoint_tensors(
+        stack, (x,), names=["_1_norm1"], trace_into=(nn.TransformerEncoderLayer,)
+    )
+    assert_bitwise(
+        seeded(lambda: grads_of(stack, x, stack)), seeded(lambda: grads_of(stack, x, ckpt))
+    )
+
+
+def test_autocast_is_re_entered_for_the_recompute():
+    torch.manual_seed(0)
+    model = MLP()
+    x = torch.randn(B, T, C, requires_grad=True)
+    ckpt = checkpoint_tensors(model, (x,), names=["fc1", "gelu"])  # the recompute runs fc1's matmul
+
+    def autocast(fn):
+        def run(x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return fn(x)
+
+        return run
+
+    plain, ours = grads_of(model, x, autocast(model)), grads_of(model, x, autocast(ckpt))
+    assert plain[0].dtype == torch.bfloat16
+    assert_bitwise(plain, ours)  # the same bf16 kernels on the same inputs: bitwise, not 1e-2
+    assert ckpt.recomputations == 2
