@@ -448,6 +448,15 @@ def make_plan(gm, infos, saved_keys, names=None):
         sub, frontier = recompute_subgraph(
             root, lambda m: is_kept(m) or (m in roots and m is not root)
         )
+        missing = {m.name for n in sub for m in n.all_input_nodes} - {
+            n.name for n in [*sub, *frontier]
+        }
+        if missing:  # a student's recompute_subgraph that stopped early; the run would KeyError
+            raise ValueError(
+                f"tensor_ckpt: the recompute of '{name}' reads {sorted(missing)}, neither re-run "
+                "nor kept: recompute_subgraph must walk back through every node that is not "
+                "kept, not only root's direct inputs"
+            )
         sub = sorted(sub, key=position.get)
         deps = sorted((f for f in frontier if f in roots), key=position.get)
         frontier = sorted((f for f in frontier if f not in roots), key=position.get)
