@@ -163,8 +163,8 @@ def _tensors_in(value):
 
 
 class Meter(TorchDispatchMode):
-    """Counts aten ops and the bytes of the storages they create (views create none), and keeps a
-    weak reference to each storage: ``live_bytes()`` is what is still alive, measured."""
+    """Counts aten ops and the bytes of the storages they create (views create none); keeps a weak
+    reference to each, so ``live_bytes()`` measures what is still alive."""
 
     def __init__(self):
         super().__init__()
@@ -172,33 +172,34 @@ class Meter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in _tensors_in((args, kwargs))}
-        new = [s for s in (t.untyped_storage() for t in _tensors_in(out))
-               if s.data_ptr() not in inputs]  # fmt: skip
+        old = {t.untyped_storage().data_ptr() for t in _tensors_in((args, kwargs))}
+        new = [t.untyped_storage() for t in _tensors_in(out)]
+        new = [s for s in new if s.data_ptr() not in old]
         self.ops, self.bytes = self.ops + 1, self.bytes + sum(s.nbytes() for s in new)
-        self.made += [weakref.ref(s) for s in new]
+        self.made += map(weakref.ref, new)
         return out
 
     def live_bytes(self):
         return sum({id(s): s.nbytes() for s in (r() for r in self.made) if s is not None}.values())
 
 
-# FlopCounterMode has no formula for the CPU flash-attention kernels; they do the GPU kernels' math.
-_CPU_ATTENTION_FLOPS = {
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: (
-        lambda q, k, v, *args, out_shape=None, **kw: flop_counter.sdpa_flop_count(q, k, v)
-    ),
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: (
-        lambda g, q, k, v, *args, out_shape=None, **kw: flop_counter.sdpa_backward_flop_count(
-            g, q, k, v
-        )
-    ),
-}
+def _sdpa_cpu(q, k, v, *args, out_shape=None, **kwargs):
+    return flop_counter.sdpa_flop_count(q, k, v)
+
+
+def _sdpa_cpu_backward(grad, q, k, v, *args, out_shape=None, **kwargs):
+    return flop_counter.sdpa_backward_flop_count(grad, q, k, v)
 
 
 def count_flops():
-    """A FlopCounterMode (matmul, attention, conv FLOPs) that also counts attention on CPU."""
-    return flop_counter.FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION_FLOPS)
+    """A FlopCounterMode (matmul, attention, conv FLOPs), with CPU attention counted as on GPUs."""
+    aten = torch.ops.aten
+    flash = aten._scaled_dot_product_flash_attention_for_cpu
+    cpu = {
+        flash: _sdpa_cpu,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward,
+    }
+    return flop_counter.FlopCounterMode(display=False, custom_mapping=cpu)
 
 
 def flops_text(flops):
@@ -234,10 +235,9 @@ def replayed_rng(snapshot):
         yield
 
 
-_RANDOM_NAMES = {"bernoulli", "bernoulli_", "rand", "randn", "randint", "rand_like", "randn_like",
-                 "randint_like", "normal", "normal_", "uniform_", "multinomial", "poisson",
-                 "randperm", "rrelu", "random_", "exponential_", "geometric_", "cauchy_",
-                 "log_normal_"}  # fmt: skip
+_RANDOM = {"bernoulli", "bernoulli_", "rand", "randn", "randint", "rand_like", "randn_like",
+           "randint_like", "normal", "normal_", "uniform_", "multinomial", "poisson", "randperm",
+           "rrelu", "random_", "exponential_", "geometric_", "cauchy_", "log_normal_"}  # fmt: skip
 
 
 def can_draw(root, node):
@@ -248,14 +248,11 @@ def can_draw(root, node):
         return any(
             isinstance(m, (nn.modules.dropout._DropoutNd, nn.RReLU)) for m in module.modules()
         )
-    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
     if node.target is F.scaled_dot_product_attention:
         return node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0) != 0.0
-    if node.op not in ("call_function", "call_method") or not (
-        "dropout" in name or name in _RANDOM_NAMES
-    ):
-        return False
-    return node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True) is not False
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    random = node.op in ("call_function", "call_method") and ("dropout" in name or name in _RANDOM)
+    return random and node.kwargs.get("training", (node.args + (1, 1, 1))[2]) is not False
 
 
 @dataclass
@@ -313,13 +310,11 @@ def profile(gm, example_inputs):
                     versions, rng = [t._version for t in touched], rng_snapshot(device)
                     with count_flops() as flops, Meter() as meter:
                         env[n] = run_node(gm, n, env)
-                    info.flops, info.aten_ops = flops.get_total_flops(), meter.ops
-                    info.bytes_written = meter.bytes
-                    after = rng_snapshot(device)
-                    moved = [
-                        a is not None and not torch.equal(a, b) for a, b in zip(rng[:2], after)
-                    ]
-                    info.random = any(moved) or can_draw(gm, n)
+                    info.flops, info.aten_ops, info.bytes_written = (
+                        flops.get_total_flops(), meter.ops, meter.bytes)  # fmt: skip
+                    moved = zip(rng[:2], rng_snapshot(device)[:2])
+                    info.random = can_draw(gm, n) or any(
+                        a is not None and not torch.equal(a, b) for a, b in moved)  # fmt: skip
                     info.mutates = tuple({storage_key(t) for t, v in zip(touched, versions)
                                           if t._version != v})  # fmt: skip
                 value = env[n]
@@ -649,20 +644,28 @@ class LiveStorage:
     value: torch.Tensor = None  # the recomputed root, alive while a gradient still needs it
 
     def check_inputs(self):
-        for n, v in self.inputs.items():
-            if isinstance(v, torch.Tensor) and v._version != self.versions[n]:
-                raise RuntimeError(
-                    f"tensor_ckpt: '{n.name}', read to recompute forgotten '{self.unit.name}', was "
-                    "modified in place after forward; its gradient would be wrong. Do not modify "
-                    "it before backward."
-                )
+        changed = [n.name for n, v in self.inputs.items()
+                   if isinstance(v, torch.Tensor) and v._version != self.versions[n]]  # fmt: skip
+        if changed:
+            raise RuntimeError(
+                f"tensor_ckpt: '{changed[0]}', read to recompute forgotten '{self.unit.name}', was "
+                "modified in place after forward; its gradient would be wrong. Do not modify it "
+                "before backward."
+            )
 
     def check_layout(self, v):
-        layout = (v.dtype, tuple(v.shape), v.stride(), v.storage_offset(),
-                  v.untyped_storage().nbytes())  # fmt: skip
-        if layout != self.layout:
-            raise RuntimeError(f"tensor_ckpt: recomputed '{self.unit.name}' has layout {layout}, "
-                               f"forward had {self.layout}")  # fmt: skip
+        layout = (
+            v.dtype,
+            tuple(v.shape),
+            v.stride(),
+            v.storage_offset(),
+            v.untyped_storage().nbytes(),
+        )
+        if layout != self.layout:  # a recompute that ran otherwise than the forward did
+            raise RuntimeError(
+                f"tensor_ckpt: recomputed '{self.unit.name}' has layout {layout}, forward had "
+                f"{self.layout}"
+            )
 
     def as_in_forward(self):
         """no_grad, with autocast as the forward ran (as torch.utils.checkpoint re-enters it)."""
@@ -752,15 +755,9 @@ def python_state(module):
 
 
 def _same(a, b):
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and (a.shape == b.shape and a.dtype == b.dtype and bool((a == b).all()))
-        )
     try:
-        return a is b or bool(a == b)
-    except Exception:  # a value without a truth value for ==
+        return a is b or bool(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b)
+    except Exception:  # a tensor against a non-tensor, a value with no truth value for ==
         return False
 
 
