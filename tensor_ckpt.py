@@ -113,19 +113,14 @@ def trace(module, leaf_modules=(), trace_into=(), concrete_args=None, n_inputs=N
     root, concrete_args, forward = module, dict(concrete_args or {}), type(module).forward
     code = forward.__code__
     varargs = code.co_flags & (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS)
-    if (
-        concrete_args
-        or varargs
-        or hasattr(forward, "__wrapped__")
-        or n_inputs not in (None, code.co_argcount - 1)
-    ):
+    wrapped, arity = hasattr(forward, "__wrapped__"), code.co_argcount - 1
+    if concrete_args or varargs or wrapped or n_inputs not in (None, arity):
         names = traced_arguments(module, concrete_args, n_inputs)
         scope = {"forward": forward, "fixed": concrete_args}
         call = ", ".join(f"{n}={n}" for n in names)
         exec(f"def bound(self, {', '.join(names)}):\n return forward(self, {call}, **fixed)", scope)
-        root = object.__new__(
-            type(type(module).__name__, (type(module),), {"forward": scope["bound"]})
-        )
+        cls = type(type(module).__name__, (type(module),), {"forward": scope["bound"]})
+        root = object.__new__(cls)
         root.__dict__ = module.__dict__  # the same submodules, parameters, buffers and names
     fastpath = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
@@ -1075,12 +1070,8 @@ def check_marks(marked, nodes, infos, units):
             why = "it is (or shares storage with) an output of the module, which the caller holds"
             fix = "Remove forget() there; forget it where it is consumed instead."
         elif writers:
-            why = (
-                f"the in-place op '{writers[0]}' modifies it, so no single value can be recomputed"
-            )
-            fix = (
-                "Use the out-of-place op (x = x + y, F.relu(x) instead of x.add_(y), inplace=True)."
-            )
+            why = f"the in-place op '{writers[0]}' modifies it: no single value to recompute"
+            fix = "Use the out-of-place op (x = x + y, not x.add_(y); no inplace=True)."
         else:
             forgotten.setdefault(key, name)
             continue
