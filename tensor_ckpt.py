@@ -1,9 +1,8 @@
 """Tensor-level activation checkpointing: say what to forget, not how to recompute it (V4 §3.4.4).
 
-What the standard tool assumes. `torch.utils.checkpoint` works on whole functions: a checkpointed
-region is dropped after forward and runs again in backward. Selective activation checkpointing
-(SAC) refines that per *operator type* (save every matmul, recompute the rest), but the unit is
-still a region you wrap and an op-level policy you write.
+What the standard tool assumes. `torch.utils.checkpoint` works on whole functions: a region is
+dropped after forward and runs again in backward. Selective activation checkpointing (SAC) refines
+that per operator type, but the unit is still a region you wrap and an op-level policy you write.
 
 What V4 violates. In every V4 layer the expensive and the cheap sit side by side: matmul outputs
 are worth keeping, while norm outputs, activation outputs and reshaped copies are large and nearly
@@ -11,16 +10,16 @@ free to redo. Which *tensor* to keep is the decision, and it cuts across module 
 
 The fix. Mark tensors inside an ordinary forward with `forget(x)`. A TorchFX trace, run once on
 example inputs so storage identities are known, finds for each forgotten storage the minimal
-subgraph that recomputes it from what autograd keeps anyway; a view and its base are one storage,
-recomputed once. At run time saved-tensor hooks store a handle instead of the forgotten storage; the
-first gradient that needs it runs the subgraph (with the forward's generator state), every saved
-alias is rebuilt as a view of that one recomputed storage (no copy), and the storage is dropped
-after the last gradient that needs it. What cannot be recomputed exactly (an input or output, a
-tensor an in-place op touches, untraceable code) is refused with the tensor's name and the fix.
+subgraph that recomputes it from what autograd keeps anyway (a view and its base are one storage).
+At run time saved-tensor hooks store a handle instead of the storage; the first gradient that needs
+it runs the subgraph (with the forward's generator state), every saved alias is rebuilt as a view
+of the one recomputed storage, dropped after the last gradient that needs it. What cannot be
+recomputed exactly (an input or output, a tensor an in-place op touches, untraceable code) is
+refused with the tensor's name and the fix.
 
-Reading order: forget -> trace -> profile (the example run) -> make_plan (`recompute_subgraph`) ->
-the runtime (`run_forgetting`, with `pack_hook` and `unpack_hook`) -> `checkpoint_tensors` -> the
-demo. Below the fence: the refusals and the plan table.
+Reading order: forget -> trace -> profile -> make_plan (`recompute_subgraph`) -> `run_forgetting`
+(with `pack_hook`, `unpack_hook`) -> `checkpoint_tensors` -> the demo. Below the fence: the
+refusals and the plan table. Measured memory and recompute work: benchmarks/bench_tensor_ckpt.py.
 
     python tensor_ckpt.py                                          # one process
     OMP_NUM_THREADS=1 torchrun --nproc_per_node=4 tensor_ckpt.py   # data parallel, CPU/gloo
@@ -52,7 +51,6 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils import flop_counter
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import launch
 
@@ -157,56 +155,14 @@ def _tensors_in(value):
     return found
 
 
-class Meter(TorchDispatchMode):
-    """Counts aten ops and the bytes of the storages they create (views create none); keeps a weak
-    reference to each, so ``live_bytes()`` measures what is still alive."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops, self.bytes, self.made = 0, 0, []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        old = {t.untyped_storage().data_ptr() for t in _tensors_in((args, kwargs))}
-        new = [t.untyped_storage() for t in _tensors_in(out)]
-        new = [s for s in new if s.data_ptr() not in old]
-        self.ops, self.bytes = self.ops + 1, self.bytes + sum(s.nbytes() for s in new)
-        self.made += map(weakref.ref, new)
-        return out
-
-    def live_bytes(self):
-        return sum({id(s): s.nbytes() for s in (r() for r in self.made) if s is not None}.values())
-
-
-def _sdpa_cpu(q, k, v, *args, out_shape=None, **kwargs):
-    return flop_counter.sdpa_flop_count(q, k, v)
-
-
-def _sdpa_cpu_backward(grad, q, k, v, *args, out_shape=None, **kwargs):
-    return flop_counter.sdpa_backward_flop_count(grad, q, k, v)
-
-
 def count_flops():
     """A FlopCounterMode (matmul, attention, conv FLOPs), with CPU attention counted as on GPUs."""
-    aten = torch.ops.aten
-    flash = aten._scaled_dot_product_flash_attention_for_cpu
-    cpu = {
-        flash: _sdpa_cpu,
-        aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward,
-    }
+    fwd, bwd = flop_counter.sdpa_flop_count, flop_counter.sdpa_backward_flop_count
+    cpu = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
+           lambda q, k, v, *a, out_shape=None, **kw: fwd(q, k, v),
+           torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
+           lambda g, q, k, v, *a, out_shape=None, **kw: bwd(g, q, k, v)}  # fmt: skip
     return flop_counter.FlopCounterMode(display=False, custom_mapping=cpu)
-
-
-def flops_text(flops):
-    """FLOPs with a unit that keeps small counts visible (3.1 kFLOP, not 0.0 MFLOP)."""
-    for unit, scale in (("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
-        if flops >= scale:
-            return f"{flops / scale:.1f} {unit}"
-    return f"{flops:.0f} FLOP"
-
-
-def _mib(b):
-    return f"{b / 2**20:.2f} MiB" if b >= 2**20 or b == 0 else f"{b / 2**10:.1f} KiB"
 
 
 def rng_snapshot(device):
@@ -214,20 +170,6 @@ def rng_snapshot(device):
     # .clone(): get_rng_state allocates outside the dispatcher, so a memory meter sees the copy
     cuda = torch.cuda.get_rng_state(device).clone() if device.type == "cuda" else None
     return torch.get_rng_state().clone(), cuda, device
-
-
-@contextlib.contextmanager
-def replayed_rng(snapshot):
-    """Run the body with the generators as in ``snapshot`` (None: as they are), then restore."""
-    if snapshot is None:
-        yield
-        return
-    cpu, cuda, device = snapshot
-    with torch.random.fork_rng(devices=[device] if cuda is not None else []):
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda, device)
-        yield
 
 
 _RANDOM = {"bernoulli", "bernoulli_", "rand", "randn", "randint", "rand_like", "randn_like",
@@ -259,18 +201,9 @@ class NodeInfo:
     nbytes: int = 0  # bytes of the whole storage
     layout: tuple = None  # (dtype, size, stride, storage_offset)
     flops: int = 0  # matmul / attention / conv FLOPs of this op (FlopCounterMode)
-    aten_ops: int = 0  # aten ops it ran (elementwise ones too, which have no FLOP formula)
-    bytes_written: int = 0  # bytes of the new storages those ops allocated
     random: bool = False  # it moved the generator, or the graph says it can draw
     mutates: tuple = ()  # storage keys it modified in place (args, module params/buffers)
     holds_tensors: bool = False  # a tuple/list with tensors in it (split, unbind, module outputs)
-
-
-def check_inputs(placeholders, inputs):
-    if len(inputs) != len(placeholders):
-        names = [n.name for n in placeholders]
-        raise ValueError(f"tensor_ckpt: expected {len(placeholders)} inputs ({names}), got "
-                         f"{len(inputs)}. Pass one value per argument of forward.")  # fmt: skip
 
 
 def profile(gm, example_inputs):
@@ -303,10 +236,9 @@ def profile(gm, example_inputs):
                         sub = gm.get_submodule(n.target)
                         touched += [*sub.parameters(), *sub.buffers()]
                     versions, rng = [t._version for t in touched], rng_snapshot(device)
-                    with count_flops() as flops, Meter() as meter:
+                    with count_flops() as flops:
                         env[n] = run_node(gm, n, env)
-                    info.flops, info.aten_ops, info.bytes_written = (
-                        flops.get_total_flops(), meter.ops, meter.bytes)  # fmt: skip
+                    info.flops = flops.get_total_flops()
                     moved = zip(rng[:2], rng_snapshot(device)[:2])
                     info.random = can_draw(gm, n) or any(
                         a is not None and not torch.equal(a, b) for a, b in moved)  # fmt: skip
@@ -376,8 +308,6 @@ class ForgottenUnit:
     nbytes: int  # bytes of the storage
     saved: bool  # autograd saves it (otherwise forgetting it frees nothing)
     flops: int  # recompute matmul/attention FLOPs (from the example run)
-    aten_ops: int = 0  # recompute aten ops, elementwise included
-    bytes_written: int = 0  # bytes those ops allocate
     op_flops: list = field(default_factory=list)  # [(node name, FLOPs)] per recomputed op
     random_nodes: list = field(default_factory=list)  # ops whose generator state is replayed
 
@@ -411,70 +341,40 @@ def make_plan(gm, infos, saved_keys, names=None):
     A recompute that reads another forgotten storage reads its recomputed value, not its ops again:
     forgetting fc1's output and the GELU of it runs fc1 once, not once per storage."""
     nodes = list(gm.graph.nodes)
-    position = {n: i for i, n in enumerate(nodes)}
-    units = storage_units(nodes, infos)
-    if names is None:
-        marked = [n.args[0] for n in nodes if n.op == "call_function" and n.target is forget]
-    else:
-        by_name = {n.name: n for n in nodes}
-        marked = [by_name.get(name, name) for name in names]
+    position, units = {n: i for i, n in enumerate(nodes)}, storage_units(nodes, infos)
+    by_name = {n.name: n for n in nodes}
+    marked = ([n.args[0] for n in nodes if n.op == "call_function" and n.target is forget]
+              if names is None else [by_name.get(name, name) for name in names])  # fmt: skip
     forgotten = check_marks(marked, nodes, infos, units)  # storage key -> first marked name
 
-    def is_kept(n):
-        info = infos[n]
-        if n.op in ("placeholder", "get_attr"):
-            return True
-        if not info.is_tensor:  # sizes, ints, None: stashing the Python value costs nothing
-            return not info.holds_tensors
-        if info.key in forgotten:
-            return False
-        return info.key in saved_keys or any(m.op in ("placeholder", "get_attr")
-                                             for m in units[info.key])  # fmt: skip
+    def is_kept(n):  # inputs, parameters, what autograd saves; Python values cost nothing to stash
+        info, source = infos[n], n.op in ("placeholder", "get_attr")
+        if source or not info.is_tensor:
+            return source or not info.holds_tensors
+        return info.key not in forgotten and (info.key in saved_keys or any(
+            m.op in ("placeholder", "get_attr") for m in units[info.key]))  # fmt: skip
 
-    roots = {units[key][0] for key in forgotten}
-    plan_units, held = [], {}
+    roots, plan_units, held = {units[key][0] for key in forgotten}, [], {}
     for key, name in forgotten.items():
         root = units[key][0]
         sub, frontier = recompute_subgraph(
             root, lambda m: is_kept(m) or (m in roots and m is not root)
         )
-        missing = {m.name for n in sub for m in n.all_input_nodes} - {
-            n.name for n in [*sub, *frontier]
-        }
-        if missing:  # a student's recompute_subgraph that stopped early; the run would KeyError
-            raise ValueError(
-                f"tensor_ckpt: the recompute of '{name}' reads {sorted(missing)}, neither re-run "
-                "nor kept: recompute_subgraph must walk back through every node that is not "
-                "kept, not only root's direct inputs"
-            )
         sub = sorted(sub, key=position.get)
-        deps = sorted((f for f in frontier if f in roots), key=position.get)
-        frontier = sorted((f for f in frontier if f not in roots), key=position.get)
-        check_recomputable(name, sub, frontier, nodes, infos)
+        deps, frontier = (sorted((f for f in frontier if (f in roots) == dep), key=position.get)
+                          for dep in (True, False))  # fmt: skip
+        check_recomputable(name, sub, frontier, deps, nodes, infos)
         for f in frontier:  # read by the recompute, but autograd would not have kept it
             info = infos[f]
-            if info.is_tensor and info.key not in saved_keys:
-                if not any(m.op == "get_attr" for m in units.get(info.key, ())):
-                    held[info.key] = info.nbytes
-        costly = [f"'{n.name}' ({flops_text(infos[n].flops)})" for n in sub
-                  if infos[n].flops and n.name != name]  # fmt: skip
-        if costly:
-            warnings.warn(
-                f"tensor_ckpt: forgetting '{name}' recomputes {', '.join(costly)} in every "
-                "backward: its storage, or a tensor its recompute needs, is not kept by autograd "
-                "(a view of an op's output shares that output's storage). Forget a tensor "
-                "computed after it, or keep it.",
-                stacklevel=4,
-            )
+            if info.is_tensor and info.key not in saved_keys and not any(
+                    m.op == "get_attr" for m in units.get(info.key, ())):  # fmt: skip
+                held[info.key] = info.nbytes
         plan_units.append(ForgottenUnit(
             name=root.name, members=[n.name for n in units[key] if n.target is not forget],
             root=root, nodes=sub, frontier=frontier, deps=deps, shape=infos[root].layout[1],
             nbytes=infos[root].nbytes, saved=key in saved_keys,
-            flops=sum(infos[n].flops for n in sub), aten_ops=sum(infos[n].aten_ops for n in sub),
-            bytes_written=sum(infos[n].bytes_written for n in sub),
-            op_flops=[(n.name, infos[n].flops) for n in sub],
-            random_nodes=[n.name for n in sub if infos[n].random],
-        ))  # fmt: skip
+            flops=sum(infos[n].flops for n in sub), op_flops=[(n.name, infos[n].flops) for n in
+            sub], random_nodes=[n.name for n in sub if infos[n].random]))  # fmt: skip
     plan_units.sort(key=lambda u: position[u.root])  # dependencies first
     random = {n for u in plan_units for n in u.nodes if infos[n].random}
     rng_bytes = sum(s.nbytes for n in random for s in rng_snapshot(infos[n].key[0] if
@@ -619,6 +519,20 @@ def unpack_hook(packed):
     packed.storage.release()
     return view
     ### END SOLUTION
+
+
+@contextlib.contextmanager
+def replayed_rng(snapshot):
+    """Run the body with the generators as in ``snapshot`` (None: as they are), then restore."""
+    if snapshot is None:
+        yield
+        return
+    cpu, cuda, device = snapshot
+    with torch.random.fork_rng(devices=[device] if cuda is not None else []):
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+        yield
 
 
 @dataclass(eq=False)
@@ -925,20 +839,6 @@ class TinyLM(nn.Module):
         return self.head(self.norm(self.blocks(self.embed(tokens))))
 
 
-def activation_bytes(model, *inputs):
-    """Bytes made by one forward and alive after it: what the autograd graph holds for backward."""
-    with Meter() as meter:
-        out = model(*inputs)
-    return meter.live_bytes() - sum(t.untyped_storage().nbytes() for t in _tensors_in(out)), out
-
-
-def backward_work(loss):
-    """(matmul/attention FLOPs, aten ops, bytes allocated) of ``loss.backward()``."""
-    with count_flops() as counter, Meter() as meter:
-        loss.backward()
-    return counter.get_total_flops(), meter.ops, meter.bytes
-
-
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description="Tensor-level activation checkpointing (V4 §3.4.4): plan, exactness and "
@@ -988,22 +888,16 @@ def demo(args, rank, world, device):
     # Exactness: the same batch through the plain model and the checkpointed one. CUDA's fused
     # attention backward is not deterministic; the math kernel is.
     math = torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH)
-    grads, work = [], []
+    grads = []
     with math if device.type == "cuda" else contextlib.nullcontext():
         for fn in (model, ckpt):
             model.zero_grad(set_to_none=True)
-            work.append(backward_work(loss_of(fn, tokens)))
+            loss_of(fn, tokens).backward()
             grads.append([p.grad.clone() for p in model.parameters()])
     exact = all(torch.equal(a, b) for a, b in zip(*grads))
     say("exactness", f"gradients bitwise equal to the plain model: {exact}")
-    plain_bytes, _ = activation_bytes(model, tokens[:, :-1])
-    ckpt_bytes, _ = activation_bytes(ckpt, tokens[:, :-1])
-    say("memory", f"activations alive after forward (measured): plain {_mib(plain_bytes)}, "
-        f"tensor_ckpt {_mib(ckpt_bytes)}, saved {_mib(plain_bytes - ckpt_bytes)} "
-        f"(plan: {_mib(ckpt.plan.bytes_freed)})")  # fmt: skip
-    (f0, o0, b0), (f1, o1, b1) = work
-    added = f"{flops_text(f1 - f0)}, {o1 - o0} more aten ops, {_mib(b1 - b0)} more allocated"
-    say("recompute", f"backward work added by tensor_ckpt (measured): matmul/attention {added}")
+    say("memory", f"activation bytes saved per forward (plan): {_mib(ckpt.plan.bytes_freed)}; "
+        "measured bytes and recompute work: benchmarks/bench_tensor_ckpt.py")  # fmt: skip
 
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     t0 = time.perf_counter()
@@ -1079,8 +973,18 @@ def check_marks(marked, nodes, infos, units):
     return forgotten
 
 
-def check_recomputable(name, sub, frontier, nodes, infos):
-    """Refuse a recompute that would apply an in-place op twice or read a value changed later."""
+def check_recomputable(name, sub, frontier, deps, nodes, infos):
+    """Refuse a recompute that reads a node it neither re-runs nor keeps, would apply an in-place
+    op twice or reads a value changed later; warn when it re-runs a matmul or attention."""
+    missing = {m.name for n in sub for m in n.all_input_nodes} - {
+        n.name for n in [*sub, *frontier, *deps]
+    }
+    if missing:  # a student's recompute_subgraph that stopped early; the run would KeyError
+        raise ValueError(
+            f"tensor_ckpt: the recompute of '{name}' reads {sorted(missing)}, neither re-run "
+            "nor kept: recompute_subgraph must walk back through every node that is not "
+            "kept, not only root's direct inputs"
+        )
     start, why = nodes.index(sub[0]), None
     for n in sub:
         writers = [w.name for w in nodes if infos[n].is_tensor and infos[n].key in infos[w].mutates]
@@ -1102,21 +1006,27 @@ def check_recomputable(name, sub, frontier, nodes, infos):
     if why:
         raise ValueError(f"tensor_ckpt: cannot recompute '{name}': {why}. Make that op "
                          "out-of-place, or forget a tensor after it.")  # fmt: skip
+    costly = [f"'{n.name}' ({flops_text(infos[n].flops)})" for n in sub
+              if infos[n].flops and n.name != name]  # fmt: skip
+    if costly:
+        warnings.warn(
+            f"tensor_ckpt: forgetting '{name}' recomputes {', '.join(costly)} in every "
+            "backward: its storage, or a tensor its recompute needs, is not kept by autograd "
+            "(a view of an op's output shares that output's storage). Forget a tensor "
+            "computed after it, or keep it.",
+            stacklevel=5,
+        )
 
 
 def format_plan(plan):
     """The plan as a table: per forgotten storage, what is freed and what backward runs again."""
     rng = f", generator snapshots of {_mib(plan.rng_bytes)} deducted" if plan.rng_bytes else ""
     held = f"; {_mib(plan.held_bytes)} held for recompute" if plan.held_bytes else ""
-    lines = [
-        f"tensor_ckpt plan: {len(plan.units)} forgotten storages, {_mib(plan.bytes_freed)} freed "
-        f"per forward{rng}{held}",
-        f"  recomputed per backward: {flops_text(plan.recompute_flops)} in matmul/attention, "
-        f"{sum(u.aten_ops for u in plan.units)} aten ops writing "
-        f"{_mib(sum(u.bytes_written for u in plan.units))}",
-        f"  {'forgotten (aliases)':<30} {'shape':<16} {'freed':>10} {'matmul FLOP':>11} "
-        f"{'aten ops':>8} {'written':>10}  recompute ops <- from kept (* = forgotten, shared)",
-    ]
+    lines = [f"tensor_ckpt plan: {len(plan.units)} forgotten storages, {_mib(plan.bytes_freed)} "
+             f"freed per forward{rng}{held}; recomputed per backward: "
+             f"{flops_text(plan.recompute_flops)} in matmul/attention",
+             f"  {'forgotten (aliases)':<30} {'shape':<16} {'freed':>10} {'matmul FLOP':>11}  "
+             "recompute ops <- from kept (* = forgotten, shared)"]  # fmt: skip
     for u in plan.units:
         aliases = ", ".join(m for m in u.members if m != u.name)
         label = u.name + (f" ({aliases})" if aliases else "")
@@ -1125,11 +1035,28 @@ def format_plan(plan):
                         if not name.startswith("forget"))  # fmt: skip
         kept = ", ".join([f.name for f in u.frontier] + [d.name + "*" for d in u.deps])
         rng = f"  [generator replayed: {', '.join(u.random_nodes)}]" if u.random_nodes else ""
-        lines.append(
-            f"  {label[:30]:<30} {str(tuple(u.shape)):<16} {freed:>10} {flops_text(u.flops):>11} "
-            f"{u.aten_ops:>8} {_mib(u.bytes_written):>10}  {ops} <- {kept}{rng}"
-        )
+        lines.append(f"  {label[:30]:<30} {str(tuple(u.shape)):<16} {freed:>10} "
+                     f"{flops_text(u.flops):>11}  {ops} <- {kept}{rng}")  # fmt: skip
     return "\n".join(lines)
+
+
+def flops_text(flops):
+    """FLOPs with a unit that keeps small counts visible (3.1 kFLOP, not 0.0 MFLOP)."""
+    for unit, scale in (("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+        if flops >= scale:
+            return f"{flops / scale:.1f} {unit}"
+    return f"{flops:.0f} FLOP"
+
+
+def _mib(b):
+    return f"{b / 2**20:.2f} MiB" if b >= 2**20 or b == 0 else f"{b / 2**10:.1f} KiB"
+
+
+def check_inputs(placeholders, inputs):
+    if len(inputs) != len(placeholders):
+        names = [n.name for n in placeholders]
+        raise ValueError(f"tensor_ckpt: expected {len(placeholders)} inputs ({names}), got "
+                         f"{len(inputs)}. Pass one value per argument of forward.")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from harness import run_ranks, run_torchrun
 
 import tensor_ckpt as tc
+from benchmarks.ckpt_meters import activation_bytes as meter_bytes
 from memory.memory_timeline import MemoryTimeline
 from tensor_ckpt import checkpoint_tensors, forget
 
@@ -250,8 +251,8 @@ def test_activation_memory_drops_by_the_forgotten_bytes():
         assert freed == expected, (
             f"{how}: {type(model).__name__} freed {freed}, expected {expected}"
         )
-        # the demo's own meter (tensor_ckpt.activation_bytes) must agree with memory_timeline
-        assert tc.activation_bytes(model, x)[0] - tc.activation_bytes(ckpt, x)[0] == expected
+        # the benchmark's meter (ckpt_meters.activation_bytes) must agree with memory_timeline
+        assert meter_bytes(model, x)[0] - meter_bytes(ckpt, x)[0] == expected
         assert ckpt.plan.bytes_freed == expected  # and the plan must predict what was measured
 
 
@@ -824,9 +825,7 @@ def test_plan_counts_the_rng_snapshot_it_keeps():
     model = DropoutMLP().train()
     x = torch.randn(B, T, C, requires_grad=True)
     ckpt = checkpoint_tensors(model, (x,))
-    saved = seeded(lambda: tc.activation_bytes(model, x)[0]) - seeded(
-        lambda: tc.activation_bytes(ckpt, x)[0]
-    )
+    saved = seeded(lambda: meter_bytes(model, x)[0]) - seeded(lambda: meter_bytes(ckpt, x)[0])
     assert ckpt.plan.rng_bytes == torch.get_rng_state().nbytes > 0
     assert ckpt.plan.bytes_freed == saved == B * T * 4 * C * F32 - ckpt.plan.rng_bytes
     timeline = seeded(lambda: activation_bytes(model, model, x)) - seeded(
