@@ -22,6 +22,7 @@ import torch.nn as nn
 
 import tensor_ckpt as tc
 from benchmarks import bench_tensor_ckpt as bench
+from benchmarks.ckpt_meters import activation_bytes
 from memory.memory_timeline import MiB
 from memory.plots import plot_timeline
 
@@ -141,14 +142,14 @@ choices = {
     "+ attention out": ["norm1", "norm2", "gelu", "scaled_dot_product_attention"],
 }
 ones = torch.ones(BATCH, T, C)
-plain_bytes, _ = tc.activation_bytes(block, x)
+plain_bytes, _ = activation_bytes(block, x)
 plain_work = bench.backward_work(block, x, ones)
 points = {}
 for label, names in choices.items():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        c = tc.checkpoint_tensors(block, (x,), forget=names)
-    held, _ = tc.activation_bytes(c, x)
+        c = tc.checkpoint_tensors(block, (x,), names=names)
+    held, _ = activation_bytes(c, x)
     flops, ops, written = (a - b for a, b in zip(bench.backward_work(c, x, ones), plain_work))
     points[label] = ((plain_bytes - held) / MiB, flops / 1e6, written / MiB)
     print(f"{label:<18} saved {(plain_bytes - held) / MiB:5.2f} of {plain_bytes / MiB:.2f} MiB; "

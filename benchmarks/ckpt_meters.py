@@ -1,0 +1,46 @@
+"""Meters for tensor_ckpt's measurements: aten ops, bytes allocated, bytes left alive, FLOPs.
+
+The chapter plans from its own example run (FLOPs per op, storage sizes); what a forward leaves
+alive and what a backward costs is measured here: by bench_tensor_ckpt.py, the tests, notebook 04.
+"""
+
+import weakref
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tensor_ckpt import _tensors_in, count_flops
+
+
+class Meter(TorchDispatchMode):
+    """Counts aten ops and the bytes of the storages they create (views create none); keeps a weak
+    reference to each, so ``live_bytes()`` measures what is still alive."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.bytes, self.made = 0, 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        old = {t.untyped_storage().data_ptr() for t in _tensors_in((args, kwargs))}
+        new = [t.untyped_storage() for t in _tensors_in(out)]
+        new = [s for s in new if s.data_ptr() not in old]
+        self.ops, self.bytes = self.ops + 1, self.bytes + sum(s.nbytes() for s in new)
+        self.made += map(weakref.ref, new)
+        return out
+
+    def live_bytes(self):
+        return sum({id(s): s.nbytes() for s in (r() for r in self.made) if s is not None}.values())
+
+
+def activation_bytes(model, *inputs):
+    """Bytes made by one forward and alive after it: what the autograd graph holds for backward."""
+    with Meter() as meter:
+        out = model(*inputs)
+    return meter.live_bytes() - sum(t.untyped_storage().nbytes() for t in _tensors_in(out)), out
+
+
+def backward_work(loss):
+    """(matmul/attention FLOPs, aten ops, bytes allocated) of ``loss.backward()``."""
+    with count_flops() as counter, Meter() as meter:
+        loss.backward()
+    return counter.get_total_flops(), meter.ops, meter.bytes
