@@ -19,7 +19,7 @@ TECHNIQUES := muon_zero.py mhc.py cp_compress.py tensor_ckpt.py
 SUBMISSION ?=
 
 .PHONY: venv venv-test demo test test-slow test-all lint bench notebooks lab assignments grade \
-	grade-check gpu-check clean
+	grade-check release gpu-check clean
 
 venv:
 	@tools/venv.sh "$(PYTHON)" "$(VENV)" "$(TORCH_INDEX)" requirements.txt
@@ -76,6 +76,11 @@ grade: venv-test
 # every solution region, stubbed alone, must make each graded test that names it fail
 grade-check: venv-test
 	$(PY) tools/grade.py --check-regions
+
+# the course kit: build/release/student/ (the repository a student clones, no solution in it) and
+# build/release/autograder.zip (Gradescope's setup.sh and run_autograder); then the leak search
+release: venv-test
+	$(PY) tools/release.py
 
 gpu-check: venv-test
 	$(PY) tools/gpu_check.py
