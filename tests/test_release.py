@@ -1,0 +1,296 @@
+"""The course kit (tools/release.py): the student repository and the Gradescope autograder.
+
+Default tier: the release's file list, the leak search (no line of any solution region, no private
+answer, in any released file, notebooks and the zip included; and the search itself finds a line
+planted in a file, a notebook output and the zip), the autograder's layout, and the autograder
+run as Gradescope runs it on one assignment file. Slow tier: the student repository after
+`git init`, graded by its own Makefile's command (zero points; the reference's files copied over
+it: full marks), and the whole autograder against an upload nested in a folder.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import nbformat
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import assignments  # noqa: E402
+import release  # noqa: E402
+
+ENV = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "GRADE_SUBMISSION")}
+
+
+@pytest.fixture(scope="module")
+def kit(tmp_path_factory):
+    """The release, written once for the module: (student folder, autograder zip, its files)."""
+    out = tmp_path_factory.mktemp("release")
+    student = str(out / "student")
+    files = release.write_student_repo(student)
+    members = release.write_autograder(student, str(out / "autograder.zip"))
+    return student, str(out / "autograder.zip"), files, members
+
+
+@pytest.fixture(scope="module")
+def signatures():
+    return release.solution_signatures()
+
+
+def test_student_repository_holds_what_a_student_needs_and_nothing_private(kit):
+    student, _, files, _ = kit
+    names = set(files)
+    for name in assignments.assignment_files(ROOT):
+        assert name in names, f"{name}: the student version is missing"
+    expected = {"launch.py", "Makefile", "README.md", ".gitignore", "requirements.txt"}
+    expected |= {"requirements-test.txt", "pytest.ini", "tests/conftest.py", "tests/harness.py"}
+    expected |= {"tools/grade.py", "tools/grade_plugin.py", "tools/assignments.py", "tools/venv.sh"}
+    expected |= set(release.graded_test_files(ROOT))
+    expected |= {f"notebooks/{n}" for n in os.listdir(os.path.join(ROOT, "notebooks")) if
+                 n.endswith(".ipynb")}  # fmt: skip
+    assert expected <= names, f"missing from the release: {sorted(expected - names)}"
+    assert "tests/test_muon_zero.py" in names and "memory/memory_timeline.py" in names
+    private = ["tests/mistakes/", "tests/test_assignments.py", "tests/test_release.py"]
+    private += ["tools/release.py", "notebooks/src/", "ASSIGNMENTS.md", "tests/mistakes"]
+    for path in private:
+        assert not any(n.startswith(path) for n in names), f"{path} must not be released"
+    assert not any("__pycache__" in n or n.endswith(".pyc") for n in names)
+    # every file a released file imports from the repository is released too
+    for name in (n for n in files if n.endswith(".py")):
+        for imported in release.local_imports(name, student):
+            assert os.path.exists(os.path.join(student, imported)), (name, imported)
+
+
+def test_student_files_are_stubs_and_the_makefile_has_the_three_commands(kit):
+    student, _, files, _ = kit
+    for name in assignments.assignment_files(ROOT):
+        with open(os.path.join(student, name)) as f:
+            text = f.read()
+        assert assignments.BEGIN not in text and assignments.END not in text, name
+        stem = os.path.splitext(os.path.basename(name))[0]
+        regions = [r for r in assignments.all_regions(ROOT) if r.qualname.split(".")[0] == stem]
+        for r in regions:
+            assert f"raise NotImplementedError({r.message!r})" in text, r.qualname
+    with open(os.path.join(student, "Makefile")) as f:
+        makefile = f.read()
+    for target in ("demo", "test", "grade"):
+        assert re.search(rf"^{target}:", makefile, re.M), f"the student Makefile has no {target}"
+    with open(os.path.join(student, "README.md")) as f:
+        readme = f.read()
+    assert "{{" not in readme and "{{" not in makefile, "a template placeholder left unfilled"
+    for words in ("make test", "make demo", "make grade", "## Hand in", "Gradescope"):
+        assert words in readme, f"the student README does not say {words!r}"
+
+
+def test_notebooks_are_released_without_outputs(kit):
+    student = kit[0]
+    for name in sorted(os.listdir(os.path.join(student, "notebooks"))):
+        nb = nbformat.read(os.path.join(student, "notebooks", name), as_version=4)
+        code = [c for c in nb.cells if c.cell_type == "code"]
+        assert code, name
+        assert all(not c.outputs and c.execution_count is None for c in code), name
+
+
+def test_no_solution_line_or_private_answer_is_released(kit, signatures, tmp_path):
+    student, zip_path, _, _ = kit
+    assert len(signatures) > 100
+    found = release.leaks(student, ROOT, signatures)
+    with zipfile.ZipFile(zip_path) as z:
+        z.extractall(tmp_path / "autograder")
+    found += release.leaks(str(tmp_path / "autograder"), ROOT, signatures)
+    assert not found, "solution text in the release:\n" + "\n".join(map(str, found))
+
+
+def test_every_region_is_searched_for_and_a_planted_line_is_found(kit, signatures, tmp_path):
+    regions = {r.qualname for r in assignments.all_regions(ROOT)}
+    searched = {where.split(" ")[0] for where in signatures.values()}
+    assert regions <= searched, f"regions without a line to search for: {regions - searched}"
+    # one solution line planted in a test file, a notebook's output and a zip member
+    line, where = next((s, w) for s, w in signatures.items() if "sharded_step" in w)
+    planted = tmp_path / "planted"
+    shutil.copytree(kit[0], planted)
+    with open(planted / "tests" / "harness.py", "a") as f:
+        f.write(f"\n# {line}\n")
+    nb_path = planted / "notebooks" / sorted(os.listdir(planted / "notebooks"))[0]
+    nb = nbformat.read(nb_path, as_version=4)
+    cell = next(c for c in nb.cells if c.cell_type == "code")
+    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=f"    {line}\n")]
+    nbformat.write(nb, nb_path)
+    with zipfile.ZipFile(planted / "extra.zip", "w") as z:
+        z.writestr("muon_zero.py", open(os.path.join(ROOT, "muon_zero.py")).read())
+    (planted / "memory" / "__pycache__").mkdir()
+    (planted / "memory" / "__pycache__" / "plots.cpython-311.pyc").write_bytes(b"\0")
+    hits = release.leaks(str(planted), ROOT, signatures)
+    files = {name for name, _, _ in hits}
+    assert {"tests/harness.py", f"notebooks/{nb_path.name}", "extra.zip"} <= files, hits
+    assert any("__pycache__" in name for name in files), hits
+    muon = {r.qualname for r in assignments.all_regions(ROOT, ["muon_zero.py"])}
+    assert muon <= {what.split(" ")[0] for name, _, what in hits if name == "extra.zip"}
+
+
+def test_private_answers_are_searched_for(tmp_path):
+    """A catalogue's wrong body and a notebook's reference answer are private: found if released."""
+    fake = tmp_path / "repo"
+    for name in assignments.assignment_files(ROOT):
+        os.makedirs(fake / os.path.dirname(name), exist_ok=True)
+        shutil.copy(os.path.join(ROOT, name), fake / name)
+    os.makedirs(fake / "tests" / "mistakes")
+    wrong = "Y = Y / Y.norm(dim=-1, keepdim=True)  # rows, not the whole matrix"
+    (fake / "tests" / "mistakes" / "muon_zero.py").write_text(
+        "from tests.mistakes import Mistake\n\nMISTAKES = [\n    Mistake(region='muon_zero.x', "
+        f"name='n', message='m', body={wrong!r}),\n]\n"
+    )
+    (fake / "tests" / "notebook_answers.py").write_text(
+        "ANSWERS = {'00_x': {'answer_jump': ('5_847_040', '11'), 'answer_list': ('[2, 20, 14]', "
+        "'[2]'), 'answer_small': ('78', '88')}}\n"
+    )
+    signatures = release.solution_signatures(str(fake))
+    assert signatures[wrong].startswith("a wrong body in tests/mistakes/muon_zero.py")
+    assert "answer_jump = 5_847_040" in signatures and "answer_small = 78" in signatures
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    (shipped / "wrong.py").write_text(f"    {wrong}\n")
+    (shipped / "filled.py").write_text("answer_small = 78\n")
+    (shipped / "prose.md").write_text("The jump is 5,847,040 B, the segments [2, 20, 14].\n")
+    (shipped / "clean.md").write_text("78 MiB and 2,847,040 B and 15847040 say nothing.\n")
+    hits = release.leaks(str(shipped), str(fake), signatures)
+    assert sorted({h[0] for h in hits}) == ["filled.py", "prose.md", "wrong.py"], hits
+
+
+def test_autograder_zip_is_in_gradescopes_layout(kit):
+    _, zip_path, _, members = kit
+    with zipfile.ZipFile(zip_path) as z:
+        names = set(z.namelist())
+        modes = {i.filename: (i.external_attr >> 16) & 0o777 for i in z.infolist()}
+        setup = z.read("setup.sh").decode()
+        run = z.read("run_autograder").decode()
+        pins = z.read("requirements-autograder.txt").decode()
+    assert {"setup.sh", "run_autograder", "tools/gradescope.py", "tools/grade.py"} <= names
+    assert modes["setup.sh"] & 0o111 and modes["run_autograder"] & 0o111
+    assert not any(n.startswith("notebooks/") for n in names)
+    with open(os.path.join(ROOT, "requirements.txt")) as f:
+        torch_pin = next(line.strip() for line in f if line.startswith("torch=="))
+    assert f"{torch_pin} --index-url" in setup, "setup.sh installs the pinned torch, CPU-only"
+    assert "torch" not in pins.split("\n", 1)[1] and "pytest-timeout" in pins
+    for text in (setup, run):
+        assert not re.search(r"/(work|home|root|tmp)/", text), "a machine path in the autograder"
+        assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+
+
+def _autograder(tmp_path, zip_path, submission_files, keep_tests=None, timeout=1500):
+    """Unpack the zip as Gradescope does, put ``submission_files`` in submission/, run it."""
+    root = tmp_path / "autograder"
+    with zipfile.ZipFile(zip_path) as z:
+        z.extractall(root / "source")
+    for name in ("setup.sh", "run_autograder"):
+        os.chmod(root / "source" / name, 0o755)
+    if keep_tests is not None:  # a smaller assignment: only these graded test files
+        for name in release.graded_test_files(str(root / "source")):
+            if name not in keep_tests:
+                os.remove(root / "source" / name)
+    shutil.copy(root / "source" / "run_autograder", root / "run_autograder")
+    for name, source in submission_files.items():
+        os.makedirs(os.path.dirname(root / "submission" / name), exist_ok=True)
+        shutil.copy(source, root / "submission" / name)
+    os.makedirs(root / "submission", exist_ok=True)
+    env = dict(ENV, AUTOGRADER_ROOT=str(root), AUTOGRADER_PYTHON=sys.executable)
+    env["AUTOGRADER_TIMEOUT_S"] = str(timeout - 60)  # this checks the scores, not the time
+    proc = subprocess.run(
+        [str(root / "run_autograder")], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with open(root / "results" / "results.json") as f:
+        return json.load(f), proc.stdout
+
+
+def _check_schema(results):
+    """Gradescope's results.json: a score, an execution time, tests with these fields."""
+    assert isinstance(results["score"], (int, float))
+    assert isinstance(results["execution_time"], (int, float)) and results["execution_time"] > 0
+    assert results["tests"], "no tests in results.json"
+    for t in results["tests"]:
+        assert {"name", "score", "max_score", "output", "visibility"} <= set(t), t
+        assert isinstance(t["name"], str) and isinstance(t["output"], str)
+        assert 0 <= t["score"] <= t["max_score"], t
+        assert t["visibility"] in ("visible", "hidden", "after_due_date", "after_published"), t
+    assert results["score"] == sum(t["score"] for t in results["tests"])
+
+
+def test_autograder_grades_one_assignment_as_gradescope_runs_it(kit, tmp_path):
+    """The zip unpacked in a folder standing in for /autograder, one assignment's tests kept:
+    the reference's memory_timeline.py scores every point of it."""
+    zip_path = kit[1]
+    submission = {"memory_timeline.py": os.path.join(ROOT, "memory", "memory_timeline.py")}
+    results, out = _autograder(tmp_path, zip_path, submission, ["tests/test_memory_timeline.py"])
+    _check_schema(results)
+    assert results["score"] == results["max_score"] > 0, out
+    assert all("memory_timeline" in t["name"] for t in results["tests"])
+
+
+def test_autograder_writes_a_result_when_grading_breaks(kit, tmp_path):
+    root = tmp_path / "autograder"
+    with zipfile.ZipFile(kit[1]) as z:
+        z.extractall(root / "source")
+    (root / "source" / "tools" / "grade.py").write_text("raise SystemExit('the grader broke')\n")
+    env = dict(ENV, AUTOGRADER_ROOT=str(root), AUTOGRADER_PYTHON=sys.executable)
+    proc = subprocess.run(
+        ["bash", str(root / "source" / "run_autograder")], env=env, capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads((root / "results" / "results.json").read_text())
+    assert results["score"] == 0 and "nothing was scored" in results["output"]
+    assert "execution_time" in results
+
+
+# ---- slow tier: whole gradings ----
+
+
+def _make_grade_command(folder):
+    """The student Makefile's own `make grade` command, with this interpreter for the venv's."""
+    out = subprocess.run(
+        ["make", "-s", "-n", "grade", f"PY={sys.executable}"], cwd=folder, capture_output=True,
+        text=True, check=True,
+    ).stdout  # fmt: skip
+    return [line for line in out.splitlines() if "tools/grade.py" in line][-1]
+
+
+def _student_grade(folder):
+    command = _make_grade_command(folder)
+    proc = subprocess.run(
+        ["bash", "-c", command], cwd=folder, env=ENV, capture_output=True, text=True, timeout=1800
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with open(os.path.join(folder, "build", "results.json")) as f:
+        return json.load(f), proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)  # two whole gradings, on a loaded machine
+def test_student_repository_grades_zero_then_full_marks_with_the_reference(kit, tmp_path):
+    clone = tmp_path / "student"
+    shutil.copytree(kit[0], clone)
+    subprocess.run(["git", "init", "-q"], cwd=clone, check=True)
+    results, out = _student_grade(str(clone))
+    assert results["max_score"] > 0 and results["score"] == 0, out
+    for name in assignments.assignment_files(ROOT):
+        shutil.copy(os.path.join(ROOT, name), clone / name)
+    results, out = _student_grade(str(clone))
+    assert results["score"] == results["max_score"], out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_autograder_grades_a_nested_upload_like_the_students_make_grade(kit, tmp_path):
+    """Every assignment file of the reference, uploaded inside a folder: full marks."""
+    submission = {f"alice/{os.path.basename(n)}": os.path.join(ROOT, n)
+                  for n in assignments.assignment_files(ROOT)}  # fmt: skip
+    results, out = _autograder(tmp_path, kit[1], submission)
+    _check_schema(results)
+    assert results["score"] == results["max_score"] > 0, out
+    assert "alice" in results["output"]

@@ -1,0 +1,121 @@
+"""Grade one Gradescope submission and always leave a results.json behind (run by run_autograder).
+
+Gradescope gives a student zero and shows nothing when the autograder dies or outlives its limit.
+So this finds the student's files wherever the upload put them (a zip of a folder, a GitHub
+repository), runs tools/grade.py on them under a time limit below Gradescope's, and writes
+results.json whatever happened: the grader's own, with the execution time added, or a zero with
+the reason. Lives at tools/gradescope.py in the autograder zip, beside tools/grade.py.
+
+    python tools/gradescope.py --submission DIR --results FILE [--timeout SECONDS]
+"""
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SKIP = {"__MACOSX", ".git", "__pycache__", ".venv", "build"}
+
+
+def assignment_names(root=ROOT):
+    sys.path.insert(0, os.path.join(root, "tools"))
+    import assignments
+
+    return [os.path.basename(n) for n in assignments.assignment_files(root)]
+
+
+def locate(submission, names):
+    """The folder of ``submission`` that holds most of the assignment files (itself if tied)."""
+    best, best_count = submission, -1
+    for folder, dirs, files in os.walk(submission):
+        dirs[:] = sorted(d for d in dirs if d not in SKIP)
+        depth = os.path.relpath(folder, submission).count(os.sep)
+        if depth > 3:
+            dirs[:] = []
+        here = set(files) | {
+            f for d in dirs for f in os.listdir(os.path.join(folder, d)) if d == "memory"
+        }
+        count = len(set(names) & here)
+        if count > best_count:
+            best, best_count = folder, count
+    return best
+
+
+def grade(submission, results, timeout_s):
+    """Run tools/grade.py on ``submission``; return (exit code or None on timeout, output tail)."""
+    grade_py = os.path.join(ROOT, "tools", "grade.py")
+    cmd = [sys.executable, grade_py, "--submission", submission, "--out", results]
+    help_text = subprocess.run(
+        [sys.executable, grade_py, "--help"], capture_output=True, text=True, cwd=ROOT
+    ).stdout
+    if "--timeout" in help_text:  # the grader stops itself first and scores what finished
+        cmd += ["--timeout", str(max(30, timeout_s - 30))]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        code = None
+    text = output.decode(errors="replace")
+    sys.stdout.write(text)  # Gradescope shows run_autograder's output to the instructor
+    return code, text[-3000:]
+
+
+def finish(results, seconds, code, tail, note):
+    """results.json as Gradescope reads it: the grader's, or a zero that says why."""
+    report = None
+    if os.path.exists(results):
+        try:
+            with open(results) as f:
+                report = json.load(f)
+        except ValueError:
+            report = None
+    if report is None:
+        why = "did not finish in time" if code is None else f"stopped (exit code {code})"
+        report = {
+            "score": 0,
+            "output": f"The grader {why}; nothing was scored. Its last output:\n{tail}",
+            "tests": [],
+        }
+    report["execution_time"] = round(seconds, 1)
+    report.setdefault("visibility", "visible")
+    report["output"] = (note + " " + report.get("output", "")).strip()
+    os.makedirs(os.path.dirname(os.path.abspath(results)), exist_ok=True)
+    with open(results, "w") as f:
+        json.dump(report, f, indent=2)
+    return report
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--submission", required=True, help="the student's upload")
+    parser.add_argument("--results", required=True, help="results.json to write")
+    parser.add_argument("--timeout", type=float, default=540, help="seconds for the whole grading")
+    args = parser.parse_args(argv)
+    start = time.monotonic()
+    results = os.path.abspath(args.results)
+    if os.path.exists(results):
+        os.remove(results)
+    note = ""
+    if not os.path.isdir(args.submission):
+        code, tail = 1, f"no submission folder at {args.submission}"
+    else:
+        folder = locate(os.path.abspath(args.submission), assignment_names())
+        if folder != os.path.abspath(args.submission):
+            note = f"Graded the files in {os.path.relpath(folder, args.submission)}/."
+        code, tail = grade(folder, results, args.timeout)
+    report = finish(results, time.monotonic() - start, code, tail, note)
+    print(f"results.json: {report['score']} points in {report['execution_time']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

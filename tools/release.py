@@ -1,0 +1,545 @@
+"""Cut the course kit from the reference: the student repository and the Gradescope autograder.
+
+The reference holds every solution; what a student clones must hold none. This writes:
+
+    build/release/student/         a repository a student clones: the stubbed technique files
+                                   (tools/assignments.py), launch.py, memory/, the tests a student
+                                   may run (the files with graded tests, the harness, conftest),
+                                   the notebooks with every output stripped, the grader, a
+                                   Makefile (make demo / test / grade) and a student README
+    build/release/autograder.zip   Gradescope's layout: setup.sh and run_autograder at the top,
+                                   the same stubs, tests and grader beside them, so a submission
+                                   scores the same there as with the student's own `make grade`
+
+Then it searches every released file for the text of each solution region and for the reference's
+private answers (the mistakes catalogue, tests/notebook_answers.py): any hit fails the release.
+
+    python tools/release.py               # both, then the leak search (make release)
+    python tools/release.py --out DIR     # somewhere else
+"""
+
+import argparse
+import ast
+import os
+import re
+import shutil
+import stat
+import sys
+import zipfile
+
+TOOLS = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, TOOLS)
+import assignments  # noqa: E402
+
+ROOT = assignments.ROOT
+TEMPLATES = os.path.join(TOOLS, "student")
+AUTOGRADER = os.path.join(TOOLS, "autograder")
+TECHNIQUES = ("muon_zero.py", "mhc.py", "cp_compress.py", "tensor_ckpt.py")
+# copied as they are; each must hold no solution (the leak search checks)
+SUPPORT = (
+    "launch.py",
+    "requirements.txt",
+    "requirements-test.txt",
+    "pytest.ini",
+    "pyproject.toml",
+    "tests/conftest.py",
+    "tests/harness.py",
+    "tools/grade.py",
+    "tools/grade_plugin.py",
+    "tools/assignments.py",
+    "tools/venv.sh",
+)
+# never released: the reference's private answers
+PRIVATE = ("tests/mistakes", "tests/notebook_answers.py")
+# what grading on Gradescope does not import (the notebooks' kernel, the linter)
+NOT_FOR_GRADING = ("jupyter", "jupytext", "nbclient", "nbformat", "ipykernel", "ruff")
+STAMP = ".release"  # marks a folder this script wrote, so it may be written again
+
+
+# ---- what goes in ----
+
+
+def graded_test_files(root=ROOT):
+    """tests/test_*.py files with a `pytest.mark.grade` in their code (not in a string)."""
+    found = []
+    tests = os.path.join(root, "tests")
+    for name in sorted(os.listdir(tests)):
+        if name.startswith("test_") and name.endswith(".py"):
+            with open(os.path.join(tests, name)) as f:
+                tree = ast.parse(f.read())
+            marks = (
+                n
+                for n in ast.walk(tree)
+                if isinstance(n, ast.Attribute)
+                and n.attr == "grade"
+                and isinstance(n.value, ast.Attribute)
+                and n.value.attr == "mark"
+            )
+            if any(True for _ in marks):
+                found.append(f"tests/{name}")
+    return found
+
+
+def _module_path(name, root, places):
+    """The repository file or package a top-level import name resolves to, or None."""
+    for place in places:
+        base = os.path.join(root, place, name) if place else os.path.join(root, name)
+        if os.path.isfile(base + ".py"):
+            return os.path.relpath(base + ".py", root)
+        if os.path.isdir(base) and any(f.endswith(".py") for f in os.listdir(base)):
+            return os.path.relpath(base, root)
+    return None
+
+
+def _imported_names(tree):
+    """Each import as the dotted names it may mean (`from pkg import mod` may mean pkg.mod)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from ([a.name] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            for a in node.names:
+                yield [f"{node.module}.{a.name}", node.module]
+
+
+def _notebook_tree(path):
+    """A notebook's code cells as one module (IPython's %magic and !shell lines left out)."""
+    import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    code = "\n".join(
+        line
+        for cell in nb.cells
+        if cell.cell_type == "code"
+        for line in cell.source.splitlines()
+        if not line.lstrip().startswith(("%", "!"))
+    )
+    return ast.parse(code)
+
+
+def local_imports(relpath, root=ROOT):
+    """Repository files and packages that the file (or notebook) at ``relpath`` imports."""
+    path = os.path.join(root, relpath)
+    if relpath.endswith(".ipynb"):
+        tree = _notebook_tree(path)
+    else:
+        with open(path) as f:
+            tree = ast.parse(f.read())
+    places = ["", os.path.dirname(relpath), "tests", "tools"]  # the tests put both on sys.path
+    found = set()
+    for names in _imported_names(tree):
+        for name in names:  # the most specific that is a file of the repository wins
+            parts = name.split(".")
+            path = _module_path(parts[0], root, places)
+            if path and len(parts) > 1 and os.path.isdir(os.path.join(root, path)):
+                inner = _module_path(parts[1], root, [path])
+                if inner and os.path.isfile(os.path.join(root, inner)):
+                    init = os.path.join(path, "__init__.py")
+                    found.update([init] if os.path.exists(os.path.join(root, init)) else [])
+                    found.add(inner)
+                    break
+                if len(names) > 1 and name == names[0]:
+                    continue  # `from pkg import name`: pkg itself is the next candidate
+            if path:
+                found.add(path)
+                break
+    return found
+
+
+def _python_files(relpath, root):
+    """The file itself, or a package's modules."""
+    if os.path.isfile(os.path.join(root, relpath)):
+        return [relpath]
+    return sorted(
+        os.path.join(relpath, f)
+        for f in os.listdir(os.path.join(root, relpath))
+        if f.endswith(".py")
+    )
+
+
+def release_sources(root=ROOT):
+    """Every reference file the student repository copies (assignment files aside), sorted.
+
+    The support files, the graded test files, and whatever any of them imports from the
+    repository, followed to its end; a private path is never followed."""
+    assigned = set(assignments.assignment_files(root))
+    todo = [p for p in SUPPORT if os.path.exists(os.path.join(root, p))]
+    todo += graded_test_files(root) + [f for f in assigned if f.endswith(".py")]
+    todo += notebooks(root)
+    seen = set()
+    while todo:
+        path = todo.pop()
+        if path in seen or any(path == p or path.startswith(p + "/") for p in PRIVATE):
+            continue
+        seen.add(path)
+        for file in _python_files(path, root):
+            if file.endswith((".py", ".ipynb")):
+                todo += sorted(local_imports(file, root) - seen)
+    files = set()
+    for path in seen:
+        files.update(
+            _python_files(path, root) if os.path.isdir(os.path.join(root, path)) else [path]
+        )
+    package_siblings = {
+        os.path.join(os.path.dirname(a), f)
+        for a in assigned
+        if os.path.dirname(a)
+        for f in os.listdir(os.path.join(root, os.path.dirname(a)))
+        if f.endswith(".py")
+    }
+    files = {f for f in files if not f.endswith(".ipynb")}  # released stripped, not copied
+    return sorted(files - assigned - package_siblings - {"tests", "tools"})
+
+
+def notebooks(root=ROOT):
+    folder = os.path.join(root, "notebooks")
+    if not os.path.isdir(folder):
+        return []
+    return sorted(f"notebooks/{n}" for n in os.listdir(folder) if n.endswith(".ipynb"))
+
+
+# ---- writing the student repository ----
+
+
+def strip_notebook(src, dst):
+    """Copy a notebook with every output and execution count removed.
+
+    A reference notebook's outputs are the reference solution's results (the numbers a check cell
+    expects, the plots a student is asked to predict): none is released."""
+    import nbformat
+
+    nb = nbformat.read(src, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs = []
+            cell.execution_count = None
+        cell.metadata.pop("execution", None)
+    nb.metadata.pop("widgets", None)
+    nbformat.write(nb, dst)
+
+
+def _region_rows(out, regions, root):
+    """The student README's table: each region, where its stub sits in the student's file."""
+    where = {os.path.basename(f): f for f in assignments.assignment_files(root)}
+    rows = ["| file | function | line |", "|---|---|---|"]
+    for r in regions:
+        with open(os.path.join(out, where[r.file])) as f:
+            lines = f.read().splitlines()
+        stub = f"raise NotImplementedError({r.message!r})"
+        line = next((i for i, text in enumerate(lines, 1) if text.strip() == stub), "?")
+        rows.append(f"| `{where[r.file]}` | `{r.qualname.split('.', 1)[1]}` | {line} |")
+    return "\n".join(rows)
+
+
+def _assignment_prose(root):
+    """ASSIGNMENTS.md's per-assignment section (goals, what to implement, hints), if it has one."""
+    path = os.path.join(root, "ASSIGNMENTS.md")
+    if not os.path.exists(path):
+        return ""
+    with open(path) as f:
+        text = f.read()
+    match = re.search(r"^## The assignments\n(.*?)(?=^## )", text, re.S | re.M)
+    return re.sub(r"^### ", "#### ", match.group(1).strip(), flags=re.M) if match else ""
+
+
+def _grade_options(root):
+    """Make-variable hooks for options the grader has (ONLY=, a per-test timeout)."""
+    with open(os.path.join(root, "tools", "grade.py")) as f:
+        text = f.read()
+    options = []
+    if '"--only"' in text:
+        options.append('$(if $(ONLY),--only "$(ONLY)")')
+    return " ".join(options)
+
+
+def _prepare(out):
+    """An empty ``out``; a folder this script did not write is never emptied."""
+    if os.path.isdir(out) and os.listdir(out):
+        if not os.path.exists(os.path.join(out, STAMP)):
+            sys.exit(
+                f"release: {out} exists and was not written by tools/release.py; not touching it"
+            )
+        shutil.rmtree(out)
+    os.makedirs(out)
+    with open(os.path.join(out, STAMP), "w") as f:
+        f.write(
+            "written by tools/release.py from the reference; rerunning it replaces this folder\n"
+        )
+
+
+def write_student_repo(out, root=ROOT):
+    """Write the student repository to ``out``; return its files (relative paths), sorted."""
+    _prepare(out)
+    assignments.write_student(out, root)
+    for path in release_sources(root):
+        os.makedirs(os.path.join(out, os.path.dirname(path)), exist_ok=True)
+        shutil.copy2(os.path.join(root, path), os.path.join(out, path))
+    for path in notebooks(root):
+        os.makedirs(os.path.join(out, "notebooks"), exist_ok=True)
+        strip_notebook(os.path.join(root, path), os.path.join(out, path))
+    regions = assignments.all_regions(root)
+    fill = {
+        "{{REGIONS}}": _region_rows(out, regions, root),
+        "{{ASSIGNMENTS}}": _assignment_prose(root),
+        "{{FILES}}": ", ".join(f"`{f}`" for f in assignments.assignment_files(root)),
+        "{{GRADE_OPTIONS}}": _grade_options(root),
+    }
+    for name in ("README.md", "Makefile", "gitignore"):
+        with open(os.path.join(TEMPLATES, name)) as f:
+            text = f.read()
+        for key, value in fill.items():
+            text = text.replace(key, value)
+        with open(os.path.join(out, ".gitignore" if name == "gitignore" else name), "w") as f:
+            f.write(text)
+    return files_of(out)
+
+
+def files_of(folder):
+    """Every file under ``folder``, as sorted relative paths."""
+    return sorted(
+        os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs
+    )
+
+
+# ---- the Gradescope autograder ----
+
+
+def grading_requirements(root=ROOT):
+    """requirements.txt and requirements-test.txt, pins only, without torch and what grading skips.
+
+    torch comes from the CPU wheel index in setup.sh; the rest from the default index."""
+    pins = []
+    for name in ("requirements.txt", "requirements-test.txt"):
+        with open(os.path.join(root, name)) as f:
+            for line in f:
+                pin = line.split("#")[0].strip()
+                package = re.split(r"[=<>!~\[ ]", pin)[0].lower() if pin else ""
+                if pin and package != "torch" and package not in NOT_FOR_GRADING:
+                    pins.append(pin)
+    return pins
+
+
+def write_autograder(student, zip_path, root=ROOT):
+    """Gradescope's zip: setup.sh and run_autograder at the top, the student repository beside.
+
+    Gradescope unzips it into /autograder/source, runs setup.sh there once when it builds the
+    image, and runs /autograder/run_autograder (a copy of ours) for each submission."""
+    if os.path.exists(zip_path):
+        os.remove(zip_path)
+    entries = {}
+    for path in files_of(student):
+        if path.startswith("notebooks/") or path == STAMP:
+            continue
+        entries[path] = os.path.join(student, path)
+    for name in ("setup.sh", "run_autograder", "gradescope.py"):
+        entries[name if name != "gradescope.py" else f"tools/{name}"] = os.path.join(
+            AUTOGRADER, name
+        )
+    requirements = "# installed by setup.sh; torch comes from the CPU wheel index, pinned there\n"
+    requirements += "\n".join(grading_requirements(root)) + "\n"
+    with zipfile.ZipFile(zip_path, "w", zipfile.ZIP_DEFLATED) as z:
+        for name, path in sorted(entries.items()):
+            info = zipfile.ZipInfo.from_file(path, name)
+            executable = name in ("setup.sh", "run_autograder") or os.access(path, os.X_OK)
+            info.external_attr = ((0o755 if executable else 0o644) | stat.S_IFREG) << 16
+            info.compress_type = zipfile.ZIP_DEFLATED
+            with open(path, "rb") as f:
+                data = f.read()
+            z.writestr(info, data)
+        info = zipfile.ZipInfo("requirements-autograder.txt")
+        info.external_attr = (0o644 | stat.S_IFREG) << 16
+        z.writestr(info, requirements, zipfile.ZIP_DEFLATED)
+    return sorted(list(entries) + ["requirements-autograder.txt"])
+
+
+# ---- the leak search ----
+
+MIN_SIGNATURE = 12  # a line shorter than this (`return x`, `else:`) says nothing of a solution
+# a compound statement's header (`for _ in range(iters - 1):`) is a loop any code may hold: the
+# lines under it are the solution
+HEADER = re.compile(r"^(for|while|if|elif|else|try|except|finally|with|def|class)\b.*:$")
+
+
+def _significant(line):
+    text = line.strip()
+    return (
+        len(text) >= MIN_SIGNATURE
+        and re.search(r"[A-Za-z0-9]", text) is not None
+        and not HEADER.match(text)
+    )
+
+
+def solution_signatures(root=ROOT):
+    """{stripped line: where it comes from} for every non-trivial line of a solution region, of a
+    mistakes catalogue's wrong body, and each notebook answer as its filled-in line. A line the
+    student files keep outside every region (an argument name, a loop header the stub keeps) is
+    given away on purpose and is left out."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        assignments.write_student(tmp, root)
+        given = set()
+        for name in files_of(tmp):
+            with open(os.path.join(tmp, name)) as f:
+                given.update(line.strip() for line in f)
+    signatures = {}
+    where = {os.path.basename(f): f for f in assignments.assignment_files(root)}
+    for r in assignments.all_regions(root):
+        with open(os.path.join(root, where[r.file])) as f:
+            lines = f.read().splitlines()
+        for number in range(r.begin, r.end - 1):  # 0-based: the lines between the markers
+            text = lines[number].strip()
+            if _significant(text) and text not in given:
+                signatures.setdefault(text, f"{r.qualname} ({r.file}:{number + 1})")
+    for path in private_files(root):
+        with open(os.path.join(root, path)) as f:
+            tree = ast.parse(f.read())
+        for body in mistake_bodies(tree):  # a catalogue's wrong bodies
+            for text in body.splitlines():
+                text = text.strip()
+                if _significant(text) and text not in given:
+                    signatures.setdefault(text, f"a wrong body in {path}")
+        for variable, answer in notebook_answers(tree):  # the line a filled-in exercise holds
+            signatures.setdefault(f"{variable} = {answer}", f"the answer to {variable} ({path})")
+    return signatures
+
+
+def mistake_bodies(tree):
+    """The `body=` strings of a module's `Mistake(...)` records (tests/mistakes/)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "Mistake":
+            for keyword in node.keywords:
+                if keyword.arg == "body" and isinstance(keyword.value, ast.Constant):
+                    yield str(keyword.value.value)
+
+
+def notebook_answers(tree):
+    """(variable, reference answer) of a module's `ANSWERS = {notebook: {variable: (answer,
+    wrong answer)}}`, answers written as Python source; none when it has no such table."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "ANSWERS" for t in node.targets
+        ):
+            try:
+                table = ast.literal_eval(node.value)
+            except ValueError:
+                return
+            for exercises in table.values():
+                for variable, answers in exercises.items():
+                    yield variable, answers[0] if isinstance(answers, (tuple, list)) else answers
+
+
+def answer_tokens(root=ROOT):
+    """{token: where} for each reference answer distinctive enough to search for in prose: a
+    number of five digits or more (as written, plainly, with commas) or a literal of 8+ chars."""
+    tokens = {}
+    for path in private_files(root):
+        with open(os.path.join(root, path)) as f:
+            tree = ast.parse(f.read())
+        for variable, answer in notebook_answers(tree):
+            answer, where = str(answer).strip(), f"the answer to {variable} ({path})"
+            digits = answer.replace("_", "")
+            if digits.isdigit() and len(digits) >= 5:
+                for form in {answer, digits, f"{int(digits):,}"}:
+                    tokens[form] = where
+            elif len(answer) >= 8:
+                tokens[answer] = where
+    return tokens
+
+
+def private_files(root=ROOT):
+    out = []
+    for path in PRIVATE:
+        full = os.path.join(root, path)
+        if os.path.isfile(full):
+            out.append(path)
+        elif os.path.isdir(full):
+            out += [os.path.join(path, f) for f in sorted(os.listdir(full)) if f.endswith(".py")]
+    return out
+
+
+def searchable_text(path):
+    """A released file's text as a reader would see it: a notebook's cells and outputs decoded
+    from their JSON, a zip's members one after another."""
+    if path.endswith(".zip"):
+        with zipfile.ZipFile(path) as z:
+            return "\n".join(z.read(n).decode("utf-8", "replace") for n in z.namelist())
+    with open(path, "rb") as f:
+        text = f.read().decode("utf-8", "replace")
+    if path.endswith(".ipynb"):
+        import nbformat
+
+        nb = nbformat.reads(text, as_version=4)
+        parts = [c.source for c in nb.cells]
+        for cell in nb.cells:
+            for o in cell.get("outputs", []):
+                parts.append(o.get("text", ""))
+                parts += [str(v) for v in o.get("data", {}).values()]
+        text = "\n".join(parts)
+    return text
+
+
+def leaks(folder, root=ROOT, signatures=None):
+    """(released file, line, what it reveals) for every solution line found under ``folder``."""
+    signatures = solution_signatures(root) if signatures is None else signatures
+    tokens = answer_tokens(root)
+    words = re.compile("|".join(rf"(?<![\w,]){re.escape(t)}(?![\w,])" for t in tokens) or "(?!)")
+    hits = []
+    for name in files_of(folder):
+        path = os.path.join(folder, name)
+        if "__pycache__" in name.split(os.sep) or name.endswith(".pyc"):
+            hits.append((name, 0, "compiled reference code"))
+            continue
+        if any(name == p or name.startswith(p + "/") for p in PRIVATE):
+            hits.append((name, 0, "a private file"))
+            continue
+        for number, line in enumerate(searchable_text(path).splitlines(), 1):
+            text = line.strip()
+            if text in signatures:
+                hits.append((name, number, signatures[text]))
+            elif words.search(text):
+                hits.append((name, number, tokens[words.search(text).group(0)]))
+            elif len(text) > MIN_SIGNATURE:  # a solution line inside a longer one (a notebook's)
+                for sig in (s for s in signatures if len(s) >= 2 * MIN_SIGNATURE and s in text):
+                    hits.append((name, number, signatures[sig]))
+                    break
+    return hits
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=os.path.join(ROOT, "build", "release"), help="where")
+    args = parser.parse_args(argv)
+    student = os.path.join(args.out, "student")
+    os.makedirs(args.out, exist_ok=True)
+    files = write_student_repo(student)
+    zip_path = os.path.join(args.out, "autograder.zip")
+    members = write_autograder(student, zip_path)
+    shown = os.path.relpath(args.out)
+    print(f"{shown}/student/: {len(files)} files (a repository a student clones)")
+    print(f"{shown}/autograder.zip: {len(members)} files (Gradescope: setup.sh, run_autograder)")
+    signatures = solution_signatures()
+    found = leaks(student, signatures=signatures)
+    with tempfile_dir() as tmp:
+        with zipfile.ZipFile(zip_path) as z:
+            z.extractall(tmp)
+        found += [
+            (f"autograder.zip:{n}", line, what) for n, line, what in leaks(tmp, ROOT, signatures)
+        ]
+    for name, line, what in found:
+        print(f"LEAK {name}:{line}: {what}")
+    regions = len(assignments.all_regions())
+    print(
+        f"leak search: {len(signatures)} solution lines of {regions} regions and the private "
+        f"answers, in every released file: {len(found)} found"
+    )
+    return 1 if found else 0
+
+
+def tempfile_dir():
+    import tempfile
+
+    return tempfile.TemporaryDirectory()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
