@@ -136,7 +136,7 @@ def test_static_check_finds_a_device_chosen_from_the_backend(tmp_path):
     assert len(problems) == 1 and "bad.py:5" in problems[0], problems
 
 
-@pytest.mark.parametrize("name", TECHNIQUES)
+@pytest.mark.parametrize("name", (*TECHNIQUES, "launch.py", "compiled/mhc_compiled.py"))
 def test_no_technique_chooses_devices_from_the_backend_name(name):
     assert nccl_rules.static_check(os.path.join(ROOT, name)) == []
 
