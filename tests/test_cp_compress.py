@@ -973,7 +973,7 @@ def test_command_line_checks_arguments_before_any_work(capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     for argv, says in (
         (["--seq-per-rank", "130"], "must be a positive multiple of the compression ratio m=4"),
-        (["--window", "0"], "must be >= 1"),
+        (["--window", "0"], "must be int >= 1"),
         (["--seq-per-rank", "128", "--m-hca", "128"], "an entry for m=128"),
         (["--seq-per-rank", "4", "--m-hca", "4"], "halo must come from one rank"),
     ):
