@@ -493,7 +493,7 @@ class MuonZeRO(torch.optim.Optimizer):
     ns_coefficients: one (a, b, c) per Newton-Schulz iteration; ns_dtype: NS precision (V4: bf16).
     update_rms: target RMS of each matrix's update (V4: 0.18; torch's "match_rms_adamw": 0.2).
     betas, eps: AdamW's, for role="adamw" groups (which can set their own lr and weight_decay).
-    zero_width: ranks that share the dense matrices (default: all); must divide the group's size.
+    zero_width: ranks that share the dense matrices (default: all); must divide the group size.
     grad_sync: "bf16_sr" (V4: stochastic rounding to bf16, all-to-all, fp32 sum) or "fp32".
     max_grad_norm: clip the averaged gradient to this global norm inside step(), as
         torch.nn.utils.clip_grad_norm_ does on one process. Clipping p.grad before step() is wrong
@@ -595,7 +595,7 @@ class MuonZeRO(torch.optim.Optimizer):
 
     def add_param_group(self, param_group):
         if getattr(self, "plan", None) is not None:
-            raise ValueError("MuonZeRO plans ownership once, at construction: pass every group")
+            raise ValueError("MuonZeRO plans ownership at construction: pass every param group")
         super().add_param_group(param_group)
 
     def state_dict(self):  # checkpoints: see the appendix
@@ -689,16 +689,16 @@ GROUP_RULES = (  # (setting, test, what it must be)
     ("ns_dtype", lambda v: isinstance(v, torch.dtype) and v.is_floating_point,
      "a floating torch dtype"),
 )  # fmt: skip
-TENSOR_RULES = (  # (test of a tensor in a group of this role, what is wrong and the fix)
+TENSOR_RULES = (  # (test of a tensor in a param group of this role, what is wrong and the fix)
     (lambda p, role: p.dtype == torch.float32, "MuonZeRO updates float32 parameters (its buffers "
      "are fp32): keep fp32 master weights, e.g. model.float()"),
     (lambda p, role: p.numel() > 0, "an empty tensor: leave it out of the optimizer"),
     (lambda p, role: role != "dense" or p.ndim != 3, "a 3-D stack declared 'dense' (expert role "
      "missing): give it role 'expert_down', 'expert_up' or 'expert_gate' (muon_param_groups does)"),
     (lambda p, role: role != "dense" or p.ndim == 2, "Muon needs [n, m] matrices: put it in a "
-     "role='adamw' group (muon_param_groups does)"),
+     "role='adamw' param group (muon_param_groups does)"),
     (lambda p, role: role not in EXPERT_ROLES or p.ndim == 3, "an expert role needs an expert "
-     "stack [E, n, m]; a single matrix belongs in a 'dense' group"),
+     "stack [E, n, m]; a single matrix belongs in a 'dense' param group"),
 )  # fmt: skip
 
 
@@ -839,7 +839,7 @@ def load_checkpoint(opt, state_dict):
     for k, (g, s) in enumerate(zip(opt.param_groups, settings)):
         if g["role"] != s["role"]:
             raise ValueError(
-                f"state_dict group {k} role {s['role']!r} does not match {g['role']!r}"
+                f"state_dict param group {k} role {s['role']!r} does not match {g['role']!r}"
             )
         check_group(k, {**g, **s})
     mine = [s for shards in opt.shards for run in shards.runs for s in run.slots]

@@ -286,10 +286,4 @@ return [(cuts[k], cuts[k + 1]) for k in range(world_size)]
             SHARDED_BODY, "[has_grad[s.param] for s in run.slots]", "[True] * len(run.slots)"
         ),
     ),
-    Mistake(
-        region="muon_zero.sharded_step",
-        name="replicated dense buckets counted once per replica in the clipping norm",
-        message="each matrix counted once",
-        body=_swap(SHARDED_BODY, "if s.counted", "if True"),
-    ),
 ]
