@@ -70,7 +70,7 @@ for t in range(2 * s_toy):
 for r in range(2):
     ax.text(r * s_toy + s_toy / 2 - 0.05, 2.25, f"rank {r}: tokens {r * s_toy}-{r * s_toy + 5}",
             ha="center", color=tint[r], fontweight="bold")  # fmt: skip
-ax.axvline(s_toy - 0.05, color="k", lw=2, ls="--")
+ax.plot([s_toy - 0.05] * 2, [0.9, 2.1], color="k", lw=2, ls="--")  # the rank boundary
 for a, b in blocks:
     cut = a < s_toy <= b
     color = "tab:red" if cut else "0.3"
@@ -160,7 +160,7 @@ for r in range(CP):
         ax.text(own[e, -1].item() + offset + 0.8, y, f"e{entry}{note}", va="center", fontsize=10)
         entry += 1
 ax.set_xlim(-1, CP * S + 8)
-ax.set_ylim(-2, len(ends) + 1)
+ax.set_ylim(-2.6, len(ends) + 1)
 ax.invert_yaxis()
 ax.set_xlabel("token position (tokens; dotted lines: document starts)")
 ax.set_ylabel("compressed entry (index)")
