@@ -79,9 +79,9 @@ class Tracer(fx.Tracer):
         self.leaf_modules, self.trace_into = tuple(leaf_modules), tuple(trace_into)
 
     def is_leaf_module(self, m, qualname):
-        if isinstance(m, self.leaf_modules):
-            return True
-        return not isinstance(m, self.trace_into) and super().is_leaf_module(m, qualname)
+        return isinstance(m, self.leaf_modules) or (
+            not isinstance(m, self.trace_into) and super().is_leaf_module(m, qualname)
+        )
 
     def call_module(self, m, forward, args, kwargs):
         try:
@@ -149,6 +149,11 @@ def storage_key(t):
     return (t.device, t.untyped_storage().data_ptr())
 
 
+def layout_of(t):
+    """Where ``t`` sits in its storage: (dtype, size, stride, storage offset)."""
+    return (t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
+
+
 def _tensors_in(value):
     found = []
     fx.node.map_aggregate(value, lambda v: found.append(v) if isinstance(v, torch.Tensor) else None)
@@ -213,7 +218,7 @@ def profile(gm, example_inputs):
     backward. Every value stays alive during the run, so one address means one storage."""
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
-    check_inputs(placeholders, example_inputs)
+    check_arity(placeholders, example_inputs)
     empty = [tuple(t.shape) for t in _tensors_in(example_inputs) if t.numel() == 0]
     if empty:
         raise ValueError(f"tensor_ckpt: an example input is empty (shape {empty[0]}): it allocates "
@@ -248,8 +253,7 @@ def profile(gm, example_inputs):
                 if isinstance(value, torch.Tensor):
                     info.is_tensor, info.key = True, storage_key(value)
                     info.nbytes = value.untyped_storage().nbytes()
-                    info.layout = (value.dtype, tuple(value.shape), value.stride(),
-                                   value.storage_offset())  # fmt: skip
+                    info.layout = layout_of(value)
                 else:
                     info.holds_tensors = bool(_tensors_in(value))
     infos[nodes[-1]] = NodeInfo()
@@ -454,8 +458,7 @@ class ForwardCall:
 
 def register_root(call, live, v):
     """``v`` is the first tensor of a forgotten storage: from now on saving it saves a handle."""
-    live.layout = (v.dtype, tuple(v.shape), v.stride(), v.storage_offset(),
-                   v.untyped_storage().nbytes())  # fmt: skip
+    live.layout = (*layout_of(v), v.untyped_storage().nbytes())
     call.by_key[storage_key(v)] = (weakref.ref(v.untyped_storage()), live)
     for packed in call.opening:  # saved by v's own op before we knew v was forgotten
         if call.live_storage(packed.tensor) is live:
@@ -563,18 +566,10 @@ class LiveStorage:
             )
 
     def check_layout(self, v):
-        layout = (
-            v.dtype,
-            tuple(v.shape),
-            v.stride(),
-            v.storage_offset(),
-            v.untyped_storage().nbytes(),
-        )
+        layout = (*layout_of(v), v.untyped_storage().nbytes())
         if layout != self.layout:  # a recompute that ran otherwise than the forward did
-            raise RuntimeError(
-                f"tensor_ckpt: recomputed '{self.unit.name}' has layout {layout}, forward had "
-                f"{self.layout}"
-            )
+            raise RuntimeError(f"tensor_ckpt: recomputed '{self.unit.name}' has layout {layout}, "
+                               f"forward had {self.layout}")  # fmt: skip
 
     def as_in_forward(self):
         """no_grad, with autocast as the forward ran (as torch.utils.checkpoint re-enters it)."""
@@ -724,7 +719,7 @@ class TensorCheckpoint(nn.Module):
         traced = self.traced_for(inputs)
         if not traced.plan.units:
             return self.module(*args, **kwargs)
-        check_inputs(traced.placeholders, inputs)
+        check_arity(traced.placeholders, inputs)
         return run_forgetting(traced, inputs, self)
 
 
@@ -841,8 +836,10 @@ class TinyLM(nn.Module):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
-        description="Tensor-level activation checkpointing (V4 §3.4.4): plan, exactness and "
-        "memory checks, then data-parallel training of a small LM with V4-style forget() marks.",
+        description="Tensor-level activation checkpointing (V4 §3.4.4): the plan, gradients "
+        "checked bitwise against the plain model, then data-parallel training of a small LM with "
+        "V4-style forget() marks. Measured memory and recompute work: "
+        "benchmarks/bench_tensor_ckpt.py.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     one = launch.at_least(1)
@@ -1052,7 +1049,7 @@ def _mib(b):
     return f"{b / 2**20:.2f} MiB" if b >= 2**20 or b == 0 else f"{b / 2**10:.1f} KiB"
 
 
-def check_inputs(placeholders, inputs):
+def check_arity(placeholders, inputs):
     if len(inputs) != len(placeholders):
         names = [n.name for n in placeholders]
         raise ValueError(f"tensor_ckpt: expected {len(placeholders)} inputs ({names}), got "
