@@ -60,7 +60,8 @@ def allgather_baseline(layer, x, cu_seqlens, group=None):
     compress the whole sequence on every rank; the attention is the layer's own. Same result as
     layer.context_parallel. -> ([s, H, D], Extras)."""
     cpc.check_inputs(layer, x, cu_seqlens, group, entry="allgather_baseline")
-    rank, cp = dist.get_rank(group), dist.get_world_size(group)
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
     s, D, m = x.shape[0], layer.head_dim, layer.ratio
     cu_seqlens = cu_seqlens.to(x.device)
     proj = layer.project(x)
@@ -72,10 +73,9 @@ def allgather_baseline(layer, x, cu_seqlens, group=None):
     )
     ends, doc_starts = cpc.compressed_entry_ends(cu_seqlens, m)
     pos = rank * s + torch.arange(s, device=x.device)
-    pad = cp * s // m - ends.numel()
-    entry_end = torch.cat([ends, ends.new_full((pad,), cp * s)])
-    entry_doc = torch.cat([doc_starts, doc_starts.new_full((pad,), -1)])
-    visible = cpc.visibility(pos, cpc.doc_start_of(pos, cu_seqlens), entry_end, entry_doc)
+    visible = cpc.visibility(pos, cpc.doc_start_of(pos, cu_seqlens), ends, doc_starts)
+    padding = visible.new_zeros(s, world * s // m - ends.numel())  # the tail: never visible
+    visible = torch.cat([visible, padding], dim=1)
     window_all = torch.cat([window_all.new_zeros(layer.window - 1, D), window_all])
     window_ext = window_all[rank * s : rank * s + s + layer.window - 1]
     return layer.attend_local(proj, entries, visible, window_ext, rank * s, cu_seqlens)

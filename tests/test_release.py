@@ -89,7 +89,9 @@ def test_student_files_are_stubs_and_the_makefile_has_the_three_commands(kit):
 
 def test_notebooks_are_released_without_outputs(kit):
     student = kit[0]
-    for name in sorted(os.listdir(os.path.join(student, "notebooks"))):
+    for name in sorted(
+        n for n in os.listdir(os.path.join(student, "notebooks")) if n.endswith(".ipynb")
+    ):
         nb = nbformat.read(os.path.join(student, "notebooks", name), as_version=4)
         code = [c for c in nb.cells if c.cell_type == "code"]
         assert code, name

@@ -365,7 +365,14 @@ def _significant(line):
         len(text) >= MIN_SIGNATURE
         and re.search(r"[A-Za-z0-9]", text) is not None
         and not HEADER.match(text)
+        and text not in (assignments.BEGIN, assignments.END)  # the markers, not a solution
+        and not re.fullmatch(r"return [\w.]+", text)  # `return order`: says nothing
     )
+
+
+def _given(text, given):
+    """A line the student files hold anyway, whole or inside a longer line of theirs."""
+    return text in given or any(text in line for line in given)
 
 
 def solution_signatures(root=ROOT):
@@ -388,7 +395,7 @@ def solution_signatures(root=ROOT):
             lines = f.read().splitlines()
         for number in range(r.begin, r.end - 1):  # 0-based: the lines between the markers
             text = lines[number].strip()
-            if _significant(text) and text not in given:
+            if _significant(text) and not _given(text, given):
                 signatures.setdefault(text, f"{r.qualname} ({r.file}:{number + 1})")
     for path in private_files(root):
         with open(os.path.join(root, path)) as f:
@@ -396,7 +403,7 @@ def solution_signatures(root=ROOT):
         for body in mistake_bodies(tree):  # a catalogue's wrong bodies
             for text in body.splitlines():
                 text = text.strip()
-                if _significant(text) and text not in given:
+                if _significant(text) and not _given(text, given):
                     signatures.setdefault(text, f"a wrong body in {path}")
         for variable, answer in notebook_answers(tree):  # the line a filled-in exercise holds
             signatures.setdefault(f"{variable} = {answer}", f"the answer to {variable} ({path})")
