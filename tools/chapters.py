@@ -13,7 +13,7 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FENCE = "# ---- appendix"
+FENCE = ("# ---- appendix", "# ==== appendix")
 # file: (most lines, [(protocol function or class, starts before line)])
 TARGETS = {
     "muon_zero.py": (650, [("sharded_step", 400)]),
