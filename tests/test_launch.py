@@ -138,7 +138,6 @@ def _stop_one_rank(file, world=2, timeout_s=4):
             time.sleep(0.2)
         workers = _workers(proc.pid)
         assert len(workers) == world, f"found workers {workers} of {world}"
-        time.sleep(1.0)  # let the demo get into its first steps
         os.kill(workers[world - 1], signal.SIGSTOP)
         stopped = time.monotonic()
         said = "did not answer within the"
