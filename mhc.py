@@ -556,8 +556,9 @@ class StageLinks:
     issue order can deadlock. overlap=True posts each receive one micro-batch ahead.
     """
 
-    def __init__(self, stage, world, n_micro, shape, like, overlap):
-        self.groups = pipeline_groups() if world > 1 else {}
+    def __init__(self, stage, world, n_micro, shape, like, overlap, groups=None):
+        # groups: {"forward": g, "backward": g}, group ranks = stages (default: over the world)
+        self.groups = groups or (pipeline_groups() if world > 1 else {})
         self.stage, self.n_micro, self.shape, self.like, self.overlap = (
             stage, n_micro, shape, like, overlap)  # fmt: skip
         self.pending, self.sends, self.stats = {}, [], PipelineStats()
@@ -570,7 +571,7 @@ class StageLinks:
         if i < self.n_micro and (direction, i) not in self.pending:
             buffer = torch.empty(self.shape, dtype=self.like.dtype, device=self.like.device)
             peer = self.stage - 1 if direction == "forward" else self.stage + 1
-            work = dist.irecv(buffer, src=peer, group=self.groups[direction])
+            work = dist.irecv(buffer, group=self.groups[direction], group_src=peer)
             self.pending[direction, i] = buffer, work
 
     def recv(self, direction, i):
@@ -588,7 +589,7 @@ class StageLinks:
         """Asynchronous: two neighbours may send to each other at the same moment."""
         tensor = tensor.detach().contiguous()
         peer = self.stage + 1 if direction == "forward" else self.stage - 1
-        work = dist.isend(tensor, dst=peer, group=self.groups[direction])
+        work = dist.isend(tensor, group=self.groups[direction], group_dst=peer)
         self.sends.append((work, tensor))  # keep the tensor alive until the send is done
         field = f"bytes_sent_{direction}"
         setattr(

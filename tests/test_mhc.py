@@ -688,6 +688,8 @@ def _recorded_p2p_rank(rank, world_size, overlap):
     def record(kind, original):
         def op(tensor, *args, group=None, **kw):
             peer = args[0] if args else kw.get("dst", kw.get("src"))
+            if peer is None:  # a group rank (group_dst / group_src): record the global rank
+                peer = dist.get_global_rank(group, kw.get("group_dst", kw.get("group_src")))
             link = links.get(id(group), "default group")
             ops.append((kind, peer, link, tensor.numel(), str(tensor.dtype)))
             return original(tensor, *args, group=group, **kw)
