@@ -602,23 +602,27 @@ class StageLinks:
         return self.stats
 
 
-def pipeline_step(model, idx, targets, n_micro, variant="fused", block=None, overlap=True):
-    """One training step's forward and backward over the pipeline stages (the default group).
+def pipeline_step(
+    model, idx, targets, n_micro, variant="fused", block=None, overlap=True, groups=None
+):
+    """One training step's forward and backward over the pipeline stages.
 
     idx, targets [B, T], the same on every rank (stage 0 reads idx, the last stage targets: the
     guard compares their digest). variant, block: as Transformer.run_layers, per stage. Fills
     .grad of this stage's parameters (the mean loss over the batch, as one process would) and
     returns (loss on the last stage else None, PipelineStats). overlap=False is the baseline that
-    hides nothing: each receive is posted when its data is needed and waited at once.
+    hides nothing: each receive is posted when its data is needed and waited at once. groups:
+    StageLinks' two links (default: over the world; a device mesh passes its pipeline dimension).
     """
-    world, stage = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
-    check_pipeline_step(model, idx, targets, n_micro, variant, block, overlap)  # every rank
+    groups = groups or (pipeline_groups() if dist.is_initialized() else {})
+    world, stage = (groups["forward"].size(), groups["forward"].rank()) if groups else (1, 0)
+    check_pipeline_step(model, idx, targets, n_micro, variant, block, overlap, groups)
     # hint: forward(i) and backward(i) each receive, compute, send; then run the phases in order
     ### BEGIN SOLUTION
     first, stop = stage_layers(model.cfg.n_layers, world, stage)
     order, warmup = one_f_one_b(world, stage, n_micro), min(world - stage - 1, n_micro)
     shape = model.stream_shape(idx.shape[0] // n_micro)
-    links = StageLinks(stage, world, n_micro, shape, model.embed.weight, overlap)
+    links = StageLinks(stage, world, n_micro, shape, model.embed.weight, overlap, groups)
     idx_micro, tgt_micro = idx.chunk(n_micro), targets.chunk(n_micro)
     held_in, held_out, losses, last = {}, {}, [], stage == world - 1
     device = model.embed.weight.device
@@ -816,11 +820,11 @@ def validate_pipeline_inputs(model, idx, targets, n_micro, variant, block, world
 _GUARDED = weakref.WeakSet()  # models whose initial parameters the guard has compared
 
 
-def check_pipeline_step(model, idx, targets, n_micro, variant, block, overlap):
+def check_pipeline_step(model, idx, targets, n_micro, variant, block, overlap, groups):
     """This rank's validation, then launch.agree on everything the stages share: the batch itself
     (a digest: stage 0 embeds idx, the last stage scores targets) and, on a model's first step,
     its initial parameters (every stage builds the whole model from one seed)."""
-    world, stage = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    world, stage = (groups["forward"].size(), groups["forward"].rank()) if groups else (1, 0)
     error = None
     try:
         validate_pipeline_inputs(model, idx, targets, n_micro, variant, block, world, stage)
@@ -840,7 +844,7 @@ def check_pipeline_step(model, idx, targets, n_micro, variant, block, overlap):
     }
     if model not in _GUARDED:
         fields["initial parameters (sha256)"] = launch.weights_digest(model.named_parameters())
-    launch.agree(fields, error)
+    launch.agree(fields, error, groups.get("forward"))
     _GUARDED.add(model)
 
 

@@ -311,7 +311,7 @@ _PIPELINE = """
 first, stop = stage_layers(model.cfg.n_layers, world, stage)
 order, warmup = one_f_one_b(world, stage, n_micro), min(world - stage - 1, n_micro)
 shape = model.stream_shape(idx.shape[0] // n_micro)
-links = StageLinks(stage, world, n_micro, shape, model.embed.weight, overlap)
+links = StageLinks(stage, world, n_micro, shape, model.embed.weight, overlap, groups)
 idx_micro, tgt_micro = idx.chunk(n_micro), targets.chunk(n_micro)
 held_in, held_out, losses, last = {}, {}, [], stage == world - 1
 device = model.embed.weight.device
