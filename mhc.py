@@ -614,9 +614,11 @@ def pipeline_step(
     hides nothing: each receive is posted when its data is needed and waited at once. groups:
     StageLinks' two links (default: over the world; a device mesh passes its pipeline dimension).
     """
-    groups = groups or (pipeline_groups() if dist.is_initialized() else {})
-    world, stage = (groups["forward"].size(), groups["forward"].rank()) if groups else (1, 0)
-    check_pipeline_step(model, idx, targets, n_micro, variant, block, overlap, groups)
+    group = groups["forward"] if groups else None  # the pipeline's ranks (default: the world)
+    world, stage = (
+        (dist.get_world_size(group), dist.get_rank(group)) if dist.is_initialized() else (1, 0)
+    )
+    check_pipeline_step(model, idx, targets, n_micro, variant, block, overlap, group)
     # hint: forward(i) and backward(i) each receive, compute, send; then run the phases in order
     ### BEGIN SOLUTION
     first, stop = stage_layers(model.cfg.n_layers, world, stage)
@@ -820,11 +822,13 @@ def validate_pipeline_inputs(model, idx, targets, n_micro, variant, block, world
 _GUARDED = weakref.WeakSet()  # models whose initial parameters the guard has compared
 
 
-def check_pipeline_step(model, idx, targets, n_micro, variant, block, overlap, groups):
+def check_pipeline_step(model, idx, targets, n_micro, variant, block, overlap, group):
     """This rank's validation, then launch.agree on everything the stages share: the batch itself
     (a digest: stage 0 embeds idx, the last stage scores targets) and, on a model's first step,
     its initial parameters (every stage builds the whole model from one seed)."""
-    world, stage = (groups["forward"].size(), groups["forward"].rank()) if groups else (1, 0)
+    world, stage = (
+        (dist.get_world_size(group), dist.get_rank(group)) if dist.is_initialized() else (1, 0)
+    )
     error = None
     try:
         validate_pipeline_inputs(model, idx, targets, n_micro, variant, block, world, stage)
@@ -844,7 +848,7 @@ def check_pipeline_step(model, idx, targets, n_micro, variant, block, overlap, g
     }
     if model not in _GUARDED:
         fields["initial parameters (sha256)"] = launch.weights_digest(model.named_parameters())
-    launch.agree(fields, error, groups.get("forward"))
+    launch.agree(fields, error, group)
     _GUARDED.add(model)
 
 
