@@ -18,6 +18,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_module
+import re
 import signal
 import socket
 import subprocess
@@ -259,5 +260,22 @@ def run_torchrun(file, nproc=4, args=(), timeout=300.0, env=None, check=True):
         ) from None
     result = subprocess.CompletedProcess(cmd, proc.returncode, out)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n{out}")
+        raise AssertionError(
+            f"{file} at {nproc} rank(s) failed: {first_error(out)}\n"
+            f"{' '.join(cmd)} exited {proc.returncode}:\n{out}"
+        )
     return result
+
+
+ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:\w+\.)*\w*(?:Error|Exception|Interrupt)\b.*)$")
+
+
+def first_error(out):
+    """The first exception line a rank printed (what a failing test should say first), else the
+    last line of the output."""
+    for line in out.splitlines():
+        found = ERROR_LINE.match(line.strip())
+        if found and "ChildFailedError" not in line:
+            return found.group(1)[:300]
+    lines = [line for line in out.splitlines() if line.strip()]
+    return lines[-1][:300] if lines else "no output"

@@ -91,3 +91,14 @@ def test_run_torchrun_returns_output_and_surfaces_failure(tmp_path):
     )
     with pytest.raises(AssertionError, match="rank one refuses"):
         run_torchrun(str(bad), nproc=2, timeout=120)
+
+
+def test_run_torchrun_failure_names_the_error_first(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "import os\nif os.environ['RANK'] == '1':\n    raise ValueError('rank one: bad lr')\n"
+    )
+    with pytest.raises(AssertionError) as failure:
+        run_torchrun(str(bad), nproc=2, timeout=120)
+    first = str(failure.value).splitlines()[0]
+    assert "ValueError: rank one: bad lr" in first, f"the failure's first line is {first!r}"

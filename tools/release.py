@@ -241,16 +241,6 @@ def _assignment_prose(root):
     return re.sub(r"^### ", "#### ", match.group(1).strip(), flags=re.M) if match else ""
 
 
-def _grade_options(root):
-    """Make-variable hooks for options the grader has (ONLY=, a per-test timeout)."""
-    with open(os.path.join(root, "tools", "grade.py")) as f:
-        text = f.read()
-    options = []
-    if '"--only"' in text:
-        options.append('$(if $(ONLY),--only "$(ONLY)")')
-    return " ".join(options)
-
-
 def _prepare(out):
     """An empty ``out``; a folder this script did not write is never emptied."""
     if os.path.isdir(out) and os.listdir(out):
@@ -281,7 +271,6 @@ def write_student_repo(out, root=ROOT):
         "{{REGIONS}}": _region_rows(out, regions, root),
         "{{ASSIGNMENTS}}": _assignment_prose(root),
         "{{FILES}}": ", ".join(f"`{f}`" for f in assignments.assignment_files(root)),
-        "{{GRADE_OPTIONS}}": _grade_options(root),
     }
     for name in ("README.md", "Makefile", "gitignore"):
         with open(os.path.join(TEMPLATES, name)) as f:
