@@ -586,7 +586,7 @@ for ax in fig.axes:  # a short label: panels side by side (one event per allocat
 fig.suptitle(
     "Memory over one training step, two layers (forward phase shaded grey, backward yellow)"
 )
-fig.subplots_adjust(top=0.9)  # room for the title above the panels' own
+fig.subplots_adjust(top=0.885)  # room for the title above the panels' own
 plt.show()
 header = (
     "variant|kept after forward|re-run (MFLOP)|peak|at the peak: activations|temporaries|the rest"
