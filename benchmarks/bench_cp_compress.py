@@ -106,13 +106,14 @@ def step(layer, method, x, cu):
 
 
 def recorded_step(layer, method, x, cu, name):
-    """step(), inside a memory timeline: -> (the finished timeline, the method's Extras)."""
+    """step(), recorded as step 1 of a memory timeline (steps count from 1 in every printout):
+    -> (the finished timeline, the method's Extras)."""
     tl = MemoryTimeline(model=layer, name=name)
     with tl.record():
-        with tl.phase("forward"):
+        with tl.phase("forward", 1):
             out, extras = METHODS[method](layer, x, cu)
             loss = out.square().mean()
-        with tl.phase("backward"):
+        with tl.phase("backward", 1):
             loss.backward()
     return tl, extras
 

@@ -108,14 +108,14 @@ def memory(stack, fn, x, grad):
     tl = MemoryTimeline(model=stack, name="step")
     tl.tag([x, grad, *stack.buffers()], "other")
     with tl.record():
-        with tl.phase("forward", 0):
+        with tl.phase("forward", 1):
             out = fn(x)
-        with tl.phase("backward", 0):
+        with tl.phase("backward", 1):
             out.backward(grad)
             del out
     stack.zero_grad(set_to_none=True)
     peak = int((tl.series("activations") + tl.series("temporaries")).max())
-    return tl.peak("activations", step=0, phase="forward"), peak, tl
+    return tl.peak("activations", step=1, phase="forward"), peak, tl
 
 
 OpCounter = Meter  # aten ops run and bytes allocated

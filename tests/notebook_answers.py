@@ -30,6 +30,12 @@ ANSWERS = {  # notebook -> {variable: (reference answer, a wrong answer)}, as Py
         "answer_entries": ("[3, 4]", "[4, 4]"),  # ends 3, 8, 12 | 16, 23, 27, 31; not s/m each
         "answer_slots": ("257", "256"),  # s/m + 1; s/m is the most that end on a rank
     },
+    "04_tensor_ckpt": {
+        "answer_qkv_bytes": ("786_432", "0"),  # SDPA saves q, k, v: views of qkv
+        "answer_fc2_bytes": ("0", "262_144"),  # nothing saves a sum's inputs; its size is wrong
+        "answer_warned": ('["add", "reshape"]', '["fc1", "qkv"]'),  # a named matmul does not warn
+        "answer_lowest_peak": ('"module"', '"tensor_ckpt"'),  # keeps only each layer's input
+    },
 }
 ANSWER_LINE = re.compile(r"^(answer_\w+) = None\b", re.M)
 CHECK_LINE = re.compile(r"# check: (answer_\w+)\s*$")

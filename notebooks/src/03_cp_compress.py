@@ -405,8 +405,6 @@ four = run_ranks(bench.rank_profile, 4, args=("CSA m=4", T), timeout=300)
 one = run_ranks(bench.rank_profile, 1, args=("CSA m=4", T), timeout=300)
 stage("done")
 drawn = [one[0]["context_parallel"]["timeline"], four[0]["context_parallel"]["timeline"]]
-for tl in drawn:  # the profile records one step without a number; it is step 1, as people count
-    tl.phases = [(name, 1, *rest) for name, _, *rest in tl.phases]
 fig = plot_timelines(
     drawn,
     titles=["cp=1: the whole sequence", "cp=4, rank 0 (ranks 1-3: see below)"],
