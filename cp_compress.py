@@ -5,23 +5,21 @@ of s tokens, one per rank. Keys and values are per token, so a rank that needs a
 fetches those tokens' K/V (ring attention, or an all-gather of raw K/V).
 
 What V4 violates. V4 attends to compressed entries, not tokens (V4 §2.3): every m raw tokens of a
-document are pooled into one entry; CSA (m = 4) pools each block together with the block before
-it, HCA (m' = 128) pools blocks without overlap. Packed documents are compressed on their own and
-trailing tokens short of a block are dropped. So a pooling window can straddle a rank boundary, and
-the number of entries a rank produces depends on where the documents start: it is not s/m.
+document are pooled into one entry; CSA (m = 4) pools each block together with the one before it,
+HCA (m' = 128) without overlap. Packed documents are compressed on their own, a trailing partial
+block dropped. So a pooling window can straddle a rank boundary, and how many entries a rank
+produces depends on where the documents start: it is not s/m.
 
-The fix, in two stages. (1) Rank i sends rank i+1 the raw rows it needs (the halo, `halo_rows`)
-point-to-point; every rank pools the blocks that END on it into a fixed, zero-padded buffer of
-s/m + 1 entries. (2) One all-gather of those equal buffers, then a select-and-pad (one
-index_select) assembles exactly cp_size*s/m entries, identical to the single-device compressed
-sequence, padding at the tail. Queries stay local: what a query may see follows by rule from
-global positions (`visibility`) and, for CSA, from the indexer's top-k indices. The protocol is one
-function, `context_parallel_compress`, directly after the compressor.
+The fix, in two stages. (1) Rank i sends rank i+1 the raw rows it needs (the halo, `halo_rows`);
+every rank pools the blocks that END on it into a zero-padded buffer of s/m + 1 entries. (2) One
+all-gather of those equal buffers, then a select-and-pad (one index_select) gives the cp_size*s/m
+entries of the single-device compressed sequence, padding at the tail. Queries stay local: what a
+query may see follows by rule from global positions (`visibility`) and, for CSA, from the
+indexer's top-k. The protocol is one function, `context_parallel_compress`, after the compressor.
 
 The public V4 code (transformers' DeepseekV4 attention) loads into this layer through
-`interop.v4_attention.from_v4_state_dict` and gives the same entries, window K/V, visibility and
-top-k (tests/test_cp_v4_oracle.py). One deliberate difference: the public code pools across packed
-documents; this file compresses each on its own.
+`interop.v4_attention.from_v4_state_dict` and agrees with it (tests/test_cp_v4_oracle.py), except
+that it pools across packed documents where this file compresses each on its own.
 
 Run:
     OMP_NUM_THREADS=1 torchrun --nproc_per_node=4 cp_compress.py   # N = 1..4; gloo on CPU, or NCCL
@@ -245,8 +243,7 @@ def _peer(group, rank):
 
 
 class _HaloFromPrevious(torch.autograd.Function):
-    """Forward: the previous rank's last `rows` rows (zeros on rank 0, which nothing reads).
-    Backward: their gradient goes back to the previous rank, added onto its last rows."""
+    """Forward: the previous rank's last `rows` rows. Backward: their gradient, sent back."""
 
     @staticmethod
     def forward(ctx, x, rows, group):
@@ -419,17 +416,15 @@ class CompressedAttention(nn.Module):
         """x [s, dim]: this rank's contiguous shard; cu_seqlens [D+1] of the whole packed sequence.
         -> ([s, H, D] for the local queries, Extras with the global entries and the counts)."""
         check_inputs(self, x, cu_seqlens, group)  # every rank, before any data moves (appendix)
-        rank, s = dist.get_rank(group), x.shape[0]
-        cu_seqlens = cu_seqlens.to(x.device)
+        first, cu = dist.get_rank(group) * x.shape[0], cu_seqlens.to(x.device)
         proj = self.project(x)
-        compress = (self.ape, self.normalise, cu_seqlens, self.ratio, self.overlap, group)
-        shard = context_parallel_compress(proj.kv, proj.gate, *compress)
-        # the sliding window needs window-1 raw K/V rows from the previous rank
-        window_halo = halo_from_previous(proj.window_kv, self.window - 1, group)
-        window_ext = torch.cat([window_halo, proj.window_kv])
-        out, extras = self.attend_local(
-            proj, shard.entries, shard.visible, window_ext, rank * s, cu_seqlens
+        shard = context_parallel_compress(
+            proj.kv, proj.gate, self.ape, self.normalise, cu, self.ratio, self.overlap, group
         )
+        # the sliding window needs window-1 raw K/V rows from the previous rank
+        halo = halo_from_previous(proj.window_kv, self.window - 1, group)
+        window_ext = torch.cat([halo, proj.window_kv])
+        out, extras = self.attend_local(proj, shard.entries, shard.visible, window_ext, first, cu)
         extras.counts = shard.counts
         return out, extras
 
@@ -442,7 +437,6 @@ class CompressedAttention(nn.Module):
         window_keys = window_ext.unfold(0, self.window, 1).transpose(1, 2)  # [s, window, D]
         window_pos = pos[:, None] - self.window + 1 + torch.arange(self.window, device=device)
         window_allowed = window_pos >= doc_start_of(pos, cu_seqlens)[:, None]
-
         extras = Extras(entries=entries)
         if self.overlap:
             scores = index_scores(proj.q_index, proj.w_index, entries[:, D:])
@@ -469,7 +463,7 @@ class CompressedAttention(nn.Module):
         info += [(T, -1)] * (T // m - len(info))  # padding entries: never visible
         entry_end, entry_doc = torch.tensor(info, device=x.device).reshape(-1, 2).T
         pos = torch.arange(T, device=x.device)
-        doc = doc_start_of(pos, cu_seqlens)
+        doc = doc_start_of(pos, cu_seqlens)  # [T] each token's document
         visible = visible_by_rule = visibility(pos, doc, entry_end, entry_doc)
         in_window = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - self.window)
         raw_allowed = in_window & (doc[:, None] == doc[None, :])
@@ -479,10 +473,8 @@ class CompressedAttention(nn.Module):
             chosen = top_k_visible(scores, visible, self.top_k)
             visible, extras.top_k = chosen_mask(chosen, T // m), chosen
             extras.scores = scores.masked_fill(~visible_by_rule, -math.inf)
-        out = attention_reference(
-            proj.q, entries[:, :D], proj.window_kv, visible, raw_allowed, self.sink
-        )
-        return out, extras
+        keys = (entries[:, :D], proj.window_kv)
+        return attention_reference(proj.q, *keys, visible, raw_allowed, self.sink), extras
 
 
 def shard_sequence(x, cp_size, rank):
@@ -536,10 +528,8 @@ def check_inputs(layer, x, cu_seqlens, group=None, entry="context_parallel"):
     dim, error = layer.wq.shape[0], None
     try:
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != dim:
-            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(
-                f"x must be [tokens, features] with features = dim = {dim}, got {shape}"
-            )
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x must be [tokens, features] with features = dim = {dim}, got {got}")
         if x.dtype != layer.wq.dtype:
             raise ValueError(f"x must have the weights' dtype {layer.wq.dtype}, got {x.dtype}")
         sizes = (layer.ratio, layer.overlap, layer.top_k, layer.window)
@@ -549,9 +539,9 @@ def check_inputs(layer, x, cu_seqlens, group=None, entry="context_parallel"):
     fields = {"entry point": entry}
     try:  # any input, even one validation refused; one too odd to describe joins with its error
         cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens
-        fields |= {"tokens per rank": x.shape[0] if x.dim() else None, "x features": x.shape[1:]}
-        fields |= {"x dtype": str(x.dtype), "cu_seqlens": cu, "dim": dim}
-        fields |= {name: getattr(layer, name) for name in LAYER_FIELDS}
+        fields["tokens per rank"] = x.shape[0] if x.dim() else None
+        fields |= {"x features": tuple(x.shape[1:]), "x dtype": str(x.dtype), "cu_seqlens": cu}
+        fields |= {"dim": dim} | {name: getattr(layer, name) for name in LAYER_FIELDS}
         for n, p in layer.named_parameters():
             fields[f"weight {n}"] = launch.weights_digest([(n, p)])
     except Exception as err:
@@ -579,10 +569,8 @@ def probe_loss(out, extras, grad_out, grad_scores):
     """A random linear function of the output and of the visible indexer scores, so backward
     reaches every weight (top-k is not differentiable; V4 trains the indexer on its scores)."""
     loss = (out * grad_out).sum()
-    if extras.scores is not None:
-        loss = (
-            loss + (torch.where(extras.scores.isfinite(), extras.scores, 0.0) * grad_scores).sum()
-        )
+    if extras.scores is not None:  # -inf where a query may not look: no gradient there
+        loss = loss + (extras.scores.nan_to_num(neginf=0.0) * grad_scores).sum()
     return loss
 
 
@@ -632,18 +620,13 @@ COLUMNS = {"rank": 4, "halo sent B": 11, "window halo sent B": 18, "all-gather s
 def demo(args, rank, cp, device):
     """Both layers on a packed batch whose documents start where it hurts. Rank 0 prints, per rank,
     the bytes it sends per stage, the entries it computes and its errors against the reference."""
-    s, window = args.seq_per_rank, args.window
+    s, w = args.seq_per_rank, args.window
     torch.manual_seed(args.seed)  # same weights and inputs on every rank
-    layers = {
-        f"CSA (m={args.m_csa}, top-k {args.top_k})": CompressedAttention(
-            "csa", ratio=args.m_csa, top_k=args.top_k, window=window
-        ),
-        f"HCA (m'={args.m_hca})": CompressedAttention("hca", ratio=args.m_hca, window=window),
-    }
+    csa = CompressedAttention("csa", ratio=args.m_csa, top_k=args.top_k, window=w)
+    hca = CompressedAttention("hca", ratio=args.m_hca, window=w)
+    layers = {f"CSA (m={args.m_csa}, top-k {args.top_k})": csa, f"HCA (m'={args.m_hca})": hca}
     x = torch.randn(cp * s, 64).to(device)  # the layers' default dim
-    launch.say(
-        f"cp_size={cp}, {s} tokens per rank, window {window}; bytes are what each rank sends"
-    )
+    launch.say(f"cp_size={cp}, {s} tokens per rank, window {w}; bytes are what each rank sends")
     for name, layer in layers.items():
         m, cu = layer.ratio, packed_boundaries(cp * s, s, layer.ratio, args.seed).to(device)
         out_err, grad_err, counts = compare_with_reference(layer.to(device), x, cu)
@@ -668,10 +651,7 @@ def demo(args, rank, cp, device):
 
 def parse_args(argv=None):
     """The command line, every value checked before any process group exists."""
-    parser = argparse.ArgumentParser(
-        description="V4's two-stage context parallelism for compressed attention (CSA and HCA): "
-        "runs the protocol and the single-device reference, prints bytes and errors."
-    )
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for flag, default, text in (
         ("--seq-per-rank", 512, "tokens per rank, s: a multiple of both m values"),
         ("--m-csa", 4, "CSA compression ratio m"),
