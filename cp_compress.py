@@ -13,18 +13,14 @@ produces depends on where the documents start: it is not s/m.
 The fix, in two stages. (1) Rank i sends rank i+1 the raw rows it needs (the halo, `halo_rows`);
 every rank pools the blocks that END on it into a zero-padded buffer of s/m + 1 entries. (2) One
 all-gather of those equal buffers, then a select-and-pad (one index_select) gives the cp_size*s/m
-entries of the single-device compressed sequence, padding at the tail. Queries stay local: what a
-query may see follows by rule from global positions (`visibility`) and, for CSA, from the
-indexer's top-k. The protocol is one function, `context_parallel_compress`, after the compressor.
-
-The public V4 code (transformers' DeepseekV4 attention) loads into this layer through
-`interop.v4_attention.from_v4_state_dict` and agrees with it (tests/test_cp_v4_oracle.py), except
-that it pools across packed documents where this file compresses each on its own.
+entries of the single-device compressed sequence. Queries stay local: what a query may see follows
+by rule from global positions (`visibility`) and, for CSA, from the indexer's top-k. The protocol
+is one function, `context_parallel_compress`. The public V4 attention (transformers) loads through
+`interop.v4_attention` and agrees (tests/test_cp_v4_oracle.py), but pools across documents.
 
 Run:
     OMP_NUM_THREADS=1 torchrun --nproc_per_node=4 cp_compress.py   # N = 1..4; gloo on CPU, or NCCL
-    python cp_compress.py                                          # one process, world size 1
-    python cp_compress.py --help                                   # sequence length, m, top-k, ...
+    python cp_compress.py [--help]                                 # one process; the options
 """
 
 import argparse
@@ -49,10 +45,10 @@ def rms_norm(x, weight):
 
 
 def compress_reference(kv, score, ape, cu_seqlens, ratio, overlap):
-    """Single-device compression of a packed sequence, document by document: the reference.
-    kv, score: [T, sets, C] raw rows (with overlap sets = 2: set 0 pools an entry's own block, set 1
-    is read by the next entry; else 1); ape: [ratio, sets, C] a bias on the logits. Entry j of a
-    document: per-channel softmax over the rows of blocks j-1 and j (block -1: logit -inf, value 0).
+    """Single-device compression of a packed sequence, document by document (the reference).
+    kv, score: [T, sets, C] raw rows (with overlap, sets = 2: set 0 pools an entry's own block, set
+    1 is read by the next entry); ape: [ratio, sets, C] a bias on the logits. Entry j of a document
+    is a per-channel softmax over the rows of blocks j-1 and j (block -1: logit -inf, value 0).
     -> entries [T//ratio, C], zero rows at the tail."""
     T, _, C = kv.shape
     pooled = []
@@ -76,11 +72,9 @@ def compress_reference(kv, score, ape, cu_seqlens, ratio, overlap):
 
 # ---- Under CP: which blocks end on which rank, and which raw rows they pool ----------------------
 def halo_rows(ratio, overlap):
-    """Raw rows rank i+1 needs from rank i to pool every block that ends on it.
-    A rank owns the entries whose block ends on it; such a block starts at most m-1 tokens before
-    the rank's first token. Without overlap (HCA) that is all; with overlap (CSA) the entry also
-    pools the whole block before its own, m tokens further back. (The paper's "m" is the unpacked
-    case, where blocks align with rank boundaries.) A fixed size, from one neighbour: s >= halo."""
+    """Raw rows rank i+1 needs from rank i to pool every block that ends on it: such a block starts
+    at most m-1 tokens before the rank's first token, and with overlap (CSA) the entry also pools
+    the block before its own. The paper's "m" is the unpacked case. One neighbour: s >= halo."""
     ### BEGIN SOLUTION
     return 2 * ratio - 1 if overlap else ratio - 1
     ### END SOLUTION
@@ -183,14 +177,12 @@ def context_parallel_compress(kv, gate, ape, norm, cu_seqlens, ratio, overlap, g
     """V4's two-stage protocol, on one rank: its shard of raw compressor rows -> every entry of the
     whole packed sequence, identical to compressing it on one device, and local visibility.
     kv, gate: [s, sets, C] this rank's raw rows and logits (rank r holds tokens [r*s, (r+1)*s));
-    ape [ratio, sets, C]; norm: entries [n, C] -> [n, C] (the compressor's RMSNorm);
-    cu_seqlens [D+1] of the whole sequence, on kv's device. -> CompressedShard. Gradients must
-    flow back to kv and gate on every rank: move rows with halo_from_previous and
-    all_gather_entries (below), which are differentiable."""
+    ape [ratio, sets, C]; norm: entries [n, C] -> [n, C]; cu_seqlens [D+1] of the whole sequence,
+    on kv's device. -> CompressedShard. Gradients must flow back to kv and gate on every rank: move
+    rows with halo_from_previous and all_gather_entries (below), which are differentiable."""
     # hint: halo, local pooling, all-gather + select-and-pad; counts and visibility by global rule
     ### BEGIN SOLUTION
-    rank, cp = dist.get_rank(group), dist.get_world_size(group)
-    s = kv.shape[0]
+    rank, cp, s = dist.get_rank(group), dist.get_world_size(group), kv.shape[0]
     slots, total = s // ratio + 1, cp * s // ratio
 
     # stage 1a, halo exchange: the previous rank's last raw rows, those the blocks ending here pool
@@ -265,8 +257,7 @@ def halo_from_previous(x, rows, group=None):
 
 
 class _AllGather(torch.autograd.Function):
-    """Forward: every rank's buffer -> [cp, *buffer]. Backward: every rank's queries made a
-    gradient for every buffer; a buffer's gradient is their sum over ranks: a reduce-scatter."""
+    """Forward: all-gather. Backward: each buffer's gradient summed over ranks: reduce-scatter."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -303,8 +294,7 @@ def top_k_visible(scores, visible, top_k):
     are visible (V4's indexer: k = min(top_k, entries), -1 for empty slots). Ties go to the
     earlier entry (a stable sort, not topk, whose tie order is unspecified): relu makes exact-zero
     scores common, and every rank must pick what the single-device run picks."""
-    masked = scores.masked_fill(~visible, -math.inf)
-    values, idx = masked.sort(dim=-1, descending=True, stable=True)
+    values, idx = scores.masked_fill(~visible, -math.inf).sort(dim=-1, descending=True, stable=True)
     values, idx = values[:, :top_k], idx[:, :top_k]
     return torch.where(values == -math.inf, -1, idx).sort(dim=-1).values
 
@@ -328,14 +318,12 @@ def attention_reference(q, entries, raw_kv, entry_allowed, raw_allowed, sink):
 
 
 def attention_gathered(q, keys, allowed, sink):
-    """Attention over per-query gathered keys, which double as values (MQA): q [s, H, D],
-    keys [s, K, D], allowed [s, K] bool, sink [H] (a per-head logit in the softmax denominator
-    with a zero value). -> [s, H, D]"""
+    """Attention over per-query gathered keys, which double as values (MQA): q [s, H, D], keys
+    [s, K, D], allowed [s, K] bool, sink [H] (a logit in the denominator, value 0). -> [s, H, D]"""
     logits = torch.einsum("shd,skd->shk", q, keys) / math.sqrt(q.shape[-1])
     logits = logits.masked_fill(~allowed[:, None, :], -math.inf)
     logits = torch.cat([logits, sink[None, :, None].expand(q.shape[0], -1, 1)], dim=-1)
-    probs = logits.softmax(dim=-1)[..., :-1]
-    return torch.einsum("shk,skd->shd", probs, keys)
+    return torch.einsum("shk,skd->shd", logits.softmax(dim=-1)[..., :-1], keys)
 
 
 # ---- The layer: one set of weights, two ways to run it -------------------------------------------
@@ -359,10 +347,9 @@ class Extras:
 
 class CompressedAttention(nn.Module):
     """A CSA (overlap, indexer + top-k) or HCA (no overlap, dense) layer with a window and a sink.
-    Per token: q [H, D] for attention, a raw K/V row [D] for the window, and the compressor's rows:
-    kv and gate logits [sets, C], C = D (+ the indexer's Di for CSA; per-channel pooling lets one
-    compressor carry both, normalised separately). Every projection is per token: no communication.
-    ratio: m, by default V4's (4 for CSA, 128 for HCA)."""
+    Per token: q [H, D], a raw K/V row [D] for the window, and the compressor's kv and gate logits
+    [sets, C], C = D (+ the indexer's Di for CSA: per-channel pooling lets one compressor carry
+    both, normalised apart). ratio: m, by default V4's (4 for CSA, 128 for HCA)."""
 
     def __init__(self, kind="csa", dim=64, heads=4, head_dim=32, ratio=None, window=16,
                  top_k=16, index_heads=4, index_dim=16):  # fmt: skip
@@ -371,20 +358,16 @@ class CompressedAttention(nn.Module):
             raise ValueError(f"kind must be 'csa' or 'hca', got {kind!r}")
         self.kind, self.overlap = kind, kind == "csa"
         self.ratio = (4 if self.overlap else 128) if ratio is None else ratio
-        self.heads, self.head_dim, self.window = heads, head_dim, window
-        self.top_k = top_k if self.overlap else None
+        self.window, self.top_k = window, top_k if self.overlap else None
+        self.heads, self.head_dim = heads, head_dim
         self.index_heads, self.index_dim = index_heads, index_dim
         sets, C = (2, head_dim + index_dim) if self.overlap else (1, head_dim)
-
-        def init(*shape):
-            return nn.Parameter(torch.randn(*shape) / math.sqrt(shape[0]))
-
+        init = lambda *shape: nn.Parameter(torch.randn(*shape) / math.sqrt(shape[0]))  # noqa: E731
         self.wq, self.wkv_window = init(dim, heads * head_dim), init(dim, head_dim)
         self.wkv_compress, self.wgate_compress = init(dim, sets * C), init(dim, sets * C)
         self.ape = nn.Parameter(0.1 * torch.randn(self.ratio, sets, C))
         self.sink = nn.Parameter(torch.zeros(heads))
-        # V4's RMSNorms carry a learned weight: on the window K/V, the entries, the indexer keys
-        self.norm_window = nn.Parameter(torch.ones(head_dim))
+        self.norm_window = nn.Parameter(torch.ones(head_dim))  # V4's RMSNorms: a learned weight
         self.norm_compress = nn.Parameter(torch.ones(head_dim))
         if self.overlap:
             self.wq_index, self.w_index = init(dim, index_heads * index_dim), init(dim, index_heads)
@@ -421,8 +404,7 @@ class CompressedAttention(nn.Module):
         shard = context_parallel_compress(
             proj.kv, proj.gate, self.ape, self.normalise, cu, self.ratio, self.overlap, group
         )
-        # the sliding window needs window-1 raw K/V rows from the previous rank
-        halo = halo_from_previous(proj.window_kv, self.window - 1, group)
+        halo = halo_from_previous(proj.window_kv, self.window - 1, group)  # the window's first rows
         window_ext = torch.cat([halo, proj.window_kv])
         out, extras = self.attend_local(proj, shard.entries, shard.visible, window_ext, first, cu)
         extras.counts = shard.counts
@@ -455,9 +437,8 @@ class CompressedAttention(nn.Module):
         T, D, m = x.shape[0], self.head_dim, self.ratio
         validate_layout(T, cu_seqlens, 1, m, self.overlap, self.top_k, self.window)
         proj = self.project(x)
-        entries = self.normalise(
-            compress_reference(proj.kv, proj.gate, self.ape, cu_seqlens, m, self.overlap)
-        )
+        pooled = compress_reference(proj.kv, proj.gate, self.ape, cu_seqlens, m, self.overlap)
+        entries = self.normalise(pooled)
         docs = list(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()))
         info = [(a + (j + 1) * m - 1, a) for a, b in docs for j in range((b - a) // m)]
         info += [(T, -1)] * (T // m - len(info))  # padding entries: never visible
@@ -490,8 +471,8 @@ def shard_sequence(x, cp_size, rank):
 
 # ==== appendix: validation and the agreement guard, then the demo =================================
 def validate_layout(seq_per_rank, cu_seqlens, cp_size, ratio, overlap, top_k, window):
-    """Raise ValueError, saying how to fix it, unless the protocol supports this shard layout.
-    Local to one rank, no collective. top_k may exceed the entries: the selection pads with -1."""
+    """Raise ValueError, saying how to fix it, unless the protocol supports this layout. Local to
+    one rank, no collective; top_k may exceed the entries (the selection pads with -1, as V4's)."""
     s, cu, ints = seq_per_rank, cu_seqlens, (torch.int64, torch.int32, torch.int16, torch.int8)
     if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2 or cu.dtype not in ints:
         got = f"{cu.dtype} of shape {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu)
@@ -518,13 +499,9 @@ def validate_layout(seq_per_rank, cu_seqlens, cp_size, ratio, overlap, top_k, wi
             raise ValueError(text)
 
 
-LAYER_FIELDS = "kind ratio window top_k heads head_dim index_heads index_dim".split()
-
-
 def check_inputs(layer, x, cu_seqlens, group=None, entry="context_parallel"):
-    """Validate this rank's input, then the agreement guard: every rank raises or none does.
-    Settings and cu_seqlens compare exactly, each weight by its digest; this rank's verdict
-    travels as one more field, so a refusal is reported beside the field that caused it."""
+    """Validate this rank's input, then the agreement guard: every rank raises or none does. The
+    verdict travels as one more field, so a refusal is reported beside the field that caused it."""
     dim, error = layer.wq.shape[0], None
     try:
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != dim:
@@ -536,13 +513,13 @@ def check_inputs(layer, x, cu_seqlens, group=None, entry="context_parallel"):
         validate_layout(x.shape[0], cu_seqlens, dist.get_world_size(group), *sizes)
     except ValueError as err:
         error = str(err)
-    fields = {"entry point": entry}
     try:  # any input, even one validation refused; one too odd to describe joins with its error
         cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens
-        fields["tokens per rank"] = x.shape[0] if x.dim() else None
+        fields = {"entry point": entry, "tokens per rank": x.shape[0] if x.dim() else None}
         fields |= {"x features": tuple(x.shape[1:]), "x dtype": str(x.dtype), "cu_seqlens": cu}
-        fields |= {"dim": dim} | {name: getattr(layer, name) for name in LAYER_FIELDS}
-        for n, p in layer.named_parameters():
+        settings = "kind ratio window top_k heads head_dim index_heads index_dim".split()
+        fields |= {"dim": dim} | {name: getattr(layer, name) for name in settings}
+        for n, p in layer.named_parameters():  # each weight by its digest: compared exactly
             fields[f"weight {n}"] = launch.weights_digest([(n, p)])
     except Exception as err:
         fields, error = {"entry point": entry}, error or f"unreadable input: {err!r}"
@@ -551,13 +528,10 @@ def check_inputs(layer, x, cu_seqlens, group=None, entry="context_parallel"):
         raise ValueError(f"cp_compress: {error}")
 
 
-# ---- the demo ------------------------------------------------------------------------------------
 def packed_boundaries(seq_len, seq_per_rank, ratio, seed=0):
-    """cu_seqlens of a packed batch with documents starting where it hurts: m-1 tokens before a rank
-    boundary (a straddling block), 2m-1 before (with overlap, the halo is used to its first row), a
-    1-token document just after each boundary, and a few random cuts."""
-    g = torch.Generator().manual_seed(seed)
-    cuts = {0, seq_len}
+    """cu_seqlens of a packed batch whose documents start where it hurts: m-1 and 2m-1 tokens before
+    a rank boundary (a straddling block; the whole halo), a 1-token one after it, random cuts."""
+    cuts, g = {0, seq_len}, torch.Generator().manual_seed(seed)
     for i, boundary in enumerate(range(seq_per_rank, seq_len, seq_per_rank)):
         back = ratio - 1 if i % 2 == 0 else 2 * ratio - 1
         cuts |= {boundary - back, boundary + 2, boundary + 3}
@@ -578,70 +552,67 @@ def stage_bytes(layer, seq_per_rank, cp_size, rank, itemsize=4):
     """Bytes this rank sends in each stage of context_parallel (rank r+1 receives the halos rank r
     sends): the halo's raw kv and gate rows, the window's K/V rows, the all-gather's buffer."""
     sets, C = (2, layer.head_dim + layer.index_dim) if layer.overlap else (1, layer.head_dim)
-    last = rank + 1 == cp_size
-    elements = {
-        "stage1_halo": 0 if last else halo_rows(layer.ratio, layer.overlap) * 2 * sets * C,
-        "window_halo": 0 if last else (layer.window - 1) * layer.head_dim,
-        "stage2_allgather": (cp_size - 1) * (seq_per_rank // layer.ratio + 1) * C,
+    sends = rank + 1 < cp_size  # the last rank sends no halo
+    return {
+        "stage1_halo": sends * halo_rows(layer.ratio, layer.overlap) * 2 * sets * C * itemsize,
+        "window_halo": sends * (layer.window - 1) * layer.head_dim * itemsize,
+        "stage2_allgather": (cp_size - 1) * (seq_per_rank // layer.ratio + 1) * C * itemsize,
     }
-    return {stage: n * itemsize for stage, n in elements.items()}
 
 
 def compare_with_reference(layer, x_full, cu_seqlens):
     """Reference and CP forward+backward of one layer -> (max relative error of the entries and the
     output, max relative error of every gradient, the entries computed on each rank)."""
     rank, cp, T = dist.get_rank(), dist.get_world_size(), x_full.shape[0]
+    weights = list(layer.parameters())
     g = torch.Generator().manual_seed(1)
     grad_out = torch.randn(T, layer.heads, layer.head_dim, generator=g).to(x_full.device)
     grad_scores = torch.randn(T, T // layer.ratio, generator=g).to(x_full.device)
-    x_ref = x_full.clone().requires_grad_()
-    out_ref, ex_ref = layer.reference(x_ref, cu_seqlens)
-    probe_loss(out_ref, ex_ref, grad_out, grad_scores).backward()
-    ref_grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
-    layer.zero_grad()
     mine = lambda t: shard_sequence(t, cp, rank)  # noqa: E731
     rel = lambda a, b: ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()  # noqa: E731
-    x_cp = mine(x_full).clone().requires_grad_()
+    x_ref, x_cp = x_full.clone().requires_grad_(), mine(x_full).clone().requires_grad_()
+    out_ref, ex_ref = layer.reference(x_ref, cu_seqlens)
+    loss = probe_loss(out_ref, ex_ref, grad_out, grad_scores)
+    dx_ref, *ref_grads = torch.autograd.grad(loss, [x_ref, *weights])
     out_cp, ex = layer.context_parallel(x_cp, cu_seqlens)
-    probe_loss(out_cp, ex, mine(grad_out), mine(grad_scores)).backward()
+    loss = probe_loss(out_cp, ex, mine(grad_out), mine(grad_scores))
+    dx_cp, *cp_grads = torch.autograd.grad(loss, [x_cp, *weights])
     out_err = max(rel(out_cp, mine(out_ref)), rel(ex.entries, ex_ref.entries))
-    grad_err = rel(x_cp.grad, mine(x_ref.grad))
-    for n, p in layer.named_parameters():  # each rank holds its own queries' share of a gradient
-        dist.all_reduce(p.grad)
-        grad_err = max(grad_err, rel(p.grad, ref_grads[n]))
-    layer.zero_grad()
+    grad_err = rel(dx_cp, mine(dx_ref))
+    for got, want in zip(cp_grads, ref_grads):  # each rank holds its own queries' share
+        dist.all_reduce(got)
+        grad_err = max(grad_err, rel(got, want))
     return out_err, grad_err, ex.counts
 
 
-COLUMNS = {"rank": 4, "halo sent B": 11, "window halo sent B": 18, "all-gather sent B": 17,
-           "entries computed": 16, "out rel err": 11, "grad rel err": 12}  # fmt: skip
-
-
 def demo(args, rank, cp, device):
-    """Both layers on a packed batch whose documents start where it hurts. Rank 0 prints, per rank,
-    the bytes it sends per stage, the entries it computes and its errors against the reference."""
-    s, w = args.seq_per_rank, args.window
+    """Both layers on a packed batch; rank 0 prints each rank's bytes sent, entries and errors."""
+    s, window = args.seq_per_rank, args.window
+    labels = ("rank", "halo sent B", "window halo sent B", "all-gather sent B", "entries computed",
+              "out rel err", "grad rel err")  # fmt: skip
     torch.manual_seed(args.seed)  # same weights and inputs on every rank
-    csa = CompressedAttention("csa", ratio=args.m_csa, top_k=args.top_k, window=w)
-    hca = CompressedAttention("hca", ratio=args.m_hca, window=w)
+    csa = CompressedAttention("csa", ratio=args.m_csa, top_k=args.top_k, window=window)
+    hca = CompressedAttention("hca", ratio=args.m_hca, window=window)
     layers = {f"CSA (m={args.m_csa}, top-k {args.top_k})": csa, f"HCA (m'={args.m_hca})": hca}
     x = torch.randn(cp * s, 64).to(device)  # the layers' default dim
-    launch.say(f"cp_size={cp}, {s} tokens per rank, window {w}; bytes are what each rank sends")
+    launch.say(
+        f"cp_size={cp}, {s} tokens per rank, window {window}; bytes are what each rank sends"
+    )
     for name, layer in layers.items():
         m, cu = layer.ratio, packed_boundaries(cp * s, s, layer.ratio, args.seed).to(device)
         out_err, grad_err, counts = compare_with_reference(layer.to(device), x, cu)
         sent = stage_bytes(layer, s, cp, rank, x.element_size())
-        rows = [torch.tensor([*sent.values(), counts[rank], out_err, grad_err]) for _ in range(cp)]
-        rows = [row.to(torch.float64).to(device) for row in rows]
-        dist.all_gather(rows, rows[rank].clone())
+        local = torch.tensor([*sent.values(), counts[rank], out_err, grad_err], dtype=torch.float64)
+        rows = [torch.empty_like(local, device=device) for _ in range(cp)]
+        dist.all_gather(rows, local.to(device))
         launch.say(
             f"\n{name}: {cu.numel() - 1} packed documents, {cp * s // m} compressed slots "
             f"({cp} x s/m = {cp} x {s // m}), buffer s/m+1 = {s // m + 1} per rank; compared "
-            f"{sum(counts)} entries\n" + " ".join(f"{c:>{w}}" for c, w in COLUMNS.items())
+            f"{sum(counts)} entries\n" + " ".join(labels)
         )
         for r, row in enumerate(torch.stack(rows).tolist()):
             cells = [r, *map(int, row[:4]), *(f"{e:.2e}" for e in row[4:])]
-            launch.say(" ".join(f"{c:>{w}}" for c, w in zip(cells, COLUMNS.values())))
+            launch.say(" ".join(f"{c:>{len(label)}}" for c, label in zip(cells, labels)))
         worst = torch.stack(rows)[:, 4:].max().item()
         launch.say(
             f"matches the single-device reference: {'yes' if worst < 1e-5 else 'NO'} "
@@ -652,15 +623,14 @@ def demo(args, rank, cp, device):
 def parse_args(argv=None):
     """The command line, every value checked before any process group exists."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for flag, default, text in (
-        ("--seq-per-rank", 512, "tokens per rank, s: a multiple of both m values"),
-        ("--m-csa", 4, "CSA compression ratio m"),
-        ("--m-hca", 128, "HCA compression ratio m'"),
-        ("--top-k", 64, "CSA indexer top-k; may exceed the number of entries"),
-        ("--window", 32, "sliding-window length in tokens, the query's own included"),
-        ("--seed", 0, "seed of weights and inputs"),
+    for flag, default, low, text in (
+        ("--seq-per-rank", 512, 1, "tokens per rank, s: a multiple of both m values"),
+        ("--m-csa", 4, 1, "CSA compression ratio m"),
+        ("--m-hca", 128, 1, "HCA compression ratio m'"),
+        ("--top-k", 64, 1, "CSA indexer top-k; may exceed the number of entries"),
+        ("--window", 32, 1, "sliding-window length in tokens, the query's own included"),
+        ("--seed", 0, 0, "seed of weights and inputs"),
     ):
-        low = 0 if flag == "--seed" else 1
         parser.add_argument(flag, type=launch.at_least(low), default=default, help=f"{text} "
                             f"(default {default})")  # fmt: skip
     args = launch.check_launch_options(parser, launch.add_launch_options(parser).parse_args(argv))
