@@ -394,26 +394,24 @@ class CompressedAttention(nn.Module):
             return main
         return torch.cat([main, rms_norm(pooled[:, self.head_dim :], self.norm_index)], dim=1)
 
-    # --- context parallel: the protocol above, then the sliding window and attention -----------
     def context_parallel(self, x, cu_seqlens, group=None):
-        """x [s, dim]: this rank's contiguous shard; cu_seqlens [D+1] of the whole packed sequence.
-        -> ([s, H, D] for the local queries, Extras with the global entries and the counts)."""
+        """Under CP: x [s, dim] is this rank's contiguous shard, cu_seqlens [D+1] the whole packed
+        sequence's. -> ([s, H, D] for the local queries, Extras with global entries and counts)."""
         check_inputs(self, x, cu_seqlens, group)  # every rank, before any data moves (appendix)
         first, cu = dist.get_rank(group) * x.shape[0], cu_seqlens.to(x.device)
         proj = self.project(x)
         shard = context_parallel_compress(
             proj.kv, proj.gate, self.ape, self.normalise, cu, self.ratio, self.overlap, group
         )
-        halo = halo_from_previous(proj.window_kv, self.window - 1, group)  # the window's first rows
-        window_ext = torch.cat([halo, proj.window_kv])
+        window_halo = halo_from_previous(proj.window_kv, self.window - 1, group)
+        window_ext = torch.cat([window_halo, proj.window_kv])
         out, extras = self.attend_local(proj, shard.entries, shard.visible, window_ext, first, cu)
         extras.counts = shard.counts
         return out, extras
 
     def attend_local(self, proj, entries, visible, window_ext, first, cu_seqlens):
         """Local queries [first, first+s) against the global entries [N, C] and the window rows
-        window_ext [window-1+s, D]. CSA carries its choice to the sparse attention as top-k
-        indices; HCA attends to every visible entry."""
+        window_ext [window-1+s, D]: CSA attends to its top-k entries, HCA to every visible one."""
         s, D, device = proj.q.shape[0], self.head_dim, entries.device
         pos = first + torch.arange(s, device=device)
         window_keys = window_ext.unfold(0, self.window, 1).transpose(1, 2)  # [s, window, D]
@@ -431,9 +429,8 @@ class CompressedAttention(nn.Module):
         allowed = torch.cat([entry_allowed, window_allowed], dim=1)
         return attention_gathered(proj.q, keys, allowed, self.sink), extras
 
-    # --- single device, full sequence: the reference ---------------------------------------------
     def reference(self, x, cu_seqlens):
-        """x [T, dim], cu_seqlens [D+1] -> ([T, H, D], Extras). No communication, dense masks."""
+        """On one device: x [T, dim], cu_seqlens [D+1] -> ([T, H, D], Extras); dense masks."""
         T, D, m = x.shape[0], self.head_dim, self.ratio
         validate_layout(T, cu_seqlens, 1, m, self.overlap, self.top_k, self.window)
         proj = self.project(x)
@@ -568,20 +565,20 @@ def compare_with_reference(layer, x_full, cu_seqlens):
     g = torch.Generator().manual_seed(1)
     grad_out = torch.randn(T, layer.heads, layer.head_dim, generator=g).to(x_full.device)
     grad_scores = torch.randn(T, T // layer.ratio, generator=g).to(x_full.device)
-    mine = lambda t: shard_sequence(t, cp, rank)  # noqa: E731
+    this_rank = lambda t: shard_sequence(t, cp, rank)  # noqa: E731
     rel = lambda a, b: ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()  # noqa: E731
-    x_ref, x_cp = x_full.clone().requires_grad_(), mine(x_full).clone().requires_grad_()
+    x_ref, x_cp = x_full.clone().requires_grad_(), this_rank(x_full).clone().requires_grad_()
     out_ref, ex_ref = layer.reference(x_ref, cu_seqlens)
     loss = probe_loss(out_ref, ex_ref, grad_out, grad_scores)
     dx_ref, *ref_grads = torch.autograd.grad(loss, [x_ref, *weights])
     out_cp, ex = layer.context_parallel(x_cp, cu_seqlens)
-    loss = probe_loss(out_cp, ex, mine(grad_out), mine(grad_scores))
+    loss = probe_loss(out_cp, ex, this_rank(grad_out), this_rank(grad_scores))
     dx_cp, *cp_grads = torch.autograd.grad(loss, [x_cp, *weights])
-    out_err = max(rel(out_cp, mine(out_ref)), rel(ex.entries, ex_ref.entries))
-    grad_err = rel(dx_cp, mine(dx_ref))
-    for got, want in zip(cp_grads, ref_grads):  # each rank holds its own queries' share
-        dist.all_reduce(got)
-        grad_err = max(grad_err, rel(got, want))
+    out_err = max(rel(out_cp, this_rank(out_ref)), rel(ex.entries, ex_ref.entries))
+    grad_err = rel(dx_cp, this_rank(dx_ref))
+    for cp_grad, ref_grad in zip(cp_grads, ref_grads):  # each rank holds its queries' share
+        dist.all_reduce(cp_grad)
+        grad_err = max(grad_err, rel(cp_grad, ref_grad))
     return out_err, grad_err, ex.counts
 
 
@@ -603,17 +600,17 @@ def demo(args, rank, cp, device):
         out_err, grad_err, counts = compare_with_reference(layer.to(device), x, cu)
         sent = stage_bytes(layer, s, cp, rank, x.element_size())
         local = torch.tensor([*sent.values(), counts[rank], out_err, grad_err], dtype=torch.float64)
-        rows = [torch.empty_like(local, device=device) for _ in range(cp)]
-        dist.all_gather(rows, local.to(device))
+        table = [torch.empty_like(local, device=device) for _ in range(cp)]
+        dist.all_gather(table, local.to(device))
         launch.say(
             f"\n{name}: {cu.numel() - 1} packed documents, {cp * s // m} compressed slots "
             f"({cp} x s/m = {cp} x {s // m}), buffer s/m+1 = {s // m + 1} per rank; compared "
             f"{sum(counts)} entries\n" + " ".join(labels)
         )
-        for r, row in enumerate(torch.stack(rows).tolist()):
+        for r, row in enumerate(torch.stack(table).tolist()):
             cells = [r, *map(int, row[:4]), *(f"{e:.2e}" for e in row[4:])]
             launch.say(" ".join(f"{c:>{len(label)}}" for c, label in zip(cells, labels)))
-        worst = torch.stack(rows)[:, 4:].max().item()
+        worst = torch.stack(table)[:, 4:].max().item()
         launch.say(
             f"matches the single-device reference: {'yes' if worst < 1e-5 else 'NO'} "
             f"(worst relative error {worst:.2e}, fp32; errors are max|cp - ref| / max|ref|)"
