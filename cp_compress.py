@@ -177,9 +177,9 @@ def context_parallel_compress(kv, gate, ape, norm, cu_seqlens, ratio, overlap, g
     """V4's two-stage protocol, on one rank: its shard of raw compressor rows -> every entry of the
     whole packed sequence, identical to compressing it on one device, and local visibility.
     kv, gate: [s, sets, C] this rank's raw rows and logits (rank r holds tokens [r*s, (r+1)*s));
-    ape [ratio, sets, C]; norm: entries [n, C] -> [n, C]; cu_seqlens [D+1] of the whole sequence,
-    on kv's device. -> CompressedShard. Gradients must flow back to kv and gate on every rank: move
-    rows with halo_from_previous and all_gather_entries (below), which are differentiable."""
+    ape [ratio, sets, C]; norm: the compressor's RMSNorm, [n, C] -> [n, C]; cu_seqlens [D+1] of the
+    whole sequence, on kv's device. -> CompressedShard. Gradients must flow back to kv and gate on
+    every rank: move rows with halo_from_previous and all_gather_entries (below), differentiable."""
     # hint: halo, local pooling, all-gather + select-and-pad; counts and visibility by global rule
     ### BEGIN SOLUTION
     rank, cp, s = dist.get_rank(group), dist.get_world_size(group), kv.shape[0]
