@@ -2,31 +2,25 @@
 
 What the standard tool assumes. Context parallelism splits one long sequence into contiguous shards
 of s tokens, one per rank. Keys and values are per token, so a rank that needs another rank's past
-simply fetches those tokens' K/V (ring attention, or the simple all-gather of raw K/V).
+fetches those tokens' K/V (ring attention, or an all-gather of raw K/V).
 
-What V4 violates. V4 attends to compressed entries, not tokens (V4 §2.3). Every m raw tokens of a
-document are pooled into one entry: CSA (m = 4) pools each block together with the block before it,
-HCA (m' = 128) pools blocks without overlap. Packed documents are compressed on their own and
-trailing tokens short of a block are dropped. So a pooling window can straddle a rank boundary, and
-the number of entries a rank produces depends on where the documents start: it is not s/m.
+What V4 violates. V4 attends to compressed entries, not tokens (V4 §2.3): every m raw tokens of a
+document are pooled into one entry; CSA (m = 4) pools each block together with the one before it,
+HCA (m' = 128) without overlap. Packed documents are compressed on their own, a trailing partial
+block dropped. So a pooling window can straddle a rank boundary, and how many entries a rank
+produces depends on where the documents start: it is not s/m.
 
-The fix, in two stages. (1) Rank i sends the raw rows rank i+1 needs (the halo, `halo_rows`)
-point-to-point; every rank pools the blocks that END on it into a fixed buffer of s/m + 1 entries,
-zero-padded locally. (2) One all-gather of those equal-sized buffers, then a select-and-pad (one
-index_select) assembles exactly cp_size*s/m entries, identical entry for entry to the single-device
-compressed sequence, padding at the tail. Queries stay local. What a query may see is computed by
-rule from global positions (`visibility`) and, for CSA, carried by the indexer's top-k indices.
-The protocol is one function, `context_parallel_compress`, directly after the compressor.
-
-The public V4 code (transformers' DeepseekV4 attention) loads into this layer through
-`interop.v4_attention.from_v4_state_dict` and gives the same entries, window K/V, visibility and
-top-k (tests/test_cp_v4_oracle.py); that module lists what is left out and why. One deliberate
-difference: the public code pools across packed documents; this file compresses each on its own.
+The fix, in two stages. (1) Rank i sends rank i+1 the raw rows it needs (the halo, `halo_rows`);
+every rank pools the blocks that END on it into a zero-padded buffer of s/m + 1 entries. (2) One
+all-gather of those equal buffers, then a select-and-pad (one index_select) gives the cp_size*s/m
+entries of the single-device compressed sequence. Queries stay local: what a query may see follows
+by rule from global positions (`visibility`) and, for CSA, from the indexer's top-k. The protocol
+is one function, `context_parallel_compress`. The public V4 attention (transformers) loads through
+`interop.v4_attention` and agrees (tests/test_cp_v4_oracle.py), but pools across documents.
 
 Run:
     OMP_NUM_THREADS=1 torchrun --nproc_per_node=4 cp_compress.py   # N = 1..4; gloo on CPU, or NCCL
-    python cp_compress.py                                          # one process, world size 1
-    python cp_compress.py --help                                   # sequence length, m, top-k, ...
+    python cp_compress.py [--help]                                 # one process; the options
 """
 
 import argparse
@@ -45,22 +39,17 @@ RMS_EPS = 1e-6  # V4's rms_norm_eps (F.rms_norm's default, the dtype's machine e
 
 
 # ---- The compressor (V4 §2.3): softmax pooling of m raw rows, one document at a time -------------
-
-
 def rms_norm(x, weight):
     """V4's RMSNorm over the last dim: x / sqrt(mean(x^2) + 1e-6) * weight (a learned weight)."""
     return F.rms_norm(x, (x.shape[-1],), weight, eps=RMS_EPS)
 
 
 def compress_reference(kv, score, ape, cu_seqlens, ratio, overlap):
-    """Single-device compression of a packed sequence, document by document.
-
-    kv, score: [T, sets, C] raw rows (sets = 2 with overlap: set 0 pools an entry's own block, set 1
-    the block after, i.e. it is read by the next entry; 1 without). ape: [ratio, sets, C] positional
-    bias on the logits. Entry j of a document: per-channel softmax over the 2m (or m) rows of blocks
-    j-1 and j; block -1 is padding (logit -inf, value 0). -> entries [T//ratio, C], zero rows at the
-    tail.
-    """
+    """Single-device compression of a packed sequence, document by document (the reference).
+    kv, score: [T, sets, C] raw rows (with overlap, sets = 2: set 0 pools an entry's own block, set
+    1 is read by the next entry); ape: [ratio, sets, C] a bias on the logits. Entry j of a document
+    is a per-channel softmax over the rows of blocks j-1 and j (block -1: logit -inf, value 0).
+    -> entries [T//ratio, C], zero rows at the tail."""
     T, _, C = kv.shape
     pooled = []
     for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
@@ -82,28 +71,19 @@ def compress_reference(kv, score, ape, cu_seqlens, ratio, overlap):
 
 
 # ---- Under CP: which blocks end on which rank, and which raw rows they pool ----------------------
-
-
 def halo_rows(ratio, overlap):
-    """Raw rows rank i+1 needs from rank i to pool every block that ends on it.
-
-    A rank owns the entries whose block ends on it; such a block starts at most m-1 tokens before
-    the rank's first token. Without overlap (HCA) that is all. With overlap (CSA) the entry also
-    pools the whole block before its own, m tokens further back. (The paper's "m" is the unpacked
-    case, where blocks align with rank boundaries.) A fixed size, from one neighbour: s >= halo.
-    """
+    """Raw rows rank i+1 needs from rank i to pool every block that ends on it: such a block starts
+    at most m-1 tokens before the rank's first token, and with overlap (CSA) the entry also pools
+    the block before its own. The paper's "m" is the unpacked case. One neighbour: s >= halo."""
     ### BEGIN SOLUTION
     return 2 * ratio - 1 if overlap else ratio - 1
     ### END SOLUTION
 
 
 def compressed_entry_ends(cu_seqlens, ratio):
-    """Every compressed entry of a packed sequence, in order.
-
-    cu_seqlens: [D+1] document boundaries (0, ..., T). Document [a, b) yields (b-a)//ratio entries;
-    entry j pools tokens [a + j*ratio, a + (j+1)*ratio). -> (ends [N], doc_starts [N]): the global
-    position of each entry's last token and the start of its document.
-    """
+    """Every compressed entry of a packed sequence, in order. cu_seqlens: [D+1] document bounds
+    (0, ..., T); document [a, b) yields (b-a)//ratio entries, entry j pools [a + j*m, a + (j+1)*m).
+    -> (ends [N], doc_starts [N]): each entry's last token and its document's start, global."""
     ends, starts = [], []
     for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
         n = (b - a) // ratio
@@ -118,13 +98,10 @@ def entries_per_rank(ends, seq_per_rank, cp_size):
 
 
 def local_entry_rows(ends, doc_starts, rank, seq_per_rank, ratio, overlap):
-    """Rows of the halo-extended shard that each of this rank's entries pools.
-
-    The extended shard is [halo rows | own s rows], so global position p is row p - (rank*s - halo).
-    -> own_rows [n, ratio] (the entry's block) and prev_rows [n, ratio] (the block before it, -1
-    where the entry is its document's first and the previous block is padding), or prev_rows None
-    without overlap. n = entries whose block ends on this rank (<= s/ratio).
-    """
+    """Rows of the halo-extended shard [halo rows | own s rows] that each of this rank's entries
+    pools: global position p is row p - (rank*s - halo). -> own_rows [n, ratio] (the entry's block)
+    and prev_rows [n, ratio] (the block before it, -1 where the entry is its document's first), or
+    prev_rows None without overlap. n = entries whose block ends on this rank (<= s/ratio)."""
     first = rank * seq_per_rank
     mine = (ends >= first) & (ends < first + seq_per_rank)
     block_start = ends[mine] - ratio + 1
@@ -138,11 +115,9 @@ def local_entry_rows(ends, doc_starts, rank, seq_per_rank, ratio, overlap):
 
 def compress_local(ext_kv, ext_score, ape, own_rows, prev_rows, slots):
     """Pool this rank's entries from its halo-extended shard into a fixed buffer (stage 1).
-
     ext_kv, ext_score: [halo + s, sets, C]; own_rows / prev_rows from local_entry_rows (set 0 of an
     entry's own block, set 1 of the block before). -> [slots, C]: the n valid entries first, in the
-    order of own_rows, zero rows after, so every rank sends an equal buffer.
-    """
+    order of own_rows, zero rows after, so every rank sends an equal buffer."""
     # hint: the same pooling as compress_reference, but the windows are given as row indices
     ### BEGIN SOLUTION
     kv_win = ext_kv[own_rows, 0]  # [n, m, C]
@@ -161,11 +136,8 @@ def compress_local(ext_kv, ext_score, ape, own_rows, prev_rows, slots):
 
 
 def select_and_pad(gathered, counts, total):
-    """Stage 2's fused select-and-pad: [cp, slots, C] buffers -> [total, C] global entries.
-
-    Rank r's first counts[r] rows, in rank order, then zero rows up to `total` (here: one
-    index_select, from the flattened buffers plus one zero row).
-    """
+    """Stage 2's fused select-and-pad: [cp, slots, C] buffers -> [total, C] global entries: rank
+    r's first counts[r] rows, in rank order, then zero rows up to `total` (one index_select)."""
     ### BEGIN SOLUTION
     cp, slots, C = gathered.shape
     flat = torch.cat([gathered.flatten(0, 1), gathered.new_zeros(1, C)])  # last row: the padding
@@ -186,9 +158,7 @@ def visibility(query_pos, query_doc_start, entry_end, entry_doc_start):
     """[Tq, N] bool: query t sees entry e iff e comes from t's document and e's block has been read
     completely, end(e) <= t. This is the public V4 code's rule ((t+1)//m blocks: the last token of
     a block sees it); the paper writes the stricter e < floor(t/m).
-
-    query_pos [Tq] global positions, query_doc_start [Tq], entry_end [N], entry_doc_start [N].
-    """
+    query_pos [Tq] global positions, query_doc_start [Tq], entry_end [N], entry_doc_start [N]."""
     ### BEGIN SOLUTION
     same_doc = query_doc_start[:, None] == entry_doc_start[None, :]
     return same_doc & (entry_end[None, :] <= query_pos[:, None])
@@ -196,8 +166,6 @@ def visibility(query_pos, query_doc_start, entry_end, entry_doc_start):
 
 
 # ---- The protocol: halo exchange -> local compression -> all-gather -> select-and-pad ------------
-
-
 @dataclass
 class CompressedShard:
     entries: torch.Tensor  # [cp*s/m, C] the whole sequence's entries, padding rows at the tail
@@ -208,17 +176,13 @@ class CompressedShard:
 def context_parallel_compress(kv, gate, ape, norm, cu_seqlens, ratio, overlap, group=None):
     """V4's two-stage protocol, on one rank: its shard of raw compressor rows -> every entry of the
     whole packed sequence, identical to compressing it on one device, and local visibility.
-
     kv, gate: [s, sets, C] this rank's raw rows and logits (rank r holds tokens [r*s, (r+1)*s));
-    ape [ratio, sets, C]; norm: entries [n, C] -> [n, C] (the compressor's RMSNorm);
-    cu_seqlens [D+1] of the whole sequence, on kv's device. -> CompressedShard. Gradients must
-    flow back to kv and gate on every rank: move rows with halo_from_previous and
-    all_gather_entries (below), which are differentiable.
-    """
+    ape [ratio, sets, C]; norm: the compressor's RMSNorm, [n, C] -> [n, C]; cu_seqlens [D+1] of the
+    whole sequence, on kv's device. -> CompressedShard. Gradients must flow back to kv and gate on
+    every rank: move rows with halo_from_previous and all_gather_entries (below), differentiable."""
     # hint: halo, local pooling, all-gather + select-and-pad; counts and visibility by global rule
     ### BEGIN SOLUTION
-    rank, cp = dist.get_rank(group), dist.get_world_size(group)
-    s = kv.shape[0]
+    rank, cp, s = dist.get_rank(group), dist.get_world_size(group), kv.shape[0]
     slots, total = s // ratio + 1, cp * s // ratio
 
     # stage 1a, halo exchange: the previous rank's last raw rows, those the blocks ending here pool
@@ -246,13 +210,10 @@ def context_parallel_compress(kv, gate, ape, norm, cu_seqlens, ratio, overlap, g
 
 
 # --- the two communication steps, as autograd functions (forward and backward, picotron-style) ---
-
-
 def exchange_halo(send, group=None, to_next=True):
     """Send `send` [rows, ...] to the next rank; return what the previous rank sent (zeros on rank
     0). to_next=False runs the reverse direction (the backward pass). One batch_isend_irecv: NCCL
-    ignores tags and does not buffer sends, so a batched pair cannot deadlock in any issue order.
-    """
+    ignores tags and does not buffer sends, so a batched pair cannot deadlock in any issue order."""
     # hint: who is my destination, who is my source, and what do the two ends of the line do?
     ### BEGIN SOLUTION
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -274,8 +235,7 @@ def _peer(group, rank):
 
 
 class _HaloFromPrevious(torch.autograd.Function):
-    """Forward: the previous rank's last `rows` rows (zeros on rank 0, which nothing reads).
-    Backward: their gradient goes back to the previous rank, added onto its last rows."""
+    """Forward: the previous rank's last `rows` rows. Backward: their gradient, sent back."""
 
     @staticmethod
     def forward(ctx, x, rows, group):
@@ -297,8 +257,7 @@ def halo_from_previous(x, rows, group=None):
 
 
 class _AllGather(torch.autograd.Function):
-    """Forward: every rank's buffer -> [cp, *buffer]. Backward: every rank's queries made a
-    gradient for every buffer; a buffer's gradient is their sum over ranks: a reduce-scatter."""
+    """Forward: all-gather. Backward: each buffer's gradient summed over ranks: reduce-scatter."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -322,27 +281,20 @@ def all_gather_entries(x, group=None):
 
 
 # ---- Selection and attention (V4 §2.3): the lightning indexer, top-k, a sink ---------------------
-
-
 def index_scores(q_index, w_index, k_index):
-    """Lightning indexer: I[t, e] = sum_h w[t, h] * relu(q[t, h] . k[e] / sqrt(d)).
-
-    V4 writes w = weights_proj(x) * Hi^-1/2: a constant scale, folded into w_index here.
-    q_index [T, Hi, Di], w_index [T, Hi], k_index [N, Di] -> [T, N].
-    """
+    """Lightning indexer: I[t, e] = sum_h w[t, h] * relu(q[t, h] . k[e] / sqrt(d)). V4 writes
+    w = weights_proj(x) * Hi^-1/2: a constant scale, folded into w_index here.
+    q_index [T, Hi, Di], w_index [T, Hi], k_index [N, Di] -> [T, N]."""
     dots = torch.einsum("thd,nd->thn", q_index, k_index) / math.sqrt(q_index.shape[-1])
     return torch.einsum("th,thn->tn", w_index, dots.relu())
 
 
 def top_k_visible(scores, visible, top_k):
     """[T, min(top_k, N)] indices of the best visible entries per query, ascending, -1 where fewer
-    are visible (V4's indexer: k = min(top_k, entries), -1 for empty slots).
-
-    Ties go to the earlier entry (a stable sort, not topk, whose tie order is unspecified): relu
-    makes exact-zero scores common, and every rank must pick what the single-device run picks.
-    """
-    masked = scores.masked_fill(~visible, -math.inf)
-    values, idx = masked.sort(dim=-1, descending=True, stable=True)
+    are visible (V4's indexer: k = min(top_k, entries), -1 for empty slots). Ties go to the
+    earlier entry (a stable sort, not topk, whose tie order is unspecified): relu makes exact-zero
+    scores common, and every rank must pick what the single-device run picks."""
+    values, idx = scores.masked_fill(~visible, -math.inf).sort(dim=-1, descending=True, stable=True)
     values, idx = values[:, :top_k], idx[:, :top_k]
     return torch.where(values == -math.inf, -1, idx).sort(dim=-1).values
 
@@ -366,24 +318,17 @@ def attention_reference(q, entries, raw_kv, entry_allowed, raw_allowed, sink):
 
 
 def attention_gathered(q, keys, allowed, sink):
-    """Attention over per-query gathered keys, which double as values (MQA): q [s, H, D],
-    keys [s, K, D], allowed [s, K] bool, sink [H] (a per-head logit in the softmax denominator
-    with a zero value). -> [s, H, D]
-    """
+    """Attention over per-query gathered keys, which double as values (MQA): q [s, H, D], keys
+    [s, K, D], allowed [s, K] bool, sink [H] (a logit in the denominator, value 0). -> [s, H, D]"""
     logits = torch.einsum("shd,skd->shk", q, keys) / math.sqrt(q.shape[-1])
     logits = logits.masked_fill(~allowed[:, None, :], -math.inf)
     logits = torch.cat([logits, sink[None, :, None].expand(q.shape[0], -1, 1)], dim=-1)
-    probs = logits.softmax(dim=-1)[..., :-1]
-    return torch.einsum("shk,skd->shd", probs, keys)
+    return torch.einsum("shk,skd->shd", logits.softmax(dim=-1)[..., :-1], keys)
 
 
 # ---- The layer: one set of weights, two ways to run it -------------------------------------------
-
-
 @dataclass
-class Projections:
-    """Everything a layer computes per token from x [T, dim]: no communication needed."""
-
+class Projections:  # what a layer computes per token from x [T, dim]: no communication needed
     q: torch.Tensor  # [T, H, D] attention queries
     window_kv: torch.Tensor  # [T, D] the sliding window's K/V (keys double as values)
     kv: torch.Tensor  # [T, sets, C] the compressor's raw rows
@@ -402,52 +347,30 @@ class Extras:
 
 class CompressedAttention(nn.Module):
     """A CSA (overlap, indexer + top-k) or HCA (no overlap, dense) layer with a window and a sink.
+    Per token: q [H, D], a raw K/V row [D] for the window, and the compressor's kv and gate logits
+    [sets, C], C = D (+ the indexer's Di for CSA: per-channel pooling lets one compressor carry
+    both, normalised apart). ratio: m, by default V4's (4 for CSA, 128 for HCA)."""
 
-    Per token: q [H, D] for attention, a raw K/V row [D] for the window, and the compressor's rows:
-    kv and gate logits [sets, C], C = D (+ the indexer's Di for CSA; per-channel pooling lets one
-    compressor carry both, normalised separately). Every projection is per token: no communication.
-    ratio: m, by default V4's (4 for CSA, 128 for HCA).
-    """
-
-    def __init__(
-        self,
-        kind="csa",
-        dim=64,
-        heads=4,
-        head_dim=32,
-        ratio=None,
-        window=16,
-        top_k=16,
-        index_heads=4,
-        index_dim=16,
-    ):
+    def __init__(self, kind="csa", dim=64, heads=4, head_dim=32, ratio=None, window=16,
+                 top_k=16, index_heads=4, index_dim=16):  # fmt: skip
         super().__init__()
         if kind not in ("csa", "hca"):
             raise ValueError(f"kind must be 'csa' or 'hca', got {kind!r}")
         self.kind, self.overlap = kind, kind == "csa"
         self.ratio = (4 if self.overlap else 128) if ratio is None else ratio
-        self.heads, self.head_dim, self.window = heads, head_dim, window
-        self.top_k = top_k if self.overlap else None
+        self.window, self.top_k = window, top_k if self.overlap else None
+        self.heads, self.head_dim = heads, head_dim
         self.index_heads, self.index_dim = index_heads, index_dim
-        sets = 2 if self.overlap else 1
-        channels = head_dim + (index_dim if self.overlap else 0)
-
-        def init(*shape):
-            return nn.Parameter(torch.randn(*shape) / math.sqrt(shape[0]))
-
-        self.wq = init(dim, heads * head_dim)
-        self.wkv_window = init(dim, head_dim)
-        self.wkv_compress = init(dim, sets * channels)
-        self.wgate_compress = init(dim, sets * channels)
-        self.ape = nn.Parameter(0.1 * torch.randn(self.ratio, sets, channels))
+        sets, C = (2, head_dim + index_dim) if self.overlap else (1, head_dim)
+        init = lambda *shape: nn.Parameter(torch.randn(*shape) / math.sqrt(shape[0]))  # noqa: E731
+        self.wq, self.wkv_window = init(dim, heads * head_dim), init(dim, head_dim)
+        self.wkv_compress, self.wgate_compress = init(dim, sets * C), init(dim, sets * C)
+        self.ape = nn.Parameter(0.1 * torch.randn(self.ratio, sets, C))
         self.sink = nn.Parameter(torch.zeros(heads))
-        # V4's RMSNorms carry a learned weight (kv_norm on the window K/V and on the compressor's
-        # output; the indexer has its own), eps 1e-6
-        self.norm_window = nn.Parameter(torch.ones(head_dim))
+        self.norm_window = nn.Parameter(torch.ones(head_dim))  # V4's RMSNorms: a learned weight
         self.norm_compress = nn.Parameter(torch.ones(head_dim))
         if self.overlap:
-            self.wq_index = init(dim, index_heads * index_dim)
-            self.w_index = init(dim, index_heads)  # V4's weights_proj times Hi^-1/2, folded in
+            self.wq_index, self.w_index = init(dim, index_heads * index_dim), init(dim, index_heads)
             self.norm_index = nn.Parameter(torch.ones(index_dim))
 
     def project(self, x):
@@ -471,35 +394,29 @@ class CompressedAttention(nn.Module):
             return main
         return torch.cat([main, rms_norm(pooled[:, self.head_dim :], self.norm_index)], dim=1)
 
-    # --- context parallel: the protocol above, then the sliding window and attention -----------
     def context_parallel(self, x, cu_seqlens, group=None):
-        """x [s, dim]: this rank's contiguous shard; cu_seqlens [D+1] of the whole packed sequence.
-        -> ([s, H, D] for the local queries, Extras with the global entries and the counts)."""
+        """Under CP: x [s, dim] is this rank's contiguous shard, cu_seqlens [D+1] the whole packed
+        sequence's. -> ([s, H, D] for the local queries, Extras with global entries and counts)."""
         check_inputs(self, x, cu_seqlens, group)  # every rank, before any data moves (appendix)
-        rank, s = dist.get_rank(group), x.shape[0]
-        cu_seqlens = cu_seqlens.to(x.device)
+        first, cu = dist.get_rank(group) * x.shape[0], cu_seqlens.to(x.device)
         proj = self.project(x)
-        compress = (self.ape, self.normalise, cu_seqlens, self.ratio, self.overlap, group)
-        shard = context_parallel_compress(proj.kv, proj.gate, *compress)
-        # the sliding window needs window-1 raw K/V rows from the previous rank
+        shard = context_parallel_compress(
+            proj.kv, proj.gate, self.ape, self.normalise, cu, self.ratio, self.overlap, group
+        )
         window_halo = halo_from_previous(proj.window_kv, self.window - 1, group)
         window_ext = torch.cat([window_halo, proj.window_kv])
-        out, extras = self.attend_local(
-            proj, shard.entries, shard.visible, window_ext, rank * s, cu_seqlens
-        )
+        out, extras = self.attend_local(proj, shard.entries, shard.visible, window_ext, first, cu)
         extras.counts = shard.counts
         return out, extras
 
     def attend_local(self, proj, entries, visible, window_ext, first, cu_seqlens):
         """Local queries [first, first+s) against the global entries [N, C] and the window rows
-        window_ext [window-1+s, D]. CSA carries its choice to the sparse attention as top-k
-        indices; HCA attends to every visible entry."""
+        window_ext [window-1+s, D]: CSA attends to its top-k entries, HCA to every visible one."""
         s, D, device = proj.q.shape[0], self.head_dim, entries.device
         pos = first + torch.arange(s, device=device)
         window_keys = window_ext.unfold(0, self.window, 1).transpose(1, 2)  # [s, window, D]
         window_pos = pos[:, None] - self.window + 1 + torch.arange(self.window, device=device)
         window_allowed = window_pos >= doc_start_of(pos, cu_seqlens)[:, None]
-
         extras = Extras(entries=entries)
         if self.overlap:
             scores = index_scores(proj.q_index, proj.w_index, entries[:, D:])
@@ -512,21 +429,19 @@ class CompressedAttention(nn.Module):
         allowed = torch.cat([entry_allowed, window_allowed], dim=1)
         return attention_gathered(proj.q, keys, allowed, self.sink), extras
 
-    # --- single device, full sequence: the reference ---------------------------------------------
     def reference(self, x, cu_seqlens):
-        """x [T, dim], cu_seqlens [D+1] -> ([T, H, D], Extras). No communication, dense masks."""
+        """On one device: x [T, dim], cu_seqlens [D+1] -> ([T, H, D], Extras); dense masks."""
         T, D, m = x.shape[0], self.head_dim, self.ratio
         validate_layout(T, cu_seqlens, 1, m, self.overlap, self.top_k, self.window)
         proj = self.project(x)
-        entries = self.normalise(
-            compress_reference(proj.kv, proj.gate, self.ape, cu_seqlens, m, self.overlap)
-        )
+        pooled = compress_reference(proj.kv, proj.gate, self.ape, cu_seqlens, m, self.overlap)
+        entries = self.normalise(pooled)
         docs = list(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()))
         info = [(a + (j + 1) * m - 1, a) for a, b in docs for j in range((b - a) // m)]
         info += [(T, -1)] * (T // m - len(info))  # padding entries: never visible
         entry_end, entry_doc = torch.tensor(info, device=x.device).reshape(-1, 2).T
         pos = torch.arange(T, device=x.device)
-        doc = doc_start_of(pos, cu_seqlens)
+        doc = doc_start_of(pos, cu_seqlens)  # [T] each token's document
         visible = visible_by_rule = visibility(pos, doc, entry_end, entry_doc)
         in_window = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - self.window)
         raw_allowed = in_window & (doc[:, None] == doc[None, :])
@@ -536,10 +451,8 @@ class CompressedAttention(nn.Module):
             chosen = top_k_visible(scores, visible, self.top_k)
             visible, extras.top_k = chosen_mask(chosen, T // m), chosen
             extras.scores = scores.masked_fill(~visible_by_rule, -math.inf)
-        out = attention_reference(
-            proj.q, entries[:, :D], proj.window_kv, visible, raw_allowed, self.sink
-        )
-        return out, extras
+        keys = (entries[:, :D], proj.window_kv)
+        return attention_reference(proj.q, *keys, visible, raw_allowed, self.sink), extras
 
 
 def shard_sequence(x, cp_size, rank):
@@ -554,83 +467,57 @@ def shard_sequence(x, cp_size, rank):
 
 
 # ==== appendix: validation and the agreement guard, then the demo =================================
-
-
 def validate_layout(seq_per_rank, cu_seqlens, cp_size, ratio, overlap, top_k, window):
-    """Raise ValueError (saying how to fix it) unless the protocol supports this shard layout.
-
-    Local to one rank: no collective. `top_k` may exceed the number of entries (V4's 512 with a
-    short packed batch): the selection then pads with -1, as V4's indexer does.
-    """
+    """Raise ValueError, saying how to fix it, unless the protocol supports this layout. Local to
+    one rank, no collective; top_k may exceed the entries (the selection pads with -1, as V4's)."""
     s, cu, ints = seq_per_rank, cu_seqlens, (torch.int64, torch.int32, torch.int16, torch.int8)
     if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2 or cu.dtype not in ints:
         got = f"{cu.dtype} of shape {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu)
         raise ValueError(f"cu_seqlens must be a 1-D integer tensor [0, ..., T], got {got}")
     if ratio < 1:
         raise ValueError(f"the compression ratio m must be >= 1, got {ratio}")
-    if window < 1:
-        raise ValueError(f"window must be >= 1 (it includes the query's own token), got {window}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1, got {top_k}")
-    if s <= 0 or s % ratio:
-        raise ValueError(
-            f"tokens per rank must be a positive multiple of the compression ratio m={ratio}, "
-            f"got s={s}; pad the sequence so s is a multiple of {ratio}"
-        )
-    halo = halo_rows(ratio, overlap) if cp_size > 1 else 0
-    if halo > s:
-        raise ValueError(
-            f"the compression halo must come from one rank: {halo} rows for m={ratio}"
-            f"{' with overlap' if overlap else ''}, got s={s}; use s >= {halo} or fewer ranks"
-        )
-    if cp_size > 1 and window - 1 > s:
-        raise ValueError(
-            f"the sliding window's {window - 1} rows must come from one rank, got s={s}; "
-            f"use s >= {window - 1} or fewer ranks"
-        )
-    if cu[0] != 0 or bool((cu[1:] <= cu[:-1]).any()):
-        raise ValueError(f"cu_seqlens must start at 0 and strictly increase, got {cu.tolist()}")
-    if cu[-1] != cp_size * s:
-        raise ValueError(
-            f"document lengths must sum to cp_size*s = {cp_size}*{s} = {cp_size * s} tokens, got "
-            f"{int(cu[-1])}; the last entry of cu_seqlens is the full packed length"
-        )
-
-
-LAYER_FIELDS = "kind ratio window top_k heads head_dim index_heads index_dim".split()
+    halo, lap = (halo_rows(ratio, overlap) if cp_size > 1 else 0), " with overlap" * overlap
+    for bad, text in (  # the first that fails is the one reported
+        (window < 1, f"window must be >= 1 (it includes the query's own token), got {window}"),
+        (top_k is not None and top_k < 1, f"top_k must be >= 1, got {top_k}"),
+        (s <= 0 or s % ratio, f"tokens per rank must be a positive multiple of the compression "
+         f"ratio m={ratio}, got s={s}; pad the sequence so s is a multiple of {ratio}"),
+        (halo > s, f"the compression halo must come from one rank: {halo} rows for m={ratio}"
+         f"{lap}, got s={s}; use s >= {halo} or fewer ranks"),
+        (cp_size > 1 and window - 1 > s, f"the sliding window's {window - 1} rows must come "
+         f"from one rank, got s={s}; use s >= {window - 1} or fewer ranks"),
+        (cu[0] != 0 or bool((cu[1:] <= cu[:-1]).any()),
+         f"cu_seqlens must start at 0 and strictly increase, got {cu.tolist()}"),
+        (cu[-1] != cp_size * s, f"document lengths must sum to cp_size*s = {cp_size}*{s} = "
+         f"{cp_size * s} tokens, got {int(cu[-1])}; the last entry of cu_seqlens is the full "
+         "packed length"),
+    ):  # fmt: skip
+        if bad:
+            raise ValueError(text)
 
 
 def check_inputs(layer, x, cu_seqlens, group=None, entry="context_parallel"):
-    """Validate this rank's input, then the agreement guard: every rank raises or none does.
-
-    What must be equal on every rank is compared exactly (each weight by its digest). The verdict
-    of this rank's validation travels as one more field, so a rank that refused its input is
-    reported beside the field that made it differ (a shard of another length, say)."""
+    """Validate this rank's input, then the agreement guard: every rank raises or none does. The
+    verdict travels as one more field, so a refusal is reported beside the field that caused it."""
     dim, error = layer.wq.shape[0], None
     try:
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != dim:
-            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(
-                f"x must be [tokens, features] with features = dim = {dim}, got {shape}"
-            )
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x must be [tokens, features] with features = dim = {dim}, got {got}")
         if x.dtype != layer.wq.dtype:
             raise ValueError(f"x must have the weights' dtype {layer.wq.dtype}, got {x.dtype}")
         sizes = (layer.ratio, layer.overlap, layer.top_k, layer.window)
         validate_layout(x.shape[0], cu_seqlens, dist.get_world_size(group), *sizes)
     except ValueError as err:
         error = str(err)
-    fields = {"entry point": entry}
     try:  # any input, even one validation refused; one too odd to describe joins with its error
         cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens
-        shape = {
-            "tokens per rank": x.shape[0] if x.dim() else None,
-            "x features": tuple(x.shape[1:]),
-        }
-        fields |= shape | {"x dtype": str(x.dtype), "cu_seqlens": cu, "dim": dim}
-        fields |= {name: getattr(layer, name) for name in LAYER_FIELDS}
-        fields |= {
-            f"weight {n}": launch.weights_digest([(n, p)]) for n, p in layer.named_parameters()
-        }
+        fields = {"entry point": entry, "tokens per rank": x.shape[0] if x.dim() else None}
+        fields |= {"x features": tuple(x.shape[1:]), "x dtype": str(x.dtype), "cu_seqlens": cu}
+        settings = "kind ratio window top_k heads head_dim index_heads index_dim".split()
+        fields |= {"dim": dim} | {name: getattr(layer, name) for name in settings}
+        for n, p in layer.named_parameters():  # each weight by its digest: compared exactly
+            fields[f"weight {n}"] = launch.weights_digest([(n, p)])
     except Exception as err:
         fields, error = {"entry point": entry}, error or f"unreadable input: {err!r}"
     launch.agree({**fields, "validation": error or "passed"}, group=group, who="cp_compress")
@@ -638,15 +525,10 @@ def check_inputs(layer, x, cu_seqlens, group=None, entry="context_parallel"):
         raise ValueError(f"cp_compress: {error}")
 
 
-# ---- the demo ------------------------------------------------------------------------------------
-
-
 def packed_boundaries(seq_len, seq_per_rank, ratio, seed=0):
-    """cu_seqlens of a packed batch with documents starting where it hurts: m-1 tokens before a rank
-    boundary (a straddling block), 2m-1 before (with overlap, the halo is used to its first row), a
-    1-token document just after each boundary, and a few random cuts."""
-    g = torch.Generator().manual_seed(seed)
-    cuts = {0, seq_len}
+    """cu_seqlens of a packed batch whose documents start where it hurts: m-1 and 2m-1 tokens before
+    a rank boundary (a straddling block; the whole halo), a 1-token one after it, random cuts."""
+    cuts, g = {0, seq_len}, torch.Generator().manual_seed(seed)
     for i, boundary in enumerate(range(seq_per_rank, seq_len, seq_per_rank)):
         back = ratio - 1 if i % 2 == 0 else 2 * ratio - 1
         cuts |= {boundary - back, boundary + 2, boundary + 3}
@@ -656,12 +538,10 @@ def packed_boundaries(seq_len, seq_per_rank, ratio, seed=0):
 
 def probe_loss(out, extras, grad_out, grad_scores):
     """A random linear function of the output and of the visible indexer scores, so backward
-    reaches every weight (the top-k choice is not differentiable; V4 trains the indexer on its
-    scores)."""
+    reaches every weight (top-k is not differentiable; V4 trains the indexer on its scores)."""
     loss = (out * grad_out).sum()
-    if extras.scores is not None:
-        visible_scores = torch.where(extras.scores.isfinite(), extras.scores, 0.0)
-        loss = loss + (visible_scores * grad_scores).sum()
+    if extras.scores is not None:  # -inf where a query may not look: no gradient there
+        loss = loss + (extras.scores.nan_to_num(neginf=0.0) * grad_scores).sum()
     return loss
 
 
@@ -669,81 +549,68 @@ def stage_bytes(layer, seq_per_rank, cp_size, rank, itemsize=4):
     """Bytes this rank sends in each stage of context_parallel (rank r+1 receives the halos rank r
     sends): the halo's raw kv and gate rows, the window's K/V rows, the all-gather's buffer."""
     sets, C = (2, layer.head_dim + layer.index_dim) if layer.overlap else (1, layer.head_dim)
-    last = rank + 1 == cp_size
-    elements = {
-        "stage1_halo": 0 if last else halo_rows(layer.ratio, layer.overlap) * 2 * sets * C,
-        "window_halo": 0 if last else (layer.window - 1) * layer.head_dim,
-        "stage2_allgather": (cp_size - 1) * (seq_per_rank // layer.ratio + 1) * C,
+    sends = rank + 1 < cp_size  # the last rank sends no halo
+    return {
+        "stage1_halo": sends * halo_rows(layer.ratio, layer.overlap) * 2 * sets * C * itemsize,
+        "window_halo": sends * (layer.window - 1) * layer.head_dim * itemsize,
+        "stage2_allgather": (cp_size - 1) * (seq_per_rank // layer.ratio + 1) * C * itemsize,
     }
-    return {stage: n * itemsize for stage, n in elements.items()}
 
 
 def compare_with_reference(layer, x_full, cu_seqlens):
     """Reference and CP forward+backward of one layer -> (max relative error of the entries and the
     output, max relative error of every gradient, the entries computed on each rank)."""
     rank, cp, T = dist.get_rank(), dist.get_world_size(), x_full.shape[0]
+    weights = list(layer.parameters())
     g = torch.Generator().manual_seed(1)
     grad_out = torch.randn(T, layer.heads, layer.head_dim, generator=g).to(x_full.device)
     grad_scores = torch.randn(T, T // layer.ratio, generator=g).to(x_full.device)
-    x_ref = x_full.clone().requires_grad_()
+    this_rank = lambda t: shard_sequence(t, cp, rank)  # noqa: E731
+    rel = lambda a, b: ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()  # noqa: E731
+    x_ref, x_cp = x_full.clone().requires_grad_(), this_rank(x_full).clone().requires_grad_()
     out_ref, ex_ref = layer.reference(x_ref, cu_seqlens)
-    probe_loss(out_ref, ex_ref, grad_out, grad_scores).backward()
-    ref_grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
-    layer.zero_grad()
-
-    def mine(t):
-        return shard_sequence(t, cp, rank)
-
-    def rel(a, b):
-        return ((a - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
-
-    x_cp = mine(x_full).clone().requires_grad_()
+    loss = probe_loss(out_ref, ex_ref, grad_out, grad_scores)
+    dx_ref, *ref_grads = torch.autograd.grad(loss, [x_ref, *weights])
     out_cp, ex = layer.context_parallel(x_cp, cu_seqlens)
-    probe_loss(out_cp, ex, mine(grad_out), mine(grad_scores)).backward()
-    out_err = max(rel(out_cp, mine(out_ref)), rel(ex.entries, ex_ref.entries))
-    grad_err = rel(x_cp.grad, mine(x_ref.grad))
-    for n, p in layer.named_parameters():  # each rank holds its own queries' share of a gradient
-        dist.all_reduce(p.grad)
-        grad_err = max(grad_err, rel(p.grad, ref_grads[n]))
-    layer.zero_grad()
+    loss = probe_loss(out_cp, ex, this_rank(grad_out), this_rank(grad_scores))
+    dx_cp, *cp_grads = torch.autograd.grad(loss, [x_cp, *weights])
+    out_err = max(rel(out_cp, this_rank(out_ref)), rel(ex.entries, ex_ref.entries))
+    grad_err = rel(dx_cp, this_rank(dx_ref))
+    for cp_grad, ref_grad in zip(cp_grads, ref_grads):  # each rank holds its queries' share
+        dist.all_reduce(cp_grad)
+        grad_err = max(grad_err, rel(cp_grad, ref_grad))
     return out_err, grad_err, ex.counts
 
 
 def demo(args, rank, cp, device):
-    """Both layers on a packed batch whose documents start where it hurts. Rank 0 prints, per rank,
-    the bytes it sends per stage, the entries it computes and its errors against the reference."""
-    s = args.seq_per_rank
+    """Both layers on a packed batch; rank 0 prints each rank's bytes sent, entries and errors."""
+    s, window = args.seq_per_rank, args.window
+    labels = ("rank", "halo sent B", "window halo sent B", "all-gather sent B", "entries computed",
+              "out rel err", "grad rel err")  # fmt: skip
     torch.manual_seed(args.seed)  # same weights and inputs on every rank
-    layers = {
-        f"CSA (m={args.m_csa}, top-k {args.top_k})": CompressedAttention(
-            "csa", ratio=args.m_csa, top_k=args.top_k, window=args.window
-        ),
-        f"HCA (m'={args.m_hca})": CompressedAttention("hca", ratio=args.m_hca, window=args.window),
-    }
+    csa = CompressedAttention("csa", ratio=args.m_csa, top_k=args.top_k, window=window)
+    hca = CompressedAttention("hca", ratio=args.m_hca, window=window)
+    layers = {f"CSA (m={args.m_csa}, top-k {args.top_k})": csa, f"HCA (m'={args.m_hca})": hca}
     x = torch.randn(cp * s, 64).to(device)  # the layers' default dim
     launch.say(
-        f"cp_size={cp}, {s} tokens per rank, window {args.window}; bytes are what each rank sends"
+        f"cp_size={cp}, {s} tokens per rank, window {window}; bytes are what each rank sends"
     )
     for name, layer in layers.items():
         m, cu = layer.ratio, packed_boundaries(cp * s, s, layer.ratio, args.seed).to(device)
         out_err, grad_err, counts = compare_with_reference(layer.to(device), x, cu)
         sent = stage_bytes(layer, s, cp, rank, x.element_size())
-        row = [*sent.values(), counts[rank], out_err, grad_err]
-        rows = [torch.tensor(row, dtype=torch.float64, device=device) for _ in range(cp)]
-        dist.all_gather(rows, rows[rank].clone())
+        local = torch.tensor([*sent.values(), counts[rank], out_err, grad_err], dtype=torch.float64)
+        table = [torch.empty_like(local, device=device) for _ in range(cp)]
+        dist.all_gather(table, local.to(device))
         launch.say(
             f"\n{name}: {cu.numel() - 1} packed documents, {cp * s // m} compressed slots "
             f"({cp} x s/m = {cp} x {s // m}), buffer s/m+1 = {s // m + 1} per rank; compared "
-            f"{sum(counts)} entries\n{'rank':>4} {'halo sent B':>11} {'window halo sent B':>18} "
-            f"{'all-gather sent B':>17} {'entries computed':>16} {'out rel err':>11} "
-            f"{'grad rel err':>12}"
+            f"{sum(counts)} entries\n" + " ".join(labels)
         )
-        for r, (halo, window, gather, n, out_e, grad_e) in enumerate(torch.stack(rows).tolist()):
-            launch.say(
-                f"{r:>4} {int(halo):>11} {int(window):>18} {int(gather):>17} {int(n):>16} "
-                f"{out_e:>11.2e} {grad_e:>12.2e}"
-            )
-        worst = torch.stack(rows)[:, 4:].max().item()
+        for r, row in enumerate(torch.stack(table).tolist()):
+            cells = [r, *map(int, row[:4]), *(f"{e:.2e}" for e in row[4:])]
+            launch.say(" ".join(f"{c:>{len(label)}}" for c, label in zip(cells, labels)))
+        worst = torch.stack(table)[:, 4:].max().item()
         launch.say(
             f"matches the single-device reference: {'yes' if worst < 1e-5 else 'NO'} "
             f"(worst relative error {worst:.2e}, fp32; errors are max|cp - ref| / max|ref|)"
@@ -752,25 +619,18 @@ def demo(args, rank, cp, device):
 
 def parse_args(argv=None):
     """The command line, every value checked before any process group exists."""
-    parser = argparse.ArgumentParser(
-        description="V4's two-stage context parallelism for compressed attention (CSA and HCA): "
-        "runs the protocol and the single-device reference, prints bytes and errors."
-    )
-    for flag, default, text in (
-        ("--seq-per-rank", 512, "tokens per rank, s: a multiple of both m values"),
-        ("--m-csa", 4, "CSA compression ratio m"),
-        ("--m-hca", 128, "HCA compression ratio m'"),
-        ("--top-k", 64, "CSA indexer top-k; may exceed the number of entries"),
-        ("--window", 32, "sliding-window length in tokens, the query's own included"),
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    for flag, default, low, text in (
+        ("--seq-per-rank", 512, 1, "tokens per rank, s: a multiple of both m values"),
+        ("--m-csa", 4, 1, "CSA compression ratio m"),
+        ("--m-hca", 128, 1, "HCA compression ratio m'"),
+        ("--top-k", 64, 1, "CSA indexer top-k; may exceed the number of entries"),
+        ("--window", 32, 1, "sliding-window length in tokens, the query's own included"),
+        ("--seed", 0, 0, "seed of weights and inputs"),
     ):
-        parser.add_argument(
-            flag, type=launch.at_least(1), default=default, help=f"{text} (default {default})"
-        )
-    parser.add_argument(
-        "--seed", type=launch.at_least(0), default=0, help="seed of weights and inputs (default 0)"
-    )
-    launch.add_launch_options(parser)
-    args = launch.check_launch_options(parser, parser.parse_args(argv))
+        parser.add_argument(flag, type=launch.at_least(low), default=default, help=f"{text} "
+                            f"(default {default})")  # fmt: skip
+    args = launch.check_launch_options(parser, launch.add_launch_options(parser).parse_args(argv))
     s, world = args.seq_per_rank, int(os.environ.get("WORLD_SIZE", "1"))
     for m, overlap in ((args.m_csa, True), (args.m_hca, False)):
         cu = packed_boundaries(world * s, s, m, args.seed)
@@ -783,9 +643,5 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None):
-    launch.run(demo, parse_args(argv))
-
-
 if __name__ == "__main__":
-    main()
+    launch.run(demo, parse_args())
