@@ -33,6 +33,7 @@ import json
 import pathlib
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import matplotlib.pyplot as plt
 import torch
@@ -186,6 +187,7 @@ for (s, gains), color in zip(free.items(), ("#fdae61", "#f46d43", "#a50026")):
 ax.set_xlabel("layers stacked")
 ax.set_ylabel("gain of B_L ⋯ B_1 (largest abs row sum)")
 ax.set_title("Stacked lane mixing: the constrained product stays at 1, the free one grows")
+ax.set_ylim(0.5, 1e6)  # room for the legend above the lines
 ax.legend(loc="upper left")
 plt.tight_layout()
 plt.show()
@@ -201,9 +203,9 @@ print(
 #
 # ### How many Sinkhorn rounds?
 # `sinkhorn_knopp` ends each round on a row normalisation, so rows are exact (up to eps) and the
-# column sums are what converges. The further the logits are from equal (a B far from uniform),
-# the slower that is. Below, the worst column error over 1024 random matrices per line, round by
-# round; the dotted line is V4's 20 rounds.
+# column sums are what converges. The larger and more irregular the logits, the slower that is.
+# Below, the worst column error over 1024 random matrices per line, round by round; the dotted
+# line is V4's 20 rounds.
 
 # %%
 gen = torch.Generator().manual_seed(0)
@@ -227,8 +229,8 @@ for (label, logits), color in zip(starts.items(), ("tab:green", "#fdae61", "#f46
 ax.axvline(20, color="k", ls=":", lw=1)
 ax.set_xlabel("Sinkhorn rounds (each: columns, then rows)")
 ax.set_ylabel("worst |column sum − 1|")
-ax.set_title("Sinkhorn-Knopp converges fast near uniform logits, slowly for large ones")
-ax.legend(loc="upper right")
+ax.set_title("Sinkhorn-Knopp: 20 rounds are plenty near V4's start, not for large random logits")
+ax.legend(loc="lower left")
 plt.tight_layout()
 plt.show()
 for label, err in after_20.items():
@@ -252,6 +254,17 @@ for label, err in after_20.items():
 cfg = mhc.Config(vocab_size=128, seq_len=128, dim=128, n_heads=2, n_layers=4, n_hc=4)
 BATCH = 2
 L_R = mhc.default_recompute_block(cfg.n_hc, cfg.n_layers)
+N_MICRO = 2  # section 5's pipeline: micro-batches of one sequence
+# section 5 also runs this model as a 2-stage pipeline on 2 processes: it starts now, in the
+# background, and section 5 collects it (what runs meanwhile measures memory, not time)
+pipeline_run = ThreadPoolExecutor(1).submit(
+    run_ranks,
+    bench_mhc.pipeline_profile,
+    2,
+    args=(cfg, BATCH, N_MICRO),
+    kwargs=dict(repeats=1, modes=("posted ahead",)),
+    timeout=300,
+)
 RUNS = {  # name: (hyper, forward options)
     "residual": (False, {}),
     "naive": (True, {}),
@@ -301,8 +314,9 @@ print(f"naive mHC keeps {peak_act['naive'] / peak_act['residual']:.1f}x the resi
 # %% [markdown]
 # **What to look at:** the red band (activations: what forward leaves alive for backward). Naive
 # mHC keeps every layer's n-lane input, its normalised copy and every intermediate of the 20
-# Sinkhorn rounds, several times the residual's red band (the ratio is printed). The optimised
-# run keeps far less; in backward it rebuilds lane states a block at a time (the purple
+# Sinkhorn rounds: more than twice the residual's red band (the ratio is printed), though not n
+# times, because F's own activations, the same in both, are much of the residual's. The
+# optimised run keeps far less; in backward it rebuilds lane states a block at a time (the purple
 # temporaries). Section 4 says how.
 #
 # ## 4. V4's three reductions
@@ -429,25 +443,27 @@ print(f"mhc.default_recompute_block(4, {depth}) = {mhc.default_recompute_block(4
 # (cool-down); a stage then holds at most as many micro-batches' activations as there are stages.
 # `mhc.pipeline_step` runs it; with `overlap=True` it posts each receive one micro-batch ahead, so
 # the next stream arrives while the stage computes (V4 goes further, with DualPipe). The orders
-# for 2 stages and 4 micro-batches:
+# for 2 stages, with 4 micro-batches and with the 2 that section 5 runs (F: a forward, B: a
+# backward, then the micro-batch's index):
 
 # %%
-for s in range(2):
-    order = mhc.one_f_one_b(2, s, 4)
-    print(f"stage {s}: " + " ".join(f"{kind}{i}" for kind, i in order))
+for n_micro in (4, N_MICRO):
+    for s in range(2):
+        order = mhc.one_f_one_b(2, s, n_micro)
+        print(f"{n_micro} micro-batches, stage {s}: " + " ".join(f"{k}{i}" for k, i in order))
 
 # %% [markdown]
 # ### Exercise 4 (predict, then run): what crosses a stage boundary
-# Section 3's model (C = 128, T = 128 tokens per sequence, n = 4 lanes, fp32) on 2 stages, a
-# batch of 4 sequences. How many MiB does stage 0 send forward to stage 1 in one training step,
-# with mHC?
+# Section 3's model (C = 128, T = 128 tokens per sequence, n = 4 lanes, fp32) on 2 stages, its
+# batch of 2 sequences in 2 micro-batches. How many MiB does stage 0 send forward to stage 1 in
+# one training step, with mHC?
 
 # %%
 answer_traffic_mib = None  # MiB stage 0 sends forward per step (a number)
 
 # %%
 # check: answer_traffic_mib
-shape = mhc.Transformer(cfg).stream_shape(4)  # what crosses the boundary for the whole batch
+shape = mhc.Transformer(cfg).stream_shape(BATCH)  # what crosses the boundary, whole batch
 check(
     "answer_traffic_mib",
     answer_traffic_mib,
@@ -466,12 +482,12 @@ check(
 # states live). Time: one forward + backward, eager PyTorch, at the same size, median of a few
 # rounds with the variants interleaved, counted in this thread's CPU time (with one thread, the
 # time the step computed, whatever else the shared machine was running). Reduction 3 runs on 2
-# real processes (gloo, the CPU backend of `torch.distributed`), 1F1B over 4 micro-batches of
+# real processes (gloo, the CPU backend of `torch.distributed`), 1F1B over 2 micro-batches of
 # the optimised mHC with its receives posted ahead: it stores nothing, so its row shows the most
 # time it can hide, the transfer time of what crosses the stage boundary.
 
 # %%
-stage("timing one forward + backward of each variant, then the pipeline on 2 processes")
+stage("collecting the pipeline started in section 3, then timing each variant")
 
 
 def step_times(rounds=3):
@@ -491,14 +507,8 @@ def step_times(rounds=3):
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-step_s = step_times()
-pipe = run_ranks(
-    bench_mhc.pipeline_profile,
-    2,
-    args=(cfg, 4, 4),
-    kwargs=dict(modes=("posted ahead",)),
-    timeout=180,
-)[0]
+pipe = pipeline_run.result()[0]  # started in section 3; rank 0's numbers
+step_s = step_times()  # after the pipeline is done, so nothing else of ours runs meanwhile
 stage("done")
 
 peak_all = {
@@ -525,17 +535,18 @@ for name, label in labels.items():
         f"{label:<36}| {peak_act[name] / MiB:>11.2f} {share:>10} {peak_all[name] / MiB:>9.2f} "
         f"| {1e3 * step_s[name]:>9.1f} {100 * (step_s[name] / step_s['residual'] - 1):>+9.0f}%"
     )
-step_pipe, _, sent_pipe = pipe["posted ahead"]
-residual_mib = torch.Size(mhc.Transformer(cfg, hyper=False).stream_shape(4)).numel() * 4 / MiB
-link_s = 2 * 4 * pipe["transfer"]  # 4 micro-batches' streams forward, their gradients back
+_, _, sent_pipe = pipe["posted ahead"]
+residual_mib = torch.Size(mhc.Transformer(cfg, hyper=False).stream_shape(BATCH)).numel() * 4 / MiB
+link_s = 2 * N_MICRO * pipe["transfer"]  # each micro-batch's stream forward, its gradient back
 print(
     f"{'3. + pipeline overlap, 2 stages':<36}| {'stores nothing: as row 2':<33}"
-    f"| hides <= {1e3 * link_s:.1f} ms ({100 * link_s / step_pipe:.1f}%)"
+    f"| hides <= {1e3 * link_s:.1f} ms, {100 * link_s / step_s['optimised']:.1f}% of row 2"
 )
 print(
-    f"pipeline: a step took {1e3 * step_pipe:.0f} ms (wall clock, slowest stage); stage 0 sent "
-    f"{sent_pipe / MiB:.3f} MiB forward per step (a residual stream: {residual_mib:.3f} MiB); "
-    f"the link alone moves one step's streams and gradients in {1e3 * link_s:.1f} ms"
+    f"row 3: stage 0 sent {sent_pipe / MiB:.3f} MiB forward per step (a residual stream: "
+    f"{residual_mib:.3f} MiB);\n  the link alone moves one step's streams and gradients in "
+    f"{1e3 * link_s:.1f} ms ({2 * N_MICRO} one-way transfers,\n  each half the fastest of 10 "
+    "round trips): the most that posting ahead can hide"
 )
 
 # %% [markdown]
@@ -547,12 +558,12 @@ print(
 #   residual: at this small C every mixing op is a separate pass over memory plus Python
 #   dispatch, while F is a few matmuls (section 6 shows how this changes as C grows);
 # - posting the receives ahead can hide at most the transfer itself, measured alone on the
-#   same link (the last line): over loopback on one machine, the small share of a step printed
-#   in row 3. What stage 0 waits for besides is mostly the pipeline **bubble** (stage 0 idle
-#   while stage 1 works on the micro-batches it sent), which no order of posting removes
-#   (`benchmarks/bench_mhc.py`'s table 2 times the waits of both orders). Overlap pays where the
-#   link is slow next to the compute, as between GPUs on different machines, and what it hides
-#   there is the n = 4 times larger stream.
+#   same link (the last lines): over loopback on one machine, a small share of a step (row 3,
+#   against row 2's step time). What stage 0 waits for besides is mostly the pipeline
+#   **bubble** (stage 0 idle while stage 1 works on the micro-batches it sent), which no order
+#   of posting removes (`benchmarks/bench_mhc.py`'s table 2 times the waits of both orders).
+#   Overlap pays where the link is slow next to the compute, as between GPUs on different
+#   machines, and what it hides there is the n = 4 times larger stream.
 #
 # ## 6. The time overhead against the hidden size C
 # Per token and layer, the mixing reads and writes the n lanes a few times and projects them to
