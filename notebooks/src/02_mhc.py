@@ -7,8 +7,8 @@
 #    output back, B mixing the lanes; and explain why B is made doubly stochastic (rows and
 #    columns summing to 1, by the Sinkhorn-Knopp normalisation), so that stacking many layers
 #    neither blows the stream up nor lets it fade.
-# 2. Say what the n lanes cost (n times the activations kept for backward, n times the bytes a
-#    pipeline stage sends) and what each of V4's three reductions buys back: **fused lane
+# 2. Say what the n lanes cost (n times the stream's activations kept for backward, n times the
+#    bytes a pipeline stage sends) and what each of V4's three reductions buys back: **fused lane
 #    mixing**, **selective recomputation** (and how to choose its block L_r), and **overlapping
 #    the pipeline traffic** in a 1F1B (one-forward-one-backward) pipeline schedule. You will read
 #    it from one table measured on this CPU: memory first, time second.
@@ -442,7 +442,9 @@ print(f"mhc.default_recompute_block(4, {depth}) = {mhc.default_recompute_block(4
 # forward with an earlier one's backward (steady state), then drains the last backwards
 # (cool-down); a stage then holds at most as many micro-batches' activations as there are stages.
 # `mhc.pipeline_step` runs it; with `overlap=True` it posts each receive one micro-batch ahead, so
-# the next stream arrives while the stage computes (V4 goes further, with DualPipe). The orders
+# the next stream arrives while the stage computes (V4 goes further with DualPipe, its schedule
+# that feeds micro-batches from both ends of the pipeline and overlaps one chunk's compute with
+# another's communication). The orders
 # for 2 stages, with 4 micro-batches and with the 2 that section 5 runs (F: a forward, B: a
 # backward, then the micro-batch's index):
 
@@ -628,19 +630,18 @@ else:
 # %% [markdown]
 # **What to look at:** every line falls as C grows, the eager ones (dashed) from more than twice
 # the residual's step. Compiled (solid), the two mHC variants nearly meet: from C = 512 on, the
-# printed differences between optimised and naive are a few points either way, about as much as
-# repeated runs of this benchmark move (`benchmarks/bench_mhc.py` says how far to trust a point).
-# So what the optimised path
-# buys on this CPU is memory (the last column: it keeps about a quarter of naive's extra
-# activations under compile), not time.
+# printed differences between optimised and naive are a few points either way, no more than
+# repeated runs of this benchmark move (`benchmarks/bench_mhc.py` says how far to trust a point;
+# the README's mHC section compares runs). So what the optimised path buys on this CPU is memory
+# (the last column: it keeps about a quarter of naive's extra activations under compile), not
+# time.
 #
 # **Where V4's 6.7% comes from.** V4 reports a 6.7% wall-time overhead for mHC with all three
 # reductions in place, relative to an overlapped 1F1B pipeline stage, measured on its GPU
 # training cluster with its own hand-written fused kernels for the mixing, inside its overlapped
-# pipeline. It is drawn as the dotted line for reference only. A CPU
-# running `torch.compile`'s code is a different machine with different kernels: this notebook
-# neither reproduces nor tests that number (`bench_mhc.py --curve --device cuda` measures the
-# same curve on a GPU).
+# pipeline. It is drawn as the dotted line for reference only. A CPU running `torch.compile`'s
+# code is a different machine with different kernels: this notebook neither reproduces nor tests
+# that number (`bench_mhc.py --curve --device cuda` measures the same curve on a GPU).
 #
 # ## 7. Faithful to the public V4 code
 # The same random weights, loaded into Hugging Face transformers' DeepSeek-V4 modules
@@ -675,13 +676,12 @@ stage("end of the notebook")
 # %% [markdown]
 # ## Takeaway
 # mHC widens the residual stream to n lanes and mixes them with a doubly stochastic B, which
-# Sinkhorn-Knopp makes from any logits; a product of such matrices keeps a gain of 1, so the
-# stream stays bounded at any depth where freely learned mixing compounds. The price is the
-# stream itself: n times the activations and n times the pipeline traffic, while F's work is
-# unchanged. V4's three reductions answer it. Fused lane mixing stops autograd from keeping the
-# mixing's intermediates. Selective recomputation keeps a block input, F's output and
+# Sinkhorn-Knopp makes from any logits; a product of such matrices keeps a gain of 1, so the stream
+# stays bounded at any depth where freely learned mixing compounds. The price is the stream itself:
+# n times the stream's activations and n times the pipeline traffic, while F's work and F's own
+# activations are unchanged. V4's three reductions answer it. Fused lane mixing stops autograd from
+# keeping the mixing's intermediates. Selective recomputation keeps a block input, F's output and
 # 2n² + 4n + 1 numbers per token and layer, rebuilds the lane states in backward and never runs F
-# again, with blocks of L_r ≈ sqrt(nL/(n+2)) layers. Overlapping the traffic hides the larger
-# sends behind compute where the link is slow. On this CPU the first two buy memory, not time,
-# and the time overhead falls as C grows; the 6.7% V4 reports is a GPU measurement with its own
-# kernels.
+# again, with blocks of L_r ≈ sqrt(nL/(n+2)) layers. Overlapping the traffic hides the larger sends
+# behind compute where the link is slow. On this CPU the first two buy memory, not time, and the
+# time overhead falls as C grows; the 6.7% V4 reports is a GPU measurement with its own kernels.
