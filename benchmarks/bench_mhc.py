@@ -31,6 +31,27 @@ Tables, all measured in one run, 1 thread per process unless --threads:
      the same rounds, gives the curve's resolution on the machine it ran on. --curve ends with
      the headline line.
 The paper's 6.7% is for GPUs with fused kernels overlapped in DualPipe.
+
+How far to trust table 3 (notebook 02 plots its overhead lines from the saved JSON and leaves
+this to here and the README's mHC section):
+  - an overhead is a difference of two step times of separate models, so it carries their noise.
+    The A/A control ("control" in the JSON: control_pct, control_eager_pct) is a second residual
+    model of the same work timed in the same rounds; how far it reads from the first is the
+    curve's resolution within one run. Across runs on a shared machine the overheads at
+    C >= 1024 move by more than that: compare two runs, not two points of one, before ordering
+    the variants there.
+  - the kernels timed inside the model (kernels_ms_per_step) are steadier than the overhead: a
+    sum of the optimised model's own compiled calls, each timed where it runs.
+  - the floor (floor_ms, floor_pct) is the least those calls can take: the bytes each must move
+    (KERNEL_TRAFFIC: every n*C- or C-sized tensor read once, every output written once) at the
+    rate one core streams memory with caches cold (cold_stream_cost), as F's matmuls leave them.
+  - the stand-ins (STUBS, stubs_ms_per_step) run in the kernels' place: "passes", the kernels
+    without gates and Sinkhorn (what the passes over the stream cost alone); "floor", stubs that
+    move only the floor's bytes, each call's own cost included (what this design costs here at
+    best). The gap between the kernels and the floor stubs is the pass structure of a compiled
+    CPU region, not the coefficient math.
+  - at small C an overhead point can read negative within the control's band; plot it on a
+    linear axis or a symmetric log one, never a log axis that drops it.
 """
 
 import argparse
@@ -286,6 +307,53 @@ def _pipeline_worker(rank, world, port, cfg, batch, repeats, out_path):
                 )
     gc.collect()  # drop cycles that reach gloo state now, not at interpreter shutdown (can abort)
     dist.destroy_process_group()
+
+
+def pipeline_profile(
+    rank, world, cfg, batch, n_micro, repeats=2, modes=("blocking", "posted ahead")
+):
+    """One rank of a 1F1B pipeline of the optimised mHC over the process group already set up
+    (tests.harness's run_ranks starts the ranks; notebook 02 calls it): one model, its stream
+    exchange in each of `modes` in turn, `repeats` steps each after a warm-up step; then
+    the link alone: one micro-batch's stream sent 0 -> 1 and back, 10 times.
+    -> {mode: (median s per step of the slowest stage, median s this stage
+    waited on receives, bytes this stage sent forward per step), "transfer": s of one one-way
+    transfer of one micro-batch's stream, half the fastest round trip (the link's own time, without
+    the waits a busy machine's scheduler adds)}."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = mhc.Transformer(cfg)  # one model: the guard hashes its parameters on its first step
+    d = data(cfg, batch, 0)
+    modes = {mode: {"blocking": False, "posted ahead": True}[mode] for mode in modes}
+    times, waits, sent = {m: [] for m in modes}, {m: [] for m in modes}, {}
+    for rep in range(repeats + 1):
+        for mode, overlap in modes.items():
+            model.zero_grad(set_to_none=True)
+            dist.barrier()
+            began = time.perf_counter()
+            _, stats = mhc.pipeline_step(
+                model, d[:, :-1], d[:, 1:], n_micro, variant="optimised", overlap=overlap
+            )
+            elapsed = torch.tensor([time.perf_counter() - began])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step ends with its slowest stage
+            if rep:  # the first round warms up
+                times[mode].append(elapsed.item())
+                waits[mode].append(stats.wait_s)
+            sent[mode] = stats.bytes_sent_forward
+    buffer, one_way = torch.zeros(model.stream_shape(batch // n_micro)), []
+    for _ in range(10):  # ping-pong between stages 0 and 1: half a round trip each
+        dist.barrier()
+        began = time.perf_counter()
+        if rank == 0:
+            dist.send(buffer, 1)
+            dist.recv(buffer, 1)
+        elif rank == 1:
+            dist.recv(buffer, 0)
+            dist.send(buffer, 0)
+        one_way.append((time.perf_counter() - began) / 2)
+    gc.collect()  # drop cycles that reach gloo state before the harness destroys the group
+    result = {m: (statistics.median(times[m]), statistics.median(waits[m]), sent[m]) for m in modes}
+    return {**result, "transfer": min(one_way)}
 
 
 def free_port():

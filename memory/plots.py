@@ -140,8 +140,13 @@ def _legend_handles(axes, timelines):
     return list(handles.values())
 
 
-def plot_timelines(timelines, titles=None, sharey=True, width=5.5, height=3.8, x="events", ncols=2):
-    """Several timelines in a grid (`ncols` per row), on one y scale so their heights compare."""
+def plot_timelines(
+    timelines, titles=None, sharey=True, width=5.5, height=3.8, x="events", ncols=2,
+    show_reserved=True,
+):  # fmt: skip
+    """Several timelines in a grid (`ncols` per row), on one y scale so their heights compare;
+    show_reserved=False leaves out the modelled allocator's reserved line (a plot about what is
+    allocated, not about the allocator)."""
     import matplotlib.pyplot as plt
 
     if not timelines:
@@ -157,14 +162,16 @@ def plot_timelines(timelines, titles=None, sharey=True, width=5.5, height=3.8, x
     ymax = None
     if sharey:
         highest = [
-            [tl.series().max(), tl.reserved_model.max(), tl.limit_bytes or 0]
+            [tl.series().max(), tl.reserved_model.max() * show_reserved, tl.limit_bytes or 0]
             + ([tl.out_of_memory.reserved_needed] if tl.out_of_memory else [])
             for tl in timelines
         ]
         ymax = 1.1 * max(max(h) for h in highest) / MiB
     used = axes.flat[: len(timelines)]
     for tl, title, ax in zip(timelines, titles, used):
-        plot_timeline(tl, ax=ax, title=title, legend=False, ymax=ymax, x=x)
+        plot_timeline(
+            tl, ax=ax, title=title, show_reserved=show_reserved, legend=False, ymax=ymax, x=x
+        )
     for ax in axes.flat[len(timelines) :]:
         ax.set_visible(False)
     handles = _legend_handles(used, timelines)

@@ -25,6 +25,12 @@ ANSWERS = {  # notebook -> {variable: (reference answer, a wrong answer)}, as Py
         "answer_momentum_gib": ("4.76", "4.12"),  # dense / 32 + experts / 256; all / 256 is wrong
         "answer_fraction_up": ("0.3", "0.0"),  # unbiased: up with the distance; 0 is nearest
     },
+    "02_mhc": {
+        "answer_gain": ("1.0", "8.5"),  # doubly stochastic: gain 1 at any depth; 8.5 is HC's
+        "answer_kept_numbers": ("161", "129"),  # 2n^2 + 4n + 1; 129 forgets the projection's n^2
+        "answer_block": ("5", "4"),  # sqrt(128/6) = 4.62: 5 costs 55.6 lanes, 4 costs 56
+        "answer_traffic_mib": ("0.5", "0.125"),  # n lanes x C x 4 B x 256 tokens; 0.125 forgets n
+    },
     "03_cp_compress": {
         "answer_halo": ("(8, 15)", "(8, 8)"),  # 2m - 1 under packing; m is the unpacked case
         "answer_entries": ("[3, 4]", "[4, 4]"),  # ends 3, 8, 12 | 16, 23, 27, 31; not s/m each
