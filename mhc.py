@@ -42,6 +42,8 @@ import launch
 
 EPS = 1e-6  # V4's hc_eps and rms_norm_eps: in the norm, in A, and in every Sinkhorn sum
 VARIANTS = ("naive", "fused", "optimised")  # the mHC variants (Transformer.run_layers)
+_GROUPS = weakref.WeakKeyDictionary()  # default group -> pipeline_groups()
+_GUARDED = weakref.WeakSet()  # models whose initial parameters check_pipeline_step has compared
 
 
 @dataclass
@@ -64,9 +66,9 @@ class Config:
 
 def sinkhorn_knopp(logits, iters=20, eps=EPS):
     """Project exp(logits) onto the doubly stochastic matrices. logits [..., n, n] -> [..., n, n].
-    V4's order: a softmax down each column + eps, then rows; then columns and rows iters - 1 more
-    times; every sum + eps (an underflowed column at logits of +-60 would divide 0 by 0). Ending on
-    rows makes each output lane a convex combination of input lanes (V4 applies comb = B^T)."""
+    V4's order: a softmax down each column + eps, then rows, then iters - 1 rounds of columns and
+    rows, every sum + eps (at logits of +-60 a column underflows to 0). Ending on rows makes each
+    output lane a convex combination of input lanes."""
     # hint: start from a softmax over dim=-2 plus eps; divide by (sum + eps) each time
     ### BEGIN SOLUTION
     matrix = torch.softmax(logits, dim=-2) + eps  # round 1's column step
@@ -84,14 +86,13 @@ def mixing_dtype(dtype):
 
 
 def lane_init_bias(n):
-    """S with sigmoid(S) = 1/n (A X and the head start as the lanes' mean); V4's 0 at n = 1."""
+    """S with sigmoid(S) = 1/n: A X and the head start as the lanes' mean (at n = 1, S = 0)."""
     return torch.full((n,), -math.log(n - 1) if n > 1 else 0.0)
 
 
 class HyperConnection(nn.Module):
-    """One layer's parameters of A [..., n], B [..., n, n], C [..., n], made from X [..., n, C]:
-    static biases S plus gated terms alpha * (x_hat W), x_hat the RMS-normalised flattened stream.
-    proj's columns are [W_pre | W_post | W_res], W_res row-major in B's layout."""
+    """One layer's A [..., n], B [..., n, n], C [..., n] from X [..., n, C]: biases S plus gated
+    alpha * (x_hat W). proj's columns are [W_pre | W_post | W_res], W_res row-major as B."""
 
     def __init__(self, n, dim, gate_init=0.01):
         super().__init__()
@@ -141,8 +142,7 @@ def mhc_layer_reference(stream, sublayer, hc, iters=20):
 
 
 class HyperHead(nn.Module):
-    """The lanes' one collapse before the final norm and LM head (V4's HyperHead):
-    X [..., n, C] -> sum_i w_i X_i [..., C], w = sigmoid(alpha x_hat W + S) + eps."""
+    """V4's HyperHead: X [..., n, C] -> sum_i w_i X_i, w = sigmoid(alpha x_hat W + S) + eps."""
 
     def __init__(self, n, dim, gate_init=0.01):
         super().__init__()
@@ -172,8 +172,7 @@ def lanes_matmul(m, x):
 
 
 def norm_then_project(x, weight):
-    """RMSNorm(x) W as (x W) * r, r = 1/rms(x): x [..., D], W [D, k] -> (x W [..., k], r [..., 1]).
-    The division moves after the matmul (mHC paper §4): the normalised stream is never written."""
+    """RMSNorm(x) W as (x W) r, r = 1/rms(x): x [..., D] -> (x W, r); x / rms is never written."""
     return x @ weight, torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
 
 
@@ -186,9 +185,8 @@ def norm_then_project_backward(grad, x, weight, projected, inv_rms):
 
 
 def sinkhorn_backward(logits, grad, iters=20, eps=EPS):
-    """d loss / d logits of sinkhorn_knopp(logits, iters), given dB [..., n, n]: replays the tiny
-    normalisations instead of keeping them, then walks them back. For Y = M / s, s = sum(M) + eps:
-    dM = (dY - sum(dY * Y)) / s along that axis; the softmax's is s (g - sum(g s)) down columns."""
+    """d logits of sinkhorn_knopp given dB [..., n, n]: replay its steps, walk them back. For
+    Y = M / s, s = sum(M) + eps: dM = (dY - sum(dY Y)) / s; the softmax's: s (g - sum(g s))."""
     soft = torch.softmax(logits, dim=-2)
     matrix, steps = soft + eps, []
     for dim in [-1] + [-2, -1] * (iters - 1):  # sinkhorn_knopp's order: rows, cols, rows, ...
@@ -253,8 +251,7 @@ def mix_out_backward(grad_out, stream, kept, f):
 
 
 def mix_in_backward(grad_h, grad_b, grad_c, grad_x_post, stream, kept, params, iters):
-    """Backward of mix_in, plus the post-mix's dX: -> (dX [..., n, C], grads of params): pre-mix,
-    gates, Sinkhorn, then the projection with its norm."""
+    """Backward of mix_in plus the post-mix's dX -> (dX [..., n, C], grads of params)."""
     a, b, c, projected, inv_rms = kept
     proj, gate, _, _, bias_res = (p.to(a.dtype) for p in params)
     n, x = stream.shape[-2], stream.to(a.dtype)
@@ -306,11 +303,10 @@ def collapse_backward(grad_out, stream, kept, params):
 class RecomputedBlock(torch.autograd.Function):
     """Run layers X_0 -> X_L keeping only X_0 [..., n, C], each F output f [..., C] and each
     layer's coefficients (mix_in's kept). Forward: the mixing without autograd (kernels: this
-    module's, or compiled ones); each F once, with grad, on a detached leaf input, so F's own
-    graph stays. Backward: rebuild X_1..X_{L-1} with the post-mix alone, then walk the layers
-    back: post-mix backward, F's kept graph, mix_in's backward. F's parameter grads go to .grad
-    directly (use loss.backward()). With head (the last block's HyperHead): return its collapse
-    [..., C] and rebuild X_L too."""
+    module's, or compiled ones); each F once, with grad, on a detached leaf input, so F's graph
+    stays. Backward: rebuild X_1..X_{L-1} with the post-mix alone, then per layer: post-mix
+    backward, F's kept graph (its .grad filled directly: use loss.backward()), mix_in's backward.
+    head (the last block's HyperHead): return its collapse [..., C], rebuild X_L too."""
 
     @staticmethod
     def forward(ctx, stream_in, layers, iters, kernels, head, *params):
@@ -428,8 +424,8 @@ def stage_layers(n_layers, n_stages, stage):
 def one_f_one_b(n_stages, stage, n_micro):
     """The order in which `stage` runs forwards and backwards: [('F', i) | ('B', i), ...].
     Warm-up: n_stages - stage - 1 forwards fill the pipe; the steady state alternates one forward
-    then one backward; the cool-down drains the last backwards. A stage never holds more than
-    n_stages - stage micro-batches' activations (GPipe would hold all n_micro)."""
+    and one backward; the cool-down drains the rest. A stage holds at most n_stages - stage
+    micro-batches' activations (GPipe would hold all n_micro)."""
     if n_micro < n_stages:
         raise ValueError(f"1F1B needs at least as many micro-batches as stages: n_micro={n_micro}"
                          f" < n_stages={n_stages}; raise n_micro or use fewer stages")  # fmt: skip
@@ -451,9 +447,6 @@ class PipelineStats:  # what one stage measured in one pipeline_step
     wait_s: float = 0.0  # blocked on receives: the bubble plus transfer that was not hidden
 
 
-_GROUPS = weakref.WeakKeyDictionary()  # default group -> {"forward": group, "backward": group}
-
-
 def pipeline_groups():
     """One group per direction over all ranks (see StageLinks), made once, on every rank."""
     if dist.group.WORLD not in _GROUPS:
@@ -462,7 +455,6 @@ def pipeline_groups():
 
 
 def pipeline_rank(group=None):
-    """(stages, this stage) in the pipeline's group, (1, 0) without a process group."""
     return (dist.get_world_size(group), dist.get_rank(group)) if dist.is_initialized() else (1, 0)
 
 
@@ -475,17 +467,16 @@ def clock(device):
 
 class StageLinks:
     """One stage's sends and receives of streams [B/n_micro, T, (n,) C]. NCCL runs a rank pair's
-    transfers in issue order and does not buffer sends, so activations and gradients go on groups
-    of their own, groups = {"forward": g, "backward": g} (group ranks = stages; default: the world):
-    each link carries data one way, in micro-batch order, and no issue order can deadlock.
-    overlap=True posts each receive one micro-batch ahead."""
+    transfers in issue order and does not buffer sends, so activations and gradients each get a
+    group, groups = {"forward": g, "backward": g} (group ranks = stages; default: the world): each
+    link carries data one way in micro-batch order, and no issue order can deadlock."""
 
     def __init__(self, stage, world, n_micro, shape, like, overlap, groups=None):
         self.groups = groups or (pipeline_groups() if world > 1 else {})
         self.stage, self.n_micro, self.shape, self.like, self.overlap = (
             stage, n_micro, shape, like, overlap)  # fmt: skip
         self.pending, self.sends, self.stats = {}, [], PipelineStats()
-        if overlap and stage > 0:
+        if overlap and stage > 0:  # overlap: each receive posted one micro-batch ahead
             self.post_recv("forward", 0)
         if overlap and stage < world - 1:
             self.post_recv("backward", 0)
@@ -529,8 +520,7 @@ def pipeline_step(
     """One training step's forward and backward over the pipeline stages. idx, targets [B, T]:
     the same on every rank; variant, block: as Transformer.run_layers. Fills this stage's .grad for
     the batch's mean loss; -> (loss on the last stage else None, PipelineStats). overlap=False
-    posts each receive only when its data is needed. groups: StageLinks' two links (default: over
-    the world; a device mesh passes its pipeline dimension)."""
+    posts each receive only when needed. groups: StageLinks' (a device mesh's pipeline links)."""
     group = groups["forward"] if groups else None  # the pipeline's ranks (default: the world)
     world, stage = pipeline_rank(group)
     check_pipeline_step(model, idx, targets, n_micro, variant, block, overlap, group)
@@ -701,9 +691,6 @@ def validate_pipeline_inputs(model, idx, targets, n_micro, variant, block, group
     one_f_one_b(world, stage, n_micro)
 
 
-_GUARDED = weakref.WeakSet()  # models whose initial parameters the guard has compared
-
-
 def check_pipeline_step(model, idx, targets, n_micro, variant, block, overlap, group):
     """This rank's validation, then launch.agree on what the stages share: the batch's digest and,
     on a model's first step, its initial parameters (every stage builds the model from one seed)."""
@@ -745,14 +732,13 @@ def synthetic_batch(cfg, batch, generator, device):
 
 
 def demo(args, rank, world, device):
-    """Residual, naive and optimised mHC from the same weights and data, each trained as a 1F1B
-    pipeline over the ranks (one stage in one process)."""
+    """Residual, naive and optimised mHC, one seed, each a 1F1B pipeline over the ranks."""
     cfg = Config(seq_len=args.seq_len, dim=args.dim, n_layers=args.layers, n_heads=args.heads)
     l_r, base = default_recompute_block(cfg.n_hc, cfg.n_layers // world), None
     launch.say(f"mHC demo: {cfg.n_layers} layers, C={cfg.dim}, n_hc={cfg.n_hc}, T={cfg.seq_len}, "
-               f"batch {args.batch}, {args.steps} steps; optimised = fused mixing + selective "
-               f"recomputation (L_r = {l_r})\npipeline: {world} stage(s), 1F1B over {args.micro} "
-               f"micro-batches of {args.batch // args.micro}, receives posted ahead")  # fmt: skip
+               f"{args.steps} steps, optimised = fused mixing + recomputation (L_r = {l_r})\npipe"
+               f"line: {world} stage(s), 1F1B over {args.micro} micro-batches of "
+               f"{args.batch // args.micro}, receives posted ahead")  # fmt: skip
     for name, block in (("residual", None), ("naive", None), ("optimised", l_r)):
         variant = "optimised" if block else "naive"
         torch.manual_seed(args.seed)
@@ -780,14 +766,11 @@ def demo(args, rank, world, device):
                         f"{stats.bytes_sent_backward / 2**20:.3f} MiB each way; the last stage "
                         f"waited on receives {1e3 * waited / args.steps:.1f} ms")  # fmt: skip
             print(row, flush=True)
-        if world > 1:
-            dist.barrier()  # each row before what rank 0 prints next
-    launch.say("\nmixing bytes: python benchmarks/bench_mhc.py --accounting; posted-ahead vs "
-               "blocking receives: python benchmarks/bench_mhc.py (table 2)")  # fmt: skip
+        dist.barrier()  # each row before what rank 0 prints next
+    launch.say("\nbytes per token, and blocking vs posted-ahead receives: benchmarks/bench_mhc.py")
 
 
 def parse_args(argv=None):
-    """Every option with its help; every value checked here, before any work, one line each."""
     world, count = int(os.environ.get("WORLD_SIZE", "1")), launch.at_least(1)
     parser = argparse.ArgumentParser(description="mHC: residual vs naive vs optimised, in 1F1B")
     add = parser.add_argument
