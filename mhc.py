@@ -767,7 +767,7 @@ def demo(args, rank, world, device):
                         f"waited on receives {1e3 * waited / args.steps:.1f} ms")  # fmt: skip
             print(row, flush=True)
         dist.barrier()  # each row before what rank 0 prints next
-    launch.say("\nbytes per token, and blocking vs posted-ahead receives: benchmarks/bench_mhc.py")
+    launch.say("\nmixing bytes: benchmarks/bench_mhc.py --accounting; blocking receives: table 2")
 
 
 def parse_args(argv=None):
