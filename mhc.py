@@ -1,38 +1,28 @@
 """mHC made affordable: manifold-constrained hyper-connections and three things that pay for them.
-
 DeepSeek-V4 §3.4.2 (the layer: V4 §2.2; the mHC paper, arXiv 2512.24880, §4).
 
 What the standard tool assumes. The residual stream is one vector of C numbers per token,
 x' = x + F(x): checkpointing keeps or drops whole modules, a pipeline stage sends C per token.
 
-What V4 violates. Hyper-connections widen the stream to n_hc = 4 lanes, X in R^{n x C}, mixed by
+What V4 violates. Hyper-connections widen the stream to n_hc lanes, X in R^{n x C}, mixed by
 three small per-token matrices computed from the stream itself:
     X' = B X + C F(A X),   A = sigmoid(.) in R^{1 x n},  C = 2 sigmoid(.) in R^{n x 1},
     B = Sinkhorn-Knopp(exp(.)) in R^{n x n}, doubly stochastic (the "manifold constraint").
 Every layer's input is now n*C per token: n times the activation memory and the pipeline
-traffic, and the mixing is memory-bound work that eager autograd runs as a string of small ops,
-each reading and writing the whole widened stream and keeping its intermediates.
+traffic, and eager autograd runs the memory-bound mixing as small ops that each keep their output.
 
 The fix, three reductions, each checked against the plain autograd layer:
-  1. fused lane mixing (section 2): coefficients, pre-mix A X and post-mix + merge B X + C f as
-     pure functions with their backward written out, reading the lanes once;
-  2. selective recomputation (section 3): keep one block input (n*C) every L_r layers, each F
-     output (C) and each layer's coefficients; in backward rebuild the lane states with the
-     post-mix alone, never running F twice (the head's lane collapse folded into the last block);
-  3. a 1F1B pipeline (section 4) whose stages exchange the n-lane stream with receives posted
-     ahead, so the extra traffic hides behind compute (V4 does this inside DualPipe).
-The variants are one choice, VARIANTS: "naive" (plain autograd), "fused" (1; each layer one
-autograd op) and "optimised" (1 and 2; blocks of L_r layers).
+  1. fused lane mixing (section 2): coefficients, pre-mix A X and post-mix B X + C f as pure
+     functions with their backward written out, reading the lanes once;
+  2. selective recomputation (section 3): keep one block input every L_r layers, each F output
+     and each layer's coefficients; backward rebuilds the lanes with the post-mix, never F;
+  3. a 1F1B pipeline (section 4) whose stages post the n-lane stream's receives ahead, so the
+     extra traffic hides behind compute (V4 does this inside DualPipe).
+VARIANTS is the choice: "naive" (plain autograd), "fused" (1), "optimised" (1 and 2). The mHC
+parts compute what the public V4 code does (tests/test_mhc_v4_oracle.py; interop/v4_mhc.py).
 
-Fidelity: for the same weights this computes what the public V4 code computes (transformers'
-DeepseekV4HyperConnection and DeepseekV4HyperHead; interop/v4_mhc.py loads their weights and
-tests/test_mhc_v4_oracle.py compares): Sinkhorn's axis order and eps, A = sigmoid(.) + eps,
-coefficients and pre-mix in fp32, a learned lane collapse. F is a small attention/MLP, not V4's.
-
-    python mhc.py                              # one process: residual vs naive vs optimised mHC
-    torchrun --nproc_per_node=2 mhc.py         # CPU, gloo: the same model over 2 pipeline stages
-    torchrun --nproc_per_node=4 mhc.py         # 4 stages; on GPUs NCCL is picked automatically
-    python mhc.py --help                       # every option
+    python mhc.py                          # residual vs naive vs optimised mHC, one process
+    torchrun --nproc_per_node=2 mhc.py     # the same over 2 pipeline stages (1-4 work; --help)
 """
 
 import argparse
@@ -52,6 +42,8 @@ import launch
 
 EPS = 1e-6  # V4's hc_eps and rms_norm_eps: in the norm, in A, and in every Sinkhorn sum
 VARIANTS = ("naive", "fused", "optimised")  # the mHC variants (Transformer.run_layers)
+_GROUPS = weakref.WeakKeyDictionary()  # default group -> pipeline_groups()
+_GUARDED = weakref.WeakSet()  # models whose initial parameters check_pipeline_step has compared
 
 
 @dataclass
@@ -66,7 +58,7 @@ class Config:
     gate_init: float = 0.01  # alpha: the data-dependent part of A, B, C starts small
 
     def __post_init__(self):
-        check_config(self)  # appendix: one clear ValueError per bad field
+        check_config(self)
 
 
 # ---- 1. the mHC layer (V4 §2.2) ------------------------------------------------------------------
@@ -74,14 +66,9 @@ class Config:
 
 def sinkhorn_knopp(logits, iters=20, eps=EPS):
     """Project exp(logits) onto the doubly stochastic matrices. logits [..., n, n] -> [..., n, n].
-
-    B acts as X' = B X. V4 fixes the order, and so does this (the oracle test compares bits):
-    round 1 is a softmax down each column (exp without overflow) + eps, then a row normalisation;
-    rounds 2..iters normalise columns, then rows; every sum gets + eps (a column that underflows
-    to 0 at logits of +-60 would otherwise divide 0 by 0). Ending on rows makes each output lane a
-    convex combination of input lanes. (V4 keeps comb = B^T and applies comb^T X: its softmax over
-    comb's last axis is this softmax down B's columns.)
-    """
+    V4's order: a softmax down each column + eps, then rows, then iters - 1 rounds of columns and
+    rows, every sum + eps (at logits of +-60 a column underflows to 0). Ending on rows makes each
+    output lane a convex combination of input lanes."""
     # hint: start from a softmax over dim=-2 plus eps; divide by (sum + eps) each time
     ### BEGIN SOLUTION
     matrix = torch.softmax(logits, dim=-2) + eps  # round 1's column step
@@ -94,25 +81,18 @@ def sinkhorn_knopp(logits, iters=20, eps=EPS):
 
 
 def mixing_dtype(dtype):
-    """V4 computes A, B, C and the pre-mix in fp32 whatever the model's dtype (bf16 sums of n*C
-    squares lose the coefficients); float64 stays float64 so tests can check to 1e-12."""
+    """A, B, C and the pre-mix in fp32 (or float64) whatever the model's dtype, as V4."""
     return torch.promote_types(dtype, torch.float32)
 
 
 def lane_init_bias(n):
-    """S with sigmoid(S) = 1/n for n >= 2: A X and the head start as the lanes' mean. At n = 1 no
-    finite S gives sigmoid(S) = 1; S = 0 gives 1/2, V4's own init at every n."""
+    """S with sigmoid(S) = 1/n: A X and the head start as the lanes' mean (at n = 1, S = 0)."""
     return torch.full((n,), -math.log(n - 1) if n > 1 else 0.0)
 
 
 class HyperConnection(nn.Module):
-    """One layer's parameters of A [..., n], B [..., n, n], C [..., n], made from X [..., n, C].
-
-    One projection of width n + n + n^2 from the RMS-normalised flattened stream (no norm weight,
-    as V4), static biases S plus gated dynamic terms alpha * (x W). proj's columns are
-    [W_pre | W_post | W_res], W_res row-major in B's layout (V4 stores comb = B^T). At init A is
-    1/n per lane (1/2 at n = 1: lane_init_bias) plus eps, C is 1 and B near the identity.
-    """
+    """One layer's A [..., n], B [..., n, n], C [..., n] from X [..., n, C]: biases S plus gated
+    alpha * (x_hat W). proj's columns are [W_pre | W_post | W_res], W_res row-major as B."""
 
     def __init__(self, n, dim, gate_init=0.01):
         super().__init__()
@@ -127,19 +107,15 @@ class HyperConnection(nn.Module):
 
     def check_stream(self, stream):
         if stream.dim() < 2 or stream.shape[-2] != self.n or stream.shape[-1] != self.dim:
-            raise ValueError(
-                f"mHC stream must have shape [..., n_hc={self.n}, dim={self.dim}], got "
-                f"{tuple(stream.shape)}: expand the embedding into n_hc lanes once "
-                f"(Transformer.embed_stream) and keep that shape between layers"
-            )
+            raise ValueError(f"mHC stream must have shape [..., n_hc={self.n}, dim={self.dim}], "
+                             f"got {tuple(stream.shape)}: expand the embedding into n_hc lanes "
+                             "once (Transformer.embed_stream)")  # fmt: skip
 
 
 def mhc_coefficients(stream, hc, iters=20):
-    """stream [..., n, C] -> (A [..., n], B [..., n, n], C [..., n]) in mixing_dtype, by autograd.
-
-    x_hat = RMSNorm(vec X); [pre | post | res] = x_hat W; A = sigmoid(a_pre pre + S_pre) + eps,
-    C = 2 sigmoid(a_post post + S_post), B = sinkhorn_knopp(a_res res (n x n) + S_res).
-    """
+    """stream [..., n, C] -> (A [..., n], B [..., n, n], C [..., n]) in mixing_dtype, by autograd:
+    [pre | post | res] = RMSNorm(vec X) W; A = sigmoid(a_pre pre + S_pre) + eps,
+    C = 2 sigmoid(a_post post + S_post), B = sinkhorn_knopp(a_res res (n x n) + S_res)."""
     n = hc.n
     # hint: x_hat = RMSNorm(vec(X)); one projection; split n, n, n*n; A gets + EPS (as V4)
     ### BEGIN SOLUTION
@@ -156,24 +132,17 @@ def mhc_coefficients(stream, hc, iters=20):
 
 
 def mhc_layer_reference(stream, sublayer, hc, iters=20):
-    """The plain autograd mHC layer: X [..., n, C] -> B X + C F(A X)  [..., n, C].
-
-    Pre-mix in fp32, post-mix in the stream's dtype with B and C cast to it, as V4 (the n-lane
-    stream stays in the model dtype). Every other path is tested against this one.
-    """
+    """The plain autograd mHC layer, X [..., n, C] -> B X + C F(A X): every other path is tested
+    against it. Pre-mix in fp32, post-mix in the stream's dtype, as V4."""
     hc.check_stream(stream)
     a, b, c = mhc_coefficients(stream, hc, iters)
-    h = torch.einsum("...n,...nc->...c", a, stream.to(a.dtype)).to(stream.dtype)
-    f = sublayer(h)
+    f = sublayer(torch.einsum("...n,...nc->...c", a, stream.to(a.dtype)).to(stream.dtype))
     b, c = b.to(stream.dtype), c.to(stream.dtype)
     return torch.einsum("...ij,...jc->...ic", b, stream) + c.unsqueeze(-1) * f.unsqueeze(-2)
 
 
 class HyperHead(nn.Module):
-    """The lanes' one collapse before the final norm and LM head (V4's HyperHead):
-    X [..., n, C] -> sum_i w_i X_i [..., C], w = sigmoid(alpha x_hat W + S) + eps. At alpha = 0
-    and its init S it is the lanes' mean times (1 + n eps) for n >= 2, and 0.5 (1 + 2 eps) X at
-    n = 1 (lane_init_bias)."""
+    """V4's HyperHead: X [..., n, C] -> sum_i w_i X_i, w = sigmoid(alpha x_hat W + S) + eps."""
 
     def __init__(self, n, dim, gate_init=0.01):
         super().__init__()
@@ -186,33 +155,29 @@ class HyperHead(nn.Module):
         dtype = mixing_dtype(stream.dtype)
         flat = stream.flatten(-2).to(dtype)  # [..., nC]
         x_hat = flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + EPS)
-        weights = torch.sigmoid(
-            x_hat @ self.proj.to(dtype) * self.gate.to(dtype) + self.bias.to(dtype)
-        )
-        return ((weights + EPS).unsqueeze(-1) * stream.to(dtype)).sum(-2).to(stream.dtype)
+        z = x_hat @ self.proj.to(dtype) * self.gate.to(dtype) + self.bias.to(dtype)
+        return ((torch.sigmoid(z) + EPS).unsqueeze(-1) * stream.to(dtype)).sum(-2).to(stream.dtype)
 
 
 # ---- 2. fused lane mixing ------------------------------------------------------------------------
-# Each operation as a pure forward and a pure backward: what one kernel reads, computes and writes,
-# no autograd inside. Section 3 runs them; compiled/mhc_compiled.py hands the very same functions
-# to torch.compile, which fuses each into a few loops over the lanes.
+# Each operation a pure forward and a pure backward, no autograd inside: what one kernel reads,
+# computes and writes; section 3 runs them. compiled/mhc_compiled.py hands these same functions to
+# torch.compile, which fuses each into a few loops over the lanes: pure functions with their
+# backward written out have nothing to save or partition, and one graph serves every layer.
 
 
 def lanes_matmul(m, x):
-    """m [..., p, q] @ x [..., q, r]: the mixing's small per-token products (compiled/ swaps in a
-    form Inductor fuses with the elementwise work around it)."""
+    """m [..., p, q] @ x [..., q, r], the small per-token products (compiled/ swaps in its own)."""
     return m @ x
 
 
 def norm_then_project(x, weight):
-    """RMSNorm(x) W as (x W) * r, r = 1/rms(x): x [..., D], W [D, k] -> (x W [..., k], r [..., 1]).
-    The division moves after the matmul (mHC paper §4): the normalised stream is never written."""
+    """RMSNorm(x) W as (x W) r, r = 1/rms(x): x [..., D] -> (x W, r); x / rms is never written."""
     return x @ weight, torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
 
 
 def norm_then_project_backward(grad, x, weight, projected, inv_rms):
-    """Gradients of y = (x W) r for dy [..., k] -> (dx [..., D], dW [D, k]):
-    dx = (dy r) W^T - (sum(dy * xW) r^3 / D) x, nothing n*C-sized kept."""
+    """Of y = (x W) r: dy [..., k] -> (dx = (dy r) W^T - (sum(dy * xW) r^3 / D) x, dW [D, k])."""
     scaled = grad * inv_rms  # [..., k]
     grad_weight = (scaled.reshape(-1, scaled.shape[-1]).T @ x.reshape(-1, x.shape[-1])).T
     through_rms = (grad * projected).sum(-1, keepdim=True) * inv_rms.pow(3) / x.shape[-1]
@@ -220,12 +185,8 @@ def norm_then_project_backward(grad, x, weight, projected, inv_rms):
 
 
 def sinkhorn_backward(logits, grad, iters=20, eps=EPS):
-    """d loss / d logits of sinkhorn_knopp(logits, iters), given dB [..., n, n].
-
-    Replays the normalisations (n x n per token: tiny) and walks them backwards, where autograd
-    would keep every intermediate. One step Y = M / s, s = sum(M) + eps along an axis:
-    dM = (dY - sum(dY * Y)) / s along that axis; the softmax's is s (g - sum(g s)) down columns.
-    """
+    """d logits of sinkhorn_knopp given dB [..., n, n]: replay its steps, walk them back. For
+    Y = M / s, s = sum(M) + eps: dM = (dY - sum(dY Y)) / s; the softmax's: s (g - sum(g s))."""
     soft = torch.softmax(logits, dim=-2)
     matrix, steps = soft + eps, []
     for dim in [-1] + [-2, -1] * (iters - 1):  # sinkhorn_knopp's order: rows, cols, rows, ...
@@ -248,8 +209,7 @@ def pre_mix_backward(grad_h, a, stream):
 
 
 def post_mix(b, stream, c, f):
-    """X' = B X + C f: B [..., n, n], X [..., n, C], C [..., n], f [..., C] -> X' [..., n, C].
-    One output, no B X or C f temporaries: reads (n+1)C, writes nC (mHC paper §4: not 3nC)."""
+    """X' = B X + C f [..., n, C] in one output, no B X or C f temporaries (mHC paper §4)."""
     return lanes_matmul(b, stream).addcmul_(c.unsqueeze(-1), f.unsqueeze(-2))
 
 
@@ -266,11 +226,8 @@ def post_mix_backward(grad_out, b, stream, c, f):
 
 
 def mix_in(stream, params, iters):
-    """One layer's coefficients and pre-mix, forward only: X [..., n, C] -> (h = A X, kept).
-
-    params: hc_params(hc). kept = (A, B, C, x W [..., 2n + n^2], 1/rms [..., 1]): 2n^2 + 4n + 1
-    numbers per token, all backward needs besides X. mhc_coefficients' math and dtypes.
-    """
+    """mhc_coefficients and the pre-mix, forward only: X [..., n, C] -> (h = A X, kept). params:
+    hc_params(hc). kept = (A, B, C, x W, 1/rms): all backward needs besides X, per token."""
     proj, gate, bias_pre, bias_post, bias_res = (p.to(mixing_dtype(stream.dtype)) for p in params)
     n, x = stream.shape[-2], stream.to(proj.dtype)
     projected, inv_rms = norm_then_project(x.flatten(-2), proj)
@@ -283,24 +240,18 @@ def mix_in(stream, params, iters):
 
 def mix_out(stream, kept, f):
     """Post-mix + merge in X's dtype (B, C cast to it, as V4): X [..., n, C], f [..., C] -> X'."""
-    _, b, c, _, _ = kept
-    return post_mix(b.to(stream.dtype), stream, c.to(stream.dtype), f)
+    return post_mix(kept[1].to(stream.dtype), stream, kept[2].to(stream.dtype), f)
 
 
 def mix_out_backward(grad_out, stream, kept, f):
     """Backward of mix_out: dX' -> (dB, dX, dC, df), dB and dC in the mixing dtype."""
-    _, b, c, _, _ = kept
-    sd = stream.dtype
+    (_, b, c, _, _), sd = kept, stream.dtype
     grad_b, grad_x, grad_c, grad_f = post_mix_backward(grad_out, b.to(sd), stream, c.to(sd), f)
     return grad_b.to(b.dtype), grad_x, grad_c.to(c.dtype), grad_f
 
 
 def mix_in_backward(grad_h, grad_b, grad_c, grad_x_post, stream, kept, params, iters):
-    """Backward of mix_in, plus the post-mix's dX: -> (dX [..., n, C], grads of params).
-
-    Pre-mix, then the gates (A = sigmoid + eps, C = 2 sigmoid, B by sinkhorn_backward), then the
-    projection with its norm. Every n*C-sized tensor read is X or a gradient.
-    """
+    """Backward of mix_in plus the post-mix's dX -> (dX [..., n, C], grads of params)."""
     a, b, c, projected, inv_rms = kept
     proj, gate, _, _, bias_res = (p.to(a.dtype) for p in params)
     n, x = stream.shape[-2], stream.to(a.dtype)
@@ -310,12 +261,9 @@ def mix_in_backward(grad_h, grad_b, grad_c, grad_x_post, stream, kept, params, i
     grad_pre = grad_a * (a - EPS) * (1 - (a - EPS))  # sigmoid' = s (1 - s)
     grad_post = grad_c * c * (1 - c / 2)  # (2 sigmoid)' = C (1 - C/2)
     grad_res = sinkhorn_backward(gate[2] * res + bias_res, grad_b, iters)
-    grad_logits = torch.cat(
-        [grad_pre * gate[0], grad_post * gate[1], (grad_res * gate[2]).flatten(-2)], dim=-1
-    )
-    grad_flat, grad_proj = norm_then_project_backward(
-        grad_logits, x.flatten(-2), proj, projected, inv_rms
-    )
+    grad_z = [grad_pre * gate[0], grad_post * gate[1], (grad_res * gate[2]).flatten(-2)]
+    grad_flat, grad_proj = norm_then_project_backward(torch.cat(grad_z, -1), x.flatten(-2), proj,
+                                                      projected, inv_rms)  # fmt: skip
     grad_x = grad_x + grad_flat.unflatten(-1, (n, -1)) + grad_x_post
     tokens = tuple(range(a.dim() - 1))
     pairs = ((grad_pre, pre), (grad_post, post), (grad_res, res))
@@ -325,8 +273,7 @@ def mix_in_backward(grad_h, grad_b, grad_c, grad_x_post, stream, kept, params, i
 
 
 def collapse(stream, params):
-    """HyperHead's collapse, forward only: X [..., n, C] -> (x [..., C], kept = (w, x W, 1/rms)).
-    params: hyper_head_params(head). The plain head would also keep the normalised stream."""
+    """HyperHead's forward alone: X [..., n, C] -> (x [..., C], kept = (w, x W, 1/rms))."""
     proj, gate, bias = (p.to(mixing_dtype(stream.dtype)) for p in params)
     x = stream.to(proj.dtype)
     projected, inv_rms = norm_then_project(x.flatten(-2), proj)
@@ -341,9 +288,8 @@ def collapse_backward(grad_out, stream, kept, params):
     x = stream.to(proj.dtype)
     grad_w, grad_x = pre_mix_backward(grad_out.to(proj.dtype), weights, x)
     grad_z = grad_w * (weights - EPS) * (1 - (weights - EPS))  # sigmoid' = s (1 - s)
-    grad_flat, grad_proj = norm_then_project_backward(
-        grad_z * gate, x.flatten(-2), proj, projected, inv_rms
-    )
+    grad_flat, grad_proj = norm_then_project_backward(grad_z * gate, x.flatten(-2), proj,
+                                                      projected, inv_rms)  # fmt: skip
     grad_gate = (grad_z * projected * inv_rms).sum().reshape(gate.shape)
     grad_bias = grad_z.reshape(-1, grad_z.shape[-1]).sum(0)
     grad_x = grad_x + grad_flat.unflatten(-1, grad_x.shape[-2:])
@@ -356,15 +302,11 @@ def collapse_backward(grad_out, stream, kept, params):
 
 class RecomputedBlock(torch.autograd.Function):
     """Run layers X_0 -> X_L keeping only X_0 [..., n, C], each F output f [..., C] and each
-    layer's coefficients (mix_in's kept).
-
-    Forward: the mixing without autograd (kernels: this module, or compiled ones); each F runs once
-    with grad on a detached leaf input, so F's own graph stays. Backward: rebuild X_1..X_{L-1}
-    from X_0 with the post-mix alone (no projection, Sinkhorn or F), then walk the layers back:
-    post-mix backward -> F's kept graph -> pre-mix, Sinkhorn and coefficient backward. F's
-    parameter grads go to .grad directly (as reentrant checkpointing: use loss.backward()).
-    head (the HyperHead, last block only): return its collapse [..., C], rebuild X_L too.
-    """
+    layer's coefficients (mix_in's kept). Forward: the mixing without autograd (kernels: this
+    module's, or compiled ones); each F once, with grad, on a detached leaf input, so F's graph
+    stays. Backward: rebuild X_1..X_{L-1} with the post-mix alone, then per layer: post-mix
+    backward, F's kept graph (its .grad filled directly: use loss.backward()), mix_in's backward.
+    head (the last block's HyperHead): return its collapse [..., C], rebuild X_L too."""
 
     @staticmethod
     def forward(ctx, stream_in, layers, iters, kernels, head, *params):
@@ -382,13 +324,8 @@ class RecomputedBlock(torch.autograd.Function):
             kept.extend(head_kept)
         # f also through save_for_backward, so saved-tensor hooks (and memory tools) see it
         ctx.save_for_backward(stream_in, *[f.detach() for _, f in graph], *kept)
-        ctx.layers, ctx.graph, ctx.iters, ctx.kernels, ctx.head = (
-            layers,
-            graph,
-            iters,
-            kernels,
-            head,
-        )
+        ctx.layers, ctx.graph, ctx.head = layers, graph, head
+        ctx.iters, ctx.kernels = iters, kernels
         return stream
 
     @staticmethod
@@ -435,8 +372,7 @@ def head_params(head):  # the HyperHead's, in the order collapse and its backwar
 
 
 def run_recomputed_block(stream, layers, iters=20, kernels=None, head=None):
-    """Apply [(sublayer, hc), ...] to X [..., n, C] by RecomputedBlock; with a head (the last
-    block) -> its collapse [..., C]. kernels: this module's functions unless given."""
+    """[(sublayer, hc), ...] on X [..., n, C] by RecomputedBlock (-> [..., C] with a head)."""
     kernels = kernels or sys.modules[__name__]
     for _, hc in layers:
         hc.check_stream(stream)
@@ -447,15 +383,13 @@ def run_recomputed_block(stream, layers, iters=20, kernels=None, head=None):
         return stream if head is None else kernels.collapse(stream, head_params(head))[0]
     if not stream.requires_grad:  # backward must still run, to fill the parameters' grads
         stream = stream.detach().requires_grad_()
-    params = [p for _, hc in layers for p in hc_params(hc)] + list(
-        head_params(head) if head else []
-    )
+    params = [p for _, hc in layers for p in hc_params(hc)]
+    params += head_params(head) if head else ()
     return RecomputedBlock.apply(stream, list(layers), iters, kernels, head, *params)
 
 
 def recompute_blocks(start, end, block):
-    """Layers [start, end) of one stage in blocks of at most `block`: [(first, stop), ...]. None
-    crosses a stage boundary: a block's input must live on the stage that replays it."""
+    """Layers [start, end) of one stage in blocks of at most `block`: [(first, stop), ...]."""
     if block < 1:
         raise ValueError(f"recompute block L_r must be >= 1 layer, got {block}")
     return [(first, min(first + block, end)) for first in range(start, end, block)]
@@ -468,20 +402,12 @@ def default_recompute_block(n, n_layers):
 
 
 def run_recomputed_layers(stream, layers, block, iters=20, kernels=None, head=None):
-    """One stage's [(sublayer, hc), ...] in recompute blocks of at most `block` layers (L_r); a
-    head is folded into the last block (-> [..., C])."""
+    """One stage's [(sublayer, hc), ...] in blocks of L_r = `block`, a head in the last one."""
     blocks = recompute_blocks(0, len(layers), block)
     for first, stop in blocks:
         last = head if stop == len(layers) else None
         stream = run_recomputed_block(stream, layers[first:stop], iters, kernels, last)
     return head(stream) if head is not None and not blocks else stream
-
-
-# Compiled (compiled/mhc_compiled.py): eagerly each kernel is still a string of ops plus Python
-# dispatch; torch.compile fuses each into a few loops. It compiles the six kernels, not a layer or
-# a block: pure functions with their backward written out are inference graphs (nothing saved,
-# nothing for AOTAutograd to partition) that serve every layer of a shape, while F, which must keep
-# its own autograd graph, is compiled on its own; RecomputedBlock's bookkeeping stays in Python.
 
 
 # ---- 4. pipeline parallelism: 1F1B ---------------------------------------------------------------
@@ -490,25 +416,19 @@ def run_recomputed_layers(stream, layers, block, iters=20, kernels=None, head=No
 def stage_layers(n_layers, n_stages, stage):
     """Layers [first, stop) held by `stage` of `n_stages`: an equal contiguous share."""
     if n_stages < 1 or n_stages > n_layers or n_layers % n_stages:
-        raise ValueError(
-            f"{n_stages} pipeline stages cannot split {n_layers} layers evenly: use a stage "
-            f"count that divides n_layers and is at most n_layers"
-        )
+        raise ValueError(f"{n_stages} pipeline stages cannot split {n_layers} layers evenly: use "
+                         "a stage count that divides n_layers and is at most n_layers")  # fmt: skip
     return stage * (n_layers // n_stages), (stage + 1) * (n_layers // n_stages)
 
 
 def one_f_one_b(n_stages, stage, n_micro):
     """The order in which `stage` runs forwards and backwards: [('F', i) | ('B', i), ...].
-
     Warm-up: n_stages - stage - 1 forwards fill the pipe; the steady state alternates one forward
-    then one backward; the cool-down drains the last backwards. A stage never holds more than
-    n_stages - stage micro-batches' activations (GPipe would hold all n_micro).
-    """
+    and one backward; the cool-down drains the rest. A stage holds at most n_stages - stage
+    micro-batches' activations (GPipe would hold all n_micro)."""
     if n_micro < n_stages:
-        raise ValueError(
-            f"1F1B needs at least as many micro-batches as stages: n_micro={n_micro} < "
-            f"n_stages={n_stages}; raise n_micro or use fewer stages"
-        )
+        raise ValueError(f"1F1B needs at least as many micro-batches as stages: n_micro={n_micro}"
+                         f" < n_stages={n_stages}; raise n_micro or use fewer stages")  # fmt: skip
     # hint: how many forwards must a stage run before its first backward can arrive?
     ### BEGIN SOLUTION
     warmup = min(n_stages - stage - 1, n_micro)
@@ -521,16 +441,10 @@ def one_f_one_b(n_stages, stage, n_micro):
 
 
 @dataclass
-class PipelineStats:
-    """What one stage measured in one pipeline_step."""
-
+class PipelineStats:  # what one stage measured in one pipeline_step
     bytes_sent_forward: int = 0  # activations sent to the next stage
     bytes_sent_backward: int = 0  # gradients sent to the previous stage
     wait_s: float = 0.0  # blocked on receives: the bubble plus transfer that was not hidden
-    compute_s: float = 0.0  # this stage's forward and backward compute
-
-
-_GROUPS = weakref.WeakKeyDictionary()  # default group -> {"forward": group, "backward": group}
 
 
 def pipeline_groups():
@@ -538,6 +452,10 @@ def pipeline_groups():
     if dist.group.WORLD not in _GROUPS:
         _GROUPS[dist.group.WORLD] = {"forward": dist.new_group(), "backward": dist.new_group()}
     return _GROUPS[dist.group.WORLD]
+
+
+def pipeline_rank(group=None):
+    return (dist.get_world_size(group), dist.get_rank(group)) if dist.is_initialized() else (1, 0)
 
 
 def clock(device):
@@ -548,21 +466,17 @@ def clock(device):
 
 
 class StageLinks:
-    """One stage's sends and receives of streams [B/n_micro, T, (n,) C].
-
-    NCCL runs the sends and receives between two ranks in issue order on one stream, ignores tags
-    and does not buffer sends. Activations ("forward") go on one group and gradients ("backward")
-    on another, so every (group, neighbour) link carries data one way, in micro-batch order: no
-    issue order can deadlock. overlap=True posts each receive one micro-batch ahead.
-    """
+    """One stage's sends and receives of streams [B/n_micro, T, (n,) C]. NCCL runs a rank pair's
+    transfers in issue order and does not buffer sends, so activations and gradients each get a
+    group, groups = {"forward": g, "backward": g} (group ranks = stages; default: the world): each
+    link carries data one way in micro-batch order, and no issue order can deadlock."""
 
     def __init__(self, stage, world, n_micro, shape, like, overlap, groups=None):
-        # groups: {"forward": g, "backward": g}, group ranks = stages (default: over the world)
         self.groups = groups or (pipeline_groups() if world > 1 else {})
         self.stage, self.n_micro, self.shape, self.like, self.overlap = (
             stage, n_micro, shape, like, overlap)  # fmt: skip
         self.pending, self.sends, self.stats = {}, [], PipelineStats()
-        if overlap and stage > 0:
+        if overlap and stage > 0:  # overlap: each receive posted one micro-batch ahead
             self.post_recv("forward", 0)
         if overlap and stage < world - 1:
             self.post_recv("backward", 0)
@@ -592,9 +506,7 @@ class StageLinks:
         work = dist.isend(tensor, group=self.groups[direction], group_dst=peer)
         self.sends.append((work, tensor))  # keep the tensor alive until the send is done
         field = f"bytes_sent_{direction}"
-        setattr(
-            self.stats, field, getattr(self.stats, field) + tensor.numel() * tensor.element_size()
-        )
+        setattr(self.stats, field, getattr(self.stats, field) + tensor.nbytes)
 
     def finish(self):
         for work, _ in self.sends:
@@ -605,19 +517,12 @@ class StageLinks:
 def pipeline_step(
     model, idx, targets, n_micro, variant="fused", block=None, overlap=True, groups=None
 ):
-    """One training step's forward and backward over the pipeline stages.
-
-    idx, targets [B, T], the same on every rank (stage 0 reads idx, the last stage targets: the
-    guard compares their digest). variant, block: as Transformer.run_layers, per stage. Fills
-    .grad of this stage's parameters (the mean loss over the batch, as one process would) and
-    returns (loss on the last stage else None, PipelineStats). overlap=False is the baseline that
-    hides nothing: each receive is posted when its data is needed and waited at once. groups:
-    StageLinks' two links (default: over the world; a device mesh passes its pipeline dimension).
-    """
+    """One training step's forward and backward over the pipeline stages. idx, targets [B, T]:
+    the same on every rank; variant, block: as Transformer.run_layers. Fills this stage's .grad for
+    the batch's mean loss; -> (loss on the last stage else None, PipelineStats). overlap=False
+    posts each receive only when needed. groups: StageLinks' (a device mesh's pipeline links)."""
     group = groups["forward"] if groups else None  # the pipeline's ranks (default: the world)
-    world, stage = (
-        (dist.get_world_size(group), dist.get_rank(group)) if dist.is_initialized() else (1, 0)
-    )
+    world, stage = pipeline_rank(group)
     check_pipeline_step(model, idx, targets, n_micro, variant, block, overlap, group)
     # hint: forward(i) and backward(i) each receive, compute, send; then run the phases in order
     ### BEGIN SOLUTION
@@ -627,28 +532,23 @@ def pipeline_step(
     links = StageLinks(stage, world, n_micro, shape, model.embed.weight, overlap, groups)
     idx_micro, tgt_micro = idx.chunk(n_micro), targets.chunk(n_micro)
     held_in, held_out, losses, last = {}, {}, [], stage == world - 1
-    device = model.embed.weight.device
 
     def forward(i):
         if stage == 0:
             stream = model.embed_stream(idx_micro[i])
         else:
             stream = links.recv("forward", i).requires_grad_()
-        began = clock(device)
         out = model.run_layers(stream, first, stop, variant, block, final=last)
         if last:
             out = model.head_loss(out, tgt_micro[i]) / n_micro
             losses.append(out.detach())
-        links.stats.compute_s += clock(device) - began
         held_in[i], held_out[i] = stream, out
         if not last:
             links.send("forward", out)
 
     def backward(i):
         grad = None if last else links.recv("backward", i)
-        began = clock(device)
         held_out.pop(i).backward(grad)
-        links.stats.compute_s += clock(device) - began
         stream = held_in.pop(i)
         if stage > 0:
             links.send("backward", stream.grad)
@@ -666,18 +566,12 @@ def pipeline_step(
 # ---- the small transformer -----------------------------------------------------------------------
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(nn.RMSNorm):  # torch's, with V4's eps
     def __init__(self, dim):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * self.weight
+        super().__init__(dim, eps=EPS)
 
 
-class Attention(nn.Module):
-    """F for an attention layer: causal self-attention on its RMSNorm'd input. [B, T, C] -> same"""
-
+class Attention(nn.Module):  # F of an attention layer: causal self-attention, [B, T, C] -> same
     def __init__(self, cfg):
         super().__init__()
         self.n_heads, self.norm = cfg.n_heads, RMSNorm(cfg.dim)
@@ -691,9 +585,7 @@ class Attention(nn.Module):
         return self.out(y.transpose(1, 2).flatten(-2))
 
 
-class MLP(nn.Module):
-    """F for an MLP layer: GELU MLP (4x) on its own RMSNorm'd input. [B, T, C] -> [B, T, C]."""
-
+class MLP(nn.Module):  # F of an MLP layer: a 4x GELU MLP, [B, T, C] -> same
     def __init__(self, cfg):
         super().__init__()
         self.norm = RMSNorm(cfg.dim)
@@ -705,12 +597,8 @@ class MLP(nn.Module):
 
 
 class Transformer(nn.Module):
-    """A pre-norm transformer of alternating attention and MLP sublayers F.
-
-    hyper=True: each layer an mHC layer; the embedding is copied into n lanes once (embed_stream)
-    and collapsed once by the learned HyperHead (hyper_head) before the final norm and the LM head
-    (lm_head), as in V4. hyper=False: the plain residual x' = x + F(x) with the same F modules.
-    """
+    """Pre-norm attention and MLP sublayers F, alternating. hyper: each an mHC layer, the lanes
+    made once from the embedding and collapsed once by hyper_head, as V4; else x' = x + F(x)."""
 
     def __init__(self, cfg, hyper=True):
         super().__init__()
@@ -732,42 +620,30 @@ class Transformer(nn.Module):
         return (batch, self.cfg.seq_len, *((self.cfg.n_hc,) if self.hyper else ()), self.cfg.dim)
 
     def embed_stream(self, idx):
-        """idx [B, T] -> the stream [B, T, n, C]: the embedding in n lanes, as a stride-0 view (the
-        first recompute block then keeps C numbers per token for its input, not n*C)."""
+        """idx [B, T] -> [B, T, n, C], n stride-0 copies (a first block keeps C, not nC)."""
         x = self.embed(idx)  # (B, T, C)
-        return (
-            x.unsqueeze(-2).expand(*x.shape[:-1], self.cfg.n_hc, x.shape[-1]) if self.hyper else x
-        )
+        return x.unsqueeze(-2).expand(*x.shape[:-1], self.cfg.n_hc, -1) if self.hyper else x
 
     def run_layers(self, stream, start, end, variant="naive", block=None, final=False):
-        """Apply layers [start, end). variant (mHC models; VARIANTS):
-          "naive"      the plain autograd layer, mhc_layer_reference: every intermediate kept;
-          "fused"      section 2's kernels, each layer one autograd op (a block of one layer);
-          "optimised"  the same in recompute blocks of `block` = L_r layers (default:
-                       default_recompute_block of these layers), cut within [start, end).
-        final (the last stage): end with the lanes collapsed by the HyperHead, [B, T, C]; fused
-        and optimised fold it into their last block."""
+        """Layers [start, end) as one of VARIANTS: "naive" the plain autograd layer, "fused" each
+        layer one RecomputedBlock, "optimised" blocks of `block` = L_r (default_recompute_block).
+        final (the last stage): end with the lanes collapsed by hyper_head -> [B, T, C]."""
         check_variant(variant, block)
         if not self.hyper:
             for sublayer in self.sublayers[start:end]:
                 stream = stream + sublayer(stream)  # x' = x + F(x)
             return stream
-        iters, head = self.cfg.sinkhorn_iters, self.hyper_head if final else None
+        cfg, head = self.cfg, self.hyper_head if final else None
         layers = list(zip(self.sublayers[start:end], self.hcs[start:end]))
         if variant == "naive":
             for sublayer, hc in layers:
-                stream = mhc_layer_reference(stream, sublayer, hc, iters)  # X' = B X + C F(A X)
-            return head(stream) if final else stream
-        block = (
-            1
-            if variant == "fused"
-            else block or default_recompute_block(self.cfg.n_hc, end - start)
-        )
-        return run_recomputed_layers(stream, layers, block, iters, None, head)
+                stream = mhc_layer_reference(stream, sublayer, hc, cfg.sinkhorn_iters)
+            return head(stream) if final else stream  # X' = B X + C F(A X), every layer
+        block = 1 if variant == "fused" else block or default_recompute_block(cfg.n_hc, end - start)
+        return run_recomputed_layers(stream, layers, block, cfg.sinkhorn_iters, None, head)
 
     def head_loss(self, stream, targets):
-        """The HyperHead's collapse unless run_layers(final=True) did it ([B, T, C] in), then the
-        final norm, the LM head and cross-entropy -> loss."""
+        """The HyperHead (unless run_layers(final=True) ran it), norm, LM head, cross-entropy."""
         x = self.hyper_head(stream) if self.hyper and stream.dim() == 4 else stream
         return F.cross_entropy(self.lm_head(self.norm(x)).flatten(0, -2), targets.flatten())
 
@@ -780,7 +656,6 @@ class Transformer(nn.Module):
 
 
 def check_config(cfg):
-    """One clear ValueError per impossible Config field."""
     for name in ("vocab_size", "seq_len", "dim", "n_heads", "n_layers", "n_hc", "sinkhorn_iters"):
         value = getattr(cfg, name)
         if not isinstance(value, int) or value < 1:
@@ -799,18 +674,15 @@ def check_variant(variant, block):
                          f"None), got block={block!r} with variant {variant!r}")  # fmt: skip
 
 
-def validate_pipeline_inputs(model, idx, targets, n_micro, variant, block, world, stage):
-    """Raise the clear ValueError for this rank's bad input (run before any collective)."""
-    cfg, got = (
-        model.cfg,
-        f"got {tuple(idx.shape)} {idx.dtype} and {tuple(targets.shape)} {targets.dtype}",
-    )
+def validate_pipeline_inputs(model, idx, targets, n_micro, variant, block, group):
+    (world, stage), cfg, device = pipeline_rank(group), model.cfg, model.embed.weight.device
+    got = f"got {tuple(idx.shape)} {idx.dtype} and {tuple(targets.shape)} {targets.dtype}"
     if idx.shape != targets.shape or idx.dim() != 2 or idx.shape[1] != cfg.seq_len:
         raise ValueError(f"idx and targets must both be [batch, seq_len={cfg.seq_len}], {got}")
     if idx.dtype != torch.long or targets.dtype != torch.long:
         raise ValueError(f"idx and targets must be int64 token ids, {got}")
-    if idx.device != model.embed.weight.device:
-        raise ValueError(f"idx is on {idx.device} but the model on {model.embed.weight.device}")
+    if idx.device != device:
+        raise ValueError(f"idx is on {idx.device} but the model on {device}")
     if not isinstance(n_micro, int) or n_micro < 1 or idx.shape[0] % n_micro:
         raise ValueError(f"batch {idx.shape[0]} does not split into n_micro={n_micro} equal "
                          "micro-batches")  # fmt: skip
@@ -819,33 +691,20 @@ def validate_pipeline_inputs(model, idx, targets, n_micro, variant, block, world
     one_f_one_b(world, stage, n_micro)
 
 
-_GUARDED = weakref.WeakSet()  # models whose initial parameters the guard has compared
-
-
 def check_pipeline_step(model, idx, targets, n_micro, variant, block, overlap, group):
-    """This rank's validation, then launch.agree on everything the stages share: the batch itself
-    (a digest: stage 0 embeds idx, the last stage scores targets) and, on a model's first step,
-    its initial parameters (every stage builds the whole model from one seed)."""
-    world, stage = (
-        (dist.get_world_size(group), dist.get_rank(group)) if dist.is_initialized() else (1, 0)
-    )
+    """This rank's validation, then launch.agree on what the stages share: the batch's digest and,
+    on a model's first step, its initial parameters (every stage builds the model from one seed)."""
     error = None
     try:
-        validate_pipeline_inputs(model, idx, targets, n_micro, variant, block, world, stage)
+        validate_pipeline_inputs(model, idx, targets, n_micro, variant, block, group)
     except ValueError as e:
         error = str(e)
-    fields = {
-        "config": asdict(model.cfg),
-        "hyper": model.hyper,
-        "parameter dtype": str(model.embed.weight.dtype),
-        "idx shape": tuple(idx.shape),
-        "targets shape": tuple(targets.shape),
-        "batch (sha256 of idx, targets)": launch.weights_digest([("i", idx), ("t", targets)]),
-        "n_micro": n_micro,
-        "variant": variant,
-        "block (L_r)": block,
-        "overlap": bool(overlap),
-    }
+    batch = launch.weights_digest([("i", idx), ("t", targets)])
+    fields = {"config": asdict(model.cfg), "hyper": model.hyper,
+              "parameter dtype": str(model.embed.weight.dtype), "idx shape": tuple(idx.shape),
+              "targets shape": tuple(targets.shape), "batch (sha256 of idx, targets)": batch,
+              "n_micro": n_micro, "variant": variant, "block (L_r)": block,
+              "overlap": bool(overlap)}  # fmt: skip
     if model not in _GUARDED:
         fields["initial parameters (sha256)"] = launch.weights_digest(model.named_parameters())
     launch.agree(fields, error, group)
@@ -853,19 +712,16 @@ def check_pipeline_step(model, idx, targets, n_micro, variant, block, overlap, g
 
 
 def saved_activation_bytes(model, run):
-    """Bytes of distinct storages autograd holds for backward while run() builds the graph
-    (parameters excluded). -> (run's result, bytes)."""
+    """(run(), bytes of the distinct non-parameter storages autograd saves for backward in it)"""
     params, seen = {p.untyped_storage().data_ptr() for p in model.parameters()}, {}
 
     def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = run()
-    return out, sum(seen.values())
+    return out, sum(size for ptr, size in seen.items() if ptr not in params)
 
 
 def synthetic_batch(cfg, batch, generator, device):
@@ -875,125 +731,68 @@ def synthetic_batch(cfg, batch, generator, device):
     return ((start + stride * torch.arange(cfg.seq_len + 1)) % cfg.vocab_size).to(device)
 
 
-def compare_in_one_process(cfg, args, device):
-    """Residual vs naive vs optimised mHC, each trained a few steps in this process."""
-    l_r = default_recompute_block(cfg.n_hc, cfg.n_layers)
-    print(f"optimised = fused mixing + selective recomputation (L_r = {l_r}); memory = bytes saved "
-          f"for backward; step time = median of {args.steps} steps\n")  # fmt: skip
-    print(f"{'variant':<10} {'loss start':>10} {'loss end':>9} {'saved act MiB':>14} "
-          f"{'step ms':>9} {'F calls/step':>13}")  # fmt: skip
-    base, began = None, time.perf_counter()
-    for name in ("residual", "naive", "optimised"):
+def demo(args, rank, world, device):
+    """Residual, naive and optimised mHC, one seed, each a 1F1B pipeline over the ranks."""
+    cfg = Config(seq_len=args.seq_len, dim=args.dim, n_layers=args.layers, n_heads=args.heads)
+    l_r, base = default_recompute_block(cfg.n_hc, cfg.n_layers // world), None
+    launch.say(f"mHC demo: {cfg.n_layers} layers, C={cfg.dim}, n_hc={cfg.n_hc}, T={cfg.seq_len}, "
+               f"{args.steps} steps, optimised = fused mixing + recomputation (L_r = {l_r})\npipe"
+               f"line: {world} stage(s), 1F1B over {args.micro} micro-batches of "
+               f"{args.batch // args.micro}, receives posted ahead")  # fmt: skip
+    for name, block in (("residual", None), ("naive", None), ("optimised", l_r)):
+        variant = "optimised" if block else "naive"
         torch.manual_seed(args.seed)
         model = Transformer(cfg, hyper=name != "residual").to(device)
-        opt, gen = torch.optim.AdamW(model.parameters(), lr=3e-3), torch.Generator()
-        gen.manual_seed(args.seed)
-        variant, block = ("optimised", l_r) if name == "optimised" else ("naive", None)
-        calls = [0]
-        for m in model.sublayers:
-            m.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-        losses, times = [], []
-        for _ in range(args.steps + 1):  # step 0 warms up allocators and caches: not timed
-            data = synthetic_batch(cfg, args.batch, gen, device)
-            t0 = clock(device)
-            run = lambda: model(data[:, :-1], data[:, 1:], variant, block)  # noqa: E731
-            loss, saved = saved_activation_bytes(model, run)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            times, losses = times + [clock(device) - t0], losses + [loss.item()]
-        mib, ms = saved / 2**20, 1e3 * sorted(times[1:])[args.steps // 2]
-        base = base or (mib, ms)
-        cells = f"{losses[0]:>10.4f} {losses[-1]:>9.4f} {mib:>14.2f} {ms:>9.1f}"
-        print(f"{name:<10} {cells} {calls[0] / (args.steps + 1):>13.0f}   (x{ms / base[1]:.2f} "
-              f"time, x{mib / base[0]:.2f} memory; {time.perf_counter() - began:.0f} s "
-              "elapsed)")  # fmt: skip
-
-
-def train_pipeline(cfg, args, rank, world, device):
-    """Residual then mHC (optimised) trained as a 1F1B pipeline over the ranks."""
-    launch.say(f"\npipeline: {world} stage(s), 1F1B over {args.micro} micro-batches of "
-               f"{args.batch // args.micro}, receives posted ahead")  # fmt: skip
-    l_r = default_recompute_block(cfg.n_hc, cfg.n_layers // world)
-    for hyper in (False, True):
-        torch.manual_seed(args.seed)
-        model = Transformer(cfg, hyper=hyper).to(device)
-        opt, gen = torch.optim.AdamW(model.parameters(), lr=3e-3), torch.Generator()
-        gen.manual_seed(args.seed + 1)
-        variant, block = ("optimised", l_r) if hyper else ("naive", None)
-        losses, waited, began = [], 0.0, time.perf_counter()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        gen, losses, waited = torch.Generator().manual_seed(args.seed), [], 0.0
+        began = time.perf_counter()
         for _ in range(args.steps):
             data = synthetic_batch(cfg, args.batch, gen, device)
-            loss, stats = pipeline_step(
-                model, data[:, :-1], data[:, 1:], args.micro, variant, block
-            )
+            idx, targets = data[:, :-1], data[:, 1:]
+            loss, stats = pipeline_step(model, idx, targets, args.micro, variant, block)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            waited, losses = waited + stats.wait_s, losses + ([] if loss is None else [loss.item()])
-        name, ms = "mHC" if hyper else "residual", 1e3 * (time.perf_counter() - began) / args.steps
+            waited, losses = waited + stats.wait_s, losses + [loss]  # loss: on the last stage
+        ms = 1e3 * (time.perf_counter() - began) / args.steps
+        base = base or ms
         if rank == world - 1:
-            print(f"  {name:<9} loss {losses[0]:.4f} -> {losses[-1]:.4f} (last stage), "
-                  f"{ms:.0f} ms per step", flush=True)  # fmt: skip
-        if world > 1:
-            dist.barrier()
-            launch.say(f"  {name:<9} sent per step across each stage boundary: "
-                       f"{stats.bytes_sent_forward / 2**20:.3f} MiB forward + the same backward; "
-                       f"stage 0 waited on receives {1e3 * waited / args.steps:.1f} of "
-                       f"{ms:.1f} ms per step")  # fmt: skip
-            dist.barrier()
+            row = (f"  {name:<9} loss {losses[0].item():.4f} -> {losses[-1].item():.4f} (last "
+                   f"stage), {ms:.0f} ms per step (x{ms / base:.2f})")  # fmt: skip
+            if world == 1:  # the whole model in this process: what autograd keeps for backward
+                kept = saved_activation_bytes(model, lambda: model(idx, targets, variant, block))[1]
+                row += f", {kept / 2**20:.2f} MiB saved for backward"
+            else:
+                row += (f"\n  {name:<9} sent per step across each stage boundary: "
+                        f"{stats.bytes_sent_backward / 2**20:.3f} MiB each way; the last stage "
+                        f"waited on receives {1e3 * waited / args.steps:.1f} ms")  # fmt: skip
+            print(row, flush=True)
+        dist.barrier()  # each row before what rank 0 prints next
+    launch.say("\nmixing bytes: benchmarks/bench_mhc.py --accounting; blocking receives: table 2")
 
 
 def parse_args(argv=None):
-    """Every option with its help; every value checked here, before any work, one line each."""
     world, count = int(os.environ.get("WORLD_SIZE", "1")), launch.at_least(1)
-    parser = argparse.ArgumentParser(
-        description="mHC demo: residual vs naive vs optimised mHC in one process, then the same "
-        "model as a 1F1B pipeline over the torchrun ranks, receives posted ahead."
-    )
+    parser = argparse.ArgumentParser(description="mHC: residual vs naive vs optimised, in 1F1B")
     add = parser.add_argument
     add("--dim", type=count, default=128, help="C, the width of one lane (128)")
-    add("--layers", type=count, default=12, help="sublayers, attention and MLP alternating; must "
-        "divide over the ranks (12 works at 1-4)")  # fmt: skip
-    add("--heads", type=count, default=None, help="attention heads; must divide --dim "
-        "(default dim // 32)")  # fmt: skip
+    add("--layers", type=count, default=12, help="sublayers; a multiple of the ranks (12)")
+    add("--heads", type=count, help="attention heads; must divide --dim (default dim // 32)")
     add("--seq-len", type=count, default=32, help="tokens per sequence, T (32)")
     add("--steps", type=count, default=6, help="training steps per run (6)")
-    add("--batch", type=count, default=24, help="sequences per step; must split into --micro "
-        "equal micro-batches (24 splits into 2, 4, 6, 8)")  # fmt: skip
-    add("--micro", type=count, default=None, help="pipeline micro-batches per step, at least the "
-        "rank count (default 2 x ranks)")  # fmt: skip
+    add("--batch", type=count, default=24, help="sequences per step, split into --micro (24)")
+    add("--micro", type=count, help="pipeline micro-batches per step, >= ranks (default 2 x ranks)")
     add("--seed", type=int, default=0, help="seed of model and data (0)")
     args = launch.check_launch_options(parser, launch.add_launch_options(parser).parse_args(argv))
-    args.heads = max(1, args.dim // 32) if args.heads is None else args.heads
-    args.micro = 2 * world if args.micro is None else args.micro
-    for bad, message in (
-        (args.dim % args.heads, f"--heads {args.heads} must divide --dim {args.dim}"),
-        (args.layers % world or args.layers < world,
-         f"--layers {args.layers} must be a multiple of the {world} ranks (stages)"),
-        (args.micro < world, f"--micro {args.micro} must be at least the {world} ranks (1F1B)"),
-        (args.batch % args.micro,
-         f"--batch {args.batch} must split into --micro {args.micro} equal parts"),
-    ):  # fmt: skip
-        if bad:
-            parser.error(message)
+    args.heads, args.micro = args.heads or max(1, args.dim // 32), args.micro or 2 * world
+    if args.dim % args.heads:
+        parser.error(f"--heads {args.heads} must divide --dim {args.dim}")
+    if args.layers % world or args.layers < world:
+        parser.error(f"--layers {args.layers} must be a multiple of the {world} ranks (stages)")
+    if args.micro < world:
+        parser.error(f"--micro {args.micro} must be at least the {world} ranks (1F1B)")
+    if args.batch % args.micro:
+        parser.error(f"--batch {args.batch} must split into --micro {args.micro} equal parts")
     return args
-
-
-def demo(args, rank, world, device):
-    cfg = Config(seq_len=args.seq_len, dim=args.dim, n_layers=args.layers, n_heads=args.heads)
-    launch.say(f"mHC demo: {cfg.n_layers} layers, C={cfg.dim}, n_hc={cfg.n_hc}, T={cfg.seq_len}, "
-               f"batch {args.batch}, {args.steps} steps, {world} rank(s)")  # fmt: skip
-    if world == 1:
-        compare_in_one_process(cfg, args, device)
-    else:
-        launch.say("(the one-process comparison of residual, naive and optimised mHC runs with "
-                   "`python mhc.py`)")  # fmt: skip
-    launch.say("\nlane-mixing bytes and the expected overhead over C: "
-               "python benchmarks/bench_mhc.py --accounting")  # fmt: skip
-    train_pipeline(cfg, args, rank, world, device)
-    if world >= 2:
-        launch.say("\nposted-ahead vs blocking receives, timed side by side: "
-                   "python benchmarks/bench_mhc.py (table 2)")  # fmt: skip
 
 
 if __name__ == "__main__":

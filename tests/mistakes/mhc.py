@@ -314,7 +314,6 @@ shape = model.stream_shape(idx.shape[0] // n_micro)
 links = StageLinks(stage, world, n_micro, shape, model.embed.weight, overlap, groups)
 idx_micro, tgt_micro = idx.chunk(n_micro), targets.chunk(n_micro)
 held_in, held_out, losses, last = {}, {}, [], stage == world - 1
-device = model.embed.weight.device
 
 
 def forward(i):
@@ -322,12 +321,10 @@ def forward(i):
         stream = model.embed_stream(idx_micro[i])
     else:
         stream = links.recv("forward", i).requires_grad_()
-    began = clock(device)
     out = RUN_LAYERS
     if last:
         out = model.head_loss(out, TARGETS) SCALE
         losses.append(out.detach())
-    links.stats.compute_s += clock(device) - began
     held_in[i], held_out[i] = stream, out
     if not last:
         links.send("forward", out)
@@ -335,9 +332,7 @@ def forward(i):
 
 def backward(i):
     grad = None if last else links.recv("backward", i)
-    began = clock(device)
     held_out.pop(i).backward(grad)
-    links.stats.compute_s += clock(device) - began
     stream = held_in.pop(i)
     if stage > 0:
         links.send("backward", stream.grad)
