@@ -12,28 +12,15 @@ The fix. Mark tensors inside an ordinary forward with `forget(x)`. A TorchFX tra
 example inputs so storage identities are known, finds for each forgotten storage the minimal
 subgraph that recomputes it from what autograd keeps anyway (a view and its base are one storage).
 At run time saved-tensor hooks store a handle instead of the storage; the first gradient that needs
-it runs the subgraph (with the forward's generator state), every saved alias is rebuilt as a view
-of the one recomputed storage, dropped after the last gradient that needs it. What cannot be
-recomputed exactly (an input or output, a tensor an in-place op touches, untraceable code) is
-refused with the tensor's name and the fix.
+it reruns the subgraph (with the forward's generator state) and rebuilds every saved alias as a
+view of the one recomputed storage. What cannot be recomputed exactly is refused, with the fix.
 
-Reading order: forget -> trace -> profile -> make_plan (`recompute_subgraph`) -> `run_forgetting`
-(with `pack_hook`, `unpack_hook`) -> `checkpoint_tensors` -> the demo. Below the fence: the
-refusals and the plan table. Measured memory and recompute work: benchmarks/bench_tensor_ckpt.py.
+    model = checkpoint_tensors(Block(dim, heads), (x,))  # Block's forward calls forget(...)
+    print(model.plan)  # per forgotten tensor: recompute ops, their cost, bytes freed
 
     python tensor_ckpt.py                                          # one process
     OMP_NUM_THREADS=1 torchrun --nproc_per_node=4 tensor_ckpt.py   # data parallel, CPU/gloo
     torchrun --nproc_per_node=8 tensor_ckpt.py     # GPUs: NCCL, one GPU per rank, chosen for you
-
-Usage:
-    class Block(nn.Module):
-        def forward(self, x):
-            h = forget(self.norm(x))             # the only change to the model
-            return x + self.fc2(forget(F.gelu(self.fc1(h))))
-
-    model = checkpoint_tensors(Block(), example_inputs=(x,))
-    print(model.plan)             # per forgotten tensor: recompute ops, their cost, bytes freed
-    model(x).sum().backward()     # gradients bitwise equal to the plain model's
 """
 
 import argparse
@@ -43,6 +30,7 @@ import inspect
 import time
 import warnings
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -71,60 +59,42 @@ def forget(x):
 
 
 class Tracer(fx.Tracer):
-    """FX's tracer with two switches: ``leaf_modules`` run as one opaque node, ``trace_into`` opens
-    torch.nn classes (FX keeps every torch.nn module a leaf). A failure records where it was."""
+    """FX's tracer: ``leaf_modules`` run as one node, ``trace_into`` torch.nn classes opened."""
 
     def __init__(self, leaf_modules=(), trace_into=()):
         super().__init__()
         self.leaf_modules, self.trace_into = tuple(leaf_modules), tuple(trace_into)
 
     def is_leaf_module(self, m, qualname):
-        return isinstance(m, self.leaf_modules) or (
-            not isinstance(m, self.trace_into) and super().is_leaf_module(m, qualname)
-        )
+        if isinstance(m, self.leaf_modules) or isinstance(m, self.trace_into):
+            return isinstance(m, self.leaf_modules)
+        return super().is_leaf_module(m, qualname)
 
     def call_module(self, m, forward, args, kwargs):
         try:
             return super().call_module(m, forward, args, kwargs)
         except Exception as err:
-            if not hasattr(err, "inside"):  # the innermost module is the one to name
-                err.inside = (self.path_of_module(m), type(m))
+            err.inside = getattr(err, "inside", None) or (self.path_of_module(m), type(m))
             raise
 
 
-def traced_arguments(module, concrete_args, n_inputs=None):
-    """The names of forward's arguments a trace takes: the first ``n_inputs`` (default: those
-    without a default) not fixed by ``concrete_args``; the rest keep their defaults."""
-    params = [p for p in inspect.signature(module.forward).parameters.values()
-              if p.name not in concrete_args and p.kind in (p.POSITIONAL_ONLY,
-                                                            p.POSITIONAL_OR_KEYWORD)]  # fmt: skip
-    return [p.name for p in params if n_inputs is not None or p.default is p.empty][:n_inputs]
-
-
 def trace(module, leaf_modules=(), trace_into=(), concrete_args=None, n_inputs=None):
-    """Symbolically trace ``module`` into a GraphModule that shares its parameters.
-
-    A forward FX cannot take as it is (``**kwargs``, a decorator, optional arguments that would
-    become proxies, ``concrete_args`` {name: value} to fix) is traced through a generated forward
-    of the same class and attributes, taking only ``traced_arguments`` and passing the fixed ones
-    by keyword. The attention fast path (inference only, branching on shapes) is off meanwhile."""
+    """Trace ``module`` into a GraphModule sharing its parameters; a forward FX cannot take as it
+    is (``**kwargs``, a decorator, ``concrete_args``) through interop/fx_models.py's."""
     root, concrete_args, forward = module, dict(concrete_args or {}), type(module).forward
     code = forward.__code__
-    varargs = code.co_flags & (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS)
-    wrapped, arity = hasattr(forward, "__wrapped__"), code.co_argcount - 1
-    if concrete_args or varargs or wrapped or n_inputs not in (None, arity):
-        names = traced_arguments(module, concrete_args, n_inputs)
-        scope = {"forward": forward, "fixed": concrete_args}
-        call = ", ".join(f"{n}={n}" for n in names)
-        exec(f"def bound(self, {', '.join(names)}):\n return forward(self, {call}, **fixed)", scope)
-        cls = type(type(module).__name__, (type(module),), {"forward": scope["bound"]})
-        root = object.__new__(cls)
-        root.__dict__ = module.__dict__  # the same submodules, parameters, buffers and names
+    if concrete_args or code.co_flags & (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS) or hasattr(
+            forward, "__wrapped__") or n_inputs not in (None, code.co_argcount - 1):  # fmt: skip
+        from interop.fx_models import fixed_forward  # only models nobody here wrote need it
+
+        root = fixed_forward(module, concrete_args, n_inputs)
     fastpath = torch.backends.mha.get_fastpath_enabled()
-    torch.backends.mha.set_fastpath_enabled(False)
+    torch.backends.mha.set_fastpath_enabled(False)  # attention's inference path branches on shapes
     try:
         graph = Tracer(leaf_modules, trace_into).trace(root)
     except Exception as err:  # TraceError, or what a Proxy raises in len(), bool()...
+        from interop.fx_models import untraceable
+
         raise untraceable(module, err) from err
     finally:
         torch.backends.mha.set_fastpath_enabled(fastpath)
@@ -138,19 +108,15 @@ def run_node(root, node, env):
         return node.target(*args, **kwargs)
     if node.op == "call_method":
         return getattr(args[0], node.target)(*args[1:], **kwargs)
-    if node.op in ("call_module", "get_attr"):  # read now: a replaced attribute is seen
-        value = functools.reduce(getattr, node.target.split("."), root)
-        return value(*args, **kwargs) if node.op == "call_module" else value
-    raise RuntimeError(f"run_node: unexpected node {node.op} {node.name}")
+    value = functools.reduce(getattr, node.target.split("."), root)  # read now: replacements seen
+    return value(*args, **kwargs) if node.op == "call_module" else value  # else get_attr
 
 
-def storage_key(t):
-    """Identity of the memory a tensor lives in: (device, data pointer), shared by views."""
+def storage_key(t):  # the memory a tensor lives in, shared by its views
     return (t.device, t.untyped_storage().data_ptr())
 
 
-def layout_of(t):
-    """Where ``t`` sits in its storage: (dtype, size, stride, storage offset)."""
+def layout_of(t):  # where a tensor sits in its storage
     return (t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
 
 
@@ -170,9 +136,10 @@ def count_flops():
     return flop_counter.FlopCounterMode(display=False, custom_mapping=cpu)
 
 
-def rng_snapshot(device):
-    """(CPU state, CUDA state or None, device): what a random op draws from, copied."""
-    # .clone(): get_rng_state allocates outside the dispatcher, so a memory meter sees the copy
+def rng_snapshot(where):
+    """Copies of (CPU state, CUDA state or None, device), for a device or ``where``'s tensors."""
+    device = where if isinstance(where, torch.device) else next(
+        (t.device for t in _tensors_in(where)), torch.device("cpu"))  # fmt: skip
     cuda = torch.cuda.get_rng_state(device).clone() if device.type == "cuda" else None
     return torch.get_rng_state().clone(), cuda, device
 
@@ -212,51 +179,39 @@ class NodeInfo:
 
 
 def profile(gm, example_inputs):
-    """Run ``gm`` once on ``example_inputs``, node by node, and record what the plan needs.
-
-    Returns ``(infos, saved_keys)``: {node: NodeInfo} and the storage keys autograd saved for
-    backward. Every value stays alive during the run, so one address means one storage."""
+    """Run ``gm`` once, node by node: a NodeInfo per node, and the storage keys autograd saved.
+    Every value stays alive during the run, so one address means one storage."""
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
-    check_arity(placeholders, example_inputs)
-    empty = [tuple(t.shape) for t in _tensors_in(example_inputs) if t.numel() == 0]
-    if empty:
-        raise ValueError(f"tensor_ckpt: an example input is empty (shape {empty[0]}): it allocates "
-                         "no storage, so nothing can be planned. Trace with a batch of at least "
-                         "one sample.")  # fmt: skip
-    device = next((t.device for t in _tensors_in(example_inputs)), torch.device("cpu"))
-    saved, infos, env = [], {}, dict(zip(placeholders, example_inputs))
+    check_arity(placeholders, example_inputs, tracing=True)
+    device, saved = rng_snapshot(example_inputs)[2], []
+    infos, env = {nodes[-1]: NodeInfo()}, dict(zip(placeholders, example_inputs))
 
     def pack(t):  # only to learn which storages autograd saves
         saved.append(t.detach())
         return t.detach()
 
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            for n in nodes[:-1]:  # the last node is the output
-                info = infos[n] = NodeInfo()
-                if n.op != "placeholder":
-                    touched = _tensors_in(fx.node.map_arg((n.args, n.kwargs), env.__getitem__))
-                    if n.op == "call_module":
-                        sub = gm.get_submodule(n.target)
-                        touched += [*sub.parameters(), *sub.buffers()]
-                    versions, rng = [t._version for t in touched], rng_snapshot(device)
-                    with count_flops() as flops:
-                        env[n] = run_node(gm, n, env)
-                    info.flops = flops.get_total_flops()
-                    moved = zip(rng[:2], rng_snapshot(device)[:2])
-                    info.random = can_draw(gm, n) or any(
-                        a is not None and not torch.equal(a, b) for a, b in moved)  # fmt: skip
-                    info.mutates = tuple({storage_key(t) for t, v in zip(touched, versions)
-                                          if t._version != v})  # fmt: skip
-                value = env[n]
-                if isinstance(value, torch.Tensor):
-                    info.is_tensor, info.key = True, storage_key(value)
-                    info.nbytes = value.untyped_storage().nbytes()
-                    info.layout = layout_of(value)
-                else:
-                    info.holds_tensors = bool(_tensors_in(value))
-    infos[nodes[-1]] = NodeInfo()
+    fork = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+    with fork, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        for n in nodes[:-1]:  # the last node is the output
+            info = infos[n] = NodeInfo()
+            if n.op != "placeholder":
+                touched = _tensors_in(fx.node.map_arg((n.args, n.kwargs), env.__getitem__))
+                called = gm.get_submodule(n.target) if n.op == "call_module" else nn.Module()
+                touched += [*called.parameters(), *called.buffers()]
+                versions, rng = [t._version for t in touched], rng_snapshot(device)
+                with count_flops() as flops:
+                    env[n] = run_node(gm, n, env)
+                info.flops, moved = flops.get_total_flops(), zip(rng[:2], rng_snapshot(device)[:2])
+                info.random = can_draw(gm, n) or any(
+                    a is not None and not torch.equal(a, b) for a, b in moved)  # fmt: skip
+                info.mutates = tuple({storage_key(t) for t, v in zip(touched, versions)
+                                      if t._version != v})  # fmt: skip
+            if isinstance(env[n], torch.Tensor):
+                info.is_tensor, info.key, info.layout = True, storage_key(env[n]), layout_of(env[n])
+                info.nbytes = env[n].untyped_storage().nbytes()
+            else:
+                info.holds_tensors = bool(_tensors_in(env[n]))
     return infos, {storage_key(t) for t in saved}
 
 
@@ -322,9 +277,22 @@ class ForgottenUnit:
 
 @dataclass(eq=False)
 class Plan:
+    """What to forget, and what the runtime reads per node of the traced graph ``gm``."""
+
     units: list
     held_bytes: int = 0  # frontier tensors autograd would not keep: held for the recompute
     rng_bytes: int = 0  # generator snapshots kept per random node and forward, for the replay
+    gm: fx.GraphModule = None
+
+    def __post_init__(self):
+        self.nodes = list(self.gm.graph.nodes)
+        self.placeholders = [n for n in self.nodes if n.op == "placeholder"]
+        self.frontier = {f for u in self.units for f in u.frontier}  # read by some recompute
+        self.random = {n for u in self.units for n in u.nodes if n.name in u.random_nodes}
+        self.drop_after, seen = {}, set()  # node -> the values whose last reader it is
+        for n in reversed(self.nodes):
+            self.drop_after[n] = [m for m in n.all_input_nodes if m not in seen]
+            seen.update(self.drop_after[n])
 
     @property
     def bytes_freed(self):
@@ -334,90 +302,80 @@ class Plan:
     def recompute_flops(self):
         return sum(u.flops for u in self.units)
 
-    def __str__(self):
+    def __str__(self):  # the table is reporting: it lives with the meters
+        from benchmarks.ckpt_meters import format_plan
+
         return format_plan(self)
 
 
 def make_plan(gm, infos, saved_keys, names=None):
-    """Decide what to forget and how to bring each storage back.
-
-    ``names``: None to use the ``forget()`` marks in the forward, or node names to forget instead.
-    A recompute that reads another forgotten storage reads its recomputed value, not its ops again:
-    forgetting fc1's output and the GELU of it runs fc1 once, not once per storage."""
+    """What to forget (the ``forget()`` marks, or the nodes ``names``) and how to bring each
+    storage back. A recompute reads another forgotten storage's recomputed value, not its ops."""
     nodes = list(gm.graph.nodes)
-    position, units = {n: i for i, n in enumerate(nodes)}, storage_units(nodes, infos)
-    by_name = {n.name: n for n in nodes}
+    position, by_storage = {n: i for i, n in enumerate(nodes)}, storage_units(nodes, infos)
+    by_name = {n.name: n for n in nodes}  # an unknown name stays a string, refused by check_marks
     marked = ([n.args[0] for n in nodes if n.op == "call_function" and n.target is forget]
               if names is None else [by_name.get(name, name) for name in names])  # fmt: skip
-    forgotten = check_marks(marked, nodes, infos, units)  # storage key -> first marked name
+    forgotten = check_marks(marked, nodes, infos, by_storage)  # storage key -> first marked name
+    params = {k for k, ms in by_storage.items() if any(m.op == "get_attr" for m in ms)}
+    kept_keys = (
+        saved_keys | params | {k for k, ms in by_storage.items() if ms[0].op == "placeholder"}
+    )
 
     def is_kept(n):  # inputs, parameters, what autograd saves; Python values cost nothing to stash
-        info, source = infos[n], n.op in ("placeholder", "get_attr")
-        if source or not info.is_tensor:
-            return source or not info.holds_tensors
-        return info.key not in forgotten and (info.key in saved_keys or any(
-            m.op in ("placeholder", "get_attr") for m in units[info.key]))  # fmt: skip
+        if n.op in ("placeholder", "get_attr") or not infos[n].is_tensor:
+            return n.op in ("placeholder", "get_attr") or not infos[n].holds_tensors
+        return infos[n].key not in forgotten and infos[n].key in kept_keys
 
-    roots, plan_units, held = {units[key][0] for key in forgotten}, [], {}
+    roots, plan_units, held = {by_storage[key][0] for key in forgotten}, [], {}
     for key, name in forgotten.items():
-        root = units[key][0]
-        sub, frontier = recompute_subgraph(
-            root, lambda m: is_kept(m) or (m in roots and m is not root)
-        )
+        root = by_storage[key][0]
+        others = roots - {root}  # forgotten too: their recomputed value is read, once
+        sub, frontier = recompute_subgraph(root, lambda m: is_kept(m) or m in others)
         sub = sorted(sub, key=position.get)
         deps, frontier = (sorted((f for f in frontier if (f in roots) == dep), key=position.get)
                           for dep in (True, False))  # fmt: skip
-        check_recomputable(name, sub, frontier, deps, nodes, infos)
-        for f in frontier:  # read by the recompute, but autograd would not have kept it
-            info = infos[f]
-            if info.is_tensor and info.key not in saved_keys and not any(
-                    m.op == "get_attr" for m in units.get(info.key, ())):  # fmt: skip
-                held[info.key] = info.nbytes
+        check_recomputable(name, sub, frontier, deps, nodes, infos)  # held: kept for it alone
+        held.update({infos[f].key: infos[f].nbytes for f in frontier if infos[f].is_tensor and
+                     infos[f].key not in saved_keys | params})  # fmt: skip
+        members = [n.name for n in by_storage[key] if n.target is not forget]
         plan_units.append(ForgottenUnit(
-            name=root.name, members=[n.name for n in units[key] if n.target is not forget],
-            root=root, nodes=sub, frontier=frontier, deps=deps, shape=infos[root].layout[1],
-            nbytes=infos[root].nbytes, saved=key in saved_keys,
-            flops=sum(infos[n].flops for n in sub), op_flops=[(n.name, infos[n].flops) for n in
-            sub], random_nodes=[n.name for n in sub if infos[n].random]))  # fmt: skip
+            root.name, members, root, sub, frontier, deps, infos[root].layout[1],
+            infos[root].nbytes, key in saved_keys,
+            sum(infos[n].flops for n in sub), [(n.name, infos[n].flops) for n in sub],
+            [n.name for n in sub if infos[n].random]))  # fmt: skip
     plan_units.sort(key=lambda u: position[u.root])  # dependencies first
-    random = {n for u in plan_units for n in u.nodes if infos[n].random}
-    rng_bytes = sum(s.nbytes for n in random for s in rng_snapshot(infos[n].key[0] if
-                    infos[n].is_tensor else torch.device("cpu"))[:2] if s is not None)  # fmt: skip
-    return Plan(plan_units, held_bytes=sum(held.values()), rng_bytes=rng_bytes)
+    snapshots = [rng_snapshot(infos[n].key[0] if infos[n].is_tensor else torch.device("cpu"))
+                 for n in {n for u in plan_units for n in u.nodes if infos[n].random}]  # fmt: skip
+    rng_bytes = sum(s.nbytes for snap in snapshots for s in snap[:2] if s is not None)
+    return Plan(plan_units, sum(held.values()), rng_bytes, gm)
 
 
 # ---- 3. The runtime: one forward that frees as it goes, two saved-tensor hooks ------------------
 
 
-def run_forgetting(traced, inputs, owner):
-    """One forward with the plan's storages forgotten: the runtime, end to end.
-
-    Runs the traced graph node by node under the two hooks and drops each value after its last use,
-    as FX's generated code does: a forgotten storage dies in forward once its last reader ran, and
-    autograd holds only handles to it. Then each LiveStorage gets what its recompute reads."""
+def run_forgetting(plan, inputs, owner):
+    """One forward with the plan's storages forgotten: the runtime, end to end. Each value dies
+    after its last use, as in FX's generated code, so autograd holds only handles to forgotten
+    storages; then each LiveStorage gets what its recompute reads."""
     autocast = python_state(torch.nn.Module())[1]  # the recompute re-enters it
-    call = ForwardCall({u.root: LiveStorage(u, owner, autocast) for u in traced.plan.units})
-    env = dict(zip(traced.placeholders, inputs))
+    call = ForwardCall({u.root: LiveStorage(u, owner, autocast) for u in plan.units})
+    env = dict(zip(plan.placeholders, inputs))
     with torch.autograd.graph.saved_tensors_hooks(functools.partial(pack_hook, call), unpack_hook):
-        for n in traced.nodes:
-            if n.op == "output":
-                out = fx.node.map_arg(n.args[0], env.__getitem__)
-                break
+        for n in plan.nodes[:-1]:  # the last node is the output
             if n.op != "placeholder":
-                if n in traced.random:  # the generator as this op finds it, replayed in backward
-                    device = next((t.device for t in _tensors_in([env[m] for m in
-                                   n.all_input_nodes])), torch.device("cpu"))  # fmt: skip
-                    call.rng[n] = rng_snapshot(device)
+                if n in plan.random:  # the generator as this op finds it, replayed in backward
+                    call.rng[n] = rng_snapshot([env[m] for m in n.all_input_nodes])
                 if n in call.storages:
                     call.opening = []  # its own op may save its output: see register_root
                 env[n] = run_node(owner.module, n, env)
-            if n in traced.frontier:  # kept anyway (autograd saves it): a reference costs nothing
-                v = env[n]
-                call.frontier[n] = v.detach() if isinstance(v, torch.Tensor) else v
+            if n in plan.frontier:  # kept anyway (autograd saves it): a reference costs nothing
+                call.frontier[n] = env[n].detach() if isinstance(env[n], torch.Tensor) else env[n]
             if n in call.storages:
-                register_root(call, call.storages[n], env[n])
-            for m in traced.drop_after.get(n, ()):
+                call.register_root(call.storages[n], env[n])
+            for m in plan.drop_after[n]:
                 del env[m]
+    out = fx.node.map_arg(plan.nodes[-1].args[0], env.__getitem__)
     # Hand over: latest storage first, so a storage's uses are complete before its deps are counted.
     for live in reversed(list(call.storages.values())):
         u = live.unit
@@ -425,8 +383,7 @@ def run_forgetting(traced, inputs, owner):
         live.versions = {f: v._version for f, v in live.inputs.items()
                          if isinstance(v, torch.Tensor)}  # fmt: skip
         live.rng = {n: call.rng[n] for n in u.nodes if n in call.rng}
-        live.uses += live.handles
-        live.pending = live.uses
+        live.pending = live.uses = live.uses + live.handles
         live.deps = {d: call.storages[d] for d in u.deps} if live.uses else {}
         for dep in live.deps.values():
             dep.uses += 1
@@ -446,24 +403,20 @@ class ForwardCall:
     rng: dict = field(default_factory=dict)  # random node -> rng_snapshot
     opening: list = None  # Packed made while a forgotten root's own op runs
 
-    def live_storage(self, t):
-        """The LiveStorage that ``t`` lives in, or None if ``t`` is kept."""
+    def live_storage(self, t):  # the LiveStorage t lives in, or None: t is kept
         if not self.by_key or t.layout != torch.strided:
             return None
-        storage = t.untyped_storage()
-        entry = self.by_key.get((t.device, storage.data_ptr()))
-        # A forgotten storage dies at its last use in forward; a later tensor may reuse its address.
-        return entry[1] if entry is not None and entry[0]() is storage else None
+        entry = self.by_key.get(storage_key(t))  # is it still alive, or a new one at its address?
+        return entry[1] if entry is not None and entry[0]() is t.untyped_storage() else None
 
-
-def register_root(call, live, v):
-    """``v`` is the first tensor of a forgotten storage: from now on saving it saves a handle."""
-    live.layout = (*layout_of(v), v.untyped_storage().nbytes())
-    call.by_key[storage_key(v)] = (weakref.ref(v.untyped_storage()), live)
-    for packed in call.opening:  # saved by v's own op before we knew v was forgotten
-        if call.live_storage(packed.tensor) is live:
-            packed.to_handle(live)
-    call.opening = None
+    def register_root(self, live, v):
+        """``v`` is a forgotten storage's first tensor: from now on saving it saves a handle."""
+        live.layout = (*layout_of(v), v.untyped_storage().nbytes())
+        self.by_key[storage_key(v)] = (weakref.ref(v.untyped_storage()), live)
+        for packed in self.opening:  # saved by v's own op before we knew v was forgotten
+            if self.live_storage(packed.tensor) is live:
+                packed.to_handle(live)
+        self.opening = None
 
 
 @dataclass(eq=False, slots=True)
@@ -481,14 +434,12 @@ class Packed:
         storage.handles += 1
         return self
 
-    def kept(self):
-        """The kept tensor, after autograd's own check that nothing changed it in place."""
-        t = self.tensor
-        if t._version != self.version:
+    def kept(self):  # after autograd's own check that nothing changed it in place
+        if (t := self.tensor)._version != self.version:
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an "
-                f"inplace operation: a tensor of shape {tuple(t.shape)} is at version {t._version}"
-                f"; expected version {self.version} (tensor_ckpt keeps autograd's check)"
+                f"inplace operation: shape {tuple(t.shape)}, version {t._version}, expected "
+                f"{self.version} (autograd's check, kept)"
             )
         return t
 
@@ -527,12 +478,10 @@ def unpack_hook(packed):
 @contextlib.contextmanager
 def replayed_rng(snapshot):
     """Run the body with the generators as in ``snapshot`` (None: as they are), then restore."""
-    if snapshot is None:
-        yield
-        return
-    cpu, cuda, device = snapshot
-    with torch.random.fork_rng(devices=[device] if cuda is not None else []):
-        torch.set_rng_state(cpu)
+    cpu, cuda, device = snapshot or (None, None, None)
+    with torch.random.fork_rng([device] if cuda is not None else [], enabled=snapshot is not None):
+        if snapshot is not None:
+            torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state(cuda, device)
         yield
@@ -556,23 +505,20 @@ class LiveStorage:
     value: torch.Tensor = None  # the recomputed root, alive while a gradient still needs it
 
     def check_inputs(self):
-        changed = [n.name for n, v in self.inputs.items()
-                   if isinstance(v, torch.Tensor) and v._version != self.versions[n]]  # fmt: skip
-        if changed:
-            raise RuntimeError(
-                f"tensor_ckpt: '{changed[0]}', read to recompute forgotten '{self.unit.name}', was "
-                "modified in place after forward; its gradient would be wrong. Do not modify it "
-                "before backward."
-            )
+        for n, v in self.inputs.items():
+            if isinstance(v, torch.Tensor) and v._version != self.versions[n]:
+                raise RuntimeError(
+                    f"tensor_ckpt: '{n.name}', read to recompute forgotten '{self.unit.name}', "
+                    "was modified in place after forward; its gradient would be wrong. Do not "
+                    "modify it before backward."
+                )
 
-    def check_layout(self, v):
-        layout = (*layout_of(v), v.untyped_storage().nbytes())
-        if layout != self.layout:  # a recompute that ran otherwise than the forward did
+    def check_layout(self, v):  # a recompute that ran otherwise than the forward did
+        if (layout := (*layout_of(v), v.untyped_storage().nbytes())) != self.layout:
             raise RuntimeError(f"tensor_ckpt: recomputed '{self.unit.name}' has layout {layout}, "
                                f"forward had {self.layout}")  # fmt: skip
 
-    def as_in_forward(self):
-        """no_grad, with autocast as the forward ran (as torch.utils.checkpoint re-enters it)."""
+    def as_in_forward(self):  # no_grad, autocast as in forward (torch.utils.checkpoint does too)
         stack = contextlib.ExitStack()
         stack.enter_context(torch.no_grad())
         for device, enabled, dtype in self.autocast:
@@ -609,185 +555,100 @@ class LiveStorage:
 # ---- 4. The module: one plan per train/eval mode, and data-parallel replicas --------------------
 
 
-@dataclass(eq=False)
-class Traced:
-    """One mode's trace and plan, with what the runtime reads per node precomputed."""
-
-    gm: fx.GraphModule
-    plan: Plan
-    nodes: list = None
-    placeholders: list = None
-    frontier: set = None  # nodes some recompute reads
-    random: set = None  # random nodes inside some recompute
-    drop_after: dict = None  # node -> the values whose last reader it is
-
-    def __post_init__(self):
-        self.nodes = list(self.gm.graph.nodes)
-        self.placeholders = [n for n in self.nodes if n.op == "placeholder"]
-        self.frontier = {f for u in self.plan.units for f in u.frontier}
-        self.random = {n for u in self.plan.units for n in u.nodes if n.name in u.random_nodes}
-        self.drop_after, seen = {}, set()
-        for n in reversed(self.nodes):
-            for m in n.all_input_nodes:
-                if m not in seen:
-                    seen.add(m)
-                    self.drop_after.setdefault(n, []).append(m)
-
-
-_PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
-
-
-def _plain(v):
-    return isinstance(v, _PLAIN) or (isinstance(v, (tuple, list)) and all(map(_plain, v)))
-
-
 def python_state(module):
-    """What a trace may have read as Python values and frozen into the graph: every plain
-    attribute of every submodule (``training``, a dropout's ``p``, a ``use_*`` flag), of the
-    objects they hold (a config), and the autocast state. A change means a new plan."""
+    """What a trace may have frozen into the graph: the plain attributes of every submodule
+    (``training``, a dropout's ``p``) and of the objects they hold (a config); autocast's state."""
+    plain = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+    def is_plain(v):
+        return isinstance(v, plain) or (isinstance(v, (tuple, list)) and all(map(is_plain, v)))
+
     state, seen = [], set()
     for name, m in module.named_modules():
         held = [v for v in vars(m).values() if hasattr(v, "__dict__") and not callable(v)]
         for obj in [m, *(v for v in held if not isinstance(v, (nn.Module, torch.Tensor)))]:
             if id(obj) not in seen:
                 seen.add(id(obj))
-                state += [(name, k, repr(v)) for k, v in vars(obj).items() if _plain(v)]
-    autocast = [
-        (d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
-    ]
+                state += [(name, k, repr(v)) for k, v in vars(obj).items() if is_plain(v)]
+    autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu",
+                "cuda")]  # fmt: skip
     return tuple(state), tuple(autocast)
 
 
-def _same(a, b):
-    try:
-        return a is b or bool(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b)
-    except Exception:  # a tensor against a non-tensor, a value with no truth value for ==
-        return False
-
-
 class TensorCheckpoint(nn.Module):
-    """``module`` with its plan's tensors forgotten after forward. A plan is kept per
-    ``python_state`` of the module, traced on the first call in that state (a flag flipped after
-    tracing re-plans, it never runs a stale graph). Without gradients the module itself runs."""
+    """``module`` with its plan's tensors forgotten; one plan per ``python_state``, traced on the
+    first call in that state (a stale graph never runs). Without gradients the module runs."""
 
-    def __init__(self, module, trace_and_plan, arguments, concrete_args):
+    def __init__(self, module, n_inputs, names, leaf_modules, trace_into, concrete_args):
         super().__init__()
-        self.module = module
-        self.recomputations = 0  # recompute subgraphs run (one per forgotten storage per backward)
-        self._trace_and_plan = trace_and_plan  # inputs -> Traced, for the module's current state
-        self._traced, self._last = {}, None  # python_state(module) -> Traced; the last one used
-        self.arguments, self.concrete_args = arguments, concrete_args  # traced names; fixed ones
+        self.module, self.recomputations = module, 0  # recompute subgraphs run, over all backwards
+        self.n_inputs, self.names, self.plans = n_inputs, names, {}  # python_state -> Plan
+        self.opaque, self.concrete_args = (leaf_modules, trace_into), concrete_args  # for trace()
 
-    def traced_for(self, inputs):
-        state = python_state(self.module)
-        if state not in self._traced:
-            self._traced[state] = self._trace_and_plan(inputs)
-        self._last = self._traced[state]
-        return self._last
+    def plan_for(self, inputs):  # self.plan: the plan of the latest call
+        if (state := python_state(self.module)) not in self.plans:
+            gm = trace(self.module, *self.opaque, self.concrete_args, len(inputs))
+            buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
+            try:
+                infos, saved_keys = profile(gm, tuple(inputs))
+            finally:  # the example run must not move BatchNorm's statistics
+                with torch.no_grad():
+                    for b, copy in buffers:
+                        b.copy_(copy)
+            self.plans[state] = make_plan(gm, infos, saved_keys, self.names)
+        self.plan = self.plans[state]
+        return self.plan
 
-    @property
-    def plan(self):
-        return self._last.plan
-
-    @property
-    def gm(self):
-        return self._last.gm
-
-    def bind(self, args, kwargs):
-        """The traced arguments of a call, in order; every other one must be as it was traced."""
-        signature = inspect.signature(self.module.forward)
-        given = signature.bind(*args, **kwargs).arguments
-        for p in signature.parameters.values():
-            if p.kind is p.VAR_KEYWORD:
-                given.update(given.pop(p.name, {}))
-        inputs = tuple(given.pop(name) for name in self.arguments if name in given)
-        for name, value in given.items():
-            p = signature.parameters.get(name)
-            traced = self.concrete_args.get(name, p.default if p is not None else "not passed")
-            if not _same(value, traced):
-                raise ValueError(
-                    f"tensor_ckpt: argument '{name}' is {type(value).__name__} {value!r:.60}, "
-                    f"but the trace fixed it at {traced!r:.60}. Fix: pass it in concrete_args="
-                    f"{{'{name}': ...}} with this value, or trace it as an example input."
-                )
-        return inputs
+    gm = property(lambda self: self.plan.gm)
 
     def forward(self, *args, **kwargs):
         if not torch.is_grad_enabled():
             return self.module(*args, **kwargs)
-        inputs = self.bind(args, kwargs) if kwargs or self.concrete_args else args
-        traced = self.traced_for(inputs)
-        if not traced.plan.units:
+        inputs = args
+        if kwargs or self.concrete_args:  # split the call as the trace did
+            from interop.fx_models import bound_inputs
+
+            inputs = bound_inputs(self.module, self.concrete_args, self.n_inputs, args, kwargs)
+        if not self.plan_for(inputs).units:
             return self.module(*args, **kwargs)
-        check_arity(traced.placeholders, inputs)
-        return run_forgetting(traced, inputs, self)
-
-
-@contextlib.contextmanager
-def buffers_kept(module):
-    """Run the body, then put every buffer back (running statistics, num_batches_tracked)."""
-    buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
+        check_arity(self.plan.placeholders, inputs)
+        return run_forgetting(self.plan, inputs, self)
 
 
 def checkpoint_tensors(
     module, example_inputs, names=None, leaf_modules=(), trace_into=(), concrete_args=None
 ):
-    """Trace ``module`` on ``example_inputs``; return it with its marked tensors forgotten.
-
-    ``names``: None to use the ``forget()`` marks in the forward, or FX node names to forget
-    instead (for a model you cannot edit). ``leaf_modules``: classes run as one node;
-    ``trace_into``: torch.nn classes to trace inside. ``example_inputs`` are forward's first
-    arguments; ``concrete_args`` {name: value} fixes others (None, flags) for every call. The
-    result shares ``module``'s parameters; ``.plan`` says what happens."""
+    """Trace ``module`` on ``example_inputs`` (forward's first arguments); return it with its
+    marked tensors forgotten, or the FX nodes ``names`` (a model you cannot edit). ``leaf_modules``
+    run as one node, ``trace_into`` torch.nn classes are traced inside, ``concrete_args`` {name:
+    value} fixes other arguments for every call. ``.plan`` says what happens."""
     concrete_args = dict(concrete_args or {})
-    arguments = traced_arguments(module, concrete_args, len(example_inputs))
-    odd = [(n, v) for n, v in zip(arguments, example_inputs) if not isinstance(v, torch.Tensor)]
-    if odd:
-        raise ValueError(
-            f"tensor_ckpt: example input '{odd[0][0]}' is {odd[0][1]!r}, not a tensor: a traced "
-            f"argument becomes a proxy, so `if {odd[0][0]} is None` would take the wrong branch. "
-            f"Fix: concrete_args={{'{odd[0][0]}': {odd[0][1]!r}}}."
-        )
+    if any(not isinstance(v, torch.Tensor) for v in example_inputs):
+        from interop.fx_models import refuse_examples
 
-    def trace_and_plan(inputs):
-        gm = trace(module, leaf_modules, trace_into, concrete_args, len(inputs))
-        with buffers_kept(module):  # the example run must not move BatchNorm's statistics
-            infos, saved_keys = profile(gm, tuple(inputs))
-        return Traced(gm, make_plan(gm, infos, saved_keys, names))
-
-    ckpt = TensorCheckpoint(module, trace_and_plan, arguments, concrete_args)
-    ckpt.traced_for(tuple(example_inputs))
+        refuse_examples(module, concrete_args, example_inputs)
+    n = len(example_inputs)
+    ckpt = TensorCheckpoint(module, n, names, leaf_modules, trace_into, concrete_args)
+    ckpt.plan_for(tuple(example_inputs))
     return ckpt
 
 
 def checkpoint_data_parallel(module, example_inputs, settings, group=None, **kwargs):
-    """checkpoint_tensors on every rank, then the agreement guard, then DDP (when world > 1).
-
-    ``settings``: hyperparameters that must agree (lr, steps...). A rank whose plan is refused still
-    joins the guard carrying its error, so every rank raises it."""
-    ckpt, error = None, None
+    """checkpoint_tensors on every rank, the agreement guard (``settings`` too; a refused rank
+    joins it with its error, so every rank raises it), then DDP when world > 1."""
+    ckpt, error, tensors = None, None, _tensors_in(example_inputs)
     try:
         ckpt = checkpoint_tensors(module, example_inputs, **kwargs)
     except ValueError as err:
         error = str(err).removeprefix("tensor_ckpt: ")
-    tensors = _tensors_in(example_inputs)
-    fields = {
+    launch.agree({
         "example input shapes": [tuple(t.shape) for t in tensors],
         "example input dtypes": [str(t.dtype) for t in tensors],
-        "initial parameter values (sha256 of names, shapes, dtypes, bytes)": (
-            launch.weights_digest(module.named_parameters())
-        ),
-        "train/eval mode": module.training,
-        **settings,
+        "initial parameter values (sha256 of names, shapes, dtypes, bytes)":
+            launch.weights_digest(module.named_parameters()),
+        "train/eval mode": module.training, **settings,
         "forgotten tensors": [u.name for u in ckpt.plan.units] if ckpt is not None else None,
-    }
-    launch.agree(fields, error, group, who="tensor_ckpt")
+    }, error, group, who="tensor_ckpt")  # fmt: skip
     if dist.get_world_size(group) == 1:
         return ckpt
     device = tensors[0].device  # from the data, never from the backend's name
@@ -823,23 +684,10 @@ class Block(nn.Module):
         return x + self.fc2(h)
 
 
-class TinyLM(nn.Module):
-    def __init__(self, vocab=64, dim=128, n_heads=4, n_layers=4):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.Sequential(*[Block(dim, n_heads) for _ in range(n_layers)])
-        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab)
-
-    def forward(self, tokens):
-        return self.head(self.norm(self.blocks(self.embed(tokens))))
-
-
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
-        description="Tensor-level activation checkpointing (V4 §3.4.4): the plan, gradients "
-        "checked bitwise against the plain model, then data-parallel training of a small LM with "
-        "V4-style forget() marks. Measured memory and recompute work: "
-        "benchmarks/bench_tensor_ckpt.py.",
+        description=__doc__.splitlines()[0] + " The plan, gradients against the plain model, "
+        "data-parallel training of a small LM. Measured: benchmarks/bench_tensor_ckpt.py.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     one = launch.at_least(1)
@@ -859,55 +707,46 @@ def parse_args(argv=None):
 
 
 def demo(args, rank, world, device):
-    start = time.perf_counter()
+    layers = OrderedDict(embed=nn.Embedding(args.vocab, args.dim))
+    layers["blocks"] = nn.Sequential(*[Block(args.dim, args.heads) for _ in range(args.layers)])
+    layers.update(norm=nn.LayerNorm(args.dim), head=nn.Linear(args.dim, args.vocab))
+    model, gen = nn.Sequential(layers).to(device), torch.Generator().manual_seed(1 + rank)
 
-    def say(stage, text):
-        launch.say(f"[{stage}, {time.perf_counter() - start:.1f} s] {text}")
-
-    model = TinyLM(args.vocab, args.dim, args.heads, args.layers).to(device)
-    gen = torch.Generator().manual_seed(1 + rank)  # each rank its own data shard
-
-    def batch_of_tokens():  # a sequence that follows a fixed rule, so the loss can fall
+    def batch():  # a shard per rank, following a fixed rule so the loss can fall
         first = torch.randint(0, args.vocab, (args.batch, 1), generator=gen)
         return ((first + 7 * torch.arange(args.seq + 1)) % args.vocab).to(device)
 
     def loss_of(fn, tokens):
-        logits = fn(tokens[:, :-1])
-        return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        return F.cross_entropy(fn(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
 
-    tokens = batch_of_tokens()
-    settings = {k: getattr(args, k) for k in ("steps", "batch", "seq", "dim", "heads", "layers",
-                                               "vocab", "lr")}  # fmt: skip
-    train = checkpoint_data_parallel(model, (tokens[:, :-1],), settings)  # guard, then DDP
-    ckpt = train.module if world > 1 else train
-    say("plan", f"traced on each rank's first batch; all ranks agree on it\n{ckpt.plan}")
-
-    # Exactness: the same batch through the plain model and the checkpointed one. CUDA's fused
-    # attention backward is not deterministic; the math kernel is.
+    tokens, agreed = batch(), ("steps", "batch", "seq", "dim", "heads", "layers", "vocab", "lr")
+    train = checkpoint_data_parallel(
+        model, (tokens[:, :-1],), {k: getattr(args, k) for k in agreed}
+    )
+    ckpt = train.module if world > 1 else train  # the guard agreed, then DDP wrapped it
+    launch.say(f"[plan] traced on each rank's first batch; all ranks agree on it\n{ckpt.plan}")
     math = torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH)
-    grads = []
+    grads = []  # one batch through both; CUDA's fused attention backward is not deterministic
     with math if device.type == "cuda" else contextlib.nullcontext():
         for fn in (model, ckpt):
             model.zero_grad(set_to_none=True)
             loss_of(fn, tokens).backward()
             grads.append([p.grad.clone() for p in model.parameters()])
-    exact = all(torch.equal(a, b) for a, b in zip(*grads))
-    say("exactness", f"gradients bitwise equal to the plain model: {exact}")
-    say("memory", f"activation bytes saved per forward (plan): {_mib(ckpt.plan.bytes_freed)}; "
-        "measured bytes and recompute work: benchmarks/bench_tensor_ckpt.py")  # fmt: skip
-
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    t0 = time.perf_counter()
+    launch.say("[exactness] gradients bitwise equal to the plain model: "
+               f"{all(torch.equal(a, b) for a, b in zip(*grads))}\n[memory] activation bytes saved "
+               f"per forward (plan): {ckpt.plan.bytes_freed / 2**20:.2f} MiB; measured bytes and "
+               "recompute work: benchmarks/bench_tensor_ckpt.py")  # fmt: skip
+    opt, start = torch.optim.AdamW(model.parameters(), lr=args.lr), time.perf_counter()
     for step in range(args.steps):
-        loss = loss_of(train, batch_of_tokens())
+        loss = loss_of(train, batch())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         if step % 10 == 0 or step == args.steps - 1:
-            say("train", f"step {step:3d}  loss on rank 0's batch {loss.item():.4f}")
-    say("done", f"{args.steps} steps on {world} rank(s), {device.type}: "
-        f"{time.perf_counter() - t0:.2f} s, {ckpt.recomputations} recompute subgraphs run in "
-        "backward")  # fmt: skip
+            launch.say(f"[train] step {step:3d}  loss on rank 0's batch {loss.item():.4f}")
+    launch.say(f"[done] {args.steps} steps on {world} rank(s), {device.type}: "
+               f"{time.perf_counter() - start:.2f} s, {ckpt.recomputations} recompute subgraphs "
+               "run in backward")  # fmt: skip
     del train, ckpt, opt  # DDP holds gloo state: free it before the group goes
 
 
@@ -915,126 +754,81 @@ def main(argv=None):
     launch.run(demo, parse_args(argv))  # every argument checked before any process group
 
 
-# ---- appendix: the refusals, each naming the tensor and the fix; the plan table -----------------
+# ---- appendix: the refusals, each naming the tensor and the fix ---------------------------------
 
 
-def untraceable(module, err):
-    path, cls = getattr(err, "inside", ("", type(module)))
-    where = f"inside '{path}' ({cls.__name__})" if path else type(module).__name__
-    return ValueError(
-        f"tensor_ckpt: torch.fx cannot trace {where}: {str(err).splitlines()[0]}\n"
-        "Python control flow on a traced value (an `if`/`while` on a tensor, len() of a tensor) "
-        f"has no graph form. Fix: pass leaf_modules=({cls.__name__},) so it runs as one opaque "
-        "node (nothing inside it can then be forgotten), fix the arguments that steer it with "
-        "concrete_args={name: value}, or express the branch with tensor ops (torch.where)."
-    )
+def check_arity(placeholders, inputs, tracing=False):
+    """One value per traced argument; and an example input with no storage cannot be planned."""
+    if len(inputs) != len(wanted := [n.name for n in placeholders]):
+        raise ValueError(f"tensor_ckpt: expected {len(wanted)} inputs ({wanted}), got "
+                         f"{len(inputs)}. Pass one value per argument of forward.")  # fmt: skip
+    if empty := [tuple(t.shape) for t in _tensors_in(inputs) if t.numel() == 0] if tracing else []:
+        raise ValueError(f"tensor_ckpt: an example input is empty (shape {empty[0]}): it allocates "
+                         "no storage, so nothing can be planned. Trace with a batch of at least "
+                         "one sample.")  # fmt: skip
 
 
-def check_marks(marked, nodes, infos, units):
+def check_marks(marked, nodes, infos, by_storage):
     """{storage key: first marked name} of the marked nodes, refusing what cannot be forgotten:
     an unknown name, a non-tensor, an empty tensor, an input/parameter alias, a module output, a
     tensor changed in place."""
-    unknown = [m for m in marked if isinstance(m, str)]
-    if unknown:
-        leaves = [n.target for n in nodes if n.op == "call_module" and
-                  any(u.startswith(n.target + ".") for u in unknown)]  # fmt: skip
-        inside = (f" '{unknown[0]}' is inside the leaf module '{leaves[0]}': FX keeps torch.nn "
-                  "modules whole; pass its class in trace_into=(...) to trace inside it."
-                  if leaves else "")  # fmt: skip
-        raise ValueError(f"tensor_ckpt: no node named {unknown} in the traced graph.{inside} "
-                         f"Pick from: {[n.name for n in nodes if infos[n].is_tensor]}")  # fmt: skip
+    if unknown := [m for m in marked if isinstance(m, str)]:
+        from interop.fx_models import refuse_names  # names= is for models nobody here wrote
+
+        refuse_names(unknown, nodes, [n.name for n in nodes if infos[n].is_tensor])
     forgotten = {}
     output_keys = {infos[a].key for a in nodes[-1].all_input_nodes if infos[a].is_tensor}
     for m in marked:
         if not isinstance(m, fx.Node) or not infos[m].is_tensor:
             raise ValueError(f"tensor_ckpt: forget() needs a tensor, got {m!r}. Mark a tensor.")
-        key, name = infos[m].key, m.name
-        source = [n.name for n in units.get(key, ()) if n.op in ("placeholder", "get_attr")]
+        key = infos[m].key
+        source = [n.name for n in by_storage.get(key, ()) if n.op in ("placeholder", "get_attr")]
         writers = [n.name for n in nodes if key in infos[n].mutates]
-        if infos[m].nbytes == 0:
-            why = "it was empty in the example run, so its storage cannot be told apart"
-            fix = "Trace with a non-empty batch."
-        elif source:
-            why = f"it shares storage with the input/parameter '{source[0]}', which stays alive"
-            fix = "Forget a tensor computed in forward."
-        elif key in output_keys:
-            why = "it is (or shares storage with) an output of the module, which the caller holds"
-            fix = "Remove forget() there; forget it where it is consumed instead."
-        elif writers:
-            why = f"the in-place op '{writers[0]}' modifies it: no single value to recompute"
-            fix = "Use the out-of-place op (x = x + y, not x.add_(y); no inplace=True)."
-        else:
-            forgotten.setdefault(key, name)
-            continue
-        raise ValueError(f"tensor_ckpt: cannot forget '{name}': {why}. {fix}")
+        why = ("it was empty in the example run, so its storage cannot be told apart. Trace with "
+               "a non-empty batch" if infos[m].nbytes == 0 else
+               f"it shares storage with the input/parameter '{source[0]}', which stays alive. "
+               "Forget a tensor computed in forward" if source else
+               "it is (or shares storage with) an output of the module, which the caller holds. "
+               "Remove forget() there; forget it where it is consumed instead"
+               if key in output_keys else f"the in-place op '{writers[0]}' modifies it: no single "
+               "value to recompute. Use the out-of-place op (x = x + y, not x.add_(y); no "
+               "inplace=True)" if writers else None)  # fmt: skip
+        if why:
+            raise ValueError(f"tensor_ckpt: cannot forget '{m.name}': {why}.")
+        forgotten.setdefault(key, m.name)
     return forgotten
 
 
 def check_recomputable(name, sub, frontier, deps, nodes, infos):
     """Refuse a recompute that reads a node it neither re-runs nor keeps, would apply an in-place
     op twice or reads a value changed later; warn when it re-runs a matmul or attention."""
-    missing = {m.name for n in sub for m in n.all_input_nodes} - {
-        n.name for n in [*sub, *frontier, *deps]
-    }
-    if missing:  # a student's recompute_subgraph that stopped early; the run would KeyError
-        raise ValueError(
-            f"tensor_ckpt: the recompute of '{name}' reads {sorted(missing)}, neither re-run "
-            "nor kept: recompute_subgraph must walk back through every node that is not "
-            "kept, not only root's direct inputs"
-        )
-    start, why = nodes.index(sub[0]), None
-    for n in sub:
-        writers = [w.name for w in nodes if infos[n].is_tensor and infos[n].key in infos[w].mutates]
-        if infos[n].mutates:
-            why = (f"its recompute subgraph contains '{n.name}', which modifies a tensor in place "
-                   "(running it again would apply it twice)")  # fmt: skip
-        elif writers:  # FX records the op but not that later readers see its effect
-            why = (f"it is computed from '{n.name}', which the in-place op '{writers[0]}' "
-                   "modifies, an order the traced graph does not record")  # fmt: skip
-        if why:
-            break
-    for f in frontier if why is None else ():
-        late = [n.name for n in nodes[start:] if infos[f].is_tensor and infos[f].key in
-                infos[n].mutates]  # fmt: skip
-        if late:
-            why = (f"it reads '{f.name}', which the in-place op '{late[0]}' modifies later in "
-                   "forward, so backward would see the modified value")  # fmt: skip
-            break
-    if why:
-        raise ValueError(f"tensor_ckpt: cannot recompute '{name}': {why}. Make that op "
+    if missing := {m.name for n in sub for m in n.all_input_nodes} - {
+            n.name for n in [*sub, *frontier, *deps]}:  # fmt: skip
+        raise ValueError(f"tensor_ckpt: the recompute of '{name}' reads {sorted(missing)}, neither "
+                         "re-run nor kept: recompute_subgraph must walk back through every node "
+                         "that is not kept, not only root's direct inputs")  # fmt: skip
+
+    def writers(n, start=0):  # the in-place ops that modify n's storage, from position start on
+        return [w.name for w in nodes[start:] if infos[n].is_tensor and infos[n].key in
+                infos[w].mutates]  # fmt: skip
+
+    start = nodes.index(sub[0])  # FX records an in-place op, not that later readers see its effect
+    whys = [f"its recompute subgraph contains '{n.name}', which modifies a tensor in place "
+            "(running it again would apply it twice)" if infos[n].mutates else
+            f"it is computed from '{n.name}', which the in-place op '{writers(n)[0]}' modifies, "
+            "an order the traced graph does not record" for n in sub if infos[n].mutates or
+            writers(n)] + [f"it reads '{f.name}', which the in-place op '{writers(f, start)[0]}' "
+            "modifies later in forward, so backward would see the modified value"
+            for f in frontier if writers(f, start)]  # fmt: skip
+    if whys:
+        raise ValueError(f"tensor_ckpt: cannot recompute '{name}': {whys[0]}. Make that op "
                          "out-of-place, or forget a tensor after it.")  # fmt: skip
-    costly = [f"'{n.name}' ({flops_text(infos[n].flops)})" for n in sub
-              if infos[n].flops and n.name != name]  # fmt: skip
-    if costly:
-        warnings.warn(
-            f"tensor_ckpt: forgetting '{name}' recomputes {', '.join(costly)} in every "
-            "backward: its storage, or a tensor its recompute needs, is not kept by autograd "
-            "(a view of an op's output shares that output's storage). Forget a tensor "
-            "computed after it, or keep it.",
-            stacklevel=5,
-        )
-
-
-def format_plan(plan):
-    """The plan as a table: per forgotten storage, what is freed and what backward runs again."""
-    rng = f", generator snapshots of {_mib(plan.rng_bytes)} deducted" if plan.rng_bytes else ""
-    held = f"; {_mib(plan.held_bytes)} held for recompute" if plan.held_bytes else ""
-    lines = [f"tensor_ckpt plan: {len(plan.units)} forgotten storages, {_mib(plan.bytes_freed)} "
-             f"freed per forward{rng}{held}; recomputed per backward: "
-             f"{flops_text(plan.recompute_flops)} in matmul/attention",
-             f"  {'forgotten (aliases)':<30} {'shape':<16} {'freed':>10} {'matmul FLOP':>11}  "
-             "recompute ops <- from kept (* = forgotten, shared)"]  # fmt: skip
-    for u in plan.units:
-        aliases = ", ".join(m for m in u.members if m != u.name)
-        label = u.name + (f" ({aliases})" if aliases else "")
-        freed = _mib(u.bytes_freed) if u.saved else "0 (unsaved)"
-        ops = ", ".join(name + (f"[{flops_text(fl)}]" if fl else "") for name, fl in u.op_flops
-                        if not name.startswith("forget"))  # fmt: skip
-        kept = ", ".join([f.name for f in u.frontier] + [d.name + "*" for d in u.deps])
-        rng = f"  [generator replayed: {', '.join(u.random_nodes)}]" if u.random_nodes else ""
-        lines.append(f"  {label[:30]:<30} {str(tuple(u.shape)):<16} {freed:>10} "
-                     f"{flops_text(u.flops):>11}  {ops} <- {kept}{rng}")  # fmt: skip
-    return "\n".join(lines)
+    if costly := [f"'{n.name}' ({flops_text(infos[n].flops)})" for n in sub
+                  if infos[n].flops and n.name != name]:  # fmt: skip
+        warnings.warn(f"tensor_ckpt: forgetting '{name}' recomputes {', '.join(costly)} in every "
+                      "backward: its storage, or a tensor its recompute needs, is not kept by "
+                      "autograd (a view of an op's output shares that output's storage). Forget a "
+                      "tensor computed after it, or keep it.", stacklevel=4)  # fmt: skip
 
 
 def flops_text(flops):
@@ -1043,17 +837,6 @@ def flops_text(flops):
         if flops >= scale:
             return f"{flops / scale:.1f} {unit}"
     return f"{flops:.0f} FLOP"
-
-
-def _mib(b):
-    return f"{b / 2**20:.2f} MiB" if b >= 2**20 or b == 0 else f"{b / 2**10:.1f} KiB"
-
-
-def check_arity(placeholders, inputs):
-    if len(inputs) != len(placeholders):
-        names = [n.name for n in placeholders]
-        raise ValueError(f"tensor_ckpt: expected {len(placeholders)} inputs ({names}), got "
-                         f"{len(inputs)}. Pass one value per argument of forward.")  # fmt: skip
 
 
 if __name__ == "__main__":
