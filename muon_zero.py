@@ -39,13 +39,11 @@ import torch.nn.functional as F
 
 import launch
 
-# ------------------------------------------------------------------------------------------------
-# 1. The optimizer math (V4 Algorithm 1)
-# ------------------------------------------------------------------------------------------------
+# ---- 1. The optimizer math (V4 Algorithm 1) ----------------------------------------------------
 
-# One (a, b, c) per Newton-Schulz iteration. V4's hybrid schedule: 8 fast steps push every singular
-# value into a band around 1, then 2 steps of the classic cubic that converges to 1. The standard
-# schedule (KellerJordan/Muon, torch.optim.Muon) stops after the 5 fast steps.
+# One (a, b, c) per Newton-Schulz iteration. V4's hybrid schedule: fast steps push every singular
+# value into a band around 1, then the classic cubic settles it on 1. The standard schedule
+# (KellerJordan/Muon, torch.optim.Muon) is the fast steps alone.
 V4_NS_COEFFICIENTS = ((3.4445, -4.7750, 2.0315),) * 8 + ((2.0, -1.5, 0.5),) * 2
 STANDARD_NS_COEFFICIENTS = ((3.4445, -4.7750, 2.0315),) * 5
 BF16_MAX = torch.finfo(torch.bfloat16).max
@@ -89,7 +87,7 @@ def muon_update(grad, momentum_buffer, *, momentum=0.95, nesterov=True,
     V4 writes M <- mu·M + G and X = mu·M + G (Nesterov) or M. The buffer here is torch.optim.Muon's
     average form M' = (1 - mu)·M: M' <- lerp(M', G, 1 - mu), X' = lerp(G, M', mu) = (1 - mu)·X,
     the same direction, so the same update. O = NS(X)·sqrt(max(n, m))·update_rms: NS(X) has RMS
-    ~1/sqrt(max(n, m)), so every matrix's update has RMS update_rms ("match_rms_adamw": 0.2).
+    ~1/sqrt(max(n, m)), so every matrix's update has RMS update_rms (torch's "match_rms_adamw").
     """
     # hint: two lerps (momentum, then the Nesterov look-ahead), then newton_schulz and the RMS scale
     ### BEGIN SOLUTION
@@ -136,18 +134,16 @@ def stochastic_round_to_bf16(x, generator=None):
     ### END SOLUTION
 
 
-# ------------------------------------------------------------------------------------------------
-# 2. The naive baseline: KellerJordan's muon.py deals whole matrices round-robin
-# ------------------------------------------------------------------------------------------------
+# ---- 2. The naive baseline: KellerJordan's muon.py deals whole matrices round-robin -----------
 
 
 @torch.no_grad()
 def round_robin_step(params, momenta, process_group=None, lr=0.02, weight_decay=0.1, **muon_kw):
     """Distributed Muon as KellerJordan's muon.py does it, for contrast.  Grads already averaged.
 
-    Rank r updates matrices r, r + W, ... whole, then each travels from its owner to everyone.
-    Every rank still holds every gradient, the load is as uneven as the shapes, experts are no
-    matrices of their own, one collective per matrix. V4 packs by cost, reduce-scatters, batches.
+    Rank r updates matrices r, r + W, ... whole, then each is broadcast from its owner. Every rank
+    still holds every gradient, the load is as uneven as the shapes, experts are no matrices of
+    their own, one collective per matrix. V4 packs by cost, reduce-scatters, batches.
     """
     rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
     for i, (p, M) in enumerate(zip(params, momenta)):
@@ -156,14 +152,12 @@ def round_robin_step(params, momenta, process_group=None, lr=0.02, weight_decay=
         dist.broadcast(p, group=process_group, group_src=i % world)
 
 
-# ------------------------------------------------------------------------------------------------
-# 3. V4's layout: who owns what (pure functions: usable at V4 scale without processes)
-# ------------------------------------------------------------------------------------------------
+# ---- 3. V4's layout: who owns what (pure functions: usable at V4 scale without processes) ------
 
 
 def ns_cost(shape):
-    """Multiply-adds of one NS iteration on [n, m] (the packing cost model): with s = min(n, m),
-    L = max(n, m), X X^T is s·s·L, A·A is s³, (bA + cA²)·X is s·s·L."""
+    """Multiply-adds of one NS iteration on [n, m], s = min, L = max: X X^T and (bA + cA²)·X are
+    s·s·L each, A·A is s³. The packing's cost model."""
     s, L = sorted(shape[-2:])
     return 2 * s * s * L + s**3
 
@@ -228,33 +222,22 @@ def split_experts(numels, world_size):
 
 @dataclass
 class MuonPlan:
-    """Who owns what: dense buckets per position in a replica group, expert runs per rank.
-    Rank r sits at position r % zero_width of replica r // zero_width."""
+    """Who owns what. Rank r sits at position r % zero_width of replica r // zero_width; it owns
+    dense bucket r % zero_width (so does every rank at that position) and expert run r."""
 
     world_size: int
     zero_width: int
     dense_shapes: list  # [(n, m)] in parameter order
-    dense_buckets: list  # zero_width lists of dense indices; bucket q: every rank at position q
+    dense_buckets: list  # zero_width lists of dense indices
     expert_shapes: list  # [(n, m)] in V4's flat order: all downs, then ups, then gates
     expert_ranges: list  # world_size (start, end) runs of expert indices
-
-    def position(self, rank):
-        return rank % self.zero_width
+    dense_bucket_numel: int = 0  # the largest bucket: every bucket is padded to it
+    expert_chunk_numel: int = 0  # the largest run: every run is padded to it
 
     def owned(self, rank):
         """(dense indices, expert indices) whose Muon update `rank` computes."""
         a, b = self.expert_ranges[rank] if self.expert_shapes else (0, 0)
-        return self.dense_buckets[self.position(rank)], list(range(a, b))
-
-    @property
-    def dense_bucket_numel(self):
-        sizes = [sum(math.prod(self.dense_shapes[i]) for i in b) for b in self.dense_buckets]
-        return max(sizes, default=0)
-
-    @property
-    def expert_chunk_numel(self):
-        sizes = [sum(map(math.prod, self.expert_shapes[a:b])) for a, b in self.expert_ranges]
-        return max(sizes, default=0)
+        return self.dense_buckets[rank % self.zero_width], list(range(a, b))
 
 
 def plan_muon(dense_shapes, expert_shapes, world_size, zero_width=None, balance="both"):
@@ -268,7 +251,9 @@ def plan_muon(dense_shapes, expert_shapes, world_size, zero_width=None, balance=
     dense, experts = [tuple(s) for s in dense_shapes], [tuple(s) for s in expert_shapes]
     buckets = pack_dense(dense, zero_width, balance)
     ranges = split_experts([math.prod(s) for s in experts], world_size)
-    return MuonPlan(world_size, zero_width, dense, buckets, experts, ranges)
+    bucket = max((sum(math.prod(dense[i]) for i in b) for b in buckets), default=0)
+    chunk = max((sum(map(math.prod, experts[a:b])) for a, b in ranges), default=0)
+    return MuonPlan(world_size, zero_width, dense, buckets, experts, ranges, bucket, chunk)
 
 
 @dataclass(frozen=True)
@@ -316,7 +301,7 @@ MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "n
 
 @dataclass(frozen=True)
 class MuonSettings:
-    """A param group's Muon hyperparameters; equal settings share one batched NS call."""
+    """A param group's Muon hyperparameters (MUON_KEYS); equal ones share one batched NS call."""
 
     lr: float
     weight_decay: float
@@ -344,9 +329,7 @@ def make_shards(matrix_lists, mine, process_group, peers, **kw):
     return Shards(chunks, numel, mine, runs, process_group, peers, **kw)
 
 
-# ------------------------------------------------------------------------------------------------
-# 4. The sharded step: pack -> reduce-scatter -> clip -> update my matrices -> all-gather -> unpack
-# ------------------------------------------------------------------------------------------------
+# ---- 4. The sharded step: pack -> reduce-scatter -> clip -> update mine -> all-gather -> unpack -
 
 
 @torch.no_grad()
@@ -481,25 +464,21 @@ ROLES = ("dense",) + EXPERT_ROLES + ("adamw",)
 class MuonZeRO(torch.optim.Optimizer):
     """Muon for matrices and expert stacks, AdamW for the rest, ZeRO-sharded the way V4 does it.
 
-    Param groups carry a `role`: "dense" (2-D matrices), "expert_down" / "expert_up" /
-    "expert_gate" (3-D stacks [E, n, m], each expert its own matrix) or "adamw" (see
-    muon_param_groups). Every rank calls backward() on its own micro-batch, then step(): the
-    optimizer averages the gradients over the process group, updates the matrices this rank owns
-    and gathers them, so every rank ends with identical parameters. The constructor and step()
-    are collectives (call them on all ranks); state_dict() is this rank's share,
-    gather_state_dict() the collective one.
+    Param groups carry a `role`: "dense" (matrices), "expert_down" / "expert_up" / "expert_gate"
+    (stacks [E, n, m], each expert its own matrix) or "adamw" (see muon_param_groups). Each rank
+    runs backward() on its own micro-batch, then step() averages the gradients over the process
+    group, updates the matrices this rank owns and gathers them: every rank ends identical. The
+    constructor and step() are collectives; state_dict() is this rank's share, no collective;
+    gather_state_dict() the collective whole, loadable at any world size and zero width.
 
     lr, momentum, weight_decay, nesterov: as torch.optim.Muon (momentum kept in its lerp form).
-    ns_coefficients: one (a, b, c) per Newton-Schulz iteration; ns_dtype: NS precision (V4: bf16).
-    update_rms: target RMS of each matrix's update (V4: 0.18; torch's "match_rms_adamw": 0.2).
-    betas, eps: AdamW's, for role="adamw" groups (which can set their own lr and weight_decay).
+    ns_coefficients, ns_dtype: one (a, b, c) per Newton-Schulz iteration, and its precision.
+    update_rms: target RMS of each matrix's update. betas, eps: AdamW's, for role="adamw" groups.
     zero_width: ranks that share the dense matrices (default: all); must divide the group size.
     grad_sync: "bf16_sr" (V4: stochastic rounding to bf16, all-to-all, fp32 sum) or "fp32".
-    max_grad_norm: clip the averaged gradient to this global norm inside step(), as
-        torch.nn.utils.clip_grad_norm_ does on one process. Clipping p.grad before step() is wrong
-        here: a rank holds its own micro-batch's gradient, not the average, so each rank would
-        clip by its own norm.
-    process_group: the data-parallel group (default: the world; no group at all: one process).
+    max_grad_norm: clip the averaged gradient to this global norm inside step(). Clipping p.grad
+        before step() is wrong here: each rank would clip its own micro-batch's gradient.
+    process_group: the data-parallel group (default: the world; none at all: one process).
     balance: dense packing objective (see pack_dense); seed: base seed of the rounding noise.
     Parameters must be float32 and on one device (mixed precision keeps fp32 master weights).
     """
@@ -569,10 +548,8 @@ class MuonZeRO(torch.optim.Optimizer):
         # AdamW is element-wise, so plain data parallelism is exact: one all-reduce, all step
         adamw = [(p, self.param_groups[k]) for i, p, k in self._params_of(("adamw",))
                  if has_grad[i]]  # fmt: skip
-        flat = torch.cat(
-            [torch.zeros(0, device=self.device)]
-            + [(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p, _ in adamw]
-        )
+        flat = torch.cat([torch.zeros(0, device=self.device)] + [torch.zeros_like(p).flatten()
+                          if p.grad is None else p.grad.flatten() for p, _ in adamw])  # fmt: skip
         if self.world_size > 1 and adamw:
             dist.all_reduce(flat, group=self.process_group)
         flat /= self.world_size
@@ -598,14 +575,21 @@ class MuonZeRO(torch.optim.Optimizer):
             raise ValueError("MuonZeRO plans ownership at construction: pass every param group")
         super().add_param_group(param_group)
 
-    def state_dict(self):  # checkpoints: see the appendix
-        return checkpoint(self, gather=False)
+    # checkpoints live in optimizer_state/muon_zero_checkpoint.py; resuming from either is exact
+    def state_dict(self):  # this rank's share: no collective, resumes at the same layout
+        from optimizer_state import muon_zero_checkpoint
 
-    def gather_state_dict(self):
-        return checkpoint(self, gather=True)
+        return muon_zero_checkpoint.save(self, gather=False)
+
+    def gather_state_dict(self):  # a collective: the whole state, loads at any world size
+        from optimizer_state import muon_zero_checkpoint
+
+        return muon_zero_checkpoint.save(self, gather=True)
 
     def load_state_dict(self, state_dict):
-        load_checkpoint(self, state_dict)
+        from optimizer_state import muon_zero_checkpoint
+
+        muon_zero_checkpoint.load(self, state_dict)
 
     def local_state_tensors(self):
         """The state tensors this rank holds: its stacked Muon momenta and the AdamW moments."""
@@ -621,7 +605,7 @@ def rounding_seed(seed, rank, steps):
     return seed * 65537 + rank + steps * 2**32
 
 
-# ==== appendix: parameter roles, the guard and validation, checkpoints, the demo =================
+# ==== appendix: parameter roles, validation and the guard, the demo ==============================
 
 OUTPUT_HEAD_NAMES = ("head", "lm_head", "output", "output_layer")  # nanoGPT, HF, titan, Megatron
 
@@ -629,13 +613,13 @@ OUTPUT_HEAD_NAMES = ("head", "lm_head", "output", "output_layer")  # nanoGPT, HF
 def muon_param_groups(model, adamw_names=OUTPUT_HEAD_NAMES, expert_roles=None):
     """Split `model`'s parameters into MuonZeRO param groups, one per role, by what each tensor is.
 
-    AdamW (V4): embeddings (and anything tied to them), the output head (HF's
-    get_output_embeddings(), or a module named in `adamw_names`: a dotted prefix such as
-    "model.proj" or a module name anywhere in the path), tensors a module declares non-Muon (a
-    `no_muon` or `_adamw_params` set of parameter names, or `tensor.no_muon = True`), static
-    biases (names starting with "bias", such as mHC's 2-D bias_res), tensors below 2 dims.
-    Muon: every other matrix. 3-D tensors are expert stacks [E, n, m], their role from
-    `expert_roles[name]` or a name token ("w_down", "up_proj", "gate"), else a ValueError.
+    AdamW (V4): embeddings and what is tied to them; the output head (HF's
+    get_output_embeddings(), or a module in `adamw_names`: a dotted prefix such as "model.proj" or
+    a module name anywhere in the path); tensors declared non-Muon (a module's `no_muon` or
+    `_adamw_params` set of names, or `tensor.no_muon = True`); static biases (names starting
+    "bias", such as mHC's 2-D bias_res); tensors below 2-D. Muon: every other matrix. 3-D tensors
+    are expert stacks [E, n, m], their role from `expert_roles[name]` or a name token ("w_down",
+    "up_proj", "gate"), else a ValueError.
     """
     expert_roles, adamw_ids = dict(expert_roles or {}), set()
     for module in model.modules():
@@ -670,25 +654,23 @@ def muon_param_groups(model, adamw_names=OUTPUT_HEAD_NAMES, expert_roles=None):
     return [{"params": ps, "role": role} for role, ps in by_role.items() if ps]
 
 
-def _number(x, low, high=math.inf, open_low=False, open_high=False):
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
-        return False
-    return (x > low if open_low else x >= low) and (x < high if open_high else x <= high)
+def _finite(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-GROUP_RULES = (  # (setting, test, what it must be)
-    ("lr", lambda v: _number(v, 0), "a finite number >= 0"),
-    ("momentum", lambda v: _number(v, 0, 1, open_high=True), "a number in [0, 1)"),
-    ("weight_decay", lambda v: _number(v, 0), "a finite number >= 0"),
-    ("update_rms", lambda v: _number(v, 0, open_low=True), "a finite number > 0"),
-    ("eps", lambda v: _number(v, 0, open_low=True), "a finite number > 0"),
-    ("betas", lambda v: len(v) == 2 and all(_number(b, 0, 1, open_high=True) for b in v),
-     "two numbers in [0, 1)"),
-    ("ns_coefficients", lambda v: len(v) > 0 and all(len(c) == 3 and all(map(_number, c, [-math.inf]
-     * 3)) for c in v), "one or more finite (a, b, c)"),
-    ("ns_dtype", lambda v: isinstance(v, torch.dtype) and v.is_floating_point,
-     "a floating torch dtype"),
-)  # fmt: skip
+GROUP_RULES = {  # setting: (test, what it must be)
+    "lr": (lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
+    "momentum": (lambda v: _finite(v) and 0 <= v < 1, "a number in [0, 1)"),
+    "weight_decay": (lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
+    "update_rms": (lambda v: _finite(v) and v > 0, "a finite number > 0"),
+    "eps": (lambda v: _finite(v) and v > 0, "a finite number > 0"),
+    "betas": (lambda v: len(v) == 2 and all(_finite(b) and 0 <= b < 1 for b in v),
+              "two numbers in [0, 1)"),
+    "ns_coefficients": (lambda v: len(v) > 0 and all(len(c) == 3 and all(map(_finite, c))
+                                                     for c in v), "one or more finite (a, b, c)"),
+    "ns_dtype": (lambda v: isinstance(v, torch.dtype) and v.is_floating_point,
+                 "a floating torch dtype"),
+}  # fmt: skip
 TENSOR_RULES = (  # (test of a tensor in a param group of this role, what is wrong and the fix)
     (lambda p, role: p.dtype == torch.float32, "MuonZeRO updates float32 parameters (its buffers "
      "are fp32): keep fp32 master weights, e.g. model.float()"),
@@ -706,13 +688,12 @@ def check_group(k, g):
     """Raise ValueError for the first problem with param group k's role, settings or tensors."""
     if g["role"] not in ROLES:
         raise ValueError(f"param group {k}: role must be one of {ROLES}, got {g['role']!r}")
-    for key, ok, what in GROUP_RULES:
-        if not ok(g[key]):
-            raise ValueError(f"param group {k}: {key} must be {what}, got {g[key]!r}")
-    for p in g["params"]:
-        for ok, what in TENSOR_RULES:
-            if not ok(p, g["role"]):
-                raise ValueError(f"param group {k}: a {p.dtype} tensor {tuple(p.shape)}: {what}")
+    bad = [f"{key} must be {what}, got {g[key]!r}" for key, (ok, what) in GROUP_RULES.items()
+           if not ok(g[key])] + [f"a {p.dtype} tensor {tuple(p.shape)}: {what}"
+                                 for p in g["params"] for ok, what in TENSOR_RULES
+                                 if not ok(p, g["role"])]  # fmt: skip
+    if bad:
+        raise ValueError(f"param group {k}: {bad[0]}")
 
 
 def agreement_fields(opt, zero_width, balance, weights=True):
@@ -738,7 +719,7 @@ def check_and_agree(opt, zero_width, balance):
         if opt.grad_sync not in ("fp32", "bf16_sr"):
             raise ValueError(f"grad_sync must be 'fp32' (exact) or 'bf16_sr' (V4's), got "
                              f"{opt.grad_sync!r}")  # fmt: skip
-        if not (opt.max_grad_norm is None or _number(opt.max_grad_norm, 0, open_low=True)):
+        if not (opt.max_grad_norm is None or GROUP_RULES["eps"][0](opt.max_grad_norm)):
             raise ValueError(f"max_grad_norm must be None or > 0, got {opt.max_grad_norm!r}")
         pack_dense([], 1, balance), plan_muon([], [], opt.world_size, zero_width)
         for k, g in enumerate(opt.param_groups):
@@ -751,11 +732,9 @@ def check_and_agree(opt, zero_width, balance):
 
 
 def agreed_grad_mask(opt):
-    """Which parameters have a gradient on some rank, and a re-check of what was agreed.
-
-    One all-reduce (MAX) of [has grad per parameter, digest, -digest, local error]: a gradient None
-    on some ranks counts as zero there; None everywhere skips the parameter. Settings that changed
-    on one rank (the digest), or parameters that changed shape, dtype or device since
+    """Which parameters have a gradient on some rank (None on some ranks: zero there; None on
+    all: skipped), in one all-reduce (MAX) that also re-checks what was agreed: settings changed
+    on one rank (their digest), or parameters that changed shape, dtype or device since
     construction, make every rank run the full guard."""
     fields = agreement_fields(opt, opt.zero_width, "-", weights=False)
     digest, error = launch.fields_digest(fields), None
@@ -773,111 +752,6 @@ def agreed_grad_mask(opt):
     return mask[:-3].bool().tolist()
 
 
-def checkpoint(opt, gather):
-    """{"state", "param_groups", "rounding"}. gather=False: this rank's share, no collective (safe
-    under `if rank == 0`): AdamW moments (replicated, complete), the momentum of the matrices it
-    owns (a stack's buffer with the owned experts filled, listed under "experts") and its
-    rounding generator; it resumes exactly at the same world size and zero width. gather=True, a
-    collective: every momentum and every rank's generator, loadable at any world size."""
-    state = {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state[p].items()}
-             for i, p in enumerate(opt.params) if opt.state.get(p)}  # fmt: skip
-    generators = {opt.rank: opt._sr_generator.get_state()}
-    owned = [(s, m) for shards, buffers in zip(opt.shards, opt._momentum or [])
-             for run, M in zip(shards.runs, buffers) for s, m in zip(run.slots, M)]  # fmt: skip
-    if gather and opt.world_size > 1:
-        mine = generators[opt.rank].to(opt.device)
-        everyone = all_gather_chunks(mine, opt.process_group, opt.world_size).cpu()
-        generators = {r: t.clone() for r, t in enumerate(everyone)}  # own storage: set_state
-    if gather and opt._momentum is not None:
-        full = [torch.zeros_like(p) for p in opt.params]
-        for shards, buffers in zip(opt.shards, opt._momentum):
-            chunk = torch.zeros(shards.chunk_numel, device=opt.device)
-            for run, M in zip(shards.runs, buffers):
-                chunk[run.offset : run.offset + M.numel()] = M.flatten()
-            unpack(all_gather_chunks(chunk, shards.group, shards.peers), shards.chunks, full)
-        owned = [(s, s.of(full)) for s in opt.dense_matrices + opt.expert_matrices]
-    for s, m in owned:
-        if s.expert is None or gather:
-            state[s.param] = {"momentum_buffer": m.clone() if s.expert is None else full[s.param]}
-        else:
-            entry = state.setdefault(s.param, {"experts": [], "momentum_buffer":
-                                               torch.zeros_like(opt.params[s.param])})  # fmt: skip
-            entry["momentum_buffer"][s.expert] = m
-            entry["experts"].append(s.expert)
-    groups, start = [], 0
-    for g in opt.param_groups:
-        groups.append({**g, "params": list(range(start, start + len(g["params"])))})
-        start += len(g["params"])
-    rounding = dict(world_size=opt.world_size, zero_width=opt.zero_width, steps=opt.steps,
-                    generators=generators)  # fmt: skip
-    return {"state": state, "param_groups": groups, "rounding": rounding}
-
-
-def _as_group_value(key, value):
-    """Undo what a text round trip does to a hyperparameter (lists for tuples, dtype names)."""
-    if key == "ns_dtype" and isinstance(value, str):
-        return getattr(torch, value.replace("torch.", ""))
-    if key in ("betas", "ns_coefficients") and isinstance(value, list):
-        return tuple(tuple(v) if isinstance(v, list) else v for v in value)
-    return value
-
-
-def load_checkpoint(opt, state_dict):
-    """Load a gathered state_dict (any world size and zero width) or this rank's own share. Keys
-    may be ints or their strings; momentum this rank needs but the dict lacks raises. The rounding
-    generator is restored where the dict holds this rank's, saved at the same world size and zero
-    width; elsewhere (resharding) it is reseeded from (seed, rank, steps taken)."""
-    saved = state_dict["param_groups"]
-    if [len(g["params"]) for g in saved] != [len(g["params"]) for g in opt.param_groups]:
-        raise ValueError("state_dict has a different number of param groups or parameters")
-    try:
-        state = {int(key): value for key, value in state_dict["state"].items()}
-    except (TypeError, ValueError):
-        raise ValueError(f"state_dict keys must be parameter indices: {list(state_dict['state'])}")
-    settings = [{key: _as_group_value(key, v) for key, v in s.items() if key != "params"}
-                for s in saved]  # fmt: skip
-    for k, (g, s) in enumerate(zip(opt.param_groups, settings)):
-        if g["role"] != s["role"]:
-            raise ValueError(
-                f"state_dict param group {k} role {s['role']!r} does not match {g['role']!r}"
-            )
-        check_group(k, {**g, **s})
-    mine = [s for shards in opt.shards for run in shards.runs for s in run.slots]
-    has_momentum = any("momentum_buffer" in s for s in state.values())
-    missing = [f"parameter {s.param}" + ("" if s.expert is None else f" expert {s.expert}")
-               for s in mine if "momentum_buffer" not in state.get(s.param, {})
-               or s.expert not in state[s.param].get("experts", [s.expert])]  # fmt: skip
-    if has_momentum and missing:
-        raise ValueError(f"state_dict holds no momentum for {len(missing)} matrices this rank "
-                         f"owns ({', '.join(missing[:4])}): a state_dict() holds one rank's share; "
-                         f"save gather_state_dict() to resume at another world size or zero "
-                         f"width")  # fmt: skip
-    for g, s in zip(opt.param_groups, settings):
-        g.update(s)
-    opt.state.clear()
-    for i, p in enumerate(opt.params):
-        if "exp_avg" in state.get(i, {}):
-            opt.state[p] = {k: v if k == "step" else torch.as_tensor(v).to(p).clone()
-                            for k, v in state[i].items()}  # fmt: skip
-    buffers = {i: torch.as_tensor(s["momentum_buffer"]).float() for i, s in state.items()
-               if "momentum_buffer" in s}  # fmt: skip
-    opt._momentum = (
-        [
-            [torch.stack([s.of(buffers) for s in run.slots]).to(opt.device) for run in shards.runs]
-            for shards in opt.shards
-        ]
-        if has_momentum
-        else None
-    )
-    rounding = state_dict.get("rounding", {})
-    opt.steps, generators = rounding.get("steps", 0), rounding.get("generators", {})
-    where = (rounding.get("world_size"), rounding.get("zero_width"))
-    if where == (opt.world_size, opt.zero_width) and opt.rank in generators:
-        opt._sr_generator.set_state(torch.as_tensor(generators[opt.rank]).cpu().clone())
-    else:
-        opt._sr_generator.manual_seed(rounding_seed(opt.seed, opt.rank, opt.steps))
-
-
 # -- the demo: a small MoE transformer trained on every rank's slice of the batch -----------------
 
 
@@ -893,9 +767,9 @@ class TinyMoE(nn.Module):
         for _ in range(layers):
             L = nn.Module()
             L.attn_norm, L.ffn_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
-            L.wq = nn.Parameter(torch.randn(heads * kv_dim, dim) / dim**0.5)  # tall [64, 48]
-            L.wkv = nn.Parameter(torch.randn(2 * kv_dim, dim) / dim**0.5)  # wide [32, 48]
-            L.wo = nn.Parameter(torch.randn(dim, heads * kv_dim) / dim**0.5)  # wide [48, 64]
+            L.wq = nn.Parameter(torch.randn(heads * kv_dim, dim) / dim**0.5)  # tall
+            L.wkv = nn.Parameter(torch.randn(2 * kv_dim, dim) / dim**0.5)  # wide
+            L.wo = nn.Parameter(torch.randn(dim, heads * kv_dim) / dim**0.5)  # wide
             L.router = nn.Parameter(torch.randn(experts, dim) / dim**0.5)
             L.w_gate = nn.Parameter(torch.randn(experts, ffn, dim) / dim**0.5)
             L.w_up = nn.Parameter(torch.randn(experts, ffn, dim) / dim**0.5)
@@ -910,16 +784,12 @@ class TinyMoE(nn.Module):
         for L in self.layers:
             h = L.attn_norm(x)
             q = (h @ L.wq.T).view(B, T, self.heads, self.kv_dim).transpose(1, 2)  # [B, H, T, kv]
-            k, v = (h @ L.wkv.T).split(self.kv_dim, dim=-1)  # one shared KV head
-            k = k.unsqueeze(1).expand(-1, self.heads, -1, -1)
-            v = v.unsqueeze(1).expand(-1, self.heads, -1, -1)
-            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            kv = (h @ L.wkv.T).unsqueeze(1).expand(-1, self.heads, -1, -1)  # one shared KV head
+            att = F.scaled_dot_product_attention(q, *kv.split(self.kv_dim, -1), is_causal=True)
             x = x + att.transpose(1, 2).reshape(B, T, -1) @ L.wo.T
             h = L.ffn_norm(x)
             weights, chosen = (h @ L.router.T).softmax(-1).topk(self.top_k, dim=-1)
-            gates = torch.zeros(B, T, L.router.size(0), device=x.device).scatter(
-                -1, chosen, weights
-            )
+            gates = x.new_zeros(B, T, L.router.size(0)).scatter(-1, chosen, weights)  # [B, T, E]
             up = torch.einsum("btd,efd->btef", h, L.w_up)
             hidden = F.silu(torch.einsum("btd,efd->btef", h, L.w_gate)) * up
             x = x + torch.einsum("btef,edf,bte->btd", hidden, L.w_down, gates)
@@ -940,21 +810,19 @@ def demo_batch(batch, seq, vocab, generator):
 
 def format_plan(plan):
     """One line per rank: matrices, elements and padding (matrix entries), NS cost, NS calls."""
-    head = ("rank", "replica", "pos", "dense mats", "expert mats", "elements owned",
-            "dense pad elems", "expert pad elems", "NS MACs/iter", "NS calls")  # fmt: skip
-    widths = [max(len(h), 6) for h in head]
-    lines = [" ".join(h.rjust(w) for h, w in zip(head, widths))]
+    rows = [("rank", "replica", "pos", "dense mats", "expert mats", "elements owned",
+             "dense pad elems", "expert pad elems", "NS MACs/iter", "NS calls")]  # fmt: skip
     for r in range(plan.world_size):
         dense, experts = plan.owned(r)
         shapes = [plan.dense_shapes[i] for i in dense] + [plan.expert_shapes[i] for i in experts]
         d, e = sum(map(math.prod, shapes[: len(dense)])), sum(map(math.prod, shapes[len(dense) :]))
-        cells = [r, r // plan.zero_width, plan.position(r), len(dense), len(experts),
-                 f"{d + e:,}", f"{plan.dense_bucket_numel - d:,}",
-                 f"{plan.expert_chunk_numel - e:,}",
-                 f"{sum(map(ns_cost, shapes)):.3g}",
-                 sum(1 for i, s in enumerate(shapes) if i == 0 or s != shapes[i - 1])]  # fmt: skip
-        lines.append(" ".join(str(c).rjust(w) for c, w in zip(cells, widths)))
-    return "\n".join(lines)
+        calls = sum(1 for i, s in enumerate(shapes) if i == 0 or s != shapes[i - 1])
+        rows.append((r, r // plan.zero_width, r % plan.zero_width, len(dense), len(experts),
+                     f"{d + e:,}", f"{plan.dense_bucket_numel - d:,}",
+                     f"{plan.expert_chunk_numel - e:,}", f"{sum(map(ns_cost, shapes)):.3g}",
+                     calls))  # fmt: skip
+    widths = [max(len(h), 6) for h in rows[0]]
+    return "\n".join(" ".join(str(c).rjust(w) for c, w in zip(row, widths)) for row in rows)
 
 
 MAX_DEMO_SEQ = 4096  # the demo's attention costs seq² per sequence and step
@@ -1014,11 +882,9 @@ def train(args, rank, world, device):
     launch.say(f"global batch {args.batch} sequences = {per_rank} per rank x {world}, "
                f"{args.seq} tokens")  # fmt: skip
     for step in range(1, args.steps + 1):
-        x, y = demo_batch(args.batch, args.seq, 64, data)
-        mine = slice(rank * per_rank, (rank + 1) * per_rank)
-        loss = F.cross_entropy(
-            model(x[mine].to(device)).flatten(0, 1), y[mine].to(device).flatten()
-        )
+        x, y = (t[rank * per_rank : (rank + 1) * per_rank].to(device)
+                for t in demo_batch(args.batch, args.seq, 64, data))  # fmt: skip
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         opt.zero_grad()
         loss.backward()
         opt.step()
