@@ -30,7 +30,8 @@ import bisect
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from itertools import accumulate, groupby
 
 import torch
 import torch.distributed as dist
@@ -38,12 +39,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import launch
+from models.tiny_moe import TinyMoE, demo_batch  # the demo's model and data
 
 # ---- 1. The optimizer math (V4 Algorithm 1) ----------------------------------------------------
 
-# One (a, b, c) per Newton-Schulz iteration. V4's hybrid schedule: fast steps push every singular
-# value into a band around 1, then the classic cubic settles it on 1. The standard schedule
-# (KellerJordan/Muon, torch.optim.Muon) is the fast steps alone.
+# One (a, b, c) per Newton-Schulz iteration. V4's hybrid: fast steps push every singular value into
+# a band around 1, then the classic cubic settles it on 1. Standard (torch.optim.Muon): fast only.
 V4_NS_COEFFICIENTS = ((3.4445, -4.7750, 2.0315),) * 8 + ((2.0, -1.5, 0.5),) * 2
 STANDARD_NS_COEFFICIENTS = ((3.4445, -4.7750, 2.0315),) * 5
 BF16_MAX = torch.finfo(torch.bfloat16).max
@@ -54,9 +55,8 @@ def newton_schulz(X, coefficients, dtype=torch.bfloat16, eps=1e-7):
 
     In `dtype`: each matrix divided by its Frobenius norm (every singular value <= 1), tall ones
     transposed so that the Gram matrix A = X X^T is the small one, then per (a, b, c)
-    X <- a·X + (b·A + c·A²)·X. Any op order is right (the reference fuses the adds as
-    torch.optim.Muon does). A power-of-two prescale (exact) lets a tiny gradient, a clipped one
-    say, normalise like any other instead of falling under eps.
+    X <- a·X + (b·A + c·A²)·X, in any op order. An exact power-of-two prescale lets a tiny
+    (say, clipped) gradient normalise like any other instead of falling under eps.
     """
     if X.ndim not in (2, 3):
         raise ValueError(f"newton_schulz takes [n, m] or [b, n, m], got shape {tuple(X.shape)}")
@@ -84,10 +84,9 @@ def muon_update(grad, momentum_buffer, *, momentum=0.95, nesterov=True,
                 update_rms=0.18):  # fmt: skip
     """Advance the momentum in place, return the fp32 update O.  grad, buffer: [n, m] or [b, n, m].
 
-    V4 writes M <- mu·M + G and X = mu·M + G (Nesterov) or M. The buffer here is torch.optim.Muon's
+    V4 writes M <- mu·M + G and X = mu·M + G (Nesterov) or M. The buffer is torch.optim.Muon's
     average form M' = (1 - mu)·M: M' <- lerp(M', G, 1 - mu), X' = lerp(G, M', mu) = (1 - mu)·X,
-    the same direction, so the same update. O = NS(X)·sqrt(max(n, m))·update_rms: NS(X) has RMS
-    ~1/sqrt(max(n, m)), so every matrix's update has RMS update_rms (torch's "match_rms_adamw").
+    the same direction. O = NS(X)·sqrt(max(n, m))·update_rms: NS(X) has RMS ~1/sqrt(max(n, m)).
     """
     # hint: two lerps (momentum, then the Nesterov look-ahead), then newton_schulz and the RMS scale
     ### BEGIN SOLUTION
@@ -115,11 +114,10 @@ def adamw_update(param, grad, exp_avg, exp_avg_sq, step, *, lr, betas=(0.9, 0.95
 def stochastic_round_to_bf16(x, generator=None):
     """Round fp32 to bf16 up or down at random, with E[round(x)] = x.  x: any shape fp32 -> bf16.
 
-    bf16 is the top 16 bits of fp32. Adding a uniform random integer in [0, 2^16) to the bit
-    pattern and zeroing the low 16 bits carries into the kept bits with probability
-    (dropped bits) / 2^16, exactly the fraction of the gap x has covered: unbiased, and symmetric
-    for negative numbers. NaN and ±Inf pass through; finite values saturate at ±bf16 max. The
-    noise comes from `generator`, so a run (and its resume) is reproducible.
+    bf16 is the top 16 bits of fp32. Adding a uniform random integer in [0, 2^16) to the bits and
+    zeroing the low 16 carries into the kept bits with probability (dropped bits) / 2^16: the
+    fraction of the gap x has covered, so unbiased, either sign. NaN and ±Inf pass through; finite
+    values saturate at ±bf16 max. `generator` makes a run (and its resume) reproducible.
     """
     if x.dtype != torch.float32:
         raise ValueError(f"stochastic_round_to_bf16 expects float32, got {x.dtype}")
@@ -141,10 +139,8 @@ def stochastic_round_to_bf16(x, generator=None):
 def round_robin_step(params, momenta, process_group=None, lr=0.02, weight_decay=0.1, **muon_kw):
     """Distributed Muon as KellerJordan's muon.py does it, for contrast.  Grads already averaged.
 
-    Rank r updates matrices r, r + W, ... whole, then each is broadcast from its owner. Every rank
-    still holds every gradient, the load is as uneven as the shapes, experts are no matrices of
-    their own, one collective per matrix. V4 packs by cost, reduce-scatters, batches.
-    """
+    Rank r updates matrices r, r + W, ... whole, then each is broadcast from its owner: every rank
+    holds every gradient, the load is as uneven as the shapes, one collective per matrix."""
     rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
     for i, (p, M) in enumerate(zip(params, momenta)):
         if i % world == rank:
@@ -156,8 +152,7 @@ def round_robin_step(params, momenta, process_group=None, lr=0.02, weight_decay=
 
 
 def ns_cost(shape):
-    """Multiply-adds of one NS iteration on [n, m], s = min, L = max: X X^T and (bA + cA²)·X are
-    s·s·L each, A·A is s³. The packing's cost model."""
+    """Multiply-adds of one NS iteration on [n, m] (s <= L): X X^T, (bA + cA²)·X and A·A."""
     s, L = sorted(shape[-2:])
     return 2 * s * s * L + s**3
 
@@ -165,11 +160,10 @@ def ns_cost(shape):
 def pack_dense(shapes, zero_width, balance="both"):
     """Assign whole matrices to `zero_width` buckets.  shapes: [(n, m)] -> list of index lists.
 
-    Largest-first greedy (LPT, within 4/3 of the optimum): matrices in decreasing weight, each to
-    the bucket where it raises the load least. `balance` names the load: "ns_cost" (compute: the
-    slowest rank sets the step time), "numel" (memory: buckets are padded to the largest) or
-    "both" (default): the larger of the two, each as a fraction of its total. In a bucket,
-    identical shapes sit next to each other (the shapes in any order): one batched NS call.
+    Largest-first greedy (LPT): matrices in decreasing weight, each to the bucket where it raises
+    the load least. `balance` names the load: "ns_cost" (the slowest rank sets the step time),
+    "numel" (buckets are padded to the largest) or "both": the larger, each as a fraction of its
+    total. In a bucket, identical shapes sit next to each other: one batched NS call.
     """
     if balance not in ("ns_cost", "numel", "both"):
         raise ValueError(f"balance must be 'ns_cost', 'numel' or 'both', got {balance!r}")
@@ -200,8 +194,8 @@ def pack_dense(shapes, zero_width, balance="both"):
 def split_experts(numels, world_size):
     """Cut V4's flat expert vector into `world_size` runs.  numels: list -> list of (start, end).
 
-    Piece k ends at the matrix boundary nearest to k/W of the total elements (either on a tie),
-    so no matrix is cut; pieces are padded to the largest. Equal-size experts: ceil/floor(N / W).
+    Piece k ends at the matrix boundary nearest to k/W of the total elements (either on a tie):
+    no matrix is cut. Equal-size experts: ceil/floor(N / W) each.
     """
     # hint: prefix sums of the sizes; for each k pick the boundary closest to k/W of the total
     ### BEGIN SOLUTION
@@ -295,37 +289,26 @@ class Shards:
     counted: bool = True  # my chunk enters the global gradient norm (dense: replica 0 only)
 
 
-MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "ns_dtype",
-             "update_rms")  # fmt: skip
-
-
 @dataclass(frozen=True)
 class MuonSettings:
-    """A param group's Muon hyperparameters (MUON_KEYS); equal ones share one batched NS call."""
+    """A param group's Muon hyperparameters, by their keys; equal ones share one batched NS call."""
 
     lr: float
     weight_decay: float
     momentum: float
     nesterov: bool
-    coefficients: tuple
+    ns_coefficients: tuple
     ns_dtype: torch.dtype
     update_rms: float
 
 
 def make_shards(matrix_lists, mine, process_group, peers, **kw):
     """Each peer's matrices back to back from offset 0; my chunk's same-shape neighbours: Runs."""
-    chunks = []
-    for matrices in matrix_lists:
-        offsets = [0] + [s.shape[0] * s.shape[1] for s in matrices]
-        chunks.append([Slot(s.param, s.expert, s.param_group, s.shape, sum(offsets[: k + 1]))
-                       for k, s in enumerate(matrices)])  # fmt: skip
-    runs = []
-    for s in chunks[mine]:
-        if runs and runs[-1].shape == s.shape:
-            runs[-1].slots.append(s)
-        else:
-            runs.append(Run(s.offset, s.shape, [s]))
-    numel = max((sum(s.shape[0] * s.shape[1] for s in c) for c in chunks), default=0)
+    offsets = [accumulate((math.prod(s.shape) for s in c), initial=0) for c in matrix_lists]
+    chunks = [[replace(s, offset=o) for s, o in zip(c, at)] for c, at in zip(matrix_lists, offsets)]
+    same_shape = [list(slots) for _, slots in groupby(chunks[mine], key=lambda s: s.shape)]
+    runs = [Run(slots[0].offset, slots[0].shape, slots) for slots in same_shape]
+    numel = max((sum(math.prod(s.shape) for s in c) for c in chunks), default=0)
     return Shards(chunks, numel, mine, runs, process_group, peers, **kw)
 
 
@@ -400,10 +383,8 @@ def unpack(flat, chunks, tensors):
 def reduce_scatter_sum(chunks, group, grad_sync, generator):
     """chunks [P, S] fp32 (chunk q goes to peer q) -> [S] fp32: every peer's chunk for me, summed.
 
-    An all-to-all plus a local sum (V4's MoE recipe): with grad_sync="bf16_sr" each gradient is
-    rounded once, stochastically, and summed in FP32. A bf16 ring reduce-scatter instead rounds
-    the running sum at every hop, so its error grows with the number of ranks.
-    """
+    An all-to-all plus a local sum (V4's MoE recipe): with "bf16_sr" each gradient is rounded once,
+    stochastically, and summed in FP32; a bf16 ring would round the running sum at every hop."""
     if chunks.size(0) == 1:
         return chunks[0]
     payload = stochastic_round_to_bf16(chunks, generator) if grad_sync == "bf16_sr" else chunks
@@ -426,14 +407,11 @@ def update_run(G, W, M, settings, active):
     Neighbours with equal settings share one muon_update call; members without a gradient on any
     rank keep their momentum and weights, as torch's optimizers skip them."""
     idle = [k for k, a in enumerate(active) if not a]
-    saved = (M[idle].clone(), W[idle].clone())
-    start = 0
-    while start < len(settings):
-        s, end = settings[start], start + 1
-        while end < len(settings) and settings[end] == s:
-            end += 1
+    saved, start = (M[idle].clone(), W[idle].clone()), 0
+    for s, members in groupby(settings):
+        end = start + len(list(members))
         update = muon_update(G[start:end], M[start:end], momentum=s.momentum,
-                             nesterov=s.nesterov, coefficients=s.coefficients,
+                             nesterov=s.nesterov, coefficients=s.ns_coefficients,
                              ns_dtype=s.ns_dtype, update_rms=s.update_rms)  # fmt: skip
         apply_update(W[start:end], update, s.lr, s.weight_decay)
         start = end
@@ -466,21 +444,16 @@ class MuonZeRO(torch.optim.Optimizer):
 
     Param groups carry a `role`: "dense" (matrices), "expert_down" / "expert_up" / "expert_gate"
     (stacks [E, n, m], each expert its own matrix) or "adamw" (see muon_param_groups). Each rank
-    runs backward() on its own micro-batch, then step() averages the gradients over the process
-    group, updates the matrices this rank owns and gathers them: every rank ends identical. The
-    constructor and step() are collectives; state_dict() is this rank's share, no collective;
-    gather_state_dict() the collective whole, loadable at any world size and zero width.
+    runs backward() on its own micro-batch; step() averages the gradients over the process group,
+    updates the matrices this rank owns and gathers them, so every rank ends identical. The
+    constructor and step() are collectives. Parameters: float32, on one device.
 
-    lr, momentum, weight_decay, nesterov: as torch.optim.Muon (momentum kept in its lerp form).
-    ns_coefficients, ns_dtype: one (a, b, c) per Newton-Schulz iteration, and its precision.
-    update_rms: target RMS of each matrix's update. betas, eps: AdamW's, for role="adamw" groups.
-    zero_width: ranks that share the dense matrices (default: all); must divide the group size.
-    grad_sync: "bf16_sr" (V4: stochastic rounding to bf16, all-to-all, fp32 sum) or "fp32".
-    max_grad_norm: clip the averaged gradient to this global norm inside step(). Clipping p.grad
-        before step() is wrong here: each rank would clip its own micro-batch's gradient.
-    process_group: the data-parallel group (default: the world; none at all: one process).
-    balance: dense packing objective (see pack_dense); seed: base seed of the rounding noise.
-    Parameters must be float32 and on one device (mixed precision keeps fp32 master weights).
+    lr, momentum, weight_decay, nesterov: as torch.optim.Muon; ns_coefficients, ns_dtype: one
+    (a, b, c) per Newton-Schulz iteration, its precision; update_rms: each update's RMS; betas,
+    eps: AdamW's. zero_width: ranks sharing the dense matrices (default: all; must divide the
+    group). grad_sync: "bf16_sr" (V4's) or "fp32". max_grad_norm: clip the averaged gradient
+    inside step() (clipping p.grad before would clip each rank's own micro-batch). balance: see
+    pack_dense; seed: of the rounding noise; process_group: default the world, or one process.
     """
 
     def __init__(self, params, lr=0.02, momentum=0.95, weight_decay=0.1, nesterov=True,
@@ -535,10 +508,7 @@ class MuonZeRO(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = None if closure is None else torch.enable_grad()(closure)()
         has_grad = agreed_grad_mask(self)  # one small all-reduce; re-checks settings across ranks
         if not any(has_grad):
             return loss
@@ -553,7 +523,8 @@ class MuonZeRO(torch.optim.Optimizer):
         if self.world_size > 1 and adamw:
             dist.all_reduce(flat, group=self.process_group)
         flat /= self.world_size
-        settings = [MuonSettings(*(g[k] for k in MUON_KEYS)) for g in self.param_groups]
+        keys = MuonSettings.__annotations__  # its fields, named as the param-group keys
+        settings = [MuonSettings(**{k: g[k] for k in keys}) for g in self.param_groups]
         scale = sharded_step(self.shards, [p.grad for p in self.params],
                              [p.detach() for p in self.params], self._momentum, settings,
                              has_grad, self.world_size, self.grad_sync, self._sr_generator,
@@ -575,21 +546,14 @@ class MuonZeRO(torch.optim.Optimizer):
             raise ValueError("MuonZeRO plans ownership at construction: pass every param group")
         super().add_param_group(param_group)
 
-    # checkpoints live in optimizer_state/muon_zero_checkpoint.py; resuming from either is exact
     def state_dict(self):  # this rank's share: no collective, resumes at the same layout
-        from optimizer_state import muon_zero_checkpoint
-
-        return muon_zero_checkpoint.save(self, gather=False)
+        return _checkpoints().save(self, gather=False)
 
     def gather_state_dict(self):  # a collective: the whole state, loads at any world size
-        from optimizer_state import muon_zero_checkpoint
+        return _checkpoints().save(self, gather=True)
 
-        return muon_zero_checkpoint.save(self, gather=True)
-
-    def load_state_dict(self, state_dict):
-        from optimizer_state import muon_zero_checkpoint
-
-        muon_zero_checkpoint.load(self, state_dict)
+    def load_state_dict(self, state_dict):  # either of the two; resuming is exact
+        _checkpoints().load(self, state_dict)
 
     def local_state_tensors(self):
         """The state tensors this rank holds: its stacked Muon momenta and the AdamW moments."""
@@ -598,6 +562,13 @@ class MuonZeRO(torch.optim.Optimizer):
 
     def state_bytes(self):
         return sum(t.numel() * t.element_size() for t in self.local_state_tensors())
+
+
+def _checkpoints():
+    """Saving and loading live in optimizer_state/, imported on first use."""
+    from optimizer_state import muon_zero_checkpoint
+
+    return muon_zero_checkpoint
 
 
 def rounding_seed(seed, rank, steps):
@@ -752,60 +723,7 @@ def agreed_grad_mask(opt):
     return mask[:-3].bool().tolist()
 
 
-# -- the demo: a small MoE transformer trained on every rank's slice of the batch -----------------
-
-
-class TinyMoE(nn.Module):
-    """Embedding -> [attention + top-2 MoE of SwiGLU experts] x layers -> head. Dense matrices of
-    several shapes (square, wide, tall) plus 3-D expert stacks [E, n, m]."""
-
-    def __init__(self, vocab=64, dim=48, heads=4, kv_dim=16, layers=2, experts=6, ffn=32, top_k=2):
-        super().__init__()
-        self.heads, self.kv_dim, self.top_k = heads, kv_dim, top_k
-        self.embed = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList()
-        for _ in range(layers):
-            L = nn.Module()
-            L.attn_norm, L.ffn_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
-            L.wq = nn.Parameter(torch.randn(heads * kv_dim, dim) / dim**0.5)  # tall
-            L.wkv = nn.Parameter(torch.randn(2 * kv_dim, dim) / dim**0.5)  # wide
-            L.wo = nn.Parameter(torch.randn(dim, heads * kv_dim) / dim**0.5)  # wide
-            L.router = nn.Parameter(torch.randn(experts, dim) / dim**0.5)
-            L.w_gate = nn.Parameter(torch.randn(experts, ffn, dim) / dim**0.5)
-            L.w_up = nn.Parameter(torch.randn(experts, ffn, dim) / dim**0.5)
-            L.w_down = nn.Parameter(torch.randn(experts, dim, ffn) / ffn**0.5)
-            self.layers.append(L)
-        self.norm = nn.RMSNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, tokens):
-        x = self.embed(tokens)
-        B, T, D = x.shape
-        for L in self.layers:
-            h = L.attn_norm(x)
-            q = (h @ L.wq.T).view(B, T, self.heads, self.kv_dim).transpose(1, 2)  # [B, H, T, kv]
-            kv = (h @ L.wkv.T).unsqueeze(1).expand(-1, self.heads, -1, -1)  # one shared KV head
-            att = F.scaled_dot_product_attention(q, *kv.split(self.kv_dim, -1), is_causal=True)
-            x = x + att.transpose(1, 2).reshape(B, T, -1) @ L.wo.T
-            h = L.ffn_norm(x)
-            weights, chosen = (h @ L.router.T).softmax(-1).topk(self.top_k, dim=-1)
-            gates = x.new_zeros(B, T, L.router.size(0)).scatter(-1, chosen, weights)  # [B, T, E]
-            up = torch.einsum("btd,efd->btef", h, L.w_up)
-            hidden = F.silu(torch.einsum("btd,efd->btef", h, L.w_gate)) * up
-            x = x + torch.einsum("btef,edf,bte->btd", hidden, L.w_down, gates)
-        return self.head(self.norm(x))
-
-
-def demo_batch(batch, seq, vocab, generator):
-    """Sequences t_{i+1} = (5 t_i + 3) mod vocab from a random start: learnable next-token data.
-    In O(seq): t_i = (a_i t_0 + b_i) mod vocab, the maps (a_i, b_i) built by doubling."""
-    start = torch.randint(0, vocab, (batch, 1), generator=generator, device="cpu")
-    a, b = torch.ones(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
-    while a.numel() < seq + 1:  # map n + i is map i after map n
-        a_n, b_n = a[-1] * 5 % vocab, (b[-1] * 5 + 3) % vocab
-        a, b = torch.cat([a, a * a_n % vocab]), torch.cat([b, (a * b_n + b) % vocab])
-    tokens = (start * a[: seq + 1] + b[: seq + 1]) % vocab  # [batch, seq + 1]
-    return tokens[:, :-1], tokens[:, 1:]
+# -- the demo: TinyMoE (models/tiny_moe.py) trained on every rank's slice of the batch -------
 
 
 def format_plan(plan):
@@ -829,58 +747,50 @@ MAX_DEMO_SEQ = 4096  # the demo's attention costs seq² per sequence and step
 
 
 def parse_args(argv=None):
-    """The demo's options, every one checked before any work (one-line usage errors)."""
-    parser = argparse.ArgumentParser(description="Train a small MoE model with MuonZeRO (V4 "
-        "§3.4.1) on every rank; print the ownership plan, the loss, optimizer-state bytes per "
-        "rank and a replica check.")  # fmt: skip
+    """The demo's options, each checked before any work (a one-line usage error)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    parser = launch.add_launch_options(argparse.ArgumentParser(description="Train a small MoE "
+        "model with MuonZeRO (V4 §3.4.1) on every rank; print the ownership plan, the loss, "
+        "optimizer-state bytes per rank and a replica check."))  # fmt: skip
     add, count = parser.add_argument, launch.at_least(1)
     add("--steps", type=count, default=40, help="optimizer steps (default: %(default)s)")
-    add("--batch", type=count, help="global batch in sequences, split evenly over the ranks "
-        "(default: 24, or the next multiple of the rank count)")  # fmt: skip
+    add("--batch", type=count, default=-(-24 // world) * world, help="global batch in sequences, "
+        "split evenly over the ranks (default: 24 rounded up to a multiple of them)")  # fmt: skip
     add("--seq", type=count, default=16, help=f"tokens per sequence, at most {MAX_DEMO_SEQ} "
         "(default: %(default)s)")  # fmt: skip
-    add("--zero-width", type=count, help="ranks that share the dense matrices; must divide N "
-        "(default: N/2 for even N > 2, else N)")  # fmt: skip
+    add("--zero-width", type=count, default=world // 2 if world % 2 == 0 and world > 2 else world,
+        help="ranks sharing the dense matrices (default: N/2 for even N > 2, else N)")  # fmt: skip
     add("--grad-sync", choices=("bf16_sr", "fp32"), default="bf16_sr", help="gradient exchange: "
         "V4's bf16 stochastic rounding, or exact fp32 (default: %(default)s)")  # fmt: skip
-    add("--lr", type=launch.positive, default=0.02, help="Muon learning rate; AdamW tensors use "
-        "3e-3 (default: %(default)s)")  # fmt: skip
+    add("--lr", type=launch.positive, default=0.02, help="Muon's learning rate; AdamW's is 3e-3 "
+        "(default: %(default)s)")  # fmt: skip
     add("--max-grad-norm", type=launch.positive, help="clip the averaged gradient to this norm "
         "(default: no clipping)")  # fmt: skip
-    launch.add_launch_options(parser)
     args = launch.check_launch_options(parser, parser.parse_args(argv))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.seq > MAX_DEMO_SEQ:
         parser.error(f"--seq {args.seq}: the demo's attention costs seq² per step; pass at most "
                      f"{MAX_DEMO_SEQ}")  # fmt: skip
-    if args.batch is None:
-        args.batch = -(-24 // world) * world  # 24 rounded up to a multiple of N: no sample dropped
-    elif args.batch % world:
+    if args.batch % world:
         parser.error(f"--batch {args.batch} does not split evenly over {world} ranks (it would "
-                     f"drop samples); pass a multiple of {world}, e.g. "
-                     f"{-(-args.batch // world) * world}")  # fmt: skip
-    if args.zero_width is None:  # half the ranks for even N > 2, so replica groups show
-        args.zero_width = world // 2 if world % 2 == 0 and world > 2 else world
-    elif world % args.zero_width:
+                     f"drop samples); pass a multiple of {world}")  # fmt: skip
+    if world % args.zero_width:
         parser.error(f"--zero-width {args.zero_width} must divide the {world} ranks: one of "
                      f"{[d for d in range(1, world + 1) if world % d == 0]}")  # fmt: skip
     return args
 
 
 def train(args, rank, world, device):
-    start = time.perf_counter()
+    start, per_rank = time.perf_counter(), args.batch // world
     model = TinyMoE().to(device)  # launch.setup seeded every rank alike: the same initial model
-    opt = MuonZeRO(muon_param_groups(model), lr=args.lr, zero_width=args.zero_width,
-                   grad_sync=args.grad_sync, max_grad_norm=args.max_grad_norm)  # fmt: skip
-    for g in opt.param_groups:
-        g["lr"] = 3e-3 if g["role"] == "adamw" else g["lr"]
+    groups = [{**g, "lr": 3e-3} if g["role"] == "adamw" else g for g in muon_param_groups(model)]
+    opt = MuonZeRO(groups, lr=args.lr, zero_width=args.zero_width, grad_sync=args.grad_sync,
+                   max_grad_norm=args.max_grad_norm)  # fmt: skip
     launch.say(f"MuonZeRO on {world} rank(s), zero width {opt.zero_width} -> "
                f"{world // opt.zero_width} replica group(s); {len(opt.dense_matrices)} dense "
                f"matrices, {len(opt.expert_matrices)} expert matrices; the plan (counts in "
-               f"matrix elements):\n{format_plan(opt.plan)}")  # fmt: skip
-    data, per_rank = torch.Generator(device="cpu").manual_seed(1), args.batch // world
-    launch.say(f"global batch {args.batch} sequences = {per_rank} per rank x {world}, "
-               f"{args.seq} tokens")  # fmt: skip
+               f"matrix elements):\n{format_plan(opt.plan)}\nglobal batch {args.batch} "
+               f"sequences = {per_rank} per rank x {world}, {args.seq} tokens")  # fmt: skip
+    data = torch.Generator().manual_seed(1)
     for step in range(1, args.steps + 1):
         x, y = (t[rank * per_rank : (rank + 1) * per_rank].to(device)
                 for t in demo_batch(args.batch, args.seq, 64, data))  # fmt: skip
