@@ -16,11 +16,14 @@ import torch
 
 
 def _chapter(opt):
-    """The module that defined this optimizer (muon_zero, a graded submission, or __main__)."""
-    return sys.modules[type(opt).__module__]
+    """The module that defined MuonZeRO (muon_zero, a graded submission, or __main__), whose
+    helpers the step uses too; found through a subclass as well."""
+    defining = next(c for c in type(opt).__mro__ if "gather_state_dict" in vars(c))
+    return sys.modules[defining.__module__]
 
 
 def save(opt, gather):
+    """gather=False: this rank's share; gather=True: the whole state, a collective (see above)."""
     mz = _chapter(opt)
     state = {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state[p].items()}
              for i, p in enumerate(opt.params) if opt.state.get(p)}  # fmt: skip
