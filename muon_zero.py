@@ -41,7 +41,7 @@ import torch.nn.functional as F
 import launch
 from models.tiny_moe import TinyMoE, demo_batch  # the demo's model and data
 
-# ---- 1. The optimizer math (V4 Algorithm 1) ----------------------------------------------------
+# ---- 1. The optimizer math (V4 Algorithm 1) ------------------------------------------------------
 
 # One (a, b, c) per Newton-Schulz iteration. V4's hybrid: fast steps push every singular value into
 # a band around 1, then the classic cubic settles it on 1. Standard (torch.optim.Muon): fast only.
@@ -132,7 +132,7 @@ def stochastic_round_to_bf16(x, generator=None):
     ### END SOLUTION
 
 
-# ---- 2. The naive baseline: KellerJordan's muon.py deals whole matrices round-robin -----------
+# ---- 2. The naive baseline: KellerJordan's muon.py deals whole matrices round-robin --------------
 
 
 @torch.no_grad()
@@ -148,7 +148,7 @@ def round_robin_step(params, momenta, process_group=None, lr=0.02, weight_decay=
         dist.broadcast(p, group=process_group, group_src=i % world)
 
 
-# ---- 3. V4's layout: who owns what (pure functions: usable at V4 scale without processes) ------
+# ---- 3. V4's layout: who owns what (pure functions: usable at V4 scale without processes) --------
 
 
 def ns_cost(shape):
@@ -312,7 +312,7 @@ def make_shards(matrix_lists, mine, process_group, peers, **kw):
     return Shards(chunks, numel, mine, runs, process_group, peers, **kw)
 
 
-# ---- 4. The sharded step: pack -> reduce-scatter -> clip -> update mine -> all-gather -> unpack -
+# ---- 4. The sharded step: pack -> reduce-scatter -> clip -> update mine -> all-gather ------------
 
 
 @torch.no_grad()
@@ -576,7 +576,7 @@ def rounding_seed(seed, rank, steps):
     return seed * 65537 + rank + steps * 2**32
 
 
-# ==== appendix: parameter roles, validation and the guard, the demo ==============================
+# ==== appendix: parameter roles, validation and the guard, the demo ===============================
 
 OUTPUT_HEAD_NAMES = ("head", "lm_head", "output", "output_layer")  # nanoGPT, HF, titan, Megatron
 
@@ -723,7 +723,7 @@ def agreed_grad_mask(opt):
     return mask[:-3].bool().tolist()
 
 
-# -- the demo: TinyMoE (models/tiny_moe.py) trained on every rank's slice of the batch -------
+# -- the demo: TinyMoE (models/tiny_moe.py) trained on every rank's slice of the batch -------------
 
 
 def format_plan(plan):
