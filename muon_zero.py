@@ -35,10 +35,10 @@ from itertools import accumulate, groupby
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 
 import launch
+from models.param_roles import EXPERT_ROLES, ROLES, muon_param_groups  # which tensor gets Muon
 from models.tiny_moe import TinyMoE, demo_batch  # the demo's model and data
 
 # ---- 1. The optimizer math (V4 Algorithm 1) ------------------------------------------------------
@@ -435,10 +435,6 @@ def build_groups(process_group, world_size, zero_width):
     return shard, new_group(range(rank % Z, world_size, Z))
 
 
-EXPERT_ROLES = ("expert_down", "expert_up", "expert_gate")  # V4's order of the flat expert vector
-ROLES = ("dense",) + EXPERT_ROLES + ("adamw",)
-
-
 class MuonZeRO(torch.optim.Optimizer):
     """Muon for matrices and expert stacks, AdamW for the rest, ZeRO-sharded the way V4 does it.
 
@@ -576,53 +572,7 @@ def rounding_seed(seed, rank, steps):
     return seed * 65537 + rank + steps * 2**32
 
 
-# ==== appendix: parameter roles, validation and the guard, the demo ===============================
-
-OUTPUT_HEAD_NAMES = ("head", "lm_head", "output", "output_layer")  # nanoGPT, HF, titan, Megatron
-
-
-def muon_param_groups(model, adamw_names=OUTPUT_HEAD_NAMES, expert_roles=None):
-    """Split `model`'s parameters into MuonZeRO param groups, one per role, by what each tensor is.
-
-    AdamW (V4): embeddings and what is tied to them; the output head (HF's
-    get_output_embeddings(), or a module in `adamw_names`: a dotted prefix such as "model.proj" or
-    a module name anywhere in the path); tensors declared non-Muon (a module's `no_muon` or
-    `_adamw_params` set of names, or `tensor.no_muon = True`); static biases (names starting
-    "bias", such as mHC's 2-D bias_res); tensors below 2-D. Muon: every other matrix. 3-D tensors
-    are expert stacks [E, n, m], their role from `expert_roles[name]` or a name token ("w_down",
-    "up_proj", "gate"), else a ValueError.
-    """
-    expert_roles, adamw_ids = dict(expert_roles or {}), set()
-    for module in model.modules():
-        if isinstance(module, nn.Embedding):
-            adamw_ids.add(id(module.weight))
-        declared = set(getattr(module, "no_muon", ())) | set(getattr(module, "_adamw_params", ()))
-        adamw_ids |= {id(p) for n, p in module.named_parameters(recurse=False) if n in declared}
-    head = getattr(model, "get_output_embeddings", lambda: None)()
-    if isinstance(head, nn.Module):
-        adamw_ids |= {id(p) for p in head.parameters()}
-    by_role = {role: [] for role in ROLES}
-    for name, p in model.named_parameters():
-        modules = name.split(".")[:-1]  # whole module names: "output" is not "output_gate"
-        named = any(name.startswith(a + ".") or a in modules for a in adamw_names)
-        bias = name.rsplit(".", 1)[-1].startswith("bias")
-        if id(p) in adamw_ids or getattr(p, "no_muon", False) or named or bias or p.ndim < 2:
-            by_role["adamw"].append(p)
-        elif p.ndim == 2:
-            by_role["dense"].append(p)
-        elif p.ndim == 3:
-            tokens = set(name.replace(".", "_").split("_"))
-            found = [r for r in EXPERT_ROLES if r.split("_")[1] in tokens]
-            role = expert_roles.get(name, found[0] if len(found) == 1 else None)
-            if role not in EXPERT_ROLES:
-                raise ValueError(f"expert stack {name!r} {tuple(p.shape)}: cannot tell a down, up "
-                                 f"or gate projection (role {role!r}); pass expert_roles="
-                                 f"{{{name!r}: 'expert_down'}} (or _up / _gate)")  # fmt: skip
-            by_role[role].append(p)
-        else:
-            raise ValueError(f"parameter {name!r} has {p.ndim} dims; Muon handles matrices "
-                             f"[n, m] and expert stacks [E, n, m] only")  # fmt: skip
-    return [{"params": ps, "role": role} for role, ps in by_role.items() if ps]
+# ==== appendix: validation and the guard, the demo ============================================
 
 
 def _finite(v):
@@ -734,11 +684,10 @@ def format_plan(plan):
         dense, experts = plan.owned(r)
         shapes = [plan.dense_shapes[i] for i in dense] + [plan.expert_shapes[i] for i in experts]
         d, e = sum(map(math.prod, shapes[: len(dense)])), sum(map(math.prod, shapes[len(dense) :]))
-        calls = sum(1 for i, s in enumerate(shapes) if i == 0 or s != shapes[i - 1])
         rows.append((r, r // plan.zero_width, r % plan.zero_width, len(dense), len(experts),
                      f"{d + e:,}", f"{plan.dense_bucket_numel - d:,}",
                      f"{plan.expert_chunk_numel - e:,}", f"{sum(map(ns_cost, shapes)):.3g}",
-                     calls))  # fmt: skip
+                     len([k for k, _ in groupby(shapes)])))  # fmt: skip
     widths = [max(len(h), 6) for h in rows[0]]
     return "\n".join(" ".join(str(c).rjust(w) for c, w in zip(row, widths)) for row in rows)
 
@@ -748,34 +697,27 @@ MAX_DEMO_SEQ = 4096  # the demo's attention costs seq² per sequence and step
 
 def parse_args(argv=None):
     """The demo's options, each checked before any work (a one-line usage error)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    parser = launch.add_launch_options(argparse.ArgumentParser(description="Train a small MoE "
-        "model with MuonZeRO (V4 §3.4.1) on every rank; print the ownership plan, the loss, "
-        "optimizer-state bytes per rank and a replica check."))  # fmt: skip
-    add, count = parser.add_argument, launch.at_least(1)
-    add("--steps", type=count, default=40, help="optimizer steps (default: %(default)s)")
-    add("--batch", type=count, default=-(-24 // world) * world, help="global batch in sequences, "
-        "split evenly over the ranks (default: 24 rounded up to a multiple of them)")  # fmt: skip
-    add("--seq", type=count, default=16, help=f"tokens per sequence, at most {MAX_DEMO_SEQ} "
-        "(default: %(default)s)")  # fmt: skip
+    world, count = int(os.environ.get("WORLD_SIZE", "1")), launch.at_least(1)
+    parser = launch.add_launch_options(argparse.ArgumentParser(
+        description="Train a small MoE with MuonZeRO on every rank (V4 §3.4.1).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter))  # fmt: skip
+    add = parser.add_argument
+    add("--steps", type=count, default=40, help="optimizer steps")
+    add("--batch", type=count, default=-(-24 // world) * world, help="global batch, sequences")
+    add("--seq", type=count, default=16, help=f"tokens per sequence, at most {MAX_DEMO_SEQ}")
     add("--zero-width", type=count, default=world // 2 if world % 2 == 0 and world > 2 else world,
-        help="ranks sharing the dense matrices (default: N/2 for even N > 2, else N)")  # fmt: skip
-    add("--grad-sync", choices=("bf16_sr", "fp32"), default="bf16_sr", help="gradient exchange: "
-        "V4's bf16 stochastic rounding, or exact fp32 (default: %(default)s)")  # fmt: skip
-    add("--lr", type=launch.positive, default=0.02, help="Muon's learning rate; AdamW's is 3e-3 "
-        "(default: %(default)s)")  # fmt: skip
-    add("--max-grad-norm", type=launch.positive, help="clip the averaged gradient to this norm "
-        "(default: no clipping)")  # fmt: skip
+        help="ranks sharing the dense matrices (N/2 for even N > 2, else N)")  # fmt: skip
+    add("--grad-sync", choices=("bf16_sr", "fp32"), default="bf16_sr", help="gradient exchange")
+    add("--lr", type=launch.positive, default=0.02, help="Muon's learning rate (AdamW's: 3e-3)")
+    add("--max-grad-norm", type=launch.positive, help="clip the averaged gradient to this norm")
     args = launch.check_launch_options(parser, parser.parse_args(argv))
-    if args.seq > MAX_DEMO_SEQ:
-        parser.error(f"--seq {args.seq}: the demo's attention costs seq² per step; pass at most "
-                     f"{MAX_DEMO_SEQ}")  # fmt: skip
-    if args.batch % world:
-        parser.error(f"--batch {args.batch} does not split evenly over {world} ranks (it would "
-                     f"drop samples); pass a multiple of {world}")  # fmt: skip
-    if world % args.zero_width:
-        parser.error(f"--zero-width {args.zero_width} must divide the {world} ranks: one of "
-                     f"{[d for d in range(1, world + 1) if world % d == 0]}")  # fmt: skip
+    for bad, why in ((args.seq > MAX_DEMO_SEQ, f"--seq {args.seq}: pass at most {MAX_DEMO_SEQ}"),
+                     (args.batch % world, f"--batch {args.batch} does not split evenly over "
+                      f"{world} ranks; pass a multiple of {world}"),
+                     (world % args.zero_width, f"--zero-width {args.zero_width} must divide the "
+                      f"{world} ranks")):  # fmt: skip
+        if bad:
+            parser.error(why)
     return args
 
 
@@ -785,11 +727,9 @@ def train(args, rank, world, device):
     groups = [{**g, "lr": 3e-3} if g["role"] == "adamw" else g for g in muon_param_groups(model)]
     opt = MuonZeRO(groups, lr=args.lr, zero_width=args.zero_width, grad_sync=args.grad_sync,
                    max_grad_norm=args.max_grad_norm)  # fmt: skip
-    launch.say(f"MuonZeRO on {world} rank(s), zero width {opt.zero_width} -> "
-               f"{world // opt.zero_width} replica group(s); {len(opt.dense_matrices)} dense "
-               f"matrices, {len(opt.expert_matrices)} expert matrices; the plan (counts in "
-               f"matrix elements):\n{format_plan(opt.plan)}\nglobal batch {args.batch} "
-               f"sequences = {per_rank} per rank x {world}, {args.seq} tokens")  # fmt: skip
+    Z = opt.zero_width
+    launch.say(f"{world} rank(s) = {world // Z} replica(s) x zero width {Z}; the plan (elements):")
+    launch.say(format_plan(opt.plan))
     data = torch.Generator().manual_seed(1)
     for step in range(1, args.steps + 1):
         x, y = (t[rank * per_rank : (rank + 1) * per_rank].to(device)
@@ -798,16 +738,15 @@ def train(args, rank, world, device):
         opt.zero_grad()
         loss.backward()
         opt.step()
-        dist.all_reduce(mean_loss := loss.detach().clone())
+        dist.all_reduce(mean_loss := loss.detach() / world)
         if step % 5 == 1 or step == args.steps:
-            launch.say(f"step {step:3d}  loss {mean_loss.item() / world:.4f}  "
+            launch.say(f"step {step:3d}  loss {mean_loss.item():.4f}  "
                        f"({time.perf_counter() - start:.1f} s)")  # fmt: skip
-    muon, adam = [sum(p.numel() for g in opt.param_groups if (g["role"] == "adamw") == a
-                      for p in g["params"]) for a in (False, True)]  # fmt: skip
+    full = sum(p.numel() * (8 if g["role"] == "adamw" else 4)
+               for g in opt.param_groups for p in g["params"])  # fmt: skip
     held = all_gather_chunks(torch.tensor([float(opt.state_bytes())], device=device), None, world)
-    launch.say(f"optimizer state held per rank (bytes): {[int(b) for b in held.flatten()]}  vs "
-               f"unsharded {4 * muon + 8 * adam:,} (Muon momentum {4 * muon:,} + AdamW moments "
-               f"{8 * adam:,})")  # fmt: skip
+    launch.say(f"optimizer state held per rank (bytes): {held.long().flatten().tolist()} vs "
+               f"unsharded {full:,}")  # fmt: skip
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
     same = all(torch.equal(flat, other) for other in all_gather_chunks(flat, None, world))
     launch.say(f"parameters bitwise identical on all {world} ranks: {same}")
