@@ -29,7 +29,7 @@ import argparse
 import bisect
 import math
 import os
-import time
+from collections import namedtuple
 from dataclasses import dataclass, replace
 from itertools import accumulate, groupby
 
@@ -38,8 +38,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import launch
-from models.param_roles import EXPERT_ROLES, GROUP_RULES, check_group, muon_param_groups
+from guards.muon_zero_guard import agreed_grad_mask, check_and_agree  # checks before collectives
+from models.param_roles import EXPERT_ROLES, muon_param_groups  # which tensor gets Muon
 from models.tiny_moe import TinyMoE, demo_batch  # the demo's model and data
+from optimizer_state import muon_zero_checkpoint as checkpoint  # saving and loading
 
 # ---- 1. The optimizer math (V4 Algorithm 1) ------------------------------------------------------
 
@@ -137,10 +139,8 @@ def stochastic_round_to_bf16(x, generator=None):
 
 @torch.no_grad()
 def round_robin_step(params, momenta, process_group=None, lr=0.02, weight_decay=0.1, **muon_kw):
-    """Distributed Muon as KellerJordan's muon.py does it, for contrast.  Grads already averaged.
-
-    Rank r updates matrices r, r + W, ... whole, then each is broadcast from its owner: every rank
-    holds every gradient, the load is as uneven as the shapes, one collective per matrix."""
+    """KellerJordan's distributed Muon, for contrast (grads already averaged): rank r updates
+    matrices r, r + W, ... whole and broadcasts each: as uneven as the shapes, one call each."""
     rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
     for i, (p, M) in enumerate(zip(params, momenta)):
         if i % world == rank:
@@ -240,8 +240,7 @@ def plan_muon(dense_shapes, expert_shapes, world_size, zero_width=None, balance=
     if not isinstance(zero_width, int) or zero_width < 1 or world_size % zero_width:
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise ValueError(f"zero_width={zero_width} must divide the data-parallel size "
-                         f"{world_size}: ranks form {world_size}/zero_width replica groups; "
-                         f"pick one of {divisors}")  # fmt: skip
+                         f"{world_size} (replica groups): pick one of {divisors}")  # fmt: skip
     dense, experts = [tuple(s) for s in dense_shapes], [tuple(s) for s in expert_shapes]
     buckets = pack_dense(dense, zero_width, balance)
     ranges = split_experts([math.prod(s) for s in experts], world_size)
@@ -289,17 +288,10 @@ class Shards:
     counted: bool = True  # my chunk enters the global gradient norm (dense: replica 0 only)
 
 
-@dataclass(frozen=True)
-class MuonSettings:
-    """A param group's Muon hyperparameters, by their keys; equal ones share one batched NS call."""
-
-    lr: float
-    weight_decay: float
-    momentum: float
-    nesterov: bool
-    ns_coefficients: tuple
-    ns_dtype: torch.dtype
-    update_rms: float
+# A param group's Muon hyperparameters, named as its keys; equal ones share one batched NS call.
+MuonSettings = namedtuple(
+    "MuonSettings", "lr weight_decay momentum nesterov ns_coefficients ns_dtype update_rms"
+)
 
 
 def make_shards(matrix_lists, mine, process_group, peers, **kw):
@@ -382,9 +374,7 @@ def unpack(flat, chunks, tensors):
 
 def reduce_scatter_sum(chunks, group, grad_sync, generator):
     """chunks [P, S] fp32 (chunk q goes to peer q) -> [S] fp32: every peer's chunk for me, summed.
-
-    An all-to-all plus a local sum (V4's MoE recipe): with "bf16_sr" each gradient is rounded once,
-    stochastically, and summed in FP32; a bf16 ring would round the running sum at every hop."""
+    All-to-all, then an fp32 sum: each gradient rounded once (a bf16 ring rounds at every hop)."""
     if chunks.size(0) == 1:
         return chunks[0]
     payload = stochastic_round_to_bf16(chunks, generator) if grad_sync == "bf16_sr" else chunks
@@ -403,9 +393,8 @@ def all_gather_chunks(chunk, group, size):
 
 
 def update_run(G, W, M, settings, active):
-    """Muon on one run [count, n, m] in place: momentum M, batched NS, decay and step into W.
-    Neighbours with equal settings share one muon_update call; members without a gradient on any
-    rank keep their momentum and weights, as torch's optimizers skip them."""
+    """Muon on one run [count, n, m] in place, one muon_update per equal-settings neighbours;
+    members with no gradient on any rank keep momentum and weights (as torch's optimizers do)."""
     idle = [k for k, a in enumerate(active) if not a]
     saved, start = (M[idle].clone(), W[idle].clone()), 0
     for s, members in groupby(settings):
@@ -419,9 +408,8 @@ def update_run(G, W, M, settings, active):
 
 
 def build_groups(process_group, world_size, zero_width):
-    """(shard group, replica group) of this rank.  Ranks r // Z share a replica (the reduce-scatter
-    peers); ranks r % Z a position (the cross-replica all-reduce). Only members create a group
-    (local synchronisation), so a data-parallel subgroup of a wider world works."""
+    """(shard group, replica group): ranks r // Z share a replica (the reduce-scatter peers), ranks
+    r % Z a position (the cross-replica all-reduce); only members create one (a DP subgroup)."""
     if zero_width == world_size:
         return process_group, None
     rank, Z = dist.get_rank(process_group), zero_width
@@ -438,18 +426,11 @@ def build_groups(process_group, world_size, zero_width):
 class MuonZeRO(torch.optim.Optimizer):
     """Muon for matrices and expert stacks, AdamW for the rest, ZeRO-sharded the way V4 does it.
 
-    Param groups carry a `role`: "dense" (matrices), "expert_down" / "expert_up" / "expert_gate"
-    (stacks [E, n, m], each expert its own matrix) or "adamw" (see muon_param_groups). Each rank
-    runs backward() on its own micro-batch; step() averages the gradients over the process group,
-    updates the matrices this rank owns and gathers them, so every rank ends identical. The
-    constructor and step() are collectives. Parameters: float32, on one device.
-
-    lr, momentum, weight_decay, nesterov: as torch.optim.Muon; ns_coefficients, ns_dtype: one
-    (a, b, c) per Newton-Schulz iteration, its precision; update_rms: each update's RMS; betas,
-    eps: AdamW's. zero_width: ranks sharing the dense matrices (default: all; must divide the
-    group). grad_sync: "bf16_sr" (V4's) or "fp32". max_grad_norm: clip the averaged gradient
-    inside step() (clipping p.grad before would clip each rank's own micro-batch). balance: see
-    pack_dense; seed: of the rounding noise; process_group: default the world, or one process.
+    Param groups carry a `role` (see muon_param_groups). Each rank runs backward() on its own
+    micro-batch; step() (a collective, like the constructor) averages the gradients, updates the
+    matrices this rank owns and gathers them: every rank ends identical. Hyperparameters as
+    torch.optim.Muon and AdamW; zero_width: ranks sharing the dense matrices (divides the group);
+    grad_sync: "bf16_sr" (V4's) or "fp32"; max_grad_norm: clip the averaged gradient, in step().
     """
 
     def __init__(self, params, lr=0.02, momentum=0.95, weight_decay=0.1, nesterov=True,
@@ -467,7 +448,7 @@ class MuonZeRO(torch.optim.Optimizer):
         self.rank = dist.get_rank(process_group) if process_group is not None else 0
         self.grad_sync, self.max_grad_norm, self.seed = grad_sync, max_grad_norm, seed
         self.params = [p for g in self.param_groups for p in g["params"]]
-        check_and_agree(self, zero_width, balance)  # the guard: the same ValueError on every rank
+        check_and_agree(self, zero_width, balance, plan_muon)  # the same ValueError everywhere
         self.device = self.params[0].device
         self._built_for = [(tuple(p.shape), p.dtype, p.device) for p in self.params]  # re-checked
 
@@ -519,8 +500,7 @@ class MuonZeRO(torch.optim.Optimizer):
         if self.world_size > 1 and adamw:
             dist.all_reduce(flat, group=self.process_group)
         flat /= self.world_size
-        keys = MuonSettings.__annotations__  # its fields, named as the param-group keys
-        settings = [MuonSettings(**{k: g[k] for k in keys}) for g in self.param_groups]
+        settings = [MuonSettings(*(g[k] for k in MuonSettings._fields)) for g in self.param_groups]
         scale = sharded_step(self.shards, [p.grad for p in self.params],
                              [p.detach() for p in self.params], self._momentum, settings,
                              has_grad, self.world_size, self.grad_sync, self._sr_generator,
@@ -543,13 +523,13 @@ class MuonZeRO(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     def state_dict(self):  # this rank's share: no collective, resumes at the same layout
-        return _checkpoints().save(self, gather=False)
+        return checkpoint.save(self, gather=False)
 
     def gather_state_dict(self):  # a collective: the whole state, loads at any world size
-        return _checkpoints().save(self, gather=True)
+        return checkpoint.save(self, gather=True)
 
     def load_state_dict(self, state_dict):  # either of the two; resuming is exact
-        _checkpoints().load(self, state_dict)
+        checkpoint.load(self, state_dict)
 
     def local_state_tensors(self):
         """The state tensors this rank holds: its stacked Muon momenta and the AdamW moments."""
@@ -560,78 +540,12 @@ class MuonZeRO(torch.optim.Optimizer):
         return sum(t.numel() * t.element_size() for t in self.local_state_tensors())
 
 
-def _checkpoints():
-    """Saving and loading live in optimizer_state/, imported on first use."""
-    from optimizer_state import muon_zero_checkpoint
-
-    return muon_zero_checkpoint
-
-
 def rounding_seed(seed, rank, steps):
     """The rounding generator's seed: a stream per rank, and per step count after a reseed."""
     return seed * 65537 + rank + steps * 2**32
 
 
-# ==== appendix: the guard (one agreement collective), the demo ====================================
-
-
-def agreement_fields(opt, zero_width, balance, weights=True):
-    """What every rank must hold alike, by name; weights: a digest of the initial values."""
-    fields = dict(zero_width=zero_width, balance=balance, grad_sync=opt.grad_sync,
-                  max_grad_norm=opt.max_grad_norm, param_groups=len(opt.param_groups))  # fmt: skip
-    for k, g in enumerate(opt.param_groups):
-        fields[f"param group {k} shapes"] = [tuple(p.shape) for p in g["params"]]
-        fields[f"param group {k} dtypes"] = [str(p.dtype) for p in g["params"]]
-        fields.update({f"param group {k} {key}": g[key] for key in sorted(g) if key != "params"})
-        if weights:  # replicas must start bitwise equal
-            named = [(str(j), p) for j, p in enumerate(g["params"])]
-            fields[f"param group {k} initial values"] = launch.weights_digest(named)
-    return fields
-
-
-def check_and_agree(opt, zero_width, balance):
-    """Every local check on this rank, then one agreement collective: all ranks raise together."""
-    if opt.rank < 0:
-        raise ValueError("this rank is not a member of process_group; build MuonZeRO on members")
-    error = None
-    try:
-        if opt.grad_sync not in ("fp32", "bf16_sr"):
-            raise ValueError(f"grad_sync must be 'fp32' (exact) or 'bf16_sr' (V4's), got "
-                             f"{opt.grad_sync!r}")  # fmt: skip
-        if not (opt.max_grad_norm is None or GROUP_RULES["eps"][0](opt.max_grad_norm)):
-            raise ValueError(f"max_grad_norm must be None or > 0, got {opt.max_grad_norm!r}")
-        pack_dense([], 1, balance), plan_muon([], [], opt.world_size, zero_width)
-        for k, g in enumerate(opt.param_groups):
-            check_group(k, g)
-        if len(devices := {str(p.device) for p in opt.params}) > 1:
-            raise ValueError(f"parameters sit on several devices {sorted(devices)}; use one")
-    except ValueError as err:
-        error = str(err)
-    launch.agree(agreement_fields(opt, zero_width, balance), error, opt.process_group, "MuonZeRO")
-
-
-def agreed_grad_mask(opt):
-    """Which parameters have a gradient on some rank (None on some ranks: zero there; None on
-    all: skipped), in one all-reduce (MAX) that also re-checks what was agreed: settings changed
-    on one rank (their digest), or parameters that changed shape, dtype or device since
-    construction, make every rank run the full guard."""
-    fields = agreement_fields(opt, opt.zero_width, "-", weights=False)
-    digest, error = launch.fields_digest(fields), None
-    for i, (built, p) in enumerate(zip(opt._built_for, opt.params)):
-        if (now := (tuple(p.shape), p.dtype, p.device)) != built and error is None:
-            error = (f"parameter {i} is now {now[0]} {now[1]} on {now[2]}, but MuonZeRO was built "
-                     f"for {built[0]} {built[1]} on {built[2]}: build the optimizer after moving "
-                     f"or converting the model")  # fmt: skip
-    mask = [p.grad is not None for p in opt.params] + [digest, -digest, error is not None]
-    mask = torch.tensor(mask, dtype=torch.int64, device=opt.device)
-    if opt.world_size > 1:
-        dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=opt.process_group)
-    if mask[-3].item() != -mask[-2].item() or mask[-1].item():
-        launch.agree(fields, error, opt.process_group, "MuonZeRO")
-    return mask[:-3].bool().tolist()
-
-
-# -- the demo: TinyMoE (models/tiny_moe.py) trained on every rank's slice of the batch -------------
+# ==== appendix, the demo: TinyMoE (models/tiny_moe.py) trained on every rank's slice of the batch
 
 
 def format_plan(plan):
@@ -680,7 +594,7 @@ def parse_args(argv=None):
 
 
 def train(args, rank, world, device):
-    start, per_rank = time.perf_counter(), args.batch // world
+    per_rank = args.batch // world
     model = TinyMoE().to(device)  # launch.setup seeded every rank alike: the same initial model
     groups = [{**g, "lr": 3e-3} if g["role"] == "adamw" else g for g in muon_param_groups(model)]
     opt = MuonZeRO(groups, lr=args.lr, zero_width=args.zero_width, grad_sync=args.grad_sync,
@@ -698,8 +612,7 @@ def train(args, rank, world, device):
         opt.step()
         dist.all_reduce(mean_loss := loss.detach() / world)
         if step % 5 == 1 or step == args.steps:
-            launch.say(f"step {step:3d}  loss {mean_loss.item():.4f}  "
-                       f"({time.perf_counter() - start:.1f} s)")  # fmt: skip
+            launch.say(f"step {step:3d}  loss {mean_loss.item():.4f}")
     full = sum(p.numel() * (8 if g["role"] == "adamw" else 4)
                for g in opt.param_groups for p in g["params"])  # fmt: skip
     held = all_gather_chunks(torch.tensor([float(opt.state_bytes())], device=device), None, world)

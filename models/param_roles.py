@@ -1,13 +1,9 @@
-"""MuonZeRO's param groups: which optimizer each of a model's tensors gets, and what a group of
-each role must hold (the checks MuonZeRO's constructor and load_state_dict run).
+"""MuonZeRO's param groups: which optimizer each of a model's tensors gets.
 
 Roles: "dense" (a matrix [n, m]), "expert_down" / "expert_up" / "expert_gate" (an expert stack
 [E, n, m], each expert its own matrix) and "adamw" (everything Muon does not update).
 """
 
-import math
-
-import torch
 import torch.nn as nn
 
 EXPERT_ROLES = ("expert_down", "expert_up", "expert_gate")  # V4's order of the flat expert vector
@@ -57,45 +53,3 @@ def muon_param_groups(model, adamw_names=OUTPUT_HEAD_NAMES, expert_roles=None):
             raise ValueError(f"parameter {name!r} has {p.ndim} dims; Muon handles matrices "
                              f"[n, m] and expert stacks [E, n, m] only")  # fmt: skip
     return [{"params": ps, "role": role} for role, ps in by_role.items() if ps]
-
-
-def _finite(v):
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-GROUP_RULES = {  # setting: (test, what it must be)
-    "lr": (lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
-    "momentum": (lambda v: _finite(v) and 0 <= v < 1, "a number in [0, 1)"),
-    "weight_decay": (lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
-    "update_rms": (lambda v: _finite(v) and v > 0, "a finite number > 0"),
-    "eps": (lambda v: _finite(v) and v > 0, "a finite number > 0"),
-    "betas": (lambda v: len(v) == 2 and all(_finite(b) and 0 <= b < 1 for b in v),
-              "two numbers in [0, 1)"),
-    "ns_coefficients": (lambda v: len(v) > 0 and all(len(c) == 3 and all(map(_finite, c))
-                                                     for c in v), "one or more finite (a, b, c)"),
-    "ns_dtype": (lambda v: isinstance(v, torch.dtype) and v.is_floating_point,
-                 "a floating torch dtype"),
-}  # fmt: skip
-TENSOR_RULES = (  # (test of a tensor in a param group of this role, what is wrong and the fix)
-    (lambda p, role: p.dtype == torch.float32, "MuonZeRO updates float32 parameters (its buffers "
-     "are fp32): keep fp32 master weights, e.g. model.float()"),
-    (lambda p, role: p.numel() > 0, "an empty tensor: leave it out of the optimizer"),
-    (lambda p, role: role != "dense" or p.ndim != 3, "a 3-D stack declared 'dense' (expert role "
-     "missing): give it role 'expert_down', 'expert_up' or 'expert_gate' (muon_param_groups does)"),
-    (lambda p, role: role != "dense" or p.ndim == 2, "Muon needs [n, m] matrices: put it in a "
-     "role='adamw' param group (muon_param_groups does)"),
-    (lambda p, role: role not in EXPERT_ROLES or p.ndim == 3, "an expert role needs an expert "
-     "stack [E, n, m]; a single matrix belongs in a 'dense' param group"),
-)  # fmt: skip
-
-
-def check_group(k, g):
-    """Raise ValueError for the first problem with param group k's role, settings or tensors."""
-    if g["role"] not in ROLES:
-        raise ValueError(f"param group {k}: role must be one of {ROLES}, got {g['role']!r}")
-    bad = [f"{key} must be {what}, got {g[key]!r}" for key, (ok, what) in GROUP_RULES.items()
-           if not ok(g[key])] + [f"a {p.dtype} tensor {tuple(p.shape)}: {what}"
-                                 for p in g["params"] for ok, what in TENSOR_RULES
-                                 if not ok(p, g["role"])]  # fmt: skip
-    if bad:
-        raise ValueError(f"param group {k}: {bad[0]}")

@@ -14,6 +14,8 @@ import sys
 
 import torch
 
+from guards.muon_zero_guard import check_group
+
 
 def _chapter(opt):
     """The module that defined MuonZeRO (muon_zero, a graded submission, or __main__), whose
@@ -83,7 +85,7 @@ def load(opt, state_dict):
             raise ValueError(
                 f"state_dict param group {k} role {s['role']!r} does not match {g['role']!r}"
             )
-        mz.check_group(k, {**g, **s})
+        check_group(k, {**g, **s})
     mine = [s for shards in opt.shards for run in shards.runs for s in run.slots]
     has_momentum = any("momentum_buffer" in s for s in state.values())
     missing = [f"parameter {s.param}" + ("" if s.expert is None else f" expert {s.expert}")
