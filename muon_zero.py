@@ -571,17 +571,21 @@ def parse_args(argv=None):
     """The demo's options, each checked before any work (a one-line usage error)."""
     world, count = int(os.environ.get("WORLD_SIZE", "1")), launch.at_least(1)
     parser = launch.add_launch_options(argparse.ArgumentParser(
-        description="Train a small MoE with MuonZeRO on every rank (V4 §3.4.1).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter))  # fmt: skip
+        description="Train a small MoE with MuonZeRO on every rank (V4 §3.4.1)."))  # fmt: skip
     add = parser.add_argument
-    add("--steps", type=count, default=40, help="optimizer steps")
-    add("--batch", type=count, default=-(-24 // world) * world, help="global batch, sequences")
-    add("--seq", type=count, default=16, help=f"tokens per sequence, at most {MAX_DEMO_SEQ}")
+    add("--steps", type=count, default=40, help="optimizer steps (default: %(default)s)")
+    add("--batch", type=count, default=-(-24 // world) * world, help="global batch in sequences "
+        "(default: 24, rounded up to a multiple of the ranks)")  # fmt: skip
+    add("--seq", type=count, default=16, help=f"tokens per sequence, at most {MAX_DEMO_SEQ} "
+        "(default: %(default)s)")  # fmt: skip
     add("--zero-width", type=count, default=world // 2 if world % 2 == 0 and world > 2 else world,
-        help="ranks sharing the dense matrices (N/2 for even N > 2, else N)")  # fmt: skip
-    add("--grad-sync", choices=("bf16_sr", "fp32"), default="bf16_sr", help="gradient exchange")
-    add("--lr", type=launch.positive, default=0.02, help="Muon's learning rate (AdamW's: 3e-3)")
-    add("--max-grad-norm", type=launch.positive, help="clip the averaged gradient to this norm")
+        help="ranks sharing the dense matrices (default: N/2 for even N > 2, else N)")  # fmt: skip
+    add("--grad-sync", choices=("bf16_sr", "fp32"), default="bf16_sr", help="gradient exchange: "
+        "V4's bf16 stochastic rounding, or exact fp32 (default: %(default)s)")  # fmt: skip
+    add("--lr", type=launch.positive, default=0.02, help="Muon's learning rate; AdamW's is 3e-3 "
+        "(default: %(default)s)")  # fmt: skip
+    add("--max-grad-norm", type=launch.positive, help="clip the averaged gradient to this norm "
+        "(default: no clipping)")  # fmt: skip
     args = launch.check_launch_options(parser, parser.parse_args(argv))
     for bad, why in ((args.seq > MAX_DEMO_SEQ, f"--seq {args.seq}: pass at most {MAX_DEMO_SEQ}"),
                      (args.batch % world, f"--batch {args.batch} does not split evenly over "
