@@ -29,6 +29,7 @@ import argparse
 import bisect
 import math
 import os
+import time
 from collections import namedtuple
 from dataclasses import dataclass, replace
 from itertools import accumulate, groupby
@@ -598,7 +599,7 @@ def parse_args(argv=None):
 
 
 def train(args, rank, world, device):
-    per_rank = args.batch // world
+    start, per_rank = time.perf_counter(), args.batch // world
     model = TinyMoE().to(device)  # launch.setup seeded every rank alike: the same initial model
     groups = [{**g, "lr": 3e-3} if g["role"] == "adamw" else g for g in muon_param_groups(model)]
     opt = MuonZeRO(groups, lr=args.lr, zero_width=args.zero_width, grad_sync=args.grad_sync,
@@ -616,12 +617,14 @@ def train(args, rank, world, device):
         opt.step()
         dist.all_reduce(mean_loss := loss.detach() / world)
         if step % 5 == 1 or step == args.steps:
-            launch.say(f"step {step:3d}  loss {mean_loss.item():.4f}")
-    full = sum(p.numel() * (8 if g["role"] == "adamw" else 4)
-               for g in opt.param_groups for p in g["params"])  # fmt: skip
+            launch.say(f"step {step:3d}  loss {mean_loss.item():.4f}  "
+                       f"({time.perf_counter() - start:.1f} s)")  # fmt: skip
+    n_adamw = sum(p.numel() for g in opt.param_groups if g["role"] == "adamw" for p in g["params"])
+    muon, adam = 4 * (sum(p.numel() for p in opt.params) - n_adamw), 8 * n_adamw  # fp32 buffers
     held = all_gather_chunks(torch.tensor([float(opt.state_bytes())], device=device), None, world)
-    launch.say(f"optimizer state held per rank (bytes): {held.long().flatten().tolist()} vs "
-               f"unsharded {full:,}")  # fmt: skip
+    launch.say(f"optimizer state held per rank (bytes): {held.long().flatten().tolist()}  vs "
+               f"unsharded {muon + adam:,} (Muon momentum {muon:,} + AdamW moments "
+               f"{adam:,})")  # fmt: skip
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
     same = all(torch.equal(flat, other) for other in all_gather_chunks(flat, None, world))
     launch.say(f"parameters bitwise identical on all {world} ranks: {same}")
