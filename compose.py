@@ -24,10 +24,10 @@ K steps of `reference_training`: one process, none of the four techniques, torch
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
-import time
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -44,6 +44,7 @@ import tensor_ckpt
 from tensor_ckpt import forget
 
 
+# fmt: off
 @dataclass
 class ComposeConfig:
     vocab: int = 256
@@ -64,6 +65,7 @@ class ComposeConfig:
     n_experts: int = 4
     experts_per_token: int = 2
     expert_hidden: int = 128
+# fmt: on
 
 
 @dataclass
@@ -304,16 +306,18 @@ def local_batch(tokens, cfg, layout):
     return idx.contiguous(), targets.contiguous()
 
 
-def train_step(model, opt, tokens, cfg, layout):
+def train_step(model, opt, tokens, cfg, layout, phase=lambda name: contextlib.nullcontext()):
     """1F1B over the stages (CP inside every attention F), then MuonZeRO over the stage group.
     Every rank's loss is its tokens' mean; the optimizer averages over the C x D ranks of equal
-    token counts: the mean over the whole batch, as one process. -> that mean (every rank)."""
+    token counts: the mean over the whole batch, as one process. -> (that mean, PipelineStats)."""
     device = model.embed.weight.device
     idx, targets = (t.to(device) for t in local_batch(tokens, cfg, layout))
-    loss, stats = mhc.pipeline_step(model, idx, targets, cfg.n_micro, "optimised",
-                                    groups=layout.pipeline)  # fmt: skip
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    with phase("forward"):  # 1F1B interleaves forwards and backwards: one phase
+        loss, stats = mhc.pipeline_step(model, idx, targets, cfg.n_micro, "optimised",
+                                        groups=layout.pipeline)  # fmt: skip
+    with phase("optimizer"):
+        opt.step()
+        opt.zero_grad(set_to_none=True)
     mine = loss.detach() if loss is not None else torch.zeros((), device=device)
     dist.all_reduce(mine)  # only the last stage's C x D ranks add a loss
     return mine.item() / (layout.cp * layout.dp), stats
@@ -396,8 +400,9 @@ def reference_training(cfg, dp, train, device="cpu"):
 
 
 def run_layout(cfg, train, pp, cp, dp, device=torch.device("cpu"), on_step=None):
-    """K training steps on the layout, inside a process group of pp * cp * dp ranks.
-    -> (global losses, this stage's parameters {name: tensor}, layout, model, optimizer)."""
+    """K training steps on the layout, inside a process group of pp * cp * dp ranks. on_step
+    (step, layout, run) wraps each step (run(phase) trains it). -> (global losses, this stage's
+    parameters {name: tensor}, layout, model, optimizer)."""
     layout = layout_groups(pp, cp, dp, device.type)
     model = make_model(cfg, cp, train.seed).to(device)
     model.attend(documents(cfg).to(device), layout.cp_group)
@@ -406,8 +411,8 @@ def run_layout(cfg, train, pp, cp, dp, device=torch.device("cpu"), on_step=None)
     losses = []
     for step in range(train.steps):
         tokens = batch_tokens(cfg, cfg.batch * dp, step, train.seed)
-        run = lambda: train_step(model, opt, tokens, cfg, layout)  # noqa: E731
-        loss, stats = on_step(step, run) if on_step else run()
+        run = functools.partial(train_step, model, opt, tokens, cfg, layout)
+        loss, _ = on_step(step, layout, model, opt, run) if on_step else run()
         losses.append(loss)
     held, _ = stage_parameters(model, layout)
     names = {id(p): n for n, p in model.named_parameters()}
@@ -424,12 +429,12 @@ LINKS = ("pp_send", "cp_halo", "cp_gather", "grad_reduce_scatter", "param_all_ga
 
 @contextlib.contextmanager
 def count_sent_bytes(layout, sent):
-    """Count, where each call is made, the bytes this rank sends, into sent {link: bytes}. A
-    collective of n ranks sends what leaves this rank: all-gather (n-1) x its input, reduce-scatter
-    and all-to-all (n-1)/n of it, all-reduce 2 (n-1)/n (a ring). Small guard traffic: control."""
-    pp_groups = set(map(id, layout.pipeline.values()))
+    """Count, where each call is made, the bytes this rank sends, into sent {link: bytes} (the
+    pipeline's sends StageLinks counts itself). A collective of n ranks sends what leaves this
+    rank: all-gather (n-1) x its input, reduce-scatter and all-to-all (n-1)/n of it, all-reduce
+    2 (n-1)/n (a ring). Small guard traffic and the loss: control."""
     cp_group, stage = layout.cp_group, layout.stage_group
-    originals = {n: getattr(dist, n) for n in ("isend", "batch_isend_irecv", "all_gather_single",
+    originals = {n: getattr(dist, n) for n in ("batch_isend_irecv", "all_gather_single",
                  "reduce_scatter_single", "all_to_all_single", "all_reduce")}  # fmt: skip
 
     def add(link, t, share=1.0):
@@ -441,16 +446,19 @@ def count_sent_bytes(layout, sent):
     def wrap(name, fn):
         def call(*args, **kwargs):
             group = kwargs.get("group")
-            if name == "isend":
-                add("pp_send" if id(group) in pp_groups else "control", args[0])
-            elif name == "batch_isend_irecv":
+            if name == "batch_isend_irecv":
                 for op in args[0]:
-                    if op.op is originals["isend"]:
+                    if op.op is dist.isend:
                         add("cp_halo" if op.group is cp_group else "control", op.tensor)
             elif name in ("all_gather_single", "reduce_scatter_single"):
                 n, data = size(group), args[1]  # (output, input)
-                link = ("cp_gather" if group is cp_group else "param_all_gather"
-                        if name == "all_gather_single" and group is stage else "control")
+                link = (
+                    "cp_gather"
+                    if group is cp_group
+                    else "param_all_gather"
+                    if name == "all_gather_single" and group is stage
+                    else "control"
+                )
                 add(link, data, n - 1 if name == "all_gather_single" else (n - 1) / n)
             elif name == "all_to_all_single":
                 link = "grad_reduce_scatter" if group is stage else "control"
@@ -475,15 +483,176 @@ def count_sent_bytes(layout, sent):
 def check_layout(cfg, pp, cp, dp, world):
     """The clear ValueError for a layout that cannot run, before any collective."""
     if pp * cp * dp != world:
-        raise ValueError(f"--pp {pp} x --cp {cp} x --dp {dp} = {pp * cp * dp}, but {world} "
-                         f"rank(s) run: choose P, C, D whose product is the world size")
+        raise ValueError(
+            f"--pp {pp} x --cp {cp} x --dp {dp} = {pp * cp * dp}, but {world} "
+            f"rank(s) run: choose P, C, D whose product is the world size"
+        )
     if cfg.n_layers % pp:
         raise ValueError(f"{pp} pipeline stages cannot split n_layers={cfg.n_layers} evenly")
     if cfg.n_micro < pp or cfg.batch % cfg.n_micro:
-        raise ValueError(f"1F1B needs n_micro={cfg.n_micro} >= pp={pp} micro-batches that split "
-                         f"batch={cfg.batch} evenly")
-    s = cfg.seq_len // cp
-    if cfg.seq_len % cp or s % cfg.hca_ratio or s < cfg.window - 1:
+        raise ValueError(
+            f"1F1B needs n_micro={cfg.n_micro} >= pp={pp} micro-batches that split "
+            f"batch={cfg.batch} evenly"
+        )
+    s, m = cfg.seq_len // cp, math.lcm(cfg.csa_ratio, cfg.hca_ratio)
+    if cfg.seq_len % cp or s % m or s < cfg.window - 1:
         raise ValueError(f"seq_len={cfg.seq_len} over cp={cp} ranks gives {cfg.seq_len / cp:g} "
-                         f"tokens per rank; it must be a multiple of hca_ratio={cfg.hca_ratio} and "
+                         f"tokens per rank; it must be a multiple of both ratios m ({m}) and "
                          f">= window - 1 = {cfg.window - 1}")  # fmt: skip
+
+
+class StepRecorder:
+    """on_step for run_layout: the first `record` steps under memory_timeline's recorder (peaks,
+    categories), the others timed; every step's sent bytes counted per link."""
+
+    def __init__(self, record, device):
+        from memory.memory_timeline import MemoryTimeline
+
+        self.make, self.record, self.device = MemoryTimeline, record, device
+        self.timeline, self.step_s, self.sent = None, [], []
+
+    def __call__(self, step, layout, model, opt, run):
+        sent = {}
+        with count_sent_bytes(layout, sent):
+            if step >= self.record:
+                began = mhc.clock(self.device)
+                out = run()
+                self.step_s.append(mhc.clock(self.device) - began)
+            else:
+                if self.timeline is None:  # this stage's weights; the others' are not counted
+                    held, _ = stage_parameters(model, layout)
+                    self.timeline = self.make(held, opt, self.device)
+                    self.recording = self.timeline.record()
+                    self.recording.__enter__()
+                out = run(lambda name: self.timeline.phase(name, step + 1))
+                self.timeline.tag(opt.local_state_tensors(), "optimizer_state")  # momenta too
+                self.step_s.append(None)  # the recorder runs Python per op: not a timing
+                if step + 1 == self.record:
+                    self.recording.__exit__(None, None, None)
+        stats = out[1]  # StageLinks counts the pipeline's sends itself
+        sent["pp_send"] = stats.bytes_sent_forward + stats.bytes_sent_backward
+        self.sent.append(sent)
+        return out
+
+    def summary(self, rank, coords, losses):
+        tl, steps = self.timeline, range(1, self.record + 1)
+        held = {}
+        if tl is not None:
+            busy = tl.series("activations") + tl.series("temporaries")
+            held = {
+                "parameters": tl.peak("parameters"),
+                "gradients": tl.peak("gradients"),
+                "optimizer": tl.peak("optimizer_state"),
+                "activations": max(int(busy[a:b].max()) for a, b in tl.window(phase="forward")),
+            }
+        return {
+            "rank": rank,
+            "coords": list(coords),
+            "losses": losses,
+            "step_s": self.step_s,
+            "peak_bytes": [tl.peak(step=s) for s in steps] if tl is not None else [],
+            "held_bytes": held,
+            "sent_bytes": {k: self.sent[-1].get(k, 0) for k in LINKS},
+        }
+
+
+def parse_args(argv=None):
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    count = launch.at_least(1)
+    parser = argparse.ArgumentParser(
+        description="The four chapters in one V4-like decoder, on "
+        "the layout --pp x --cp x --dp of the torchrun ranks."
+    )
+    add = parser.add_argument
+    add("--pp", type=count, default=1, help="pipeline stages (1)")
+    add("--cp", type=count, default=1, help="context-parallel ranks per sequence (1)")
+    add("--dp", type=count, default=None, help="data-parallel replicas (world / (pp * cp))")
+    add("--steps", type=count, default=4, help="training steps (4)")
+    add("--record", type=launch.at_least(0), default=2, help="first steps recorded for memory "
+        "(2; recorded steps are not timed)")  # fmt: skip
+    add("--layers", type=count, default=12, help="sublayers L; pp must divide it (12)")
+    add("--seq-len", type=count, default=None, help="tokens per sequence T (256; 192 at cp=3)")
+    add("--v4", action="store_true", help="V4's numerics: bf16 stochastic-rounding gradient sync "
+        "and bf16 Newton-Schulz (default: fp32, the exact proof)")  # fmt: skip
+    add("--check", action="store_true", help="also train the one-process reference on rank 0 and "
+        "print the largest difference")  # fmt: skip
+    add("--json", metavar="PATH", help="write every rank's record here (rank 0)")
+    add("--seed", type=int, default=0, help="seed of weights and data (0)")
+    args = launch.check_launch_options(parser, launch.add_launch_options(parser).parse_args(argv))
+    args.dp = args.dp or max(1, world // (args.pp * args.cp))
+    args.seq_len = args.seq_len or (192 if args.cp == 3 else 256)  # whole blocks per rank
+    args.cfg = ComposeConfig(n_layers=args.layers, seq_len=args.seq_len)
+    try:
+        check_layout(args.cfg, args.pp, args.cp, args.dp, world)
+    except ValueError as err:
+        parser.error(str(err))
+    return args
+
+
+def demo(args, rank, world, device):
+    cfg = args.cfg
+    train = Training(args.steps, grad_sync="bf16_sr" if args.v4 else "fp32", seed=args.seed,
+                     ns_dtype=torch.bfloat16 if args.v4 else torch.float32)  # fmt: skip
+    launch.say(f"layout pp={args.pp} x cp={args.cp} x dp={args.dp}: {cfg.n_layers} layers "
+               f"(CSA, MoE, HCA, MoE, ...), C={cfg.dim}, n_hc={cfg.n_hc}, T={cfg.seq_len} "
+               f"({cfg.seq_len // args.cp} per CP rank), {cfg.batch} sequences per replica in "
+               f"{cfg.n_micro} micro-batches; gradient sync {train.grad_sync}")  # fmt: skip
+    budget_table = globals().get("budget_table")  # section 5, merged from the budget helper
+    if budget_table is not None:
+        ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        launch.say(budget_table(cfg, world, args.device_bytes, args.intra_bw, args.inter_bw,
+                                ranks_per_node))  # fmt: skip
+    recorder = StepRecorder(min(args.record, args.steps), device)
+    losses, params, layout, *_ = run_layout(cfg, train, args.pp, args.cp, args.dp, device,
+                                            recorder)  # fmt: skip
+    for step, loss in enumerate(losses):
+        took = recorder.step_s[step]
+        launch.say(
+            f"step {step + 1}: loss {loss:.4f}, "
+            + ("memory recorded (not timed)" if took is None else f"{1e3 * took:.0f} ms")
+        )
+    mine = recorder.summary(rank, layout.coords, losses)
+    records = [None] * world if rank == 0 else None
+    dist.gather_object(mine, records, dst=0)
+    timelines = [None] * world if rank == 0 else None
+    dist.gather_object(recorder.timeline, timelines, dst=0)
+    launch.say(
+        f"\n{'rank':>4} {'p,c,d':>6} {'peak MiB':>9} {'params':>7} {'grads':>7} "
+        f"{'optim':>7} {'activ':>7}   sent KiB per step: " + " ".join(LINKS[:-1])
+    )
+    for r in records or []:
+        held, mib = r["held_bytes"], lambda b: f"{b / 2**20:7.2f}"  # noqa: E731
+        cells = " ".join(mib(held.get(k, 0)) for k in ("parameters", "gradients", "optimizer",
+                                                       "activations"))  # fmt: skip
+        sent = " ".join(f"{r['sent_bytes'][k] / 2**10:.0f}" for k in LINKS[:-1])
+        peak = max(r["peak_bytes"], default=0) / 2**20
+        launch.say(
+            f"{r['rank']:>4} {','.join(map(str, r['coords'])):>6} {peak:9.2f} {cells}   {sent}"
+        )
+    if args.check:
+        gathered = [None] * world if rank == 0 else None
+        dist.gather_object({n: p.cpu() for n, p in params.items()}, gathered, dst=0)
+        if rank == 0:
+            ref_losses, ref = reference_training(cfg, args.dp, train)
+            got = {n: t for g in gathered for n, t in g.items()}
+            diff = max((got[n] - ref[n]).abs().max().item() for n in got)
+            loss = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+            print(
+                f"\nagainst the one-process reference: losses within {loss:.1e} (relative), "
+                f"parameters within {diff:.1e} (largest absolute difference)",
+                flush=True,
+            )
+    if rank == 0 and args.json:
+        base = os.path.splitext(args.json)[0]
+        for r, tl in zip(records, timelines):
+            if tl is not None:
+                r["timeline"] = f"{base}.rank{r['rank']}.timeline.pt"
+                torch.save(tl, r["timeline"])
+        layout_json = {"pp": args.pp, "cp": args.cp, "dp": args.dp}
+        with open(args.json, "w") as f:
+            json.dump({"layout": layout_json, "config": asdict(cfg), "ranks": records}, f)
+        print(f"wrote {args.json}", flush=True)
+
+
+if __name__ == "__main__":
+    launch.run(demo, parse_args())

@@ -25,26 +25,29 @@ from harness import run_ranks
 import compose
 
 STEPS = 3
-# every sublayer kind on 4 layers (CSA, MoE, HCA, MoE); T = 64 shards over 4 CP ranks
+# every sublayer kind on 4 layers (CSA, MoE, HCA, MoE); T = 64 shards over 2 or 4 CP ranks, 96
+# over 3 (a shard must hold whole blocks of m = 8); 6 layers over 3 stages
 FAST = dict(n_layers=4, seq_len=64, hca_ratio=8)
 LAYOUTS = [(p, c, w // (p * c)) for w in (1, 2, 3, 4) for p in range(1, w + 1)
            for c in range(1, w // p + 1) if w % (p * c) == 0]  # fmt: skip
 DEFAULT = [(1, 2, 1), (2, 1, 1), (2, 2, 1), (1, 2, 2)]
 
 
-def config(pp):
-    return compose.ComposeConfig(**{**FAST, "n_layers": 6 if pp == 3 else 4})
+def config(pp, cp):
+    return compose.ComposeConfig(**FAST | {"n_layers": 6 if pp == 3 else 4,
+                                           "seq_len": 96 if cp == 3 else 64})  # fmt: skip
 
 
 def train_on_layout(rank, world, pp, cp, dp, grad_sync, ns_dtype):
-    cfg, train = config(pp), compose.Training(STEPS, grad_sync=grad_sync, ns_dtype=ns_dtype)
+    cfg, train = config(pp, cp), compose.Training(STEPS, grad_sync=grad_sync, ns_dtype=ns_dtype)
     losses, params, *_ = compose.run_layout(cfg, train, pp, cp, dp)
     return losses, {n: p.clone() for n, p in params.items()}
 
 
 @functools.cache
-def reference(pp, dp, ns_dtype):
-    return compose.reference_training(config(pp), dp, compose.Training(STEPS, ns_dtype=ns_dtype))
+def reference(pp, cp, dp, ns_dtype):
+    train = compose.Training(STEPS, ns_dtype=ns_dtype)
+    return compose.reference_training(config(pp, cp), dp, train)
 
 
 def compare(layout, grad_sync="fp32", ns_dtype=torch.float32):
@@ -52,8 +55,8 @@ def compare(layout, grad_sync="fp32", ns_dtype=torch.float32):
     pp, cp, dp = layout
     results = run_ranks(train_on_layout, pp * cp * dp, args=(*layout, grad_sync, ns_dtype),
                         timeout=300)  # fmt: skip
-    ref_losses, ref_params = reference(pp, dp, ns_dtype)
-    start = dict(compose.make_model(config(pp)).named_parameters())
+    ref_losses, ref_params = reference(pp, cp, dp, ns_dtype)
+    start = dict(compose.make_model(config(pp, cp)).named_parameters())
     loss_err = max(abs(a - b) / abs(b) for losses, _ in results for a, b in zip(losses, ref_losses))
     got = {n: t for _, params in results for n, t in params.items()}  # each stage's own
     trained = [n for n, p in start.items() if p.requires_grad]
