@@ -28,6 +28,7 @@ import functools
 import json
 import math
 import os
+import time
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -412,7 +413,10 @@ def run_layout(cfg, train, pp, cp, dp, device=torch.device("cpu"), on_step=None)
     for step in range(train.steps):
         tokens = batch_tokens(cfg, cfg.batch * dp, step, train.seed)
         run = functools.partial(train_step, model, opt, tokens, cfg, layout)
-        loss, _ = on_step(step, layout, model, opt, run) if on_step else run()
+        try:
+            loss, _ = on_step(step, layout, model, opt, run) if on_step else run()
+        except Exception as err:
+            stop_together(err, step + 1)
         losses.append(loss)
     held, _ = stage_parameters(model, layout)
     names = {id(p): n for n, p in model.named_parameters()}
@@ -478,6 +482,27 @@ def count_sent_bytes(layout, sent):
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
+
+
+def stop_together(err, step):
+    """A rank that raises mid-step: the first error goes to the store, its rank aborts its links
+    (every peer blocked on it fails, and exits, in turn), and every rank raises that one error.
+    The first rank and rank 0 (the store's host) wait until every rank has read it."""
+    if not dist.is_initialized():
+        raise err
+    store, world = dist.distributed_c10d._get_default_store(), dist.get_world_size()
+    mine = f"rank {dist.get_rank()} raised {type(err).__name__}: {err}"
+    first = store.compare_set("compose/failed", "", mine).decode()
+    if first == mine:
+        for group in list(dist.distributed_c10d._world.pg_map):  # peers see the links close
+            group.abort()
+        dist.destroy_process_group()
+    store.add("compose/stopped", 1)
+    deadline = time.monotonic() + launch.timeout_seconds()
+    while (first == mine or dist.is_initialized() and dist.get_rank() == 0) and time.monotonic(
+    ) < deadline and store.add("compose/stopped", 0) < world:  # fmt: skip
+        time.sleep(0.05)
+    raise RuntimeError(f"compose: step {step} stopped on every rank: {first}") from err
 
 
 def check_layout(cfg, pp, cp, dp, world):

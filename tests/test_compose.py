@@ -20,7 +20,7 @@ import functools
 
 import pytest
 import torch
-from harness import run_ranks
+from harness import RankFailure, RankTimeout, run_ranks
 
 import compose
 
@@ -88,3 +88,32 @@ def test_every_layout_equals_one_process(layout):
 def test_v4_numerics_within_bf16():
     loss_err, _ = compare((1, 2, 2), "bf16_sr", torch.bfloat16)
     assert loss_err < 1e-2, f"bf16_sr sync + bf16 NS: losses {loss_err:.2e} from bf16 torch Muon"
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def _one_rank_raises(rank, world, pp, cp, dp):
+    cfg, train = config(pp, cp), compose.Training(2)
+
+    def explode(*_):
+        raise Boom("rank 1 broke in the middle of its forward")
+
+    def on_step(step, layout, model, opt, run):
+        if step == 1 and rank == 1:  # its last F, as tensor_ckpt runs it
+            model.forgetting[max(model.forgetting)].register_forward_hook(explode)
+        return run()
+
+    compose.run_layout(cfg, train, pp, cp, dp, on_step=on_step)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_one_rank_raises_mid_step_every_rank_says_so(world):
+    layout = (2, 1, 1) if world == 2 else (2, 2, 1)
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(_one_rank_raises, world, args=layout, timeout=120)
+    assert not isinstance(failure.value, RankTimeout), "a rank waited for the one that raised"
+    said = "compose: step 2 stopped on every rank: rank 1 raised Boom: rank 1 broke"
+    for rank in range(world):
+        assert said in failure.value.errors.get(rank, ""), f"rank {rank} did not say {said!r}"
