@@ -240,13 +240,13 @@ class Layout:
 def layout_groups(pp, cp, dp, device_type="cpu"):
     """The process groups of the layout pp x cp x dp, from torch's device mesh (dp innermost:
     global rank = (p * cp + c) * dp + d). -> Layout."""
-    # hint: a second mesh of the same shape gives the pipeline's second link; the stage's ranks
-    # are the mesh's ("cp", "dp") dimensions flattened into one
+    # hint: the pipeline's second link must be a group of its own even where the mesh hands back
+    # the world; the stage's ranks are the mesh's ("cp", "dp") dimensions flattened into one
     ### BEGIN SOLUTION
-    names = ("pp", "cp", "dp")
-    mesh = init_device_mesh(device_type, (pp, cp, dp), mesh_dim_names=names)
-    links = init_device_mesh(device_type, (pp, cp, dp), mesh_dim_names=names)
-    pipeline = {"forward": mesh["pp"].get_group(), "backward": links["pp"].get_group()}
+    mesh = init_device_mesh(device_type, (pp, cp, dp), mesh_dim_names=("pp", "cp", "dp"))
+    pipelines = mesh.mesh.permute(1, 2, 0).reshape(-1, pp).tolist()  # each (c, d)'s stages
+    backward, _ = dist.new_subgroups_by_enumeration(pipelines)
+    pipeline = {"forward": mesh["pp"].get_group(), "backward": backward}
     stage = mesh["cp", "dp"]._flatten().get_group()
     return Layout(pp, cp, dp, tuple(mesh.get_coordinate()), pipeline, mesh["cp"].get_group(),
                   stage)  # fmt: skip
