@@ -105,7 +105,10 @@ def test_layout_groups_follow_the_mesh(world):
                 f"{where}: the pipeline needs two process groups, one per direction (activations "
                 f"forward, gradients backward), so no issue order can deadlock under NCCL"
             )
-            assert g["cp"] == [(p * cp + k) * dp + d for k in range(cp)], f"{where}: CP group"
+            group = [(p * cp + k) * dp + d for k in range(cp)]
+            assert g["cp"] == group, (
+                f"{where}: its CP group is {group} (dp innermost), got {g['cp']}"
+            )
             stage = [(p * cp + k) * dp + e for k in range(cp) for e in range(dp)]
             assert g["stage"] == stage, (
                 f"{where}: MuonZeRO's group must hold every rank of the stage, cp x dp = {stage}, "

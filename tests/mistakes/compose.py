@@ -36,7 +36,7 @@ return Layout(pp, cp, dp, tuple(mesh.get_coordinate()), pipeline, mesh["cp"].get
     Mistake(
         region="compose.layout_groups",
         name="the mesh's dimensions in the wrong order (pp innermost)",
-        message="with dp innermost",
+        message="dp innermost",
         body="""
 ### BEGIN SOLUTION
 mesh = init_device_mesh(device_type, (dp, cp, pp), mesh_dim_names=("dp", "cp", "pp"))
