@@ -31,7 +31,7 @@ STEPS = 3
 FAST = dict(n_layers=4, seq_len=64, hca_ratio=8)
 LAYOUTS = [(p, c, w // (p * c)) for w in (1, 2, 3, 4) for p in range(1, w + 1)
            for c in range(1, w // p + 1) if w % (p * c) == 0]  # fmt: skip
-DEFAULT = [(1, 2, 1), (2, 1, 1), (2, 2, 1), (1, 2, 2)]
+DEFAULT = [(1, 2, 1), (2, 2, 1), (1, 2, 2)]  # the slow tier has the rest
 
 
 def config(pp, cp):
