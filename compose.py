@@ -432,45 +432,36 @@ LINKS = ("pp_send", "cp_halo", "cp_gather", "grad_reduce_scatter", "param_all_ga
 
 
 @contextlib.contextmanager
-def count_sent_bytes(layout, sent):
-    """Count, where each call is made, the bytes this rank sends, into sent {link: bytes} (the
-    pipeline's sends StageLinks counts itself). A collective of n ranks sends what leaves this
-    rank: all-gather (n-1) x its input, reduce-scatter and all-to-all (n-1)/n of it, all-reduce
-    2 (n-1)/n (a ring). Small guard traffic and the loss: control."""
-    cp_group, stage = layout.cp_group, layout.stage_group
+def count_sent_bytes(sent, where):
+    """Count, where each call is made, the bytes this rank sends, into sent {link: bytes}; where()
+    names the phase ("forward": the pipeline's CP traffic, "optimizer": MuonZeRO's), as the CP
+    and stage groups can be one group. StageLinks counts the pipeline's sends itself. A collective
+    of n ranks sends what leaves this rank: all-gather (n-1) x its input, reduce-scatter and
+    all-to-all (n-1)/n of it, all-reduce 2 (n-1)/n (a ring). Guard traffic and the loss: control."""
     originals = {n: getattr(dist, n) for n in ("batch_isend_irecv", "all_gather_single",
                  "reduce_scatter_single", "all_to_all_single", "all_reduce")}  # fmt: skip
-
-    def add(link, t, share=1.0):
-        sent[link] = sent.get(link, 0) + int(t.numel() * t.element_size() * share)
-
-    def size(group):
-        return dist.get_world_size(group)
+    links = {("forward", "batch_isend_irecv"): "cp_halo", ("forward", "all_gather_single"):
+             "cp_gather", ("forward", "reduce_scatter_single"): "cp_gather",
+             ("optimizer", "all_gather_single"): "param_all_gather",
+             ("optimizer", "all_to_all_single"): "grad_reduce_scatter",
+             ("optimizer", "all_reduce"): "grad_reduce_scatter"}  # fmt: skip
 
     def wrap(name, fn):
         def call(*args, **kwargs):
-            group = kwargs.get("group")
             if name == "batch_isend_irecv":
-                for op in args[0]:
-                    if op.op is dist.isend:
-                        add("cp_halo" if op.group is cp_group else "control", op.tensor)
-            elif name in ("all_gather_single", "reduce_scatter_single"):
-                n, data = size(group), args[1]  # (output, input)
-                link = (
-                    "cp_gather"
-                    if group is cp_group
-                    else "param_all_gather"
-                    if name == "all_gather_single" and group is stage
-                    else "control"
-                )
-                add(link, data, n - 1 if name == "all_gather_single" else (n - 1) / n)
-            elif name == "all_to_all_single":
-                link = "grad_reduce_scatter" if group is stage else "control"
-                add(link, args[1], (size(group) - 1) / size(group))
-            elif name == "all_reduce":
-                n, t = size(group), args[0]
-                big = group is stage and t.is_floating_point() and t.numel() > 1
-                add("grad_reduce_scatter" if big else "control", t, 2 * (n - 1) / n)
+                tensors = [op.tensor for op in args[0] if op.op is dist.isend]
+                n, share = 2, 1.0  # point to point: what it sends
+            else:
+                tensors, n = [args[1] if "single" in name else args[0]], dist.get_world_size(
+                    kwargs.get("group"))  # fmt: skip
+                share = {"all_gather_single": n - 1, "all_reduce": 2 * (n - 1) / n}.get(
+                    name, (n - 1) / n)  # fmt: skip
+            small = name == "all_reduce" and not (
+                args[0].is_floating_point() and args[0].numel() > 1
+            )
+            link = "control" if small else links.get((where(), name), "control")
+            for t in tensors:
+                sent[link] = sent.get(link, 0) + int(t.numel() * t.element_size() * share)
             return fn(*args, **kwargs)
 
         return call
@@ -537,23 +528,30 @@ class StepRecorder:
         self.timeline, self.step_s, self.sent = None, [], []
 
     def __call__(self, step, layout, model, opt, run):
-        sent = {}
-        with count_sent_bytes(layout, sent):
-            if step >= self.record:
-                began = mhc.clock(self.device)
-                out = run()
-                self.step_s.append(mhc.clock(self.device) - began)
-            else:
-                if self.timeline is None:  # this stage's weights; the others' are not counted
-                    held, _ = stage_parameters(model, layout)
-                    self.timeline = self.make(held, opt, self.device)
-                    self.recording = self.timeline.record()
-                    self.recording.__enter__()
-                out = run(lambda name: self.timeline.phase(name, step + 1))
-                self.timeline.tag(opt.local_state_tensors(), "optimizer_state")  # momenta too
-                self.step_s.append(None)  # the recorder runs Python per op: not a timing
-                if step + 1 == self.record:
-                    self.recording.__exit__(None, None, None)
+        sent, where = {}, ["control"]
+
+        @contextlib.contextmanager
+        def phase(name):  # what the meter is counting, and the recorder's phase
+            where[0] = name
+            with self.timeline.phase(name, step + 1) if recording else contextlib.nullcontext():
+                yield
+            where[0] = "control"
+
+        recording = step < self.record
+        if recording and self.timeline is None:  # this stage's weights; others' not counted
+            held, _ = stage_parameters(model, layout)
+            self.timeline = self.make(held, opt, self.device)
+            self.recording = self.timeline.record()
+            self.recording.__enter__()
+        with count_sent_bytes(sent, lambda: where[0]):
+            began = mhc.clock(self.device)
+            out = run(phase)
+            took = mhc.clock(self.device) - began
+        self.step_s.append(None if recording else took)  # the recorder runs Python per op
+        if recording:
+            self.timeline.tag(opt.local_state_tensors(), "optimizer_state")  # momenta too
+            if step + 1 == self.record:
+                self.recording.__exit__(None, None, None)
         stats = out[1]  # StageLinks counts the pipeline's sends itself
         sent["pp_send"] = stats.bytes_sent_forward + stats.bytes_sent_backward
         self.sent.append(sent)
