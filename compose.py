@@ -601,8 +601,14 @@ def parse_args(argv=None):
         "print the largest difference")  # fmt: skip
     add("--json", metavar="PATH", help="write every rank's record here (rank 0)")
     add("--seed", type=int, default=0, help="seed of weights and data (0)")
+    add("--device-memory", type=launch.positive, default=80.0, help="GiB per device, for the "
+        "budget table (80)")  # fmt: skip
+    add("--intra-bw", type=launch.positive, default=100.0, help="GB/s within a node (100)")
+    add("--inter-bw", type=launch.positive, default=25.0, help="GB/s between nodes (25)")
     args = launch.check_launch_options(parser, launch.add_launch_options(parser).parse_args(argv))
     args.dp = args.dp or max(1, world // (args.pp * args.cp))
+    args.device_bytes = int(args.device_memory * 2**30)
+    args.intra_bw, args.inter_bw = args.intra_bw * 1e9, args.inter_bw * 1e9  # bytes per second
     args.seq_len = args.seq_len or (192 if args.cp == 3 else 256)  # whole blocks per rank
     args.cfg = ComposeConfig(n_layers=args.layers, seq_len=args.seq_len)
     try:
