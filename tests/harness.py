@@ -89,7 +89,8 @@ def _rank_main(fn, rank, world_size, port, pg_timeout_s, args, kwargs, results):
         try:
             out = fn(rank, world_size, *args, **kwargs)
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():  # a rank that stops its peers leaves the group itself
+                dist.destroy_process_group()
         # plain pickle copies tensor data; the queue's pickler would share memory that dies with us
         results.put((rank, "ok", pickle.dumps(out)))
     except BaseException:  # the traceback is the whole point: ship it to the parent

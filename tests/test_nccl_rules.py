@@ -136,7 +136,9 @@ def test_static_check_finds_a_device_chosen_from_the_backend(tmp_path):
     assert len(problems) == 1 and "bad.py:5" in problems[0], problems
 
 
-@pytest.mark.parametrize("name", (*TECHNIQUES, "launch.py", "compiled/mhc_compiled.py"))
+@pytest.mark.parametrize(
+    "name", (*TECHNIQUES, "launch.py", "compose.py", "compiled/mhc_compiled.py")
+)
 def test_no_technique_chooses_devices_from_the_backend_name(name):
     assert nccl_rules.static_check(os.path.join(ROOT, name)) == []
 
@@ -149,5 +151,21 @@ def test_demo_replays_under_nccl_rules(name, world_size, tmp_path):
     run_torchrun(os.path.join("tools", "nccl_rules.py"), nproc=world_size, args=cmd, timeout=240)
     logs = nccl_rules.load(out)
     assert sorted(logs) == list(range(world_size)), "every rank must write its log"
+    problems = nccl_rules.replay(logs, device="cpu")
+    assert problems == [], "\n".join(problems)
+
+
+FOUR = [(4, 1, 1), (1, 4, 1), (1, 1, 4), (2, 2, 1), (2, 1, 2), (1, 2, 2)]  # pp, cp, dp
+
+
+@pytest.mark.parametrize("layout", FOUR, ids=[f"pp{p}_cp{c}_dp{d}" for p, c, d in FOUR])
+def test_compose_replays_under_nccl_rules_at_every_four_rank_layout(layout, tmp_path):
+    """gloo buffers sends and matches by tag; NCCL does neither: the recorded demo must replay."""
+    out, (pp, cp, dp) = str(tmp_path / "log"), layout
+    demo = [*nccl_rules.demo_args("compose.py"), "--pp", str(pp), "--cp", str(cp), "--dp", str(dp)]
+    cmd = ["record", "--out", out, "--", os.path.join(ROOT, "compose.py"), *demo]
+    run_torchrun(os.path.join("tools", "nccl_rules.py"), nproc=4, args=cmd, timeout=300)
+    logs = nccl_rules.load(out)
+    assert sorted(logs) == list(range(4)), "every rank must write its log"
     problems = nccl_rules.replay(logs, device="cpu")
     assert problems == [], "\n".join(problems)

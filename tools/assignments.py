@@ -40,6 +40,7 @@ ASSIGNMENT_FILES = (
     "cp_compress.py",
     "tensor_ckpt.py",
     "memory/memory_timeline.py",
+    "compose.py",
 )
 BEGIN, END, HINT = "### BEGIN SOLUTION", "### END SOLUTION", "# hint:"
 

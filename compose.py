@@ -1,0 +1,687 @@
+"""Composing the four chapters: one small V4-like decoder on any layout --pp P --cp C --dp D.
+
+What the standard tool assumes. A parallelism layout is a product of independent dimensions: data
+parallelism averages gradients, a pipeline passes one activation per token, context parallelism
+shards a sequence of per-token keys, and each is proven on its own model.
+
+What V4 violates. Its four reshapings meet in one machine. The pipeline carries the n-lane mHC
+stream, not C numbers; every attention layer runs the compressed two-stage CP protocol inside the
+pipeline's micro-batches; Muon needs whole matrices, so the optimizer is sharded over the ranks that
+hold the same stage (C x D of them), never over the pipeline; tensor checkpointing plans its
+forgetting per stage, inside F, around collectives FX cannot trace. The seams are where bugs live.
+
+The fix: one mesh, the chapters' own functions, one proof. `init_device_mesh` gives the pipeline
+its two links (one mesh each), the CP group and the stage group; mhc.pipeline_step runs 1F1B with
+selective recomputation, cp_compress's protocol runs in every attention F, MuonZeRO steps each
+stage, tensor_ckpt forgets normalised inputs and activation outputs. K steps at every layout equal
+K steps of `reference_training`: one process, none of the four techniques, torch.optim.Muon + AdamW.
+
+    python compose.py                                                  # one process
+    torchrun --nproc_per_node=4 compose.py --pp 2 --cp 2 --dp 1        # any P*C*D = world
+    torchrun --nproc_per_node=4 compose.py --steps 3 --json out.json   # per-rank records
+    python compose.py --help
+"""
+
+import argparse
+import contextlib
+import functools
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+import cp_compress
+import launch
+import mhc
+import muon_zero
+import tensor_ckpt
+from tensor_ckpt import forget
+
+
+# fmt: off
+@dataclass
+class ComposeConfig:
+    vocab: int = 256
+    dim: int = 64            # C, the width of each of the n_hc residual lanes
+    n_layers: int = 12       # sublayers F, each inside one mHC hyper-connection (see below)
+    seq_len: int = 256       # T tokens of packed documents per sequence; each CP rank holds T/cp
+    batch: int = 4           # sequences per data-parallel replica per step
+    n_micro: int = 4         # pipeline micro-batches per step (>= pp for 1F1B)
+    n_hc: int = 4            # mHC lanes
+    heads: int = 4
+    head_dim: int = 16
+    csa_ratio: int = 4       # m of CSA (overlapping windows, indexer + top-k)
+    hca_ratio: int = 16      # m of HCA (no overlap, dense over entries)
+    window: int = 16         # sliding window of raw rows
+    top_k: int = 16          # CSA indexer picks
+    index_heads: int = 4
+    index_dim: int = 16
+    n_experts: int = 4
+    experts_per_token: int = 2
+    expert_hidden: int = 128
+# fmt: on
+
+
+@dataclass
+class Training:
+    """The optimizer's settings. Muon's defaults are those torch.optim.Muon can reproduce (its
+    5 standard Newton-Schulz steps, match_rms_adamw = update RMS 0.2); V4 uses 10 and 0.18."""
+
+    steps: int = 3
+    lr_muon: float = 0.02
+    lr_adamw: float = 3e-3
+    weight_decay: float = 0.1
+    grad_sync: str = "fp32"  # V4: "bf16_sr"
+    ns_dtype: torch.dtype = torch.float32  # V4: bf16
+    seed: int = 0
+
+
+# ---- 1. The model: F alternates compressed attention and a routed MoE, each inside mHC -------
+
+
+class Attention(nn.Module):
+    """F of an even sublayer: RMSNorm -> CSA or HCA (cp_compress) -> output projection.
+    [B, s, C] -> [B, s, C]. The normalised input is cheap to redo: forgotten."""
+
+    def __init__(self, cfg, kind):
+        super().__init__()
+        ratio = cfg.csa_ratio if kind == "csa" else cfg.hca_ratio
+        self.norm = mhc.RMSNorm(cfg.dim)
+        self.core = Compressed(cp_compress.CompressedAttention(
+            kind, cfg.dim, cfg.heads, cfg.head_dim, ratio, cfg.window, cfg.top_k,
+            cfg.index_heads, cfg.index_dim))  # fmt: skip
+        self.wo = nn.Parameter(torch.randn(cfg.heads * cfg.head_dim, cfg.dim) / cfg.dim**0.5)
+
+    def forward(self, x):
+        return self.core(forget(self.norm(x))) @ self.wo
+
+
+class Compressed(nn.Module):
+    """The attention proper, one sequence at a time: `.reference` over the whole sequence (group
+    None), else `.context_parallel` on this rank's shard. A leaf for tensor_ckpt's FX trace: its
+    halo and all-gather depend on data FX cannot see (document boundaries, ranks)."""
+
+    def __init__(self, attention):
+        super().__init__()
+        self.attention, self.cu_seqlens, self.group = attention, None, None
+        attention.ape.no_muon = True  # a [m, sets, C] positional bias, not an expert stack
+        for p in (getattr(attention, n, None) for n in ("wq_index", "w_index", "norm_index")):
+            if p is not None:  # top-k is not differentiable: V4 trains the indexer apart
+                p.requires_grad_(False)
+
+    def forward(self, x):  # [B, s, C] -> [B, s, H * D]
+        if self.group is None:
+            rows = [self.attention.reference(row, self.cu_seqlens)[0] for row in x]
+        else:
+            rows = [self.attention.context_parallel(row, self.cu_seqlens, self.group)[0]
+                    for row in x]  # fmt: skip
+        return torch.stack(rows).flatten(-2)
+
+
+class MoE(nn.Module):
+    """F of an odd sublayer: RMSNorm -> top-k routing over SwiGLU experts, stacks [E, n, m].
+    [B, s, C] -> [B, s, C]. The normalised input and the SiLU output are forgotten."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        E, C, H = cfg.n_experts, cfg.dim, cfg.expert_hidden
+        self.k, self.norm = cfg.experts_per_token, mhc.RMSNorm(C)
+        self.router = nn.Parameter(torch.randn(E, C) / C**0.5)
+        self.w_gate = nn.Parameter(torch.randn(E, H, C) / C**0.5)
+        self.w_up = nn.Parameter(torch.randn(E, H, C) / C**0.5)
+        self.w_down = nn.Parameter(torch.randn(E, C, H) / H**0.5)
+
+    def forward(self, x):
+        h = forget(self.norm(x))
+        probs = (h @ self.router.T).softmax(-1)  # [B, s, E]
+        weights, chosen = probs.topk(self.k, dim=-1)
+        gates = torch.zeros_like(probs).scatter(-1, chosen, weights)  # 0 for unchosen experts
+        hidden = forget(F.silu(torch.einsum("bsc,ehc->bseh", h, self.w_gate)))
+        hidden = hidden * torch.einsum("bsc,ehc->bseh", h, self.w_up)
+        return torch.einsum("bseh,ech,bse->bsc", hidden, self.w_down, gates)
+
+
+class ComposeModel(nn.Module):
+    """Embedding -> n_hc lanes -> L mHC layers X' = B X + C F(A X) -> HyperHead -> RMSNorm -> LM
+    head. Sublayer i: CSA when i % 4 == 0, HCA when i % 4 == 2, MoE when odd. `cfg` is what one
+    rank holds (seq_len = T / cp: mhc.pipeline_step checks shapes against it)."""
+
+    hyper = True  # mhc.pipeline_step's model interface: an mHC model
+
+    def __init__(self, cfg, cp=1):
+        super().__init__()
+        self.cfg = replace(cfg, seq_len=cfg.seq_len // cp)
+        kinds = {0: "csa", 2: "hca"}
+        self.embed = nn.Embedding(cfg.vocab, cfg.dim)
+        self.sublayers = nn.ModuleList(
+            Attention(cfg, kinds[i % 4]) if i % 2 == 0 else MoE(cfg) for i in range(cfg.n_layers)
+        )
+        self.hcs = nn.ModuleList(mhc.HyperConnection(cfg.n_hc, cfg.dim) for _ in self.sublayers)
+        self.hyper_head = mhc.HyperHead(cfg.n_hc, cfg.dim)
+        self.norm = mhc.RMSNorm(cfg.dim)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+        self.forgetting = {}  # layer -> its tensor_ckpt wrapper (unregistered: names stay)
+
+    def attend(self, cu_seqlens, group=None):
+        """Every attention layer: the documents' boundaries, and the CP group (None: reference)."""
+        for f in self.sublayers:
+            if isinstance(f, Attention):
+                f.core.cu_seqlens, f.core.group = cu_seqlens, group
+
+    def stream_shape(self, batch):
+        return (batch, self.cfg.seq_len, self.cfg.n_hc, self.cfg.dim)
+
+    def embed_stream(self, idx):  # [B, s] -> [B, s, n, C], the embedding in every lane
+        x = self.embed(idx)
+        return x.unsqueeze(-2).expand(*x.shape[:-1], self.cfg.n_hc, x.shape[-1])
+
+    def run_layers(self, stream, start, end, variant="naive", block=None, final=False):
+        """Layers [start, end); "naive": the plain autograd layer; "optimised": mhc's fused
+        mixing with selective recomputation in blocks of L_r, F as tensor_ckpt planned it."""
+        head = self.hyper_head if final else None
+        if variant == "naive":
+            for f, hc in zip(self.sublayers[start:end], self.hcs[start:end]):
+                stream = mhc.mhc_layer_reference(stream, f, hc)
+            return head(stream) if final else stream
+        layers = [(self.forgetting.get(i, self.sublayers[i]), self.hcs[i])
+                  for i in range(start, end)]  # fmt: skip
+        block = block or mhc.default_recompute_block(self.cfg.n_hc, end - start)
+        return mhc.run_recomputed_layers(stream, layers, block, head=head)
+
+    def head_loss(self, x, targets):
+        return F.cross_entropy(self.lm_head(self.norm(x)).flatten(0, -2), targets.flatten())
+
+    def forward(self, idx, targets):  # the reference path: one process, the whole sequence
+        return self.head_loss(self.run_layers(self.embed_stream(idx), 0, len(self.hcs),
+                                              final=True), targets)  # fmt: skip
+
+
+def make_model(cfg, cp=1, seed=0):
+    """The same initial weights at every layout (and in the reference): one seed."""
+    torch.manual_seed(seed)
+    return ComposeModel(cfg, cp)
+
+
+def batch_tokens(cfg, rows, step, seed=0):
+    """Learnable packed data [rows, T + 1]: each row counts up from a random start, stride 1..3."""
+    g = torch.Generator().manual_seed(seed * 100003 + step)
+    start = torch.randint(0, cfg.vocab, (rows, 1), generator=g)
+    stride = torch.randint(1, 4, (rows, 1), generator=g)
+    return (start + stride * torch.arange(cfg.seq_len + 1)) % cfg.vocab
+
+
+def documents(cfg):
+    """cu_seqlens of every sequence, the same at every layout: documents start just before the
+    boundaries of a 4-way split (blocks straddle ranks), plus a few random cuts."""
+    return cp_compress.packed_boundaries(cfg.seq_len, cfg.seq_len // 4, cfg.csa_ratio)
+
+
+# ---- 2. The layout: one device mesh, four groups ----------------------------------------------
+
+
+@dataclass
+class Layout:
+    pp: int
+    cp: int
+    dp: int
+    coords: tuple  # this rank's (p, c, d)
+    pipeline: dict  # {"forward": group, "backward": group}: the stage's two links
+    cp_group: object  # the ranks sharing this rank's sequence, one shard each
+    stage_group: object  # the ranks holding this stage: MuonZeRO's gradients and shards
+
+
+def layout_groups(pp, cp, dp, device_type="cpu"):
+    """The process groups of the layout pp x cp x dp, from torch's device mesh (dp innermost:
+    global rank = (p * cp + c) * dp + d). -> Layout."""
+    # hint: the pipeline's second link must be a group of its own even where the mesh hands back
+    # the world; the stage's ranks are the mesh's ("cp", "dp") dimensions flattened into one
+    ### BEGIN SOLUTION
+    mesh = init_device_mesh(device_type, (pp, cp, dp), mesh_dim_names=("pp", "cp", "dp"))
+    pipelines = mesh.mesh.permute(1, 2, 0).reshape(-1, pp).tolist()  # each (c, d)'s stages
+    backward, _ = dist.new_subgroups_by_enumeration(pipelines)
+    pipeline = {"forward": mesh["pp"].get_group(), "backward": backward}
+    stage = mesh["cp", "dp"]._flatten().get_group()
+    return Layout(pp, cp, dp, tuple(mesh.get_coordinate()), pipeline, mesh["cp"].get_group(),
+                  stage)  # fmt: skip
+    ### END SOLUTION
+
+
+def stage_parameters(model, layout):
+    """The modules this rank's stage trains, under their own names: the embedding on the first
+    stage, layers [first, stop), the HyperHead, norm and LM head on the last."""
+    p = layout.coords[0]
+    first, stop = mhc.stage_layers(len(model.hcs), layout.pp, p)
+    held = nn.ModuleDict({f"layer{i}": nn.ModuleList([model.sublayers[i], model.hcs[i]])
+                          for i in range(first, stop)})  # fmt: skip
+    if p == 0:
+        held["embed"] = model.embed
+    if p == layout.pp - 1:
+        held.update({"hyper_head": model.hyper_head, "norm": model.norm, "lm_head": model.lm_head})
+    return held, (first, stop)
+
+
+def build_optimizer(model, layout, train):
+    """MuonZeRO over the stage group: Muon for matrices and expert stacks, AdamW for the rest."""
+    held, _ = stage_parameters(model, layout)
+    groups = []
+    for g in muon_zero.muon_param_groups(held):
+        g["params"] = [p for p in g["params"] if p.requires_grad]
+        if g["role"] == "adamw":
+            g["lr"] = train.lr_adamw
+        groups += [g] if g["params"] else []
+    return muon_zero.MuonZeRO(
+        groups, lr=train.lr_muon, weight_decay=train.weight_decay,
+        ns_coefficients=muon_zero.STANDARD_NS_COEFFICIENTS, update_rms=0.2,
+        ns_dtype=train.ns_dtype, grad_sync=train.grad_sync, process_group=layout.stage_group,
+        seed=train.seed)  # fmt: skip
+
+
+def plan_forgetting(model, layout, cfg):
+    """tensor_ckpt's FX plan for each F of this stage, traced once on a micro-batch's shape (the
+    trace runs F once: every CP rank of the stage does it together)."""
+    _, (first, stop) = stage_parameters(model, layout)
+    example = torch.randn(cfg.batch // cfg.n_micro, cfg.seq_len // layout.cp, cfg.dim,
+                          device=model.embed.weight.device)  # fmt: skip
+    for i in range(first, stop):
+        model.forgetting[i] = tensor_ckpt.checkpoint_tensors(
+            model.sublayers[i], (example,), leaf_modules=(Compressed,)
+        )
+
+
+# ---- 3. One training step on the layout -------------------------------------------------------
+
+
+def local_batch(tokens, cfg, layout):
+    """This rank's rows (its replica's `batch` sequences) and columns (its CP shard)."""
+    _, c, d = layout.coords
+    rows = tokens[d * cfg.batch : (d + 1) * cfg.batch]
+    idx, targets = (cp_compress.shard_sequence(t.T, layout.cp, c).T for t in (rows[:, :-1],
+                    rows[:, 1:]))  # fmt: skip
+    return idx.contiguous(), targets.contiguous()
+
+
+def train_step(model, opt, tokens, cfg, layout, phase=lambda name: contextlib.nullcontext()):
+    """1F1B over the stages (CP inside every attention F), then MuonZeRO over the stage group.
+    Every rank's loss is its tokens' mean; the optimizer averages over the C x D ranks of equal
+    token counts: the mean over the whole batch, as one process. -> (that mean, PipelineStats)."""
+    device = model.embed.weight.device
+    idx, targets = (t.to(device) for t in local_batch(tokens, cfg, layout))
+    with phase("forward"):  # 1F1B interleaves forwards and backwards: one phase
+        loss, stats = mhc.pipeline_step(model, idx, targets, cfg.n_micro, "optimised",
+                                        groups=layout.pipeline)  # fmt: skip
+    with phase("optimizer"):
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    mine = loss.detach() if loss is not None else torch.zeros((), device=device)
+    dist.all_reduce(mine)  # only the last stage's C x D ranks add a loss
+    return mine.item() / (layout.cp * layout.dp), stats
+
+
+# ---- 4. The reference: one process, none of the four techniques --------------------------------
+
+
+def reference_optimizers(model, train):
+    """torch.optim.Muon on every matrix (each expert its own) + torch.optim.AdamW on embeddings,
+    the LM head, biases, norms and the attention's positional bias. -> (optimizers, experts):
+    experts maps each stack to its per-expert leaves (views into it)."""
+    muon, adamw, experts = [], [], {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        plain = name.startswith(("embed.", "lm_head.")) or name.rsplit(".", 1)[-1].startswith(
+            ("bias", "ape")) or p.ndim < 2  # fmt: skip
+        if plain:
+            adamw.append(p)
+        elif p.ndim == 3:
+            experts[p] = [p.detach()[e] for e in range(p.shape[0])]
+            muon += experts[p]
+        else:
+            muon.append(p)
+    return [
+        torch.optim.Muon(muon, lr=train.lr_muon, weight_decay=train.weight_decay, momentum=0.95,
+                         nesterov=True, adjust_lr_fn="match_rms_adamw"),
+        torch.optim.AdamW(adamw, lr=train.lr_adamw, betas=(0.9, 0.95), eps=1e-8,
+                          weight_decay=train.weight_decay),
+    ], experts  # fmt: skip
+
+
+@contextlib.contextmanager
+def newton_schulz_in(dtype):
+    """torch.optim.Muon computes Newton-Schulz in bf16; for the fp32 proof, the same iteration
+    in `dtype` (its code with the one cast changed)."""
+    import torch.optim._muon as tm
+
+    bf16 = tm._zeropower_via_newtonschulz
+
+    def ns(grad, coefficients, steps, eps):
+        a, b, c = coefficients
+        X = grad.to(dtype)
+        X = X.T if grad.size(0) > grad.size(1) else X
+        X = X / X.norm().clamp(min=eps)
+        for _ in range(steps):
+            A = X @ X.T
+            X = torch.addmm(X, torch.addmm(A, A, A, beta=b, alpha=c), X, beta=a)
+        return X.T if grad.size(0) > grad.size(1) else X
+
+    tm._zeropower_via_newtonschulz = bf16 if dtype == torch.bfloat16 else ns
+    try:
+        yield
+    finally:
+        tm._zeropower_via_newtonschulz = bf16
+
+
+def reference_training(cfg, dp, train, device="cpu"):
+    """K steps on one process of the whole batch (dp replicas' rows): plain mHC layers, attention
+    over the whole sequence, the MoE as written, nothing forgotten. -> (losses, parameters)."""
+    model = make_model(cfg, 1, train.seed).to(device)
+    model.attend(documents(cfg).to(device))
+    opts, experts = reference_optimizers(model, train)
+    losses = []
+    with newton_schulz_in(train.ns_dtype):
+        for step in range(train.steps):
+            tokens = batch_tokens(cfg, cfg.batch * dp, step, train.seed).to(device)
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+            loss.backward()
+            for stack, leaves in experts.items():
+                for e, leaf in enumerate(leaves):
+                    leaf.grad = stack.grad[e]
+            for opt in opts:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=True)  # the stacks themselves are in no optimizer
+            losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def run_layout(cfg, train, pp, cp, dp, device=torch.device("cpu"), on_step=None):
+    """K training steps on the layout, inside a process group of pp * cp * dp ranks. on_step
+    (step, layout, run) wraps each step (run(phase) trains it). -> (global losses, this stage's
+    parameters {name: tensor}, layout, model, optimizer)."""
+    layout = layout_groups(pp, cp, dp, device.type)
+    model = make_model(cfg, cp, train.seed).to(device)
+    model.attend(documents(cfg).to(device), layout.cp_group)
+    plan_forgetting(model, layout, cfg)
+    opt = build_optimizer(model, layout, train)
+    losses = []
+    for step in range(train.steps):
+        tokens = batch_tokens(cfg, cfg.batch * dp, step, train.seed)
+        run = functools.partial(train_step, model, opt, tokens, cfg, layout)
+        try:
+            loss, _ = on_step(step, layout, model, opt, run) if on_step else run()
+        except Exception as err:
+            stop_together(err, step + 1)
+        losses.append(loss)
+    held, _ = stage_parameters(model, layout)
+    names = {id(p): n for n, p in model.named_parameters()}
+    return losses, {names[id(p)]: p.detach() for p in held.parameters()}, layout, model, opt
+
+
+# ---- 5. The budget (merged from the budget helper)
+
+
+# ---- appendix: counted bytes, validation, the demo ----------------------------------------------
+
+LINKS = ("pp_send", "cp_halo", "cp_gather", "grad_reduce_scatter", "param_all_gather", "control")
+
+
+@contextlib.contextmanager
+def count_sent_bytes(sent, where):
+    """Count, where each call is made, the bytes this rank sends, into sent {link: bytes}; where()
+    names the phase ("forward": the pipeline's CP traffic, "optimizer": MuonZeRO's), as the CP
+    and stage groups can be one group. StageLinks counts the pipeline's sends itself. A collective
+    of n ranks sends what leaves this rank: all-gather (n-1) x its input, reduce-scatter and
+    all-to-all (n-1)/n of it, all-reduce 2 (n-1)/n (a ring). Guard traffic and the loss: control."""
+    originals = {n: getattr(dist, n) for n in ("batch_isend_irecv", "all_gather_single",
+                 "reduce_scatter_single", "all_to_all_single", "all_reduce")}  # fmt: skip
+    links = {("forward", "batch_isend_irecv"): "cp_halo", ("forward", "all_gather_single"):
+             "cp_gather", ("forward", "reduce_scatter_single"): "cp_gather",
+             ("optimizer", "all_gather_single"): "param_all_gather",
+             ("optimizer", "all_to_all_single"): "grad_reduce_scatter",
+             ("optimizer", "all_reduce"): "grad_reduce_scatter"}  # fmt: skip
+
+    def wrap(name, fn):
+        def call(*args, **kwargs):
+            if name == "batch_isend_irecv":
+                tensors = [op.tensor for op in args[0] if op.op is dist.isend]
+                n, share = 2, 1.0  # point to point: what it sends
+            else:
+                tensors, n = [args[1] if "single" in name else args[0]], dist.get_world_size(
+                    kwargs.get("group"))  # fmt: skip
+                share = {"all_gather_single": n - 1, "all_reduce": 2 * (n - 1) / n}.get(
+                    name, (n - 1) / n)  # fmt: skip
+            small = name == "all_reduce" and not (
+                args[0].is_floating_point() and args[0].numel() > 1
+            )
+            link = "control" if small else links.get((where(), name), "control")
+            for t in tensors:
+                sent[link] = sent.get(link, 0) + int(t.numel() * t.element_size() * share)
+            return fn(*args, **kwargs)
+
+        return call
+
+    for name, fn in originals.items():
+        setattr(dist, name, wrap(name, fn))
+    try:
+        yield sent
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def stop_together(err, step):
+    """A rank that raises mid-step: the first error goes to the store, its rank aborts its links
+    (every peer blocked on it fails, and exits, in turn), and every rank raises that one error.
+    The first rank and rank 0 (the store's host) wait until every rank has read it."""
+    if not dist.is_initialized():
+        raise err
+    store, world = dist.distributed_c10d._get_default_store(), dist.get_world_size()
+    mine = f"rank {dist.get_rank()} raised {type(err).__name__}: {err}"
+    first = store.compare_set("compose/failed", "", mine).decode()
+    if first == mine:
+        for group in list(dist.distributed_c10d._world.pg_map):  # peers see the links close
+            group.abort()
+        dist.destroy_process_group()
+    store.add("compose/stopped", 1)
+    deadline = time.monotonic() + launch.timeout_seconds()
+    while (first == mine or dist.is_initialized() and dist.get_rank() == 0) and time.monotonic(
+    ) < deadline and store.add("compose/stopped", 0) < world:  # fmt: skip
+        time.sleep(0.05)
+    raise RuntimeError(f"compose: step {step} stopped on every rank: {first}") from err
+
+
+def check_layout(cfg, pp, cp, dp, world):
+    """The clear ValueError for a layout that cannot run, before any collective."""
+    if pp * cp * dp != world:
+        raise ValueError(
+            f"--pp {pp} x --cp {cp} x --dp {dp} = {pp * cp * dp}, but {world} "
+            f"rank(s) run: choose P, C, D whose product is the world size"
+        )
+    if cfg.n_layers % pp:
+        raise ValueError(f"{pp} pipeline stages cannot split n_layers={cfg.n_layers} evenly")
+    if cfg.n_micro < pp or cfg.batch % cfg.n_micro:
+        raise ValueError(
+            f"1F1B needs n_micro={cfg.n_micro} >= pp={pp} micro-batches that split "
+            f"batch={cfg.batch} evenly"
+        )
+    s, m = cfg.seq_len // cp, math.lcm(cfg.csa_ratio, cfg.hca_ratio)
+    if cfg.seq_len % cp or s % m or s < cfg.window - 1:
+        raise ValueError(f"seq_len={cfg.seq_len} over cp={cp} ranks gives {cfg.seq_len / cp:g} "
+                         f"tokens per rank; it must be a multiple of both ratios m ({m}) and "
+                         f">= window - 1 = {cfg.window - 1}")  # fmt: skip
+
+
+class StepRecorder:
+    """on_step for run_layout: the first `record` steps under memory_timeline's recorder (peaks,
+    categories), the others timed; every step's sent bytes counted per link."""
+
+    def __init__(self, record, device):
+        from memory.memory_timeline import MemoryTimeline
+
+        self.make, self.record, self.device = MemoryTimeline, record, device
+        self.timeline, self.step_s, self.sent = None, [], []
+
+    def __call__(self, step, layout, model, opt, run):
+        sent, where = {}, ["control"]
+
+        @contextlib.contextmanager
+        def phase(name):  # what the meter is counting, and the recorder's phase
+            where[0] = name
+            with self.timeline.phase(name, step + 1) if recording else contextlib.nullcontext():
+                yield
+            where[0] = "control"
+
+        recording = step < self.record
+        if recording and self.timeline is None:  # this stage's weights; others' not counted
+            held, _ = stage_parameters(model, layout)
+            self.timeline = self.make(held, opt, self.device)
+            self.recording = self.timeline.record()
+            self.recording.__enter__()
+        with count_sent_bytes(sent, lambda: where[0]):
+            began = mhc.clock(self.device)
+            out = run(phase)
+            took = mhc.clock(self.device) - began
+        self.step_s.append(None if recording else took)  # the recorder runs Python per op
+        if recording:
+            self.timeline.tag(opt.local_state_tensors(), "optimizer_state")  # momenta too
+            if step + 1 == self.record:
+                self.recording.__exit__(None, None, None)
+        stats = out[1]  # StageLinks counts the pipeline's sends itself
+        sent["pp_send"] = stats.bytes_sent_forward + stats.bytes_sent_backward
+        self.sent.append(sent)
+        return out
+
+    def summary(self, rank, coords, losses):
+        tl, steps = self.timeline, range(1, self.record + 1)
+        held = {}
+        if tl is not None:
+            busy = tl.series("activations") + tl.series("temporaries")
+            held = {
+                "parameters": tl.peak("parameters"),
+                "gradients": tl.peak("gradients"),
+                "optimizer": tl.peak("optimizer_state"),
+                "activations": max(int(busy[a:b].max()) for a, b in tl.window(phase="forward")),
+            }
+        return {
+            "rank": rank,
+            "coords": list(coords),
+            "losses": losses,
+            "step_s": self.step_s,
+            "peak_bytes": [tl.peak(step=s) for s in steps] if tl is not None else [],
+            "held_bytes": held,
+            "sent_bytes": {k: self.sent[-1].get(k, 0) for k in LINKS},
+        }
+
+
+def parse_args(argv=None):
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    count = launch.at_least(1)
+    parser = argparse.ArgumentParser(
+        description="The four chapters in one V4-like decoder, on "
+        "the layout --pp x --cp x --dp of the torchrun ranks."
+    )
+    add = parser.add_argument
+    add("--pp", type=count, default=1, help="pipeline stages (1)")
+    add("--cp", type=count, default=1, help="context-parallel ranks per sequence (1)")
+    add("--dp", type=count, default=None, help="data-parallel replicas (world / (pp * cp))")
+    add("--steps", type=count, default=4, help="training steps (4)")
+    add("--record", type=launch.at_least(0), default=2, help="first steps recorded for memory "
+        "(2; recorded steps are not timed)")  # fmt: skip
+    add("--layers", type=count, default=12, help="sublayers L; pp must divide it (12)")
+    add("--seq-len", type=count, default=None, help="tokens per sequence T (256; 192 at cp=3)")
+    add("--v4", action="store_true", help="V4's numerics: bf16 stochastic-rounding gradient sync "
+        "and bf16 Newton-Schulz (default: fp32, the exact proof)")  # fmt: skip
+    add("--check", action="store_true", help="also train the one-process reference on rank 0 and "
+        "print the largest difference")  # fmt: skip
+    add("--json", metavar="PATH", help="write every rank's record here (rank 0)")
+    add("--seed", type=int, default=0, help="seed of weights and data (0)")
+    add("--device-memory", type=launch.positive, default=80.0, help="GiB per device, for the "
+        "budget table (80)")  # fmt: skip
+    add("--intra-bw", type=launch.positive, default=100.0, help="GB/s within a node (100)")
+    add("--inter-bw", type=launch.positive, default=25.0, help="GB/s between nodes (25)")
+    args = launch.check_launch_options(parser, launch.add_launch_options(parser).parse_args(argv))
+    args.dp = args.dp or max(1, world // (args.pp * args.cp))
+    args.device_bytes = int(args.device_memory * 2**30)
+    args.intra_bw, args.inter_bw = args.intra_bw * 1e9, args.inter_bw * 1e9  # bytes per second
+    args.seq_len = args.seq_len or (192 if args.cp == 3 else 256)  # whole blocks per rank
+    args.cfg = ComposeConfig(n_layers=args.layers, seq_len=args.seq_len)
+    try:
+        check_layout(args.cfg, args.pp, args.cp, args.dp, world)
+    except ValueError as err:
+        parser.error(str(err))
+    return args
+
+
+def demo(args, rank, world, device):
+    cfg = args.cfg
+    train = Training(args.steps, grad_sync="bf16_sr" if args.v4 else "fp32", seed=args.seed,
+                     ns_dtype=torch.bfloat16 if args.v4 else torch.float32)  # fmt: skip
+    launch.say(f"layout pp={args.pp} x cp={args.cp} x dp={args.dp}: {cfg.n_layers} layers "
+               f"(CSA, MoE, HCA, MoE, ...), C={cfg.dim}, n_hc={cfg.n_hc}, T={cfg.seq_len} "
+               f"({cfg.seq_len // args.cp} per CP rank), {cfg.batch} sequences per replica in "
+               f"{cfg.n_micro} micro-batches; gradient sync {train.grad_sync}")  # fmt: skip
+    budget_table = globals().get("budget_table")  # section 5, merged from the budget helper
+    if budget_table is not None:
+        ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        launch.say(budget_table(cfg, world, args.device_bytes, args.intra_bw, args.inter_bw,
+                                ranks_per_node))  # fmt: skip
+    recorder = StepRecorder(min(args.record, args.steps), device)
+    losses, params, layout, *_ = run_layout(cfg, train, args.pp, args.cp, args.dp, device,
+                                            recorder)  # fmt: skip
+    for step, loss in enumerate(losses):
+        took = recorder.step_s[step]
+        launch.say(
+            f"step {step + 1}: loss {loss:.4f}, "
+            + ("memory recorded (not timed)" if took is None else f"{1e3 * took:.0f} ms")
+        )
+    mine = recorder.summary(rank, layout.coords, losses)
+    records = [None] * world if rank == 0 else None
+    dist.gather_object(mine, records, dst=0)
+    timelines = [None] * world if rank == 0 else None
+    dist.gather_object(recorder.timeline, timelines, dst=0)
+    launch.say(
+        f"\n{'rank':>4} {'p,c,d':>6} {'peak MiB':>9} {'params':>7} {'grads':>7} "
+        f"{'optim':>7} {'activ':>7}   sent KiB per step: " + " ".join(LINKS[:-1])
+    )
+    for r in records or []:
+        held, mib = r["held_bytes"], lambda b: f"{b / 2**20:7.2f}"  # noqa: E731
+        cells = " ".join(mib(held.get(k, 0)) for k in ("parameters", "gradients", "optimizer",
+                                                       "activations"))  # fmt: skip
+        sent = " ".join(f"{r['sent_bytes'][k] / 2**10:.0f}" for k in LINKS[:-1])
+        peak = max(r["peak_bytes"], default=0) / 2**20
+        launch.say(
+            f"{r['rank']:>4} {','.join(map(str, r['coords'])):>6} {peak:9.2f} {cells}   {sent}"
+        )
+    if args.check:
+        gathered = [None] * world if rank == 0 else None
+        dist.gather_object({n: p.cpu() for n, p in params.items()}, gathered, dst=0)
+        if rank == 0:
+            ref_losses, ref = reference_training(cfg, args.dp, train)
+            got = {n: t for g in gathered for n, t in g.items()}
+            diff = max((got[n] - ref[n]).abs().max().item() for n in got)
+            loss = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+            print(
+                f"\nagainst the one-process reference: losses within {loss:.1e} (relative), "
+                f"parameters within {diff:.1e} (largest absolute difference)",
+                flush=True,
+            )
+    if rank == 0 and args.json:
+        base = os.path.splitext(args.json)[0]
+        for r, tl in zip(records, timelines):
+            if tl is not None:
+                r["timeline"] = f"{base}.rank{r['rank']}.timeline.pt"
+                torch.save(tl, r["timeline"])
+        layout_json = {"pp": args.pp, "cp": args.cp, "dp": args.dp}
+        with open(args.json, "w") as f:
+            json.dump({"layout": layout_json, "config": asdict(cfg), "ranks": records}, f)
+        print(f"wrote {args.json}", flush=True)
+
+
+if __name__ == "__main__":
+    launch.run(demo, parse_args())
