@@ -1,0 +1,497 @@
+"""The budget helper's copy of compose.py: the contract's ComposeConfig, then section 5 (the budget).
+
+The merger pastes everything from the line `# ---- 5. The budget` to `# ---- end of the budget`
+into the full compose.py (its placeholder line), which imports the same chapters at its top.
+
+    python compose.py --world 4     # the budget table of every layout of 4 ranks, nothing run
+"""
+
+import argparse
+import math
+from dataclasses import dataclass, field
+
+import cp_compress
+import mhc
+import muon_zero
+
+
+@dataclass
+class ComposeConfig:
+    vocab: int = 256
+    dim: int = 64  # C, the width of each of the n_hc residual lanes
+    n_layers: int = 12  # sublayers F, each inside one mHC hyper-connection (see below)
+    seq_len: int = 256  # T tokens of packed documents per sequence; each CP rank holds T/cp
+    batch: int = 4  # sequences per data-parallel replica per step
+    n_micro: int = 4  # pipeline micro-batches per step (>= pp for 1F1B)
+    n_hc: int = 4  # mHC lanes
+    heads: int = 4
+    head_dim: int = 16
+    csa_ratio: int = 4  # m of CSA (overlapping windows, indexer + top-k)
+    hca_ratio: int = 16  # m of HCA (no overlap, dense over entries)
+    window: int = 16  # sliding window of raw rows
+    top_k: int = 16  # CSA indexer picks
+    index_heads: int = 4
+    index_dim: int = 16
+    n_experts: int = 4
+    experts_per_token: int = 2
+    expert_hidden: int = 128
+
+
+# ---- 5. The budget: which layout fits, and what each link carries --------------------------------
+# A pure function of the configuration and the machine: no process, no tensor. Every byte below is
+# derived from a tensor the chapters make (named in each docstring), so compose's measured peaks
+# (memory_timeline) and counted bytes can be set beside it rank by rank.
+
+MEMORY = ("parameters", "gradients", "optimizer", "activations")  # bytes a rank holds
+LINKS = ("pp_send", "cp_halo", "cp_gather", "grad_reduce_scatter", "param_all_gather")
+FP32, BF16, INT64, BOOL = 4, 2, 8, 1  # bytes per element
+
+
+def sublayer_kind(i):
+    """Sublayer i's F: CSA attention when i % 4 == 0, HCA when i % 4 == 2, an MoE MLP when odd."""
+    return "moe" if i % 2 else ("csa" if i % 4 == 0 else "hca")
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One parameter: its name in the model, shape, MuonZeRO role (as muon_param_groups assigns
+    it) and where it lives: a sublayer index, or "first" / "last" (the pipeline's end stages)."""
+
+    name: str
+    shape: tuple
+    role: str  # "dense", "expert_down", "expert_up", "expert_gate" or "adamw"
+    where: object
+
+    @property
+    def numel(self):
+        return math.prod(self.shape)
+
+
+def model_tensors(cfg):
+    """Every parameter of the capstone model, in module order: the embedding, per sublayer its
+    HyperConnection (mhc) and its F, then the HyperHead (mhc), the final RMSNorm and the LM head.
+
+    F (attention): an RMSNorm, cp_compress.CompressedAttention, an output projection [H*D, C].
+    F (MoE): an RMSNorm, a router [E, C] and expert stacks [E, hidden, C] (gate, up), [E, C,
+    hidden] (down). Roles: 2-D matrices are Muon's ("dense"), 3-D expert stacks each an expert
+    role; embeddings, the LM head, norms, mHC's gates and static biases, the attention sink and
+    the compressor's positional bias (3-D, declared no_muon) are AdamW's."""
+    n, C, H, D = cfg.n_hc, cfg.dim, cfg.heads, cfg.head_dim
+    out = [Tensor("embed.weight", (cfg.vocab, C), "adamw", "first")]
+    for i in range(cfg.n_layers):
+        kind, p = sublayer_kind(i), f"layers.{i}."
+        out += [
+            Tensor(p + "hc.proj", (n * C, 2 * n + n * n), "dense", i),
+            Tensor(p + "hc.gate", (3,), "adamw", i),
+            Tensor(p + "hc.bias_pre", (n,), "adamw", i),
+            Tensor(p + "hc.bias_post", (n,), "adamw", i),
+            Tensor(p + "hc.bias_res", (n, n), "adamw", i),
+            Tensor(p + "f.norm.weight", (C,), "adamw", i),
+        ]
+        if kind == "moe":
+            E, h = cfg.n_experts, cfg.expert_hidden
+            out += [
+                Tensor(p + "f.router", (E, C), "dense", i),
+                Tensor(p + "f.w_gate", (E, h, C), "expert_gate", i),
+                Tensor(p + "f.w_up", (E, h, C), "expert_up", i),
+                Tensor(p + "f.w_down", (E, C, h), "expert_down", i),
+            ]
+            continue
+        csa = kind == "csa"
+        sets, ch = (2, D + cfg.index_dim) if csa else (1, D)
+        ratio = cfg.csa_ratio if csa else cfg.hca_ratio
+        a = p + "f.attn."
+        out += [
+            Tensor(a + "wq", (C, H * D), "dense", i),
+            Tensor(a + "wkv_window", (C, D), "dense", i),
+            Tensor(a + "wkv_compress", (C, sets * ch), "dense", i),
+            Tensor(a + "wgate_compress", (C, sets * ch), "dense", i),
+            Tensor(a + "ape", (ratio, sets, ch), "adamw", i),
+            Tensor(a + "sink", (H,), "adamw", i),
+            Tensor(a + "norm_window", (D,), "adamw", i),
+            Tensor(a + "norm_compress", (D,), "adamw", i),
+        ]
+        if csa:
+            Hi, Di = cfg.index_heads, cfg.index_dim
+            out += [
+                Tensor(a + "wq_index", (C, Hi * Di), "dense", i),
+                Tensor(a + "w_index", (C, Hi), "dense", i),
+                Tensor(a + "norm_index", (Di,), "adamw", i),
+            ]
+        out.append(Tensor(p + "f.wo", (H * D, C), "dense", i))
+    return out + [
+        Tensor("hyper_head.proj", (n * C, n), "dense", "last"),
+        Tensor("hyper_head.gate", (1,), "adamw", "last"),
+        Tensor("hyper_head.bias", (n,), "adamw", "last"),
+        Tensor("norm.weight", (C,), "adamw", "last"),
+        Tensor("lm_head.weight", (cfg.vocab, C), "adamw", "last"),
+    ]
+
+
+def stage_tensors(cfg, pp, stage):
+    """The parameters pipeline stage `stage` of `pp` holds: its sublayers (mhc.stage_layers), the
+    embedding on the first stage, the HyperHead, final norm and LM head on the last."""
+    first, stop = mhc.stage_layers(cfg.n_layers, pp, stage)
+    ends = {"first"} if stage == 0 else set()
+    ends |= {"last"} if stage == pp - 1 else set()
+    return [t for t in model_tensors(cfg)
+            if t.where in ends or (isinstance(t.where, int) and first <= t.where < stop)]
+
+
+def muon_plan(tensors, group_size):
+    """MuonZeRO's own plan (muon_zero.plan_muon) over the ranks that hold one stage: dense
+    matrices in parameter order, experts flattened as V4 does (all downs, then ups, gates)."""
+    dense = [t.shape for t in tensors if t.role == "dense"]
+    experts = [t.shape[1:] for role in muon_zero.EXPERT_ROLES for t in tensors if t.role == role
+               for _ in range(t.shape[0])]  # fmt: skip
+    return muon_zero.plan_muon(dense, experts, group_size)
+
+
+@dataclass(frozen=True)
+class Rank:
+    """Where a rank sits in the (pp, cp, dp) mesh; global rank = (p * cp + c) * dp + d."""
+
+    p: int
+    c: int
+    d: int
+    pp: int
+    cp: int
+    dp: int
+
+    @property
+    def rank(self):
+        return (self.p * self.cp + self.c) * self.dp + self.d
+
+    @property
+    def group_rank(self):
+        """Its rank in the stage's MuonZeRO group, the flattened ("cp", "dp") sub-mesh."""
+        return self.c * self.dp + self.d
+
+
+def micro_stream_bytes(cfg, cp):
+    """One micro-batch's n-lane stream on one CP rank, [B/n_micro, T/cp, n_hc, C] fp32: what a
+    stage sends the next (mhc.StageLinks) and the gradient it gets back."""
+    return cfg.batch // cfg.n_micro * (cfg.seq_len // cp) * cfg.n_hc * cfg.dim * FP32
+
+
+def halo_bytes(cfg, kind):
+    """Bytes one attention layer sends the next CP rank per sequence in forward: the compressor's
+    halo (cp_compress.halo_rows raw rows of kv and gate logits, [rows, 2, sets, channels]) and the
+    sliding window's window - 1 raw K/V rows [D] (CompressedAttention.context_parallel)."""
+    csa = kind == "csa"
+    sets, ch = (2, cfg.head_dim + cfg.index_dim) if csa else (1, cfg.head_dim)
+    ratio = cfg.csa_ratio if csa else cfg.hca_ratio
+    rows = cp_compress.halo_rows(ratio, csa)
+    return (rows * 2 * sets * ch + (cfg.window - 1) * cfg.head_dim) * FP32
+
+
+def gather_buffer_bytes(cfg, kind, cp):
+    """One rank's stage-2 buffer per attention layer and sequence: s/m + 1 entries of the
+    compressor's channels (D, plus the indexer's Di under CSA), fp32."""
+    csa = kind == "csa"
+    ch = cfg.head_dim + (cfg.index_dim if csa else 0)
+    ratio = cfg.csa_ratio if csa else cfg.hca_ratio
+    return (cfg.seq_len // cp // ratio + 1) * ch * FP32
+
+
+def link_bytes(cfg, where, plan, tensors):
+    """Bytes rank `where` (a Rank) sends per training step on each link, {link: bytes}.
+
+    pp_send: n_micro micro-batch streams to the next stage (forward) and as many gradients to the
+        previous one (backward); an end stage sends in one direction only.
+    cp_halo: per attention layer of the stage and per sequence of every micro-batch, halo_bytes to
+        the next CP rank in forward (not from the last) and their gradient back in backward (not
+        from CP rank 0).
+    cp_gather: the stage-2 all-gather of the buffer to the cp - 1 others in forward, and its
+        reduce-scatter in backward (the same bytes).
+    grad_reduce_scatter: MuonZeRO's all-to-all of the packed gradient chunks, one to each of the
+        other G - 1 peers (dense buckets over the zero width, expert runs over the group), in
+        bf16 under grad_sync "bf16_sr"; plus AdamW's fp32 all-reduce, 2 (G-1)/G of its size.
+    param_all_gather: every updated fp32 chunk to the other peers.
+    """
+    # hint: count each collective from the sender's side; a pipeline end has one neighbour, CP's
+    # ends one halo direction; the gradient's payload dtype follows grad_sync
+    ### BEGIN SOLUTION
+    pp, cp, G = where.pp, where.cp, where.cp * where.dp
+    micro = micro_stream_bytes(cfg, cp)
+    directions = (where.p < pp - 1) + (where.p > 0)
+    sent = dict.fromkeys(LINKS, 0)
+    sent["pp_send"] = directions * cfg.n_micro * micro
+
+    sequences = cfg.n_micro * (cfg.batch // cfg.n_micro)
+    first, stop = mhc.stage_layers(cfg.n_layers, pp, where.p)
+    for kind in (sublayer_kind(i) for i in range(first, stop)):
+        if kind == "moe" or cp == 1:
+            continue
+        halo_directions = (where.c < cp - 1) + (where.c > 0)
+        sent["cp_halo"] += sequences * halo_directions * halo_bytes(cfg, kind)
+        sent["cp_gather"] += sequences * 2 * (cp - 1) * gather_buffer_bytes(cfg, kind, cp)
+
+    grad_item = BF16 if getattr(cfg, "grad_sync", "bf16_sr") == "bf16_sr" else FP32
+    Z = plan.zero_width
+    dense, experts = plan.dense_bucket_numel, plan.expert_chunk_numel
+    adamw = sum(t.numel for t in tensors if t.role == "adamw")
+    sent["grad_reduce_scatter"] = ((Z - 1) * dense + (G - 1) * experts) * grad_item
+    sent["grad_reduce_scatter"] += 2 * (G - 1) * adamw * FP32 // G
+    sent["param_all_gather"] = ((Z - 1) * dense + (G - 1) * experts) * FP32
+    return sent
+    ### END SOLUTION
+
+
+def owned_state_bytes(plan, tensors, group_rank):
+    """MuonZeRO.state_bytes on this rank: fp32 momentum of the matrices it owns in the plan (no
+    padding: buffers are per run), and AdamW's two fp32 moments of every AdamW tensor."""
+    dense, experts = plan.owned(group_rank)
+    owned = [plan.dense_shapes[i] for i in dense] + [plan.expert_shapes[i] for i in experts]
+    adamw = sum(t.numel for t in tensors if t.role == "adamw")
+    return (sum(map(math.prod, owned)) + 2 * adamw) * FP32
+
+
+def recompute_block(cfg, layers):
+    """L_r of mHC's selective recomputation on a stage of `layers` sublayers: compose's own field
+    if it sets one, else mhc.default_recompute_block; the "fused" variant is L_r = 1."""
+    if getattr(cfg, "variant", "optimised") == "fused":
+        return 1
+    return getattr(cfg, "recompute_block", None) or mhc.default_recompute_block(cfg.n_hc, layers)
+
+
+def f_saved_elements(cfg, kind, cp):
+    """Elements F's autograd graph keeps per sequence of s = T/cp tokens on one rank (fp32 unless
+    noted; bytes returned), with tensor_ckpt forgetting the normalised input and the MoE's
+    activation outputs. The F input h is counted with the mHC terms (layer_saved_bytes).
+
+    MoE (every expert applied densely, as muon_zero.TinyMoE): the router softmax and the gate
+    weights [E], the gate pre-activation (silu's input) and the up projection [E, hidden]; the
+    forgotten silu output and product are rebuilt in backward. Attention (cp_compress, the CP
+    path): q [H, D]; the window K/V before its norm [D] and 1/rms; the compressor's pooling
+    windows and their softmax [entries, rows, channels] (rows = 2m with CSA's overlap, m for
+    HCA; at most s/m entries); the pooled buffer [s/m + 1, channels] before the entry norm; the
+    gathered entries [T/m, channels]; keys = selected entries + window rows [K, D] per query and
+    the softmax [H, K + 1] (K = min(top_k, T/m) + window for CSA, T/m + window for HCA) with its
+    bool mask; the attention output [H, D] the output projection keeps. CSA's indexer adds
+    q_index [Hi, Di], w_index [Hi], relu(scores) [Hi, T/m], the sort's int64 order [T/m] and the
+    top-k's int64 indices."""
+    s, T, D, H = cfg.seq_len // cp, cfg.seq_len, cfg.head_dim, cfg.heads
+    if kind == "moe":
+        E, h = cfg.n_experts, cfg.expert_hidden
+        return s * ((2 * E + 2 * E * h) * FP32 + 2 * cfg.experts_per_token * INT64)
+    csa = kind == "csa"
+    ratio = cfg.csa_ratio if csa else cfg.hca_ratio
+    ch = D + (cfg.index_dim if csa else 0)
+    rows = 2 * ratio if csa else ratio
+    N = T // ratio
+    K = (min(cfg.top_k, N) if csa else N) + cfg.window
+    fp32 = s * (H * D + D + 1) + 2 * (s // ratio) * rows * ch + (s // ratio + 1) * (ch + 2)
+    fp32 += N * ch + s * (K * D + H * (K + 1) + H * D)
+    other = s * K * BOOL
+    if csa:
+        Hi, Di = cfg.index_heads, cfg.index_dim
+        fp32 += s * (Hi * Di + Hi + Hi * N)
+        other += s * (N + min(cfg.top_k, N)) * INT64
+    return fp32 * FP32 + other
+
+
+def layer_saved_bytes(cfg, cp):
+    """Per sublayer i, bytes one micro-batch keeps on one CP rank besides the block inputs: mHC's
+    per-layer share (RecomputedBlock: F's output f and input h [C], and mix_in's kept A, B, C,
+    x W and 1/rms, 2 n^2 + 4 n + 1 numbers per token) plus F's graph (f_saved_elements)."""
+    n, b, s = cfg.n_hc, cfg.batch // cfg.n_micro, cfg.seq_len // cp
+    mixing = s * (2 * cfg.dim + 2 * n * n + 4 * n + 1) * FP32
+    return {i: b * (mixing + f_saved_elements(cfg, sublayer_kind(i), cp))
+            for i in range(cfg.n_layers)}  # fmt: skip
+
+
+def activation_bytes(cfg, where):
+    """Peak bytes of activations on rank `where`, in the middle of its last forward.
+
+    One micro-batch keeps: every recompute block's input (the n-lane stream, [b, s, n, C]; on the
+    first stage the first block's input is the embedding, C per token, as mhc.embed_stream makes
+    a stride-0 view), layer_saved_bytes per sublayer, on the last stage the HyperHead's kept
+    (2n + 1 per token), the final norm's input, 1/rms and output and the log-softmax [vocab], on
+    a stage that sends forward its output stream. 1F1B keeps min(pp - p, n_micro) micro-batches
+    in flight (mhc.one_f_one_b); StageLinks keeps each sent tensor until the step ends, so the
+    streams (and gradients) sent for the micro-batches already finished stay too, and one
+    receive per direction is posted ahead."""
+    pp, p, cp = where.pp, where.p, where.cp
+    b, s, n, C = cfg.batch // cfg.n_micro, cfg.seq_len // cp, cfg.n_hc, cfg.dim
+    stream = micro_stream_bytes(cfg, cp)
+    first, stop = mhc.stage_layers(cfg.n_layers, pp, p)
+    blocks = len(mhc.recompute_blocks(first, stop, recompute_block(cfg, stop - first)))
+    per_micro = blocks * stream - (p == 0) * (stream - b * s * C * FP32)
+    per_micro += sum(v for i, v in layer_saved_bytes(cfg, cp).items() if first <= i < stop)
+    if p == pp - 1:
+        per_micro += b * s * (2 * n + 1 + 3 * C + 1 + cfg.vocab) * FP32
+    else:
+        per_micro += stream  # held_out, and the send's reference
+    in_flight = min(pp - p, cfg.n_micro)
+    finished = cfg.n_micro - in_flight
+    sent_held = finished * stream * ((p < pp - 1) + (p > 0))
+    posted = stream * ((p > 0) + (p < pp - 1))
+    return in_flight * per_micro + sent_held + posted
+
+
+@dataclass
+class LayoutBudget:
+    """One factorisation pp x cp x dp of the world: what each rank holds and sends, the peak, an
+    estimated step time, whether it fits, and why it cannot run at all (problem)."""
+
+    pp: int
+    cp: int
+    dp: int
+    held: list = field(default_factory=list)  # per global rank: {memory category: bytes}
+    sent: list = field(default_factory=list)  # per global rank: {link: bytes per step}
+    peak_bytes: int = 0  # the largest rank's sum of held bytes
+    step_s: float = math.inf  # communication time alone (see link_seconds)
+    fits: bool = False
+    problem: str = ""
+
+    @property
+    def name(self):
+        return f"{self.pp}x{self.cp}x{self.dp}"
+
+
+def layout_problem(cfg, pp, cp):
+    """Why the chapters refuse this pipeline or CP size for cfg ("" when they accept it)."""
+    if cfg.n_layers % pp:
+        return f"pp={pp} does not divide {cfg.n_layers} sublayers"
+    if cfg.n_micro < pp:
+        return f"1F1B needs n_micro >= pp ({cfg.n_micro} < {pp})"
+    if cfg.batch % cfg.n_micro:
+        return f"batch {cfg.batch} does not split into {cfg.n_micro} micro-batches"
+    s = cfg.seq_len // cp
+    if cfg.seq_len % cp:
+        return f"cp={cp} does not divide T={cfg.seq_len}"
+    for ratio, overlap in ((cfg.csa_ratio, True), (cfg.hca_ratio, False)):
+        if s % ratio:
+            return f"T/cp={s} is not a multiple of m={ratio}"
+        if cp > 1 and cp_compress.halo_rows(ratio, overlap) > s:
+            return f"T/cp={s} is shorter than the halo for m={ratio}"
+    if cp > 1 and cfg.window - 1 > s:
+        return f"T/cp={s} is shorter than the window's {cfg.window - 1} rows"
+    return ""
+
+
+def link_seconds(sent, where, ranks_per_node, intra_bw, inter_bw):
+    """Seconds rank `where` spends sending sent[link] bytes, one link after another at its
+    bandwidth: intra-node when every peer of that link's group shares its node, else inter-node.
+    Leaves out compute, overlap of communication with compute, per-message latency, the pipeline
+    bubble and ranks of one node contending for one inter-node link."""
+    pp, cp, dp = where.pp, where.cp, where.dp
+
+    def node(p, c, d):
+        return Rank(p, c, d, pp, cp, dp).rank // ranks_per_node
+
+    me = node(where.p, where.c, where.d)
+    peers = {
+        "pp_send": [node(q, where.c, where.d) for q in (where.p - 1, where.p + 1) if 0 <= q < pp],
+        "cp_halo": [node(where.p, c, where.d) for c in range(cp)],
+        "cp_gather": [node(where.p, c, where.d) for c in range(cp)],
+        "grad_reduce_scatter": [node(where.p, c, d) for c in range(cp) for d in range(dp)],
+        "param_all_gather": [node(where.p, c, d) for c in range(cp) for d in range(dp)],
+    }
+    return sum(
+        sent[link] / (intra_bw if all(n == me for n in peers[link]) else inter_bw)
+        for link in LINKS
+    )
+
+
+def factorisations(world):
+    """Every (pp, cp, dp) with pp * cp * dp = world, each once, pp first then cp ascending."""
+    return [(p, c, world // (p * c)) for p in range(1, world + 1) if world % p == 0
+            for c in range(1, world // p + 1) if (world // p) % c == 0]  # fmt: skip
+
+
+def check_budget_inputs(world, device_bytes, intra_bw, inter_bw, ranks_per_node):
+    for name, value in (("world", world), ("ranks_per_node", ranks_per_node)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    for name, value in (("device_bytes", device_bytes), ("intra_bw", intra_bw),
+                        ("inter_bw", inter_bw)):  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{name} must be a number > 0 (bytes, bytes per second), got "
+                             f"{value!r}")  # fmt: skip
+
+
+def layout_budget(cfg, pp, cp, dp, device_bytes, intra_bw, inter_bw, ranks_per_node):
+    """The prediction for one layout (LayoutBudget); a layout the chapters refuse keeps its
+    problem and no numbers."""
+    out = LayoutBudget(pp, cp, dp, problem=layout_problem(cfg, pp, cp))
+    if out.problem:
+        return out
+    out.held, out.sent = [None] * (pp * cp * dp), [None] * (pp * cp * dp)
+    seconds = []
+    for p in range(pp):
+        tensors = stage_tensors(cfg, pp, p)
+        plan = muon_plan(tensors, cp * dp)
+        numel = sum(t.numel for t in tensors)
+        for c in range(cp):
+            for d in range(dp):
+                where = Rank(p, c, d, pp, cp, dp)
+                out.held[where.rank] = {
+                    "parameters": numel * FP32,
+                    "gradients": numel * FP32,  # every .grad, fp32, until the step reduces it
+                    "optimizer": owned_state_bytes(plan, tensors, where.group_rank),
+                    "activations": activation_bytes(cfg, where),
+                }
+                out.sent[where.rank] = link_bytes(cfg, where, plan, tensors)
+                seconds.append(link_seconds(out.sent[where.rank], where, ranks_per_node,
+                                            intra_bw, inter_bw))  # fmt: skip
+    out.peak_bytes = max(sum(h.values()) for h in out.held)
+    out.step_s, out.fits = max(seconds), out.peak_bytes <= device_bytes
+    return out
+
+
+def budget_table(cfg, world, device_bytes, intra_bw, inter_bw, ranks_per_node=8):
+    """Every factorisation of `world` ranks, predicted and ranked: the layouts that fit first,
+    fastest first (communication time), then those that do not fit (smallest peak first), then
+    those the chapters refuse. device_bytes per device; bandwidths in bytes per second."""
+    check_budget_inputs(world, device_bytes, intra_bw, inter_bw, ranks_per_node)
+    rows = [layout_budget(cfg, pp, cp, dp, device_bytes, intra_bw, inter_bw, ranks_per_node)
+            for pp, cp, dp in factorisations(world)]  # fmt: skip
+    return sorted(rows, key=lambda r: (bool(r.problem), not r.fits, r.step_s if r.fits else 0,
+                                       r.peak_bytes, r.pp, r.cp))  # fmt: skip
+
+
+def human_bytes(n):
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def format_budget(rows):
+    """The ranked table, one line per layout: the largest rank's bytes by category, the busiest
+    rank's bytes per link, the communication time and the verdict."""
+    head = ["pp x cp x dp", "params", "grads", "optim", "activ", "peak", *LINKS, "comm ms",
+            "verdict"]  # fmt: skip
+    lines = [head]
+    for r in rows:
+        if r.problem:
+            lines.append([r.name] + ["-"] * (len(head) - 2) + [f"cannot run: {r.problem}"])
+            continue
+        held = [human_bytes(max(h[k] for h in r.held)) for k in MEMORY]
+        sent = [human_bytes(max(s[k] for s in r.sent)) for k in LINKS]
+        verdict = "fits" if r.fits else "DOES NOT FIT"
+        lines.append([r.name, *held, human_bytes(r.peak_bytes), *sent, f"{1e3 * r.step_s:.3g}",
+                      verdict])  # fmt: skip
+    widths = [max(len(row[k]) for row in lines if len(row) > k) for k in range(len(head) - 1)]
+    return "\n".join(
+        "  ".join(cell.rjust(w) for cell, w in zip(row, widths)) + "  " + row[-1]
+        for row in lines
+    )
+
+
+# ---- end of the budget
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="The budget table for every layout of --world")
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--device-gib", type=float, default=1.0)
+    parser.add_argument("--intra-gbps", type=float, default=10.0, help="GB/s within a node")
+    parser.add_argument("--inter-gbps", type=float, default=1.0, help="GB/s between nodes")
+    parser.add_argument("--ranks-per-node", type=int, default=4)
+    args = parser.parse_args()
+    table = budget_table(ComposeConfig(), args.world, args.device_gib * 2**30,
+                         args.intra_gbps * 1e9, args.inter_gbps * 1e9, args.ranks_per_node)
+    print(format_budget(table))
