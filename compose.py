@@ -1,4 +1,4 @@
-"""The budget helper's copy of compose.py: the contract's ComposeConfig, then section 5 (the budget).
+"""The budget helper's compose.py: the contract's ComposeConfig, then section 5 (the budget).
 
 The merger pastes everything from the line `# ---- 5. The budget` to `# ---- end of the budget`
 into the full compose.py (its placeholder line), which imports the same chapters at its top.
@@ -71,11 +71,12 @@ def model_tensors(cfg):
     """Every parameter of the capstone model, in module order: the embedding, per sublayer its
     HyperConnection (mhc) and its F, then the HyperHead (mhc), the final RMSNorm and the LM head.
 
-    F (attention): an RMSNorm, cp_compress.CompressedAttention, an output projection [H*D, C].
-    F (MoE): an RMSNorm, a router [E, C] and expert stacks [E, hidden, C] (gate, up), [E, C,
-    hidden] (down). Roles: 2-D matrices are Muon's ("dense"), 3-D expert stacks each an expert
-    role; embeddings, the LM head, norms, mHC's gates and static biases, the attention sink and
-    the compressor's positional bias (3-D, declared no_muon) are AdamW's."""
+    F (attention): an RMSNorm, cp_compress.CompressedAttention, an output projection (nn.Linear
+    H*D -> C). F (MoE): an RMSNorm, a router (nn.Linear C -> E) and expert stacks [E, hidden, C]
+    (gate, up), [E, C, hidden] (down). Roles: 2-D matrices are Muon's ("dense"), 3-D expert
+    stacks each an expert role; embeddings, the LM head, norms, mHC's gates and static biases,
+    the attention sink and the compressor's positional bias (3-D, declared no_muon) are AdamW's.
+    """
     n, C, H, D = cfg.n_hc, cfg.dim, cfg.heads, cfg.head_dim
     out = [Tensor("embed.weight", (cfg.vocab, C), "adamw", "first")]
     for i in range(cfg.n_layers):
@@ -91,10 +92,10 @@ def model_tensors(cfg):
         if kind == "moe":
             E, h = cfg.n_experts, cfg.expert_hidden
             out += [
-                Tensor(p + "f.router", (E, C), "dense", i),
-                Tensor(p + "f.w_gate", (E, h, C), "expert_gate", i),
-                Tensor(p + "f.w_up", (E, h, C), "expert_up", i),
-                Tensor(p + "f.w_down", (E, C, h), "expert_down", i),
+                Tensor(p + "f.router.weight", (E, C), "dense", i),
+                Tensor(p + "f.experts.w_gate", (E, h, C), "expert_gate", i),
+                Tensor(p + "f.experts.w_up", (E, h, C), "expert_up", i),
+                Tensor(p + "f.experts.w_down", (E, C, h), "expert_down", i),
             ]
             continue
         csa = kind == "csa"
@@ -118,7 +119,7 @@ def model_tensors(cfg):
                 Tensor(a + "w_index", (C, Hi), "dense", i),
                 Tensor(a + "norm_index", (Di,), "adamw", i),
             ]
-        out.append(Tensor(p + "f.wo", (H * D, C), "dense", i))
+        out.append(Tensor(p + "f.wo.weight", (C, H * D), "dense", i))
     return out + [
         Tensor("hyper_head.proj", (n * C, n), "dense", "last"),
         Tensor("hyper_head.gate", (1,), "adamw", "last"),
@@ -134,8 +135,11 @@ def stage_tensors(cfg, pp, stage):
     first, stop = mhc.stage_layers(cfg.n_layers, pp, stage)
     ends = {"first"} if stage == 0 else set()
     ends |= {"last"} if stage == pp - 1 else set()
-    return [t for t in model_tensors(cfg)
-            if t.where in ends or (isinstance(t.where, int) and first <= t.where < stop)]
+    return [
+        t
+        for t in model_tensors(cfg)
+        if t.where in ends or (isinstance(t.where, int) and first <= t.where < stop)
+    ]
 
 
 def muon_plan(tensors, group_size):
@@ -390,8 +394,7 @@ def link_seconds(sent, where, ranks_per_node, intra_bw, inter_bw):
         "param_all_gather": [node(where.p, c, d) for c in range(cp) for d in range(dp)],
     }
     return sum(
-        sent[link] / (intra_bw if all(n == me for n in peers[link]) else inter_bw)
-        for link in LINKS
+        sent[link] / (intra_bw if all(n == me for n in peers[link]) else inter_bw) for link in LINKS
     )
 
 
@@ -476,8 +479,7 @@ def format_budget(rows):
                       verdict])  # fmt: skip
     widths = [max(len(row[k]) for row in lines if len(row) > k) for k in range(len(head) - 1)]
     return "\n".join(
-        "  ".join(cell.rjust(w) for cell, w in zip(row, widths)) + "  " + row[-1]
-        for row in lines
+        "  ".join(cell.rjust(w) for cell, w in zip(row, widths)) + "  " + row[-1] for row in lines
     )
 
 
@@ -492,6 +494,12 @@ if __name__ == "__main__":
     parser.add_argument("--inter-gbps", type=float, default=1.0, help="GB/s between nodes")
     parser.add_argument("--ranks-per-node", type=int, default=4)
     args = parser.parse_args()
-    table = budget_table(ComposeConfig(), args.world, args.device_gib * 2**30,
-                         args.intra_gbps * 1e9, args.inter_gbps * 1e9, args.ranks_per_node)
+    table = budget_table(
+        ComposeConfig(),
+        args.world,
+        args.device_gib * 2**30,
+        args.intra_gbps * 1e9,
+        args.inter_gbps * 1e9,
+        args.ranks_per_node,
+    )
     print(format_budget(table))
