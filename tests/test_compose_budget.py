@@ -335,19 +335,19 @@ def links_of(cfg, pp, cp, dp, p, c, d):
 @pytest.mark.grade(points=2, solution="compose.link_bytes", needs=LINK_NEEDS)
 def test_graded_pp_send_counts_both_directions():
     cfg = CFG
-    stream = torch.empty(cfg.batch // cfg.n_micro, cfg.seq_len // 2, cfg.n_hc, cfg.dim).nbytes
-    for p in (0, 1):
-        got = links_of(cfg, 2, 2, 1, p, 1, 0)["pp_send"]
-        assert got == cfg.n_micro * stream, (
-            f"pp_send: an end stage sends n_micro streams [B/n_micro, T/cp, n_hc, C] in one "
-            f"direction: got {got} bytes, expected {cfg.n_micro} x {stream}"
-        )
     stream = torch.empty(cfg.batch // cfg.n_micro, cfg.seq_len, cfg.n_hc, cfg.dim).nbytes
     for p in (1, 2):
         got = links_of(cfg, 4, 1, 1, p, 0, 0)["pp_send"]
         assert got == 2 * cfg.n_micro * stream, (
             f"pp_send: an interior stage sends n_micro streams forward and n_micro gradients "
             f"backward: got {got} bytes at stage {p} of 4, expected 2 x {cfg.n_micro} x {stream}"
+        )
+    stream = torch.empty(cfg.batch // cfg.n_micro, cfg.seq_len // 2, cfg.n_hc, cfg.dim).nbytes
+    for p in (0, 1):
+        got = links_of(cfg, 2, 2, 1, p, 1, 0)["pp_send"]
+        assert got == cfg.n_micro * stream, (
+            f"pp_send: an end stage sends n_micro streams [B/n_micro, T/cp, n_hc, C] in one "
+            f"direction: got {got} bytes, expected {cfg.n_micro} x {stream}"
         )
     assert links_of(cfg, 1, 1, 4, 0, 0, 0)["pp_send"] == 0, "pp_send: one stage sends nothing"
 
