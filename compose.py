@@ -42,8 +42,8 @@ class ComposeConfig:
 # derived from a tensor the chapters make (named in each docstring), so compose's measured peaks
 # (memory_timeline) and counted bytes can be set beside it rank by rank.
 
-MEMORY = ("parameters", "gradients", "optimizer", "activations")  # bytes a rank holds
-LINKS = ("pp_send", "cp_halo", "cp_gather", "grad_reduce_scatter", "param_all_gather")
+HELD = ("parameters", "gradients", "optimizer", "activations")  # bytes a rank holds
+SENT = ("pp_send", "cp_halo", "cp_gather", "grad_reduce_scatter", "param_all_gather")
 FP32, BF16, INT64, BOOL = 4, 2, 8, 1  # bytes per element
 
 
@@ -54,99 +54,94 @@ def sublayer_kind(i):
 
 @dataclass(frozen=True)
 class Tensor:
-    """One parameter: its name in the model, shape, MuonZeRO role (as muon_param_groups assigns
-    it) and where it lives: a sublayer index, or "first" / "last" (the pipeline's end stages)."""
+    """One parameter: its name in ComposeModel, shape, MuonZeRO role (as muon_param_groups
+    assigns it), where it lives (a sublayer index, or "first" / "last": the pipeline's end
+    stages) and whether it trains (CSA's indexer does not: top-k is not differentiable)."""
 
     name: str
     shape: tuple
     role: str  # "dense", "expert_down", "expert_up", "expert_gate" or "adamw"
     where: object
+    trains: bool = True
 
     @property
     def numel(self):
         return math.prod(self.shape)
 
 
-def model_tensors(cfg):
-    """Every parameter of the capstone model, in module order: the embedding, per sublayer its
-    HyperConnection (mhc) and its F, then the HyperHead (mhc), the final RMSNorm and the LM head.
+def layer_tensors(cfg, i):
+    """Sublayer i's parameters, F's then its HyperConnection's (mhc), in module order.
 
-    F (attention): an RMSNorm, cp_compress.CompressedAttention, an output projection (nn.Linear
-    H*D -> C). F (MoE): an RMSNorm, a router (nn.Linear C -> E) and expert stacks [E, hidden, C]
-    (gate, up), [E, C, hidden] (down). Roles: 2-D matrices are Muon's ("dense"), 3-D expert
-    stacks each an expert role; embeddings, the LM head, norms, mHC's gates and static biases,
-    the attention sink and the compressor's positional bias (3-D, declared no_muon) are AdamW's.
-    """
+    F (attention): the output projection [H*D, C], an RMSNorm, cp_compress.CompressedAttention
+    (its compressor's positional bias ape [m, sets, C] declared no_muon: AdamW's). F (MoE): a
+    router [E, C], expert stacks [E, hidden, C] (gate, up) and [E, C, hidden] (down), an RMSNorm.
+    Roles: 2-D matrices are Muon's ("dense"), expert stacks each an expert role; norms, mHC's
+    gates and static biases and the attention sink are AdamW's."""
     n, C, H, D = cfg.n_hc, cfg.dim, cfg.heads, cfg.head_dim
-    out = [Tensor("embed.weight", (cfg.vocab, C), "adamw", "first")]
-    for i in range(cfg.n_layers):
-        kind, p = sublayer_kind(i), f"layers.{i}."
-        out += [
-            Tensor(p + "hc.proj", (n * C, 2 * n + n * n), "dense", i),
-            Tensor(p + "hc.gate", (3,), "adamw", i),
-            Tensor(p + "hc.bias_pre", (n,), "adamw", i),
-            Tensor(p + "hc.bias_post", (n,), "adamw", i),
-            Tensor(p + "hc.bias_res", (n, n), "adamw", i),
-            Tensor(p + "f.norm.weight", (C,), "adamw", i),
-        ]
-        if kind == "moe":
-            E, h = cfg.n_experts, cfg.expert_hidden
-            out += [
-                Tensor(p + "f.router.weight", (E, C), "dense", i),
-                Tensor(p + "f.experts.w_gate", (E, h, C), "expert_gate", i),
-                Tensor(p + "f.experts.w_up", (E, h, C), "expert_up", i),
-                Tensor(p + "f.experts.w_down", (E, C, h), "expert_down", i),
-            ]
-            continue
-        csa = kind == "csa"
+    f, kind = f"sublayers.{i}.", sublayer_kind(i)
+    if kind == "moe":
+        E, h = cfg.n_experts, cfg.expert_hidden
+        out = [Tensor(f + "router", (E, C), "dense", i),
+               Tensor(f + "w_gate", (E, h, C), "expert_gate", i),
+               Tensor(f + "w_up", (E, h, C), "expert_up", i),
+               Tensor(f + "w_down", (E, C, h), "expert_down", i),
+               Tensor(f + "norm.weight", (C,), "adamw", i)]  # fmt: skip
+    else:
+        csa, a = kind == "csa", f + "core.attention."
         sets, ch = (2, D + cfg.index_dim) if csa else (1, D)
         ratio = cfg.csa_ratio if csa else cfg.hca_ratio
-        a = p + "f.attn."
-        out += [
-            Tensor(a + "wq", (C, H * D), "dense", i),
-            Tensor(a + "wkv_window", (C, D), "dense", i),
-            Tensor(a + "wkv_compress", (C, sets * ch), "dense", i),
-            Tensor(a + "wgate_compress", (C, sets * ch), "dense", i),
-            Tensor(a + "ape", (ratio, sets, ch), "adamw", i),
-            Tensor(a + "sink", (H,), "adamw", i),
-            Tensor(a + "norm_window", (D,), "adamw", i),
-            Tensor(a + "norm_compress", (D,), "adamw", i),
-        ]
+        out = [Tensor(f + "wo", (H * D, C), "dense", i),
+               Tensor(f + "norm.weight", (C,), "adamw", i),
+               Tensor(a + "wq", (C, H * D), "dense", i),
+               Tensor(a + "wkv_window", (C, D), "dense", i),
+               Tensor(a + "wkv_compress", (C, sets * ch), "dense", i),
+               Tensor(a + "wgate_compress", (C, sets * ch), "dense", i),
+               Tensor(a + "ape", (ratio, sets, ch), "adamw", i),
+               Tensor(a + "sink", (H,), "adamw", i),
+               Tensor(a + "norm_window", (D,), "adamw", i),
+               Tensor(a + "norm_compress", (D,), "adamw", i)]  # fmt: skip
         if csa:
             Hi, Di = cfg.index_heads, cfg.index_dim
-            out += [
-                Tensor(a + "wq_index", (C, Hi * Di), "dense", i),
-                Tensor(a + "w_index", (C, Hi), "dense", i),
-                Tensor(a + "norm_index", (Di,), "adamw", i),
-            ]
-        out.append(Tensor(p + "f.wo.weight", (C, H * D), "dense", i))
-    return out + [
-        Tensor("hyper_head.proj", (n * C, n), "dense", "last"),
-        Tensor("hyper_head.gate", (1,), "adamw", "last"),
-        Tensor("hyper_head.bias", (n,), "adamw", "last"),
-        Tensor("norm.weight", (C,), "adamw", "last"),
-        Tensor("lm_head.weight", (cfg.vocab, C), "adamw", "last"),
-    ]
+            out += [Tensor(a + "wq_index", (C, Hi * Di), "dense", i, trains=False),
+                    Tensor(a + "w_index", (C, Hi), "dense", i, trains=False),
+                    Tensor(a + "norm_index", (Di,), "adamw", i, trains=False)]  # fmt: skip
+    hc = f"hcs.{i}."
+    return out + [Tensor(hc + "proj", (n * C, 2 * n + n * n), "dense", i),
+                  Tensor(hc + "gate", (3,), "adamw", i),
+                  Tensor(hc + "bias_pre", (n,), "adamw", i),
+                  Tensor(hc + "bias_post", (n,), "adamw", i),
+                  Tensor(hc + "bias_res", (n, n), "adamw", i)]  # fmt: skip
 
 
 def stage_tensors(cfg, pp, stage):
-    """The parameters pipeline stage `stage` of `pp` holds: its sublayers (mhc.stage_layers), the
-    embedding on the first stage, the HyperHead, final norm and LM head on the last."""
+    """The parameters pipeline stage `stage` of `pp` holds, in the order its optimizer sees them
+    (stage_parameters): its sublayers (mhc.stage_layers), the embedding on the first stage, the
+    HyperHead (mhc), final RMSNorm and LM head on the last."""
     first, stop = mhc.stage_layers(cfg.n_layers, pp, stage)
-    ends = {"first"} if stage == 0 else set()
-    ends |= {"last"} if stage == pp - 1 else set()
-    return [
-        t
-        for t in model_tensors(cfg)
-        if t.where in ends or (isinstance(t.where, int) and first <= t.where < stop)
-    ]
+    out = [t for i in range(first, stop) for t in layer_tensors(cfg, i)]
+    if stage == 0:
+        out.append(Tensor("embed.weight", (cfg.vocab, cfg.dim), "adamw", "first"))
+    if stage == pp - 1:
+        n, C = cfg.n_hc, cfg.dim
+        out += [Tensor("hyper_head.proj", (n * C, n), "dense", "last"),
+                Tensor("hyper_head.gate", (1,), "adamw", "last"),
+                Tensor("hyper_head.bias", (n,), "adamw", "last"),
+                Tensor("norm.weight", (C,), "adamw", "last"),
+                Tensor("lm_head.weight", (cfg.vocab, C), "adamw", "last")]  # fmt: skip
+    return out
+
+
+def model_tensors(cfg):
+    """Every parameter of the model (one stage holds them all)."""
+    return stage_tensors(cfg, 1, 0)
 
 
 def muon_plan(tensors, group_size):
-    """MuonZeRO's own plan (muon_zero.plan_muon) over the ranks that hold one stage: dense
-    matrices in parameter order, experts flattened as V4 does (all downs, then ups, gates)."""
-    dense = [t.shape for t in tensors if t.role == "dense"]
-    experts = [t.shape[1:] for role in muon_zero.EXPERT_ROLES for t in tensors if t.role == role
+    """MuonZeRO's own plan (muon_zero.plan_muon) over the ranks that hold one stage: the trained
+    dense matrices in parameter order, experts flattened as V4 does (all downs, ups, gates)."""
+    trained = [t for t in tensors if t.trains]
+    dense = [t.shape for t in trained if t.role == "dense"]
+    experts = [t.shape[1:] for role in muon_zero.EXPERT_ROLES for t in trained if t.role == role
                for _ in range(t.shape[0])]  # fmt: skip
     return muon_zero.plan_muon(dense, experts, group_size)
 
@@ -198,7 +193,7 @@ def gather_buffer_bytes(cfg, kind, cp):
     return (cfg.seq_len // cp // ratio + 1) * ch * FP32
 
 
-def link_bytes(cfg, where, plan, tensors):
+def link_bytes(cfg, where, plan, tensors, grad_sync="bf16_sr"):
     """Bytes rank `where` (a Rank) sends per training step on each link, {link: bytes}.
 
     pp_send: n_micro micro-batch streams to the next stage (forward) and as many gradients to the
@@ -210,7 +205,8 @@ def link_bytes(cfg, where, plan, tensors):
         reduce-scatter in backward (the same bytes).
     grad_reduce_scatter: MuonZeRO's all-to-all of the packed gradient chunks, one to each of the
         other G - 1 peers (dense buckets over the zero width, expert runs over the group), in
-        bf16 under grad_sync "bf16_sr"; plus AdamW's fp32 all-reduce, 2 (G-1)/G of its size.
+        bf16 under grad_sync "bf16_sr" (fp32 under "fp32"); plus AdamW's fp32 all-reduce of the
+        trained AdamW tensors, 2 (G-1)/G of their size (a ring).
     param_all_gather: every updated fp32 chunk to the other peers.
     """
     # hint: count each collective from the sender's side; a pipeline end has one neighbour, CP's
@@ -219,7 +215,7 @@ def link_bytes(cfg, where, plan, tensors):
     pp, cp, G = where.pp, where.cp, where.cp * where.dp
     micro = micro_stream_bytes(cfg, cp)
     directions = (where.p < pp - 1) + (where.p > 0)
-    sent = dict.fromkeys(LINKS, 0)
+    sent = dict.fromkeys(SENT, 0)
     sent["pp_send"] = directions * cfg.n_micro * micro
 
     sequences = cfg.n_micro * (cfg.batch // cfg.n_micro)
@@ -231,10 +227,10 @@ def link_bytes(cfg, where, plan, tensors):
         sent["cp_halo"] += sequences * halo_directions * halo_bytes(cfg, kind)
         sent["cp_gather"] += sequences * 2 * (cp - 1) * gather_buffer_bytes(cfg, kind, cp)
 
-    grad_item = BF16 if getattr(cfg, "grad_sync", "bf16_sr") == "bf16_sr" else FP32
+    grad_item = BF16 if grad_sync == "bf16_sr" else FP32
     Z = plan.zero_width
     dense, experts = plan.dense_bucket_numel, plan.expert_chunk_numel
-    adamw = sum(t.numel for t in tensors if t.role == "adamw")
+    adamw = sum(t.numel for t in tensors if t.role == "adamw" and t.trains)
     sent["grad_reduce_scatter"] = ((Z - 1) * dense + (G - 1) * experts) * grad_item
     sent["grad_reduce_scatter"] += 2 * (G - 1) * adamw * FP32 // G
     sent["param_all_gather"] = ((Z - 1) * dense + (G - 1) * experts) * FP32
@@ -244,10 +240,10 @@ def link_bytes(cfg, where, plan, tensors):
 
 def owned_state_bytes(plan, tensors, group_rank):
     """MuonZeRO.state_bytes on this rank: fp32 momentum of the matrices it owns in the plan (no
-    padding: buffers are per run), and AdamW's two fp32 moments of every AdamW tensor."""
+    padding: buffers are per run), and AdamW's two fp32 moments of every trained AdamW tensor."""
     dense, experts = plan.owned(group_rank)
     owned = [plan.dense_shapes[i] for i in dense] + [plan.expert_shapes[i] for i in experts]
-    adamw = sum(t.numel for t in tensors if t.role == "adamw")
+    adamw = sum(t.numel for t in tensors if t.role == "adamw" and t.trains)
     return (sum(map(math.prod, owned)) + 2 * adamw) * FP32
 
 
@@ -265,8 +261,9 @@ def f_saved_elements(cfg, kind, cp):
     activation outputs. The F input h is counted with the mHC terms (layer_saved_bytes).
 
     MoE (every expert applied densely, as muon_zero.TinyMoE): the router softmax and the gate
-    weights [E], the gate pre-activation (silu's input) and the up projection [E, hidden]; the
-    forgotten silu output and product are rebuilt in backward. Attention (cp_compress, the CP
+    weights [E], the gate pre-activation (silu's input), the up projection and their product
+    [E, hidden], the top-k's and the scatter's int64 indices; the forgotten silu output is
+    rebuilt in backward. Attention (cp_compress, the CP
     path): q [H, D]; the window K/V before its norm [D] and 1/rms; the compressor's pooling
     windows and their softmax [entries, rows, channels] (rows = 2m with CSA's overlap, m for
     HCA; at most s/m entries); the pooled buffer [s/m + 1, channels] before the entry norm; the
@@ -278,7 +275,7 @@ def f_saved_elements(cfg, kind, cp):
     s, T, D, H = cfg.seq_len // cp, cfg.seq_len, cfg.head_dim, cfg.heads
     if kind == "moe":
         E, h = cfg.n_experts, cfg.expert_hidden
-        return s * ((2 * E + 2 * E * h) * FP32 + 2 * cfg.experts_per_token * INT64)
+        return s * ((2 * E + 3 * E * h) * FP32 + 2 * cfg.experts_per_token * INT64)
     csa = kind == "csa"
     ratio = cfg.csa_ratio if csa else cfg.hca_ratio
     ch = D + (cfg.index_dim if csa else 0)
@@ -394,7 +391,7 @@ def link_seconds(sent, where, ranks_per_node, intra_bw, inter_bw):
         "param_all_gather": [node(where.p, c, d) for c in range(cp) for d in range(dp)],
     }
     return sum(
-        sent[link] / (intra_bw if all(n == me for n in peers[link]) else inter_bw) for link in LINKS
+        sent[link] / (intra_bw if all(n == me for n in peers[link]) else inter_bw) for link in SENT
     )
 
 
@@ -404,7 +401,9 @@ def factorisations(world):
             for c in range(1, world // p + 1) if (world // p) % c == 0]  # fmt: skip
 
 
-def check_budget_inputs(world, device_bytes, intra_bw, inter_bw, ranks_per_node):
+def check_budget_inputs(world, device_bytes, intra_bw, inter_bw, ranks_per_node, grad_sync):
+    if grad_sync not in ("bf16_sr", "fp32"):
+        raise ValueError(f"grad_sync must be 'bf16_sr' or 'fp32' (MuonZeRO's), got {grad_sync!r}")
     for name, value in (("world", world), ("ranks_per_node", ranks_per_node)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -415,7 +414,8 @@ def check_budget_inputs(world, device_bytes, intra_bw, inter_bw, ranks_per_node)
                              f"{value!r}")  # fmt: skip
 
 
-def layout_budget(cfg, pp, cp, dp, device_bytes, intra_bw, inter_bw, ranks_per_node):
+def layout_budget(cfg, pp, cp, dp, device_bytes, intra_bw, inter_bw, ranks_per_node,
+                  grad_sync="bf16_sr"):  # fmt: skip
     """The prediction for one layout (LayoutBudget); a layout the chapters refuse keeps its
     problem and no numbers."""
     out = LayoutBudget(pp, cp, dp, problem=layout_problem(cfg, pp, cp))
@@ -427,16 +427,17 @@ def layout_budget(cfg, pp, cp, dp, device_bytes, intra_bw, inter_bw, ranks_per_n
         tensors = stage_tensors(cfg, pp, p)
         plan = muon_plan(tensors, cp * dp)
         numel = sum(t.numel for t in tensors)
+        trained = sum(t.numel for t in tensors if t.trains)
         for c in range(cp):
             for d in range(dp):
                 where = Rank(p, c, d, pp, cp, dp)
                 out.held[where.rank] = {
                     "parameters": numel * FP32,
-                    "gradients": numel * FP32,  # every .grad, fp32, until the step reduces it
+                    "gradients": trained * FP32,  # every .grad, fp32, kept through the step
                     "optimizer": owned_state_bytes(plan, tensors, where.group_rank),
                     "activations": activation_bytes(cfg, where),
                 }
-                out.sent[where.rank] = link_bytes(cfg, where, plan, tensors)
+                out.sent[where.rank] = link_bytes(cfg, where, plan, tensors, grad_sync)
                 seconds.append(link_seconds(out.sent[where.rank], where, ranks_per_node,
                                             intra_bw, inter_bw))  # fmt: skip
     out.peak_bytes = max(sum(h.values()) for h in out.held)
@@ -444,12 +445,15 @@ def layout_budget(cfg, pp, cp, dp, device_bytes, intra_bw, inter_bw, ranks_per_n
     return out
 
 
-def budget_table(cfg, world, device_bytes, intra_bw, inter_bw, ranks_per_node=8):
+def budget_table(cfg, world, device_bytes, intra_bw, inter_bw, ranks_per_node=8,
+                 grad_sync="bf16_sr"):  # fmt: skip
     """Every factorisation of `world` ranks, predicted and ranked: the layouts that fit first,
     fastest first (communication time), then those that do not fit (smallest peak first), then
-    those the chapters refuse. device_bytes per device; bandwidths in bytes per second."""
-    check_budget_inputs(world, device_bytes, intra_bw, inter_bw, ranks_per_node)
-    rows = [layout_budget(cfg, pp, cp, dp, device_bytes, intra_bw, inter_bw, ranks_per_node)
+    those the chapters refuse. device_bytes per device; bandwidths in bytes per second;
+    grad_sync: MuonZeRO's ("bf16_sr", V4's, or "fp32")."""
+    check_budget_inputs(world, device_bytes, intra_bw, inter_bw, ranks_per_node, grad_sync)
+    rows = [layout_budget(cfg, pp, cp, dp, device_bytes, intra_bw, inter_bw, ranks_per_node,
+                          grad_sync)
             for pp, cp, dp in factorisations(world)]  # fmt: skip
     return sorted(rows, key=lambda r: (bool(r.problem), not r.fits, r.step_s if r.fits else 0,
                                        r.peak_bytes, r.pp, r.cp))  # fmt: skip
@@ -465,15 +469,15 @@ def human_bytes(n):
 def format_budget(rows):
     """The ranked table, one line per layout: the largest rank's bytes by category, the busiest
     rank's bytes per link, the communication time and the verdict."""
-    head = ["pp x cp x dp", "params", "grads", "optim", "activ", "peak", *LINKS, "comm ms",
+    head = ["pp x cp x dp", "params", "grads", "optim", "activ", "peak", *SENT, "comm ms",
             "verdict"]  # fmt: skip
     lines = [head]
     for r in rows:
         if r.problem:
             lines.append([r.name] + ["-"] * (len(head) - 2) + [f"cannot run: {r.problem}"])
             continue
-        held = [human_bytes(max(h[k] for h in r.held)) for k in MEMORY]
-        sent = [human_bytes(max(s[k] for s in r.sent)) for k in LINKS]
+        held = [human_bytes(max(h[k] for h in r.held)) for k in HELD]
+        sent = [human_bytes(max(s[k] for s in r.sent)) for k in SENT]
         verdict = "fits" if r.fits else "DOES NOT FIT"
         lines.append([r.name, *held, human_bytes(r.peak_bytes), *sent, f"{1e3 * r.step_s:.3g}",
                       verdict])  # fmt: skip

@@ -10,6 +10,7 @@ comparison is exact.
 import dataclasses
 import itertools
 import math
+import types
 
 import pytest
 import torch
@@ -29,101 +30,137 @@ ODD = dataclasses.replace(
 LINK_NEEDS = ("cp_compress.halo_rows", "muon_zero.pack_dense", "muon_zero.split_experts")
 
 
-# ---- the model, built from the chapters' modules ----------------------------------------------
+# ---- the model, built from the chapters' modules -------------------------------------------------
+# compose.make_model and compose.stage_parameters once compose.py holds the model; until then the
+# same modules, built here from mhc and cp_compress under the same names.
 
 
 class AttentionF(nn.Module):
-    """F of an attention sublayer: RMSNorm, cp_compress.CompressedAttention, output projection."""
+    """F of an attention sublayer: output projection, RMSNorm, cp_compress.CompressedAttention."""
 
     def __init__(self, cfg, kind):
         super().__init__()
         ratio = cfg.csa_ratio if kind == "csa" else cfg.hca_ratio
+        self.wo = nn.Parameter(torch.randn(cfg.heads * cfg.head_dim, cfg.dim))
         self.norm = mhc.RMSNorm(cfg.dim)
-        self.attn = cpc.CompressedAttention(
+        self.core = nn.Module()
+        self.core.attention = cpc.CompressedAttention(
             kind, cfg.dim, cfg.heads, cfg.head_dim, ratio, cfg.window, cfg.top_k,
             cfg.index_heads, cfg.index_dim,
         )  # fmt: skip
-        self.attn.no_muon = {"ape"}  # a positional bias [m, sets, C], not an expert stack
-        self.wo = nn.Linear(cfg.heads * cfg.head_dim, cfg.dim, bias=False)
+        self.core.attention.ape.no_muon = True  # a positional bias [m, sets, C], not an expert
+        for name in ("wq_index", "w_index", "norm_index"):  # top-k is not differentiable
+            if hasattr(self.core.attention, name):
+                getattr(self.core.attention, name).requires_grad_(False)
 
 
 class MoEF(nn.Module):
-    """F of an MoE sublayer: RMSNorm, router, SwiGLU expert stacks (muon_zero.TinyMoE's shapes)."""
+    """F of an MoE sublayer: router, SwiGLU expert stacks (muon_zero.TinyMoE's shapes), RMSNorm."""
 
     def __init__(self, cfg):
         super().__init__()
         E, h, C = cfg.n_experts, cfg.expert_hidden, cfg.dim
+        self.router = nn.Parameter(torch.randn(E, C))
+        self.w_gate = nn.Parameter(torch.randn(E, h, C))
+        self.w_up = nn.Parameter(torch.randn(E, h, C))
+        self.w_down = nn.Parameter(torch.randn(E, C, h))
         self.norm = mhc.RMSNorm(C)
-        self.router = nn.Linear(C, E, bias=False)
-        self.experts = nn.Module()
-        self.experts.w_gate = nn.Parameter(torch.randn(E, h, C))
-        self.experts.w_up = nn.Parameter(torch.randn(E, h, C))
-        self.experts.w_down = nn.Parameter(torch.randn(E, C, h))
 
 
-class Sublayer(nn.Module):
-    def __init__(self, cfg, i):
+class Model(nn.Module):
+    def __init__(self, cfg):
         super().__init__()
-        self.hc = mhc.HyperConnection(cfg.n_hc, cfg.dim)
-        kind = compose.sublayer_kind(i)
-        self.f = MoEF(cfg) if kind == "moe" else AttentionF(cfg, kind)
+        kinds = [compose.sublayer_kind(i) for i in range(cfg.n_layers)]
+        self.embed = nn.Embedding(cfg.vocab, cfg.dim)
+        self.sublayers = nn.ModuleList(
+            MoEF(cfg) if k == "moe" else AttentionF(cfg, k) for k in kinds
+        )
+        self.hcs = nn.ModuleList(mhc.HyperConnection(cfg.n_hc, cfg.dim) for _ in kinds)
+        self.hyper_head = mhc.HyperHead(cfg.n_hc, cfg.dim)
+        self.norm = mhc.RMSNorm(cfg.dim)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
 
 
-class Stage(nn.Module):
-    """The parameters pipeline stage `stage` of `pp` holds (the whole model at pp = 1)."""
-
-    def __init__(self, cfg, pp=1, stage=0):
-        super().__init__()
-        first, stop = mhc.stage_layers(cfg.n_layers, pp, stage)
-        if stage == 0:
-            self.embed = nn.Embedding(cfg.vocab, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): Sublayer(cfg, i) for i in range(first, stop)})
-        if stage == pp - 1:
-            self.hyper_head = mhc.HyperHead(cfg.n_hc, cfg.dim)
-            self.norm = mhc.RMSNorm(cfg.dim)
-            self.lm_head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+def make_model(cfg):
+    return compose.make_model(cfg) if hasattr(compose, "make_model") else Model(cfg)
 
 
-def roles_of(module):
-    """{parameter name: role} as muon_param_groups assigns them."""
-    ids = {id(p): name for name, p in module.named_parameters()}
-    return {ids[id(p)]: g["role"] for g in mz.muon_param_groups(module) for p in g["params"]}
+def held_modules(model, pp, stage):
+    """What stage `stage` of `pp` trains, as compose.stage_parameters gives it."""
+    if hasattr(compose, "stage_parameters"):
+        layout = types.SimpleNamespace(pp=pp, coords=(stage, 0, 0))
+        return compose.stage_parameters(model, layout)[0]
+    first, stop = mhc.stage_layers(len(model.hcs), pp, stage)
+    held = nn.ModuleDict({f"layer{i}": nn.ModuleList([model.sublayers[i], model.hcs[i]])
+                          for i in range(first, stop)})  # fmt: skip
+    if stage == 0:
+        held["embed"] = model.embed
+    if stage == pp - 1:
+        held.update({"hyper_head": model.hyper_head, "norm": model.norm, "lm_head": model.lm_head})
+    return held
+
+
+def optimizer_groups(held):
+    """MuonZeRO's param groups for a stage: muon_param_groups' roles, trained tensors only."""
+    groups = []
+    for g in mz.muon_param_groups(held):
+        g["params"] = [p for p in g["params"] if p.requires_grad]
+        groups += [g] if g["params"] else []
+    return groups
+
+
+def roles_of(model, held):
+    """{parameter name in the model: role} as muon_param_groups assigns them for the stage."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    return {names[id(p)]: g["role"] for g in mz.muon_param_groups(held) for p in g["params"]}
 
 
 # ---- parameters --------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("cfg", [CFG, ODD], ids=["default", "odd-sizes"])
+def test_model_tensors_are_the_modules_parameters(cfg):
+    model = make_model(cfg)
+    real = {n: (tuple(p.shape), p.requires_grad) for n, p in model.named_parameters()}
+    predicted = {t.name: (t.shape, t.trains) for t in compose.model_tensors(cfg)}
+    assert predicted == real, "names, shapes or trained flags differ"
+    assert sum(p.numel() for p in model.parameters()) == sum(
+        t.numel for t in compose.model_tensors(cfg)
+    )
+
+
+@pytest.mark.parametrize("cfg", [CFG, ODD], ids=["default", "odd-sizes"])
 @pytest.mark.parametrize("pp", [1, 2, 3, 4])
-def test_stage_tensors_are_the_modules_parameters(cfg, pp):
+def test_stage_tensors_are_what_the_stage_trains(cfg, pp):
+    model = make_model(cfg)
+    names = {id(p): n for n, p in model.named_parameters()}
     for stage in range(pp):
-        module = Stage(cfg, pp, stage)
-        real = {n: tuple(p.shape) for n, p in module.named_parameters()}
-        predicted = {t.name: t.shape for t in compose.stage_tensors(cfg, pp, stage)}
-        assert predicted == real, f"stage {stage} of {pp}: names or shapes differ"
-        assert sum(map(math.prod, real.values())) == sum(
-            t.numel for t in compose.stage_tensors(cfg, pp, stage)
+        held = held_modules(model, pp, stage)
+        predicted = compose.stage_tensors(cfg, pp, stage)
+        assert [t.name for t in predicted] == [names[id(p)] for p in held.parameters()], (
+            f"stage {stage} of {pp}: other tensors, or another order"
         )
-        roles = {t.name: t.role for t in compose.stage_tensors(cfg, pp, stage)}
-        assert roles == roles_of(module), f"stage {stage} of {pp}: a role differs"
+        assert {t.name: t.role for t in predicted} == roles_of(model, held)
 
 
 def test_parameter_bytes_per_rank_are_the_stage_modules():
+    model = make_model(CFG)
     for pp, cp, dp in compose.factorisations(4):
         row = compose.layout_budget(CFG, pp, cp, dp, 2**40, 1e9, 1e9, 4)
         for rank, held in enumerate(row.held):
-            stage = rank // (cp * dp)
-            module = Stage(CFG, pp, stage)
-            numel = sum(p.numel() for p in module.parameters())
-            assert held["parameters"] == held["gradients"] == 4 * numel
+            params = list(held_modules(model, pp, rank // (cp * dp)).parameters())
+            assert held["parameters"] == 4 * sum(p.numel() for p in params)
+            assert held["gradients"] == 4 * sum(p.numel() for p in params if p.requires_grad)
 
 
 def test_plan_equals_muonzeros_plan_of_the_module():
     """The budget's plan is MuonZeRO's: the same dense matrices and expert matrices, same order."""
+    model = make_model(CFG)
     for pp, group in ((1, 4), (2, 2), (4, 1)):
         for stage in range(pp):
-            module = Stage(CFG, pp, stage)
-            groups = {g["role"]: g["params"] for g in mz.muon_param_groups(module)}
+            groups = {
+                g["role"]: g["params"] for g in optimizer_groups(held_modules(model, pp, stage))
+            }
             dense = [tuple(p.shape) for p in groups.get("dense", [])]
             experts = [tuple(p.shape[1:]) for role in mz.EXPERT_ROLES
                        for p in groups.get(role, []) for _ in range(p.shape[0])]  # fmt: skip
@@ -135,15 +172,15 @@ def test_plan_equals_muonzeros_plan_of_the_module():
 # ---- optimizer state and gradient traffic: MuonZeRO itself, on gloo ranks -----------------------
 
 
-def check_muonzero(rank, world, pp, stage):
+def check_muonzero(rank, world, pp, stage, grad_sync):
     """Build MuonZeRO over this stage's module on `world` ranks (the stage's cp x dp group), one
     step on random gradients; -> what MuonZeRO holds and the chunks its collectives move."""
     torch.manual_seed(0)
-    module = Stage(CFG, pp, stage)
-    opt = mz.MuonZeRO(mz.muon_param_groups(module), lr=0.01)
+    held = held_modules(make_model(CFG), pp, stage)
+    opt = mz.MuonZeRO(optimizer_groups(held), lr=0.01, grad_sync=grad_sync)
     gen = torch.Generator().manual_seed(rank)
-    for p in module.parameters():
-        p.grad = torch.randn(p.shape, generator=gen)
+    for p in held.parameters():
+        p.grad = torch.randn(p.shape, generator=gen) if p.requires_grad else None
     opt.step()
     chunks = {("experts" if s.peers == world and s is opt.shards[-1] and opt.expert_matrices
                else "dense"): (s.chunk_numel, s.peers) for s in opt.shards}  # fmt: skip
@@ -151,12 +188,14 @@ def check_muonzero(rank, world, pp, stage):
     return opt.state_bytes(), chunks, adamw
 
 
-@pytest.mark.parametrize("pp,cp,dp", [(1, 2, 2), (2, 1, 2), (1, 4, 1)])
-def test_optimizer_and_gradient_bytes_equal_muonzeros(pp, cp, dp):
-    group = cp * dp
-    row = compose.layout_budget(CFG, pp, cp, dp, 2**40, 1e9, 1e9, 4)
+@pytest.mark.parametrize(
+    "pp,cp,dp,grad_sync", [(1, 2, 2, "bf16_sr"), (2, 1, 2, "fp32"), (1, 4, 1, "bf16_sr")]
+)
+def test_optimizer_and_gradient_bytes_equal_muonzeros(pp, cp, dp, grad_sync):
+    group, item = cp * dp, 2 if grad_sync == "bf16_sr" else 4
+    row = compose.layout_budget(CFG, pp, cp, dp, 2**40, 1e9, 1e9, 4, grad_sync)
     for stage in range(pp):
-        results = run_ranks(check_muonzero, group, args=(pp, stage), timeout=180)
+        results = run_ranks(check_muonzero, group, args=(pp, stage, grad_sync), timeout=180)
         for group_rank, (state_bytes, chunks, adamw) in enumerate(results):
             rank = stage * group + group_rank  # (p * cp + c) * dp + d, with c * dp + d here
             assert row.held[rank]["optimizer"] == state_bytes, (
@@ -165,7 +204,7 @@ def test_optimizer_and_gradient_bytes_equal_muonzeros(pp, cp, dp):
             )
             sent = sum((peers - 1) * numel for numel, peers in chunks.values())
             ring = 2 * (group - 1) * adamw * 4 // group
-            assert row.sent[rank]["grad_reduce_scatter"] == 2 * sent + ring  # bf16_sr payload
+            assert row.sent[rank]["grad_reduce_scatter"] == item * sent + ring
             assert row.sent[rank]["param_all_gather"] == 4 * sent
 
 
@@ -201,7 +240,7 @@ def test_pp_send_equals_what_the_pipeline_sends():
 
 def cp_layers(cfg, first, stop):
     """The stage's attention layers as the chapter's modules (stage_bytes reads their sizes)."""
-    return [AttentionF(cfg, compose.sublayer_kind(i)).attn for i in range(first, stop)
+    return [AttentionF(cfg, compose.sublayer_kind(i)).core.attention for i in range(first, stop)
             if compose.sublayer_kind(i) != "moe"]  # fmt: skip
 
 
@@ -393,17 +432,17 @@ def test_graded_cp_gather_is_the_buffer_to_every_peer():
 
 @pytest.mark.grade(points=2, solution="compose.link_bytes", needs=LINK_NEEDS)
 def test_graded_gradients_travel_in_bf16_parameters_in_fp32():
-    cfg = CFG
+    cfg, model = CFG, make_model(CFG)
     for pp, cp, dp in ((1, 1, 4), (2, 2, 1), (1, 2, 2)):
         G = cp * dp
-        tensors = compose.stage_tensors(cfg, pp, 0)
+        groups = {g["role"]: g["params"] for g in optimizer_groups(held_modules(model, pp, 0))}
         plan = mz.plan_muon(
-            [t.shape for t in tensors if t.role == "dense"],
-            [t.shape[1:] for r in mz.EXPERT_ROLES for t in tensors if t.role == r
-             for _ in range(t.shape[0])], G,
+            [tuple(p.shape) for p in groups["dense"]],
+            [tuple(p.shape[1:]) for r in mz.EXPERT_ROLES for p in groups[r]
+             for _ in range(p.shape[0])], G,
         )  # fmt: skip
         moved = (G - 1) * (plan.dense_bucket_numel + plan.expert_chunk_numel)
-        adamw = sum(t.numel for t in tensors if t.role == "adamw")
+        adamw = sum(p.numel() for p in groups["adamw"])
         sent = links_of(cfg, pp, cp, dp, 0, 0, 0)
         want = 2 * moved + 2 * (G - 1) * adamw * 4 // G
         assert sent["grad_reduce_scatter"] == want, (
