@@ -8,7 +8,7 @@ into the full compose.py (its placeholder line), which imports the same chapters
 
 import argparse
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import cp_compress
 import mhc
@@ -339,8 +339,8 @@ class LayoutBudget:
     pp: int
     cp: int
     dp: int
-    held: list = field(default_factory=list)  # per global rank: {memory category: bytes}
-    sent: list = field(default_factory=list)  # per global rank: {link: bytes per step}
+    held: list = None  # per global rank: {memory category: bytes}
+    sent: list = None  # per global rank: {link: bytes per step}
     peak_bytes: int = 0  # the largest rank's sum of held bytes
     step_s: float = math.inf  # communication time alone (see link_seconds)
     fits: bool = False
