@@ -247,6 +247,28 @@ def owned_state_bytes(plan, tensors, group_rank):
     return (sum(map(math.prod, owned)) + 2 * adamw) * FP32
 
 
+@dataclass(frozen=True)
+class PlanSizes:
+    """The sizes link_bytes and owned_state_bytes read from a MuonPlan, computed once (a plan's
+    properties walk every matrix; V4 has tens of thousands of experts)."""
+
+    zero_width: int
+    dense_bucket_numel: int
+    expert_chunk_numel: int
+    owned_numel: tuple  # per group rank: elements of the matrices it owns
+
+    @classmethod
+    def of(cls, plan):
+        dense = [sum(math.prod(plan.dense_shapes[i]) for i in b) for b in plan.dense_buckets]
+        prefix = [0]
+        for shape in plan.expert_shapes:
+            prefix.append(prefix[-1] + math.prod(shape))
+        experts = [prefix[b] - prefix[a] for a, b in plan.expert_ranges] if plan.expert_shapes \
+            else [0] * plan.world_size  # fmt: skip
+        owned = tuple(dense[r % plan.zero_width] + experts[r] for r in range(plan.world_size))
+        return cls(plan.zero_width, max(dense, default=0), max(experts, default=0), owned)
+
+
 def recompute_block(cfg, layers):
     """L_r of mHC's selective recomputation on a stage of `layers` sublayers: compose's own field
     if it sets one, else mhc.default_recompute_block; the "fused" variant is L_r = 1."""
@@ -302,7 +324,7 @@ def layer_saved_bytes(cfg, cp):
             for i in range(cfg.n_layers)}  # fmt: skip
 
 
-def activation_bytes(cfg, where):
+def activation_bytes(cfg, where, saved=None):
     """Peak bytes of activations on rank `where`, in the middle of its last forward.
 
     One micro-batch keeps: every recompute block's input (the n-lane stream, [b, s, n, C]; on the
@@ -312,14 +334,15 @@ def activation_bytes(cfg, where):
     a stage that sends forward its output stream. 1F1B keeps min(pp - p, n_micro) micro-batches
     in flight (mhc.one_f_one_b); StageLinks keeps each sent tensor until the step ends, so the
     streams (and gradients) sent for the micro-batches already finished stay too, and one
-    receive per direction is posted ahead."""
+    receive per direction is posted ahead. saved: layer_saved_bytes(cfg, cp), if computed."""
     pp, p, cp = where.pp, where.p, where.cp
     b, s, n, C = cfg.batch // cfg.n_micro, cfg.seq_len // cp, cfg.n_hc, cfg.dim
     stream = micro_stream_bytes(cfg, cp)
     first, stop = mhc.stage_layers(cfg.n_layers, pp, p)
     blocks = len(mhc.recompute_blocks(first, stop, recompute_block(cfg, stop - first)))
     per_micro = blocks * stream - (p == 0) * (stream - b * s * C * FP32)
-    per_micro += sum(v for i, v in layer_saved_bytes(cfg, cp).items() if first <= i < stop)
+    saved = layer_saved_bytes(cfg, cp) if saved is None else saved
+    per_micro += sum(v for i, v in saved.items() if first <= i < stop)
     if p == pp - 1:
         per_micro += b * s * (2 * n + 1 + 3 * C + 1 + cfg.vocab) * FP32
     else:
@@ -383,15 +406,15 @@ def link_seconds(sent, where, ranks_per_node, intra_bw, inter_bw):
         return Rank(p, c, d, pp, cp, dp).rank // ranks_per_node
 
     me = node(where.p, where.c, where.d)
-    peers = {
+    # nodes hold consecutive ranks: a group is on one node when its first and last ranks are
+    ends = {
         "pp_send": [node(q, where.c, where.d) for q in (where.p - 1, where.p + 1) if 0 <= q < pp],
-        "cp_halo": [node(where.p, c, where.d) for c in range(cp)],
-        "cp_gather": [node(where.p, c, where.d) for c in range(cp)],
-        "grad_reduce_scatter": [node(where.p, c, d) for c in range(cp) for d in range(dp)],
-        "param_all_gather": [node(where.p, c, d) for c in range(cp) for d in range(dp)],
+        "cp_halo": [node(where.p, 0, where.d), node(where.p, cp - 1, where.d)],
+        "grad_reduce_scatter": [node(where.p, 0, 0), node(where.p, cp - 1, dp - 1)],
     }
+    ends["cp_gather"], ends["param_all_gather"] = ends["cp_halo"], ends["grad_reduce_scatter"]
     return sum(
-        sent[link] / (intra_bw if all(n == me for n in peers[link]) else inter_bw) for link in SENT
+        sent[link] / (intra_bw if all(n == me for n in ends[link]) else inter_bw) for link in SENT
     )
 
 
@@ -422,24 +445,26 @@ def layout_budget(cfg, pp, cp, dp, device_bytes, intra_bw, inter_bw, ranks_per_n
     if out.problem:
         return out
     out.held, out.sent = [None] * (pp * cp * dp), [None] * (pp * cp * dp)
-    seconds = []
+    seconds, saved = [], layer_saved_bytes(cfg, cp)
     for p in range(pp):
         tensors = stage_tensors(cfg, pp, p)
-        plan = muon_plan(tensors, cp * dp)
+        plan = PlanSizes.of(muon_plan(tensors, cp * dp))
         numel = sum(t.numel for t in tensors)
         trained = sum(t.numel for t in tensors if t.trains)
+        adamw = sum(t.numel for t in tensors if t.role == "adamw" and t.trains)
+        activations = activation_bytes(cfg, Rank(p, 0, 0, pp, cp, dp), saved)
         for c in range(cp):
+            sent = link_bytes(cfg, Rank(p, c, 0, pp, cp, dp), plan, tensors, grad_sync)
             for d in range(dp):
                 where = Rank(p, c, d, pp, cp, dp)
                 out.held[where.rank] = {
                     "parameters": numel * FP32,
                     "gradients": trained * FP32,  # every .grad, fp32, kept through the step
-                    "optimizer": owned_state_bytes(plan, tensors, where.group_rank),
-                    "activations": activation_bytes(cfg, where),
+                    "optimizer": (plan.owned_numel[where.group_rank] + 2 * adamw) * FP32,
+                    "activations": activations,  # the same on every rank of a stage
                 }
-                out.sent[where.rank] = link_bytes(cfg, where, plan, tensors, grad_sync)
-                seconds.append(link_seconds(out.sent[where.rank], where, ranks_per_node,
-                                            intra_bw, inter_bw))  # fmt: skip
+                out.sent[where.rank] = dict(sent)  # link_bytes does not depend on d
+                seconds.append(link_seconds(sent, where, ranks_per_node, intra_bw, inter_bw))
     out.peak_bytes = max(sum(h.values()) for h in out.held)
     out.step_s, out.fits = max(seconds), out.peak_bytes <= device_bytes
     return out
