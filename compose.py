@@ -284,20 +284,20 @@ def f_saved_elements(cfg, kind, cp):
 
     MoE (every expert applied densely, as muon_zero.TinyMoE): the router softmax and the gate
     weights [E], the gate pre-activation (silu's input), the up projection and their product
-    [E, hidden], the top-k's and the scatter's int64 indices; the forgotten silu output is
-    rebuilt in backward. Attention (cp_compress, the CP
-    path): q [H, D]; the window K/V before its norm [D] and 1/rms; the compressor's pooling
-    windows and their softmax [entries, rows, channels] (rows = 2m with CSA's overlap, m for
-    HCA; at most s/m entries); the pooled buffer [s/m + 1, channels] before the entry norm; the
-    gathered entries [T/m, channels]; keys = selected entries + window rows [K, D] per query and
-    the softmax [H, K + 1] (K = min(top_k, T/m) + window for CSA, T/m + window for HCA) with its
-    bool mask; the attention output [H, D] the output projection keeps. CSA's indexer adds
-    q_index [Hi, Di], w_index [Hi], relu(scores) [Hi, T/m], the sort's int64 order [T/m] and the
-    top-k's int64 indices."""
+    [E, hidden], the three-operand einsum's intermediate (product x w_down) [E, C], the top-k's
+    and the scatter's int64 indices; the forgotten silu output is rebuilt in backward.
+    Attention (cp_compress, the CP path): q [H, D]; the window K/V before its norm [D] and
+    1/rms; the compressor's pooling windows and their softmax [entries, rows, channels] (rows =
+    2m with CSA's overlap, m for HCA; at most s/m entries); the pooled buffer [s/m + 1,
+    channels] before the entry norm; the gathered entries [T/m, channels]; keys = selected
+    entries + window rows [K, D] per query and the softmax [H, K + 1] (K = min(top_k, T/m) +
+    window for CSA, T/m + window for HCA) with its bool mask; the attention output [H, D] the
+    output projection keeps. CSA's indexer adds q_index [Hi, Di], w_index [Hi], relu(scores)
+    [Hi, T/m], the sort's int64 order [T/m] and thetop-k's int64 indices."""
     s, T, D, H = cfg.seq_len // cp, cfg.seq_len, cfg.head_dim, cfg.heads
     if kind == "moe":
         E, h = cfg.n_experts, cfg.expert_hidden
-        return s * ((2 * E + 3 * E * h) * FP32 + 2 * cfg.experts_per_token * INT64)
+        return s * ((2 * E + 3 * E * h + E * cfg.dim) * FP32 + 2 * cfg.experts_per_token * INT64)
     csa = kind == "csa"
     ratio = cfg.csa_ratio if csa else cfg.hca_ratio
     ch = D + (cfg.index_dim if csa else 0)
@@ -334,7 +334,9 @@ def activation_bytes(cfg, where, saved=None):
     a stage that sends forward its output stream. 1F1B keeps min(pp - p, n_micro) micro-batches
     in flight (mhc.one_f_one_b); StageLinks keeps each sent tensor until the step ends, so the
     streams (and gradients) sent for the micro-batches already finished stay too, and one
-    receive per direction is posted ahead. saved: layer_saved_bytes(cfg, cp), if computed."""
+    receive per direction is posted ahead. On top, the temporaries of the F running at the peak
+    (what the recorder counts with activations): an MoE's forgotten silu output [b, s, E,
+    hidden], alive until its forward ends. saved: layer_saved_bytes(cfg, cp), if computed."""
     pp, p, cp = where.pp, where.p, where.cp
     b, s, n, C = cfg.batch // cfg.n_micro, cfg.seq_len // cp, cfg.n_hc, cfg.dim
     stream = micro_stream_bytes(cfg, cp)
@@ -351,7 +353,9 @@ def activation_bytes(cfg, where, saved=None):
     finished = cfg.n_micro - in_flight
     sent_held = finished * stream * ((p < pp - 1) + (p > 0))
     posted = stream * ((p > 0) + (p < pp - 1))
-    return in_flight * per_micro + sent_held + posted
+    moe = any(sublayer_kind(i) == "moe" for i in range(first, stop))
+    transient = moe * b * s * cfg.n_experts * cfg.expert_hidden * FP32
+    return in_flight * per_micro + sent_held + posted + transient
 
 
 @dataclass
