@@ -293,7 +293,7 @@ def f_saved_elements(cfg, kind, cp):
     entries + window rows [K, D] per query and the softmax [H, K + 1] (K = min(top_k, T/m) +
     window for CSA, T/m + window for HCA) with its bool mask; the attention output [H, D] the
     output projection keeps. CSA's indexer adds q_index [Hi, Di], w_index [Hi], relu(scores)
-    [Hi, T/m], the sort's int64 order [T/m] and thetop-k's int64 indices."""
+    [Hi, T/m], the sort's int64 order [T/m] and the top-k's int64 indices."""
     s, T, D, H = cfg.seq_len // cp, cfg.seq_len, cfg.head_dim, cfg.heads
     if kind == "moe":
         E, h = cfg.n_experts, cfg.expert_hidden
