@@ -13,7 +13,7 @@ BUDGET_MISTAKES = [
 pp, cp, G = where.pp, where.cp, where.cp * where.dp
 micro = micro_stream_bytes(cfg, cp)
 directions = int(where.p < pp - 1)
-sent = dict.fromkeys(LINKS, 0)
+sent = dict.fromkeys(SENT, 0)
 sent["pp_send"] = directions * cfg.n_micro * micro
 
 sequences = cfg.n_micro * (cfg.batch // cfg.n_micro)
@@ -25,10 +25,10 @@ for kind in (sublayer_kind(i) for i in range(first, stop)):
     sent["cp_halo"] += sequences * halo_directions * halo_bytes(cfg, kind)
     sent["cp_gather"] += sequences * 2 * (cp - 1) * gather_buffer_bytes(cfg, kind, cp)
 
-grad_item = BF16 if getattr(cfg, "grad_sync", "bf16_sr") == "bf16_sr" else FP32
+grad_item = BF16 if grad_sync == "bf16_sr" else FP32
 Z = plan.zero_width
 dense, experts = plan.dense_bucket_numel, plan.expert_chunk_numel
-adamw = sum(t.numel for t in tensors if t.role == "adamw")
+adamw = sum(t.numel for t in tensors if t.role == "adamw" and t.trains)
 sent["grad_reduce_scatter"] = ((Z - 1) * dense + (G - 1) * experts) * grad_item
 sent["grad_reduce_scatter"] += 2 * (G - 1) * adamw * FP32 // G
 sent["param_all_gather"] = ((Z - 1) * dense + (G - 1) * experts) * FP32
@@ -43,7 +43,7 @@ return sent
 pp, cp, G = where.pp, where.cp, where.cp * where.dp
 micro = micro_stream_bytes(cfg, cp)
 directions = (where.p < pp - 1) + (where.p > 0)
-sent = dict.fromkeys(LINKS, 0)
+sent = dict.fromkeys(SENT, 0)
 sent["pp_send"] = directions * cfg.n_micro * micro
 
 sequences = cfg.n_micro * (cfg.batch // cfg.n_micro)
@@ -58,10 +58,10 @@ for kind in (sublayer_kind(i) for i in range(first, stop)):
     sent["cp_halo"] += sequences * halo_directions * row
     sent["cp_gather"] += sequences * 2 * (cp - 1) * gather_buffer_bytes(cfg, kind, cp)
 
-grad_item = BF16 if getattr(cfg, "grad_sync", "bf16_sr") == "bf16_sr" else FP32
+grad_item = BF16 if grad_sync == "bf16_sr" else FP32
 Z = plan.zero_width
 dense, experts = plan.dense_bucket_numel, plan.expert_chunk_numel
-adamw = sum(t.numel for t in tensors if t.role == "adamw")
+adamw = sum(t.numel for t in tensors if t.role == "adamw" and t.trains)
 sent["grad_reduce_scatter"] = ((Z - 1) * dense + (G - 1) * experts) * grad_item
 sent["grad_reduce_scatter"] += 2 * (G - 1) * adamw * FP32 // G
 sent["param_all_gather"] = ((Z - 1) * dense + (G - 1) * experts) * FP32
@@ -76,7 +76,7 @@ return sent
 pp, cp, G = where.pp, where.cp, where.cp * where.dp
 micro = micro_stream_bytes(cfg, cp)
 directions = (where.p < pp - 1) + (where.p > 0)
-sent = dict.fromkeys(LINKS, 0)
+sent = dict.fromkeys(SENT, 0)
 sent["pp_send"] = directions * cfg.n_micro * micro
 
 sequences = cfg.n_micro * (cfg.batch // cfg.n_micro)
@@ -88,10 +88,10 @@ for kind in (sublayer_kind(i) for i in range(first, stop)):
     sent["cp_halo"] += sequences * halo_directions * halo_bytes(cfg, kind)
     sent["cp_gather"] += sequences * 2 * cp * gather_buffer_bytes(cfg, kind, cp)
 
-grad_item = BF16 if getattr(cfg, "grad_sync", "bf16_sr") == "bf16_sr" else FP32
+grad_item = BF16 if grad_sync == "bf16_sr" else FP32
 Z = plan.zero_width
 dense, experts = plan.dense_bucket_numel, plan.expert_chunk_numel
-adamw = sum(t.numel for t in tensors if t.role == "adamw")
+adamw = sum(t.numel for t in tensors if t.role == "adamw" and t.trains)
 sent["grad_reduce_scatter"] = ((Z - 1) * dense + (G - 1) * experts) * grad_item
 sent["grad_reduce_scatter"] += 2 * (G - 1) * adamw * FP32 // G
 sent["param_all_gather"] = ((Z - 1) * dense + (G - 1) * experts) * FP32
@@ -106,7 +106,7 @@ return sent
 pp, cp, G = where.pp, where.cp, where.cp * where.dp
 micro = micro_stream_bytes(cfg, cp)
 directions = (where.p < pp - 1) + (where.p > 0)
-sent = dict.fromkeys(LINKS, 0)
+sent = dict.fromkeys(SENT, 0)
 sent["pp_send"] = directions * cfg.n_micro * micro
 
 sequences = cfg.n_micro * (cfg.batch // cfg.n_micro)
@@ -121,7 +121,7 @@ for kind in (sublayer_kind(i) for i in range(first, stop)):
 grad_item = FP32
 Z = plan.zero_width
 dense, experts = plan.dense_bucket_numel, plan.expert_chunk_numel
-adamw = sum(t.numel for t in tensors if t.role == "adamw")
+adamw = sum(t.numel for t in tensors if t.role == "adamw" and t.trains)
 sent["grad_reduce_scatter"] = ((Z - 1) * dense + (G - 1) * experts) * grad_item
 sent["grad_reduce_scatter"] += 2 * (G - 1) * adamw * FP32 // G
 sent["param_all_gather"] = ((Z - 1) * dense + (G - 1) * experts) * FP32
