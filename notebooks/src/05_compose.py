@@ -408,10 +408,14 @@ for (pp, cp, dp), run in RUNS.items():
 
 # %% [markdown]
 # **What to look at:** on every rank the green optimizer state appears only at the end of step 1,
-# so step 2 starts from a higher baseline and peaks higher: the first-step anomaly of notebook 00,
-# now on every rank of a layout. In 2 x 2 x 1 the two ranks of stage 0 peak above those of stage
-# 1 (the first stage keeps two micro-batches in flight, the last one); in 1 x 2 x 2 the four ranks
-# hold the whole model and look alike.
+# so step 2 starts from a higher baseline and peaks higher, and the dashed line (the reserved
+# memory a CUDA caching allocator would hold, modelled) jumps at step 2: the first-step anomaly
+# of notebook 00, now on every rank of a layout. The purple humps, one per micro-batch, are what
+# the budget calls activations: the recorder files the tensors saved inside mHC's recomputed
+# blocks (an autograd Function of their own) as temporaries, and the whole 1F1B step as one
+# forward phase. In 2 x 2 x 1 the two ranks of stage 0 peak above those of stage 1 (the first
+# stage keeps two micro-batches in flight, the last one); in 1 x 2 x 2 the four ranks hold the
+# whole model and look alike.
 
 # %%
 for (pp, cp, dp), run in RUNS.items():
