@@ -40,7 +40,7 @@ class AttentionF(nn.Module):
 
     def __init__(self, cfg, kind):
         super().__init__()
-        ratio = cfg.csa_ratio if kind == "csa" else cfg.hca_ratio
+        ratio = {"csa": cfg.csa_ratio, "hca": cfg.hca_ratio}[kind]
         self.wo = nn.Parameter(torch.randn(cfg.heads * cfg.head_dim, cfg.dim))
         self.norm = mhc.RMSNorm(cfg.dim)
         self.core = nn.Module()
