@@ -42,6 +42,12 @@ ANSWERS = {  # notebook -> {variable: (reference answer, a wrong answer)}, as Py
         "answer_warned": ('["add", "reshape"]', '["fc1", "qkv"]'),  # a named matmul does not warn
         "answer_lowest_peak": ('"module"', '"tensor_ckpt"'),  # keeps only each layer's input
     },
+    "05_compose": {
+        "answer_layouts_12": ("18", "9"),  # ordered triples; 9 counts some orders once
+        "answer_stage1_bytes": ("2_097_152", "1_048_576"),  # both directions; one is half
+        "answer_smallest_peak": ('"1x4x1"', '"4x1x1"'),  # cp divides the activations
+        "answer_v4_pp": ("44", "8"),  # 8 bytes x 297.6 B / pp < 80 GB first at 44
+    },
 }
 ANSWER_LINE = re.compile(r"^(answer_\w+) = None\b", re.M)
 CHECK_LINE = re.compile(r"# check: (answer_\w+)\s*$")

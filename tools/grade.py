@@ -4,6 +4,7 @@
     python tools/grade.py --submission DIR  # a student's folder (make grade SUBMISSION=DIR)
     python tools/grade.py --submission DIR --only muon_zero.newton_schulz  # a region, or a file
     python tools/grade.py --check-regions   # each region stubbed alone fails every test naming it
+    python tools/grade.py --check-regions --only compose  # the same for one file's regions
     python tools/grade.py --check-mistakes  # each catalogued mistake loses points, with its message
 
 Only tests marked `@pytest.mark.grade(points=N, solution="FILESTEM.qualname", needs=(...))` run. A
@@ -480,9 +481,12 @@ def grade(root, submission, out, per_test_s, overall_s, only=None):
     return 0 if submission is not None or full else 1
 
 
-def check_regions(root, per_test_s, overall_s):
-    """Stub one region at a time; every graded test that names it must fail. Returns exit code."""
+def check_regions(root, per_test_s, overall_s, only=None):
+    """Stub one region at a time; every graded test that names it must fail. Returns exit code.
+    ``only``: the regions or file stems to check (check_only's list; default: every region)."""
     regions = all_regions(root)
+    if only:
+        regions = [r for r in regions if r.qualname in only or r.qualname.split(".")[0] in only]
     if not regions:
         print("check-regions: no solution regions in the assignment files; nothing to check")
         return 0
@@ -616,7 +620,8 @@ def main(argv=None):
     if args.per_test_timeout <= 0 or args.timeout <= 0:
         parser.error("--per-test-timeout and --timeout take a number of seconds above 0")
     if args.check_regions:
-        return check_regions(root, args.per_test_timeout, args.timeout)
+        only = check_only(args.only, all_regions(root)) if args.only else None
+        return check_regions(root, args.per_test_timeout, args.timeout, only)
     if args.check_mistakes is not None:
         return check_mistakes(root, args.check_mistakes, args.per_test_timeout, args.timeout)
     out = args.out or os.path.join(root, "build", "results.json")

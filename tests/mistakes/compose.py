@@ -1,4 +1,4 @@
-"""Plausible wrong bodies for compose.py's solution region (see tests/mistakes/__init__.py)."""
+"""Plausible wrong bodies for compose.py's solution regions (see tests/mistakes/__init__.py)."""
 
 from tests.mistakes import Mistake
 
@@ -50,3 +50,135 @@ return Layout(pp, cp, dp, (p, c, d), pipeline, mesh["cp"].get_group(), stage)
 """,
     ),
 ]
+
+
+# ==== the budget (compose.link_bytes), from the budget helper =================================
+
+BUDGET_MISTAKES = [
+    Mistake(
+        region="compose.link_bytes",
+        name="pp_send in one direction only (the gradients forgotten)",
+        message="pp_send: an interior stage sends n_micro streams forward and n_micro gradients",
+        body="""\
+pp, cp, G = where.pp, where.cp, where.cp * where.dp
+micro = micro_stream_bytes(cfg, cp)
+directions = int(where.p < pp - 1)
+sent = dict.fromkeys(SENT, 0)
+sent["pp_send"] = directions * cfg.n_micro * micro
+
+sequences = cfg.n_micro * (cfg.batch // cfg.n_micro)
+first, stop = mhc.stage_layers(cfg.n_layers, pp, where.p)
+for kind in (sublayer_kind(i) for i in range(first, stop)):
+    if kind == "moe" or cp == 1:
+        continue
+    halo_directions = (where.c < cp - 1) + (where.c > 0)
+    sent["cp_halo"] += sequences * halo_directions * halo_bytes(cfg, kind)
+    sent["cp_gather"] += sequences * 2 * (cp - 1) * gather_buffer_bytes(cfg, kind, cp)
+
+grad_item = BF16 if grad_sync == "bf16_sr" else FP32
+Z = plan.zero_width
+dense, experts = plan.dense_bucket_numel, plan.expert_chunk_numel
+adamw = sum(t.numel for t in tensors if t.role == "adamw" and t.trains)
+sent["grad_reduce_scatter"] = ((Z - 1) * dense + (G - 1) * experts) * grad_item
+sent["grad_reduce_scatter"] += 2 * (G - 1) * adamw * FP32 // G
+sent["param_all_gather"] = ((Z - 1) * dense + (G - 1) * experts) * FP32
+return sent
+""",
+    ),
+    Mistake(
+        region="compose.link_bytes",
+        name="the paper's m halo rows instead of halo_rows",
+        message="cp_halo: per attention layer and sequence the halo is cp_compress.halo_rows",
+        body="""\
+pp, cp, G = where.pp, where.cp, where.cp * where.dp
+micro = micro_stream_bytes(cfg, cp)
+directions = (where.p < pp - 1) + (where.p > 0)
+sent = dict.fromkeys(SENT, 0)
+sent["pp_send"] = directions * cfg.n_micro * micro
+
+sequences = cfg.n_micro * (cfg.batch // cfg.n_micro)
+first, stop = mhc.stage_layers(cfg.n_layers, pp, where.p)
+for kind in (sublayer_kind(i) for i in range(first, stop)):
+    if kind == "moe" or cp == 1:
+        continue
+    halo_directions = (where.c < cp - 1) + (where.c > 0)
+    ratio = cfg.csa_ratio if kind == "csa" else cfg.hca_ratio
+    sets, ch = (2, cfg.head_dim + cfg.index_dim) if kind == "csa" else (1, cfg.head_dim)
+    row = (ratio * 2 * sets * ch + (cfg.window - 1) * cfg.head_dim) * FP32
+    sent["cp_halo"] += sequences * halo_directions * row
+    sent["cp_gather"] += sequences * 2 * (cp - 1) * gather_buffer_bytes(cfg, kind, cp)
+
+grad_item = BF16 if grad_sync == "bf16_sr" else FP32
+Z = plan.zero_width
+dense, experts = plan.dense_bucket_numel, plan.expert_chunk_numel
+adamw = sum(t.numel for t in tensors if t.role == "adamw" and t.trains)
+sent["grad_reduce_scatter"] = ((Z - 1) * dense + (G - 1) * experts) * grad_item
+sent["grad_reduce_scatter"] += 2 * (G - 1) * adamw * FP32 // G
+sent["param_all_gather"] = ((Z - 1) * dense + (G - 1) * experts) * FP32
+return sent
+""",
+    ),
+    Mistake(
+        region="compose.link_bytes",
+        name="all-gather counted to all cp ranks, itself included",
+        message="cp_gather: each rank sends its s/m + 1 entry buffer to the cp - 1 others",
+        body="""\
+pp, cp, G = where.pp, where.cp, where.cp * where.dp
+micro = micro_stream_bytes(cfg, cp)
+directions = (where.p < pp - 1) + (where.p > 0)
+sent = dict.fromkeys(SENT, 0)
+sent["pp_send"] = directions * cfg.n_micro * micro
+
+sequences = cfg.n_micro * (cfg.batch // cfg.n_micro)
+first, stop = mhc.stage_layers(cfg.n_layers, pp, where.p)
+for kind in (sublayer_kind(i) for i in range(first, stop)):
+    if kind == "moe" or cp == 1:
+        continue
+    halo_directions = (where.c < cp - 1) + (where.c > 0)
+    sent["cp_halo"] += sequences * halo_directions * halo_bytes(cfg, kind)
+    sent["cp_gather"] += sequences * 2 * cp * gather_buffer_bytes(cfg, kind, cp)
+
+grad_item = BF16 if grad_sync == "bf16_sr" else FP32
+Z = plan.zero_width
+dense, experts = plan.dense_bucket_numel, plan.expert_chunk_numel
+adamw = sum(t.numel for t in tensors if t.role == "adamw" and t.trains)
+sent["grad_reduce_scatter"] = ((Z - 1) * dense + (G - 1) * experts) * grad_item
+sent["grad_reduce_scatter"] += 2 * (G - 1) * adamw * FP32 // G
+sent["param_all_gather"] = ((Z - 1) * dense + (G - 1) * experts) * FP32
+return sent
+""",
+    ),
+    Mistake(
+        region="compose.link_bytes",
+        name="gradients sent in fp32 although grad_sync is bf16_sr",
+        message="grad_reduce_scatter: MuonZeRO sends each of the G - 1 peers its padded chunk",
+        body="""\
+pp, cp, G = where.pp, where.cp, where.cp * where.dp
+micro = micro_stream_bytes(cfg, cp)
+directions = (where.p < pp - 1) + (where.p > 0)
+sent = dict.fromkeys(SENT, 0)
+sent["pp_send"] = directions * cfg.n_micro * micro
+
+sequences = cfg.n_micro * (cfg.batch // cfg.n_micro)
+first, stop = mhc.stage_layers(cfg.n_layers, pp, where.p)
+for kind in (sublayer_kind(i) for i in range(first, stop)):
+    if kind == "moe" or cp == 1:
+        continue
+    halo_directions = (where.c < cp - 1) + (where.c > 0)
+    sent["cp_halo"] += sequences * halo_directions * halo_bytes(cfg, kind)
+    sent["cp_gather"] += sequences * 2 * (cp - 1) * gather_buffer_bytes(cfg, kind, cp)
+
+grad_item = FP32
+Z = plan.zero_width
+dense, experts = plan.dense_bucket_numel, plan.expert_chunk_numel
+adamw = sum(t.numel for t in tensors if t.role == "adamw" and t.trains)
+sent["grad_reduce_scatter"] = ((Z - 1) * dense + (G - 1) * experts) * grad_item
+sent["grad_reduce_scatter"] += 2 * (G - 1) * adamw * FP32 // G
+sent["param_all_gather"] = ((Z - 1) * dense + (G - 1) * experts) * FP32
+return sent
+""",
+    ),
+]
+# ==== end of the budget's block
+
+MISTAKES = MISTAKES + BUDGET_MISTAKES
