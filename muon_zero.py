@@ -30,22 +30,24 @@ import bisect
 import math
 import os
 import time
-from dataclasses import dataclass
+from collections import namedtuple
+from dataclasses import dataclass, replace
+from itertools import accumulate, groupby
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 
 import launch
+from guards.muon_zero_guard import agreed_grad_mask, check_and_agree  # checks before collectives
+from models.param_roles import EXPERT_ROLES, muon_param_groups  # which tensor gets Muon
+from models.tiny_moe import TinyMoE, demo_batch  # the demo's model and data
+from optimizer_state import muon_zero_checkpoint as checkpoint  # saving and loading
 
-# ------------------------------------------------------------------------------------------------
-# 1. The optimizer math (V4 Algorithm 1)
-# ------------------------------------------------------------------------------------------------
+# ---- 1. The optimizer math (V4 Algorithm 1) ------------------------------------------------------
 
-# One (a, b, c) per Newton-Schulz iteration. V4's hybrid schedule: 8 fast steps push every singular
-# value into a band around 1, then 2 steps of the classic cubic that converges to 1. The standard
-# schedule (KellerJordan/Muon, torch.optim.Muon) stops after the 5 fast steps.
+# One (a, b, c) per Newton-Schulz iteration. V4's hybrid: fast steps push every singular value into
+# a band around 1, then the classic cubic settles it on 1. Standard (torch.optim.Muon): fast only.
 V4_NS_COEFFICIENTS = ((3.4445, -4.7750, 2.0315),) * 8 + ((2.0, -1.5, 0.5),) * 2
 STANDARD_NS_COEFFICIENTS = ((3.4445, -4.7750, 2.0315),) * 5
 BF16_MAX = torch.finfo(torch.bfloat16).max
@@ -56,9 +58,8 @@ def newton_schulz(X, coefficients, dtype=torch.bfloat16, eps=1e-7):
 
     In `dtype`: each matrix divided by its Frobenius norm (every singular value <= 1), tall ones
     transposed so that the Gram matrix A = X X^T is the small one, then per (a, b, c)
-    X <- a·X + (b·A + c·A²)·X. Any op order is right (the reference fuses the adds as
-    torch.optim.Muon does). A power-of-two prescale (exact) lets a tiny gradient, a clipped one
-    say, normalise like any other instead of falling under eps.
+    X <- a·X + (b·A + c·A²)·X, in any op order. An exact power-of-two prescale lets a tiny
+    (say, clipped) gradient normalise like any other instead of falling under eps.
     """
     if X.ndim not in (2, 3):
         raise ValueError(f"newton_schulz takes [n, m] or [b, n, m], got shape {tuple(X.shape)}")
@@ -86,10 +87,9 @@ def muon_update(grad, momentum_buffer, *, momentum=0.95, nesterov=True,
                 update_rms=0.18):  # fmt: skip
     """Advance the momentum in place, return the fp32 update O.  grad, buffer: [n, m] or [b, n, m].
 
-    V4 writes M <- mu·M + G and X = mu·M + G (Nesterov) or M. The buffer here is torch.optim.Muon's
+    V4 writes M <- mu·M + G and X = mu·M + G (Nesterov) or M. The buffer is torch.optim.Muon's
     average form M' = (1 - mu)·M: M' <- lerp(M', G, 1 - mu), X' = lerp(G, M', mu) = (1 - mu)·X,
-    the same direction, so the same update. O = NS(X)·sqrt(max(n, m))·update_rms: NS(X) has RMS
-    ~1/sqrt(max(n, m)), so every matrix's update has RMS update_rms ("match_rms_adamw": 0.2).
+    the same direction. O = NS(X)·sqrt(max(n, m))·update_rms: NS(X) has RMS ~1/sqrt(max(n, m)).
     """
     # hint: two lerps (momentum, then the Nesterov look-ahead), then newton_schulz and the RMS scale
     ### BEGIN SOLUTION
@@ -117,11 +117,10 @@ def adamw_update(param, grad, exp_avg, exp_avg_sq, step, *, lr, betas=(0.9, 0.95
 def stochastic_round_to_bf16(x, generator=None):
     """Round fp32 to bf16 up or down at random, with E[round(x)] = x.  x: any shape fp32 -> bf16.
 
-    bf16 is the top 16 bits of fp32. Adding a uniform random integer in [0, 2^16) to the bit
-    pattern and zeroing the low 16 bits carries into the kept bits with probability
-    (dropped bits) / 2^16, exactly the fraction of the gap x has covered: unbiased, and symmetric
-    for negative numbers. NaN and ±Inf pass through; finite values saturate at ±bf16 max. The
-    noise comes from `generator`, so a run (and its resume) is reproducible.
+    bf16 is the top 16 bits of fp32. Adding a uniform random integer in [0, 2^16) to the bits and
+    zeroing the low 16 carries into the kept bits with probability (dropped bits) / 2^16: the
+    fraction of the gap x has covered, so unbiased, either sign. NaN and ±Inf pass through; finite
+    values saturate at ±bf16 max. `generator` makes a run (and its resume) reproducible.
     """
     if x.dtype != torch.float32:
         raise ValueError(f"stochastic_round_to_bf16 expects float32, got {x.dtype}")
@@ -136,19 +135,13 @@ def stochastic_round_to_bf16(x, generator=None):
     ### END SOLUTION
 
 
-# ------------------------------------------------------------------------------------------------
-# 2. The naive baseline: KellerJordan's muon.py deals whole matrices round-robin
-# ------------------------------------------------------------------------------------------------
+# ---- 2. The naive baseline: KellerJordan's muon.py deals whole matrices round-robin --------------
 
 
 @torch.no_grad()
 def round_robin_step(params, momenta, process_group=None, lr=0.02, weight_decay=0.1, **muon_kw):
-    """Distributed Muon as KellerJordan's muon.py does it, for contrast.  Grads already averaged.
-
-    Rank r updates matrices r, r + W, ... whole, then each travels from its owner to everyone.
-    Every rank still holds every gradient, the load is as uneven as the shapes, experts are no
-    matrices of their own, one collective per matrix. V4 packs by cost, reduce-scatters, batches.
-    """
+    """KellerJordan's distributed Muon, for contrast (grads already averaged): rank r updates
+    matrices r, r + W, ... whole and broadcasts each: as uneven as the shapes, one call each."""
     rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
     for i, (p, M) in enumerate(zip(params, momenta)):
         if i % world == rank:
@@ -156,14 +149,11 @@ def round_robin_step(params, momenta, process_group=None, lr=0.02, weight_decay=
         dist.broadcast(p, group=process_group, group_src=i % world)
 
 
-# ------------------------------------------------------------------------------------------------
-# 3. V4's layout: who owns what (pure functions: usable at V4 scale without processes)
-# ------------------------------------------------------------------------------------------------
+# ---- 3. V4's layout: who owns what (pure functions: usable at V4 scale without processes) --------
 
 
 def ns_cost(shape):
-    """Multiply-adds of one NS iteration on [n, m] (the packing cost model): with s = min(n, m),
-    L = max(n, m), X X^T is s·s·L, A·A is s³, (bA + cA²)·X is s·s·L."""
+    """Multiply-adds of one NS iteration on [n, m] (s <= L): X X^T, (bA + cA²)·X and A·A."""
     s, L = sorted(shape[-2:])
     return 2 * s * s * L + s**3
 
@@ -171,11 +161,10 @@ def ns_cost(shape):
 def pack_dense(shapes, zero_width, balance="both"):
     """Assign whole matrices to `zero_width` buckets.  shapes: [(n, m)] -> list of index lists.
 
-    Largest-first greedy (LPT, within 4/3 of the optimum): matrices in decreasing weight, each to
-    the bucket where it raises the load least. `balance` names the load: "ns_cost" (compute: the
-    slowest rank sets the step time), "numel" (memory: buckets are padded to the largest) or
-    "both" (default): the larger of the two, each as a fraction of its total. In a bucket,
-    identical shapes sit next to each other (the shapes in any order): one batched NS call.
+    Largest-first greedy (LPT): matrices in decreasing weight, each to the bucket where it raises
+    the load least. `balance` names the load: "ns_cost" (the slowest rank sets the step time),
+    "numel" (buckets are padded to the largest) or "both": the larger, each as a fraction of its
+    total. In a bucket, identical shapes sit next to each other: one batched NS call.
     """
     if balance not in ("ns_cost", "numel", "both"):
         raise ValueError(f"balance must be 'ns_cost', 'numel' or 'both', got {balance!r}")
@@ -206,8 +195,8 @@ def pack_dense(shapes, zero_width, balance="both"):
 def split_experts(numels, world_size):
     """Cut V4's flat expert vector into `world_size` runs.  numels: list -> list of (start, end).
 
-    Piece k ends at the matrix boundary nearest to k/W of the total elements (either on a tie),
-    so no matrix is cut; pieces are padded to the largest. Equal-size experts: ceil/floor(N / W).
+    Piece k ends at the matrix boundary nearest to k/W of the total elements (either on a tie):
+    no matrix is cut. Equal-size experts: ceil/floor(N / W) each.
     """
     # hint: prefix sums of the sizes; for each k pick the boundary closest to k/W of the total
     ### BEGIN SOLUTION
@@ -228,33 +217,22 @@ def split_experts(numels, world_size):
 
 @dataclass
 class MuonPlan:
-    """Who owns what: dense buckets per position in a replica group, expert runs per rank.
-    Rank r sits at position r % zero_width of replica r // zero_width."""
+    """Who owns what. Rank r sits at position r % zero_width of replica r // zero_width; it owns
+    dense bucket r % zero_width (so does every rank at that position) and expert run r."""
 
     world_size: int
     zero_width: int
     dense_shapes: list  # [(n, m)] in parameter order
-    dense_buckets: list  # zero_width lists of dense indices; bucket q: every rank at position q
+    dense_buckets: list  # zero_width lists of dense indices
     expert_shapes: list  # [(n, m)] in V4's flat order: all downs, then ups, then gates
     expert_ranges: list  # world_size (start, end) runs of expert indices
-
-    def position(self, rank):
-        return rank % self.zero_width
+    dense_bucket_numel: int = 0  # the largest bucket: every bucket is padded to it
+    expert_chunk_numel: int = 0  # the largest run: every run is padded to it
 
     def owned(self, rank):
         """(dense indices, expert indices) whose Muon update `rank` computes."""
         a, b = self.expert_ranges[rank] if self.expert_shapes else (0, 0)
-        return self.dense_buckets[self.position(rank)], list(range(a, b))
-
-    @property
-    def dense_bucket_numel(self):
-        sizes = [sum(math.prod(self.dense_shapes[i]) for i in b) for b in self.dense_buckets]
-        return max(sizes, default=0)
-
-    @property
-    def expert_chunk_numel(self):
-        sizes = [sum(map(math.prod, self.expert_shapes[a:b])) for a, b in self.expert_ranges]
-        return max(sizes, default=0)
+        return self.dense_buckets[rank % self.zero_width], list(range(a, b))
 
 
 def plan_muon(dense_shapes, expert_shapes, world_size, zero_width=None, balance="both"):
@@ -263,12 +241,13 @@ def plan_muon(dense_shapes, expert_shapes, world_size, zero_width=None, balance=
     if not isinstance(zero_width, int) or zero_width < 1 or world_size % zero_width:
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise ValueError(f"zero_width={zero_width} must divide the data-parallel size "
-                         f"{world_size}: ranks form {world_size}/zero_width replica groups; "
-                         f"pick one of {divisors}")  # fmt: skip
+                         f"{world_size} (replica groups): pick one of {divisors}")  # fmt: skip
     dense, experts = [tuple(s) for s in dense_shapes], [tuple(s) for s in expert_shapes]
     buckets = pack_dense(dense, zero_width, balance)
     ranges = split_experts([math.prod(s) for s in experts], world_size)
-    return MuonPlan(world_size, zero_width, dense, buckets, experts, ranges)
+    bucket = max((sum(math.prod(dense[i]) for i in b) for b in buckets), default=0)
+    chunk = max((sum(map(math.prod, experts[a:b])) for a, b in ranges), default=0)
+    return MuonPlan(world_size, zero_width, dense, buckets, experts, ranges, bucket, chunk)
 
 
 @dataclass(frozen=True)
@@ -310,43 +289,23 @@ class Shards:
     counted: bool = True  # my chunk enters the global gradient norm (dense: replica 0 only)
 
 
-MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "ns_dtype",
-             "update_rms")  # fmt: skip
-
-
-@dataclass(frozen=True)
-class MuonSettings:
-    """A param group's Muon hyperparameters; equal settings share one batched NS call."""
-
-    lr: float
-    weight_decay: float
-    momentum: float
-    nesterov: bool
-    coefficients: tuple
-    ns_dtype: torch.dtype
-    update_rms: float
+# A param group's Muon hyperparameters, named as its keys; equal ones share one batched NS call.
+MuonSettings = namedtuple(
+    "MuonSettings", "lr weight_decay momentum nesterov ns_coefficients ns_dtype update_rms"
+)
 
 
 def make_shards(matrix_lists, mine, process_group, peers, **kw):
     """Each peer's matrices back to back from offset 0; my chunk's same-shape neighbours: Runs."""
-    chunks = []
-    for matrices in matrix_lists:
-        offsets = [0] + [s.shape[0] * s.shape[1] for s in matrices]
-        chunks.append([Slot(s.param, s.expert, s.param_group, s.shape, sum(offsets[: k + 1]))
-                       for k, s in enumerate(matrices)])  # fmt: skip
-    runs = []
-    for s in chunks[mine]:
-        if runs and runs[-1].shape == s.shape:
-            runs[-1].slots.append(s)
-        else:
-            runs.append(Run(s.offset, s.shape, [s]))
-    numel = max((sum(s.shape[0] * s.shape[1] for s in c) for c in chunks), default=0)
+    offsets = [accumulate((math.prod(s.shape) for s in c), initial=0) for c in matrix_lists]
+    chunks = [[replace(s, offset=o) for s, o in zip(c, at)] for c, at in zip(matrix_lists, offsets)]
+    same_shape = [list(slots) for _, slots in groupby(chunks[mine], key=lambda s: s.shape)]
+    runs = [Run(slots[0].offset, slots[0].shape, slots) for slots in same_shape]
+    numel = max((sum(math.prod(s.shape) for s in c) for c in chunks), default=0)
     return Shards(chunks, numel, mine, runs, process_group, peers, **kw)
 
 
-# ------------------------------------------------------------------------------------------------
-# 4. The sharded step: pack -> reduce-scatter -> clip -> update my matrices -> all-gather -> unpack
-# ------------------------------------------------------------------------------------------------
+# ---- 4. The sharded step: pack -> reduce-scatter -> clip -> update mine -> all-gather ------------
 
 
 @torch.no_grad()
@@ -416,11 +375,7 @@ def unpack(flat, chunks, tensors):
 
 def reduce_scatter_sum(chunks, group, grad_sync, generator):
     """chunks [P, S] fp32 (chunk q goes to peer q) -> [S] fp32: every peer's chunk for me, summed.
-
-    An all-to-all plus a local sum (V4's MoE recipe): with grad_sync="bf16_sr" each gradient is
-    rounded once, stochastically, and summed in FP32. A bf16 ring reduce-scatter instead rounds
-    the running sum at every hop, so its error grows with the number of ranks.
-    """
+    All-to-all, then an fp32 sum: each gradient rounded once (a bf16 ring rounds at every hop)."""
     if chunks.size(0) == 1:
         return chunks[0]
     payload = stochastic_round_to_bf16(chunks, generator) if grad_sync == "bf16_sr" else chunks
@@ -439,18 +394,14 @@ def all_gather_chunks(chunk, group, size):
 
 
 def update_run(G, W, M, settings, active):
-    """Muon on one run [count, n, m] in place: momentum M, batched NS, decay and step into W.
-    Neighbours with equal settings share one muon_update call; members without a gradient on any
-    rank keep their momentum and weights, as torch's optimizers skip them."""
+    """Muon on one run [count, n, m] in place, one muon_update per equal-settings neighbours;
+    members with no gradient on any rank keep momentum and weights (as torch's optimizers do)."""
     idle = [k for k, a in enumerate(active) if not a]
-    saved = (M[idle].clone(), W[idle].clone())
-    start = 0
-    while start < len(settings):
-        s, end = settings[start], start + 1
-        while end < len(settings) and settings[end] == s:
-            end += 1
+    saved, start = (M[idle].clone(), W[idle].clone()), 0
+    for s, members in groupby(settings):
+        end = start + len(list(members))
         update = muon_update(G[start:end], M[start:end], momentum=s.momentum,
-                             nesterov=s.nesterov, coefficients=s.coefficients,
+                             nesterov=s.nesterov, coefficients=s.ns_coefficients,
                              ns_dtype=s.ns_dtype, update_rms=s.update_rms)  # fmt: skip
         apply_update(W[start:end], update, s.lr, s.weight_decay)
         start = end
@@ -458,9 +409,8 @@ def update_run(G, W, M, settings, active):
 
 
 def build_groups(process_group, world_size, zero_width):
-    """(shard group, replica group) of this rank.  Ranks r // Z share a replica (the reduce-scatter
-    peers); ranks r % Z a position (the cross-replica all-reduce). Only members create a group
-    (local synchronisation), so a data-parallel subgroup of a wider world works."""
+    """(shard group, replica group): ranks r // Z share a replica (the reduce-scatter peers), ranks
+    r % Z a position (the cross-replica all-reduce); only members create one (a DP subgroup)."""
     if zero_width == world_size:
         return process_group, None
     rank, Z = dist.get_rank(process_group), zero_width
@@ -474,34 +424,14 @@ def build_groups(process_group, world_size, zero_width):
     return shard, new_group(range(rank % Z, world_size, Z))
 
 
-EXPERT_ROLES = ("expert_down", "expert_up", "expert_gate")  # V4's order of the flat expert vector
-ROLES = ("dense",) + EXPERT_ROLES + ("adamw",)
-
-
 class MuonZeRO(torch.optim.Optimizer):
     """Muon for matrices and expert stacks, AdamW for the rest, ZeRO-sharded the way V4 does it.
 
-    Param groups carry a `role`: "dense" (2-D matrices), "expert_down" / "expert_up" /
-    "expert_gate" (3-D stacks [E, n, m], each expert its own matrix) or "adamw" (see
-    muon_param_groups). Every rank calls backward() on its own micro-batch, then step(): the
-    optimizer averages the gradients over the process group, updates the matrices this rank owns
-    and gathers them, so every rank ends with identical parameters. The constructor and step()
-    are collectives (call them on all ranks); state_dict() is this rank's share,
-    gather_state_dict() the collective one.
-
-    lr, momentum, weight_decay, nesterov: as torch.optim.Muon (momentum kept in its lerp form).
-    ns_coefficients: one (a, b, c) per Newton-Schulz iteration; ns_dtype: NS precision (V4: bf16).
-    update_rms: target RMS of each matrix's update (V4: 0.18; torch's "match_rms_adamw": 0.2).
-    betas, eps: AdamW's, for role="adamw" groups (which can set their own lr and weight_decay).
-    zero_width: ranks that share the dense matrices (default: all); must divide the group size.
-    grad_sync: "bf16_sr" (V4: stochastic rounding to bf16, all-to-all, fp32 sum) or "fp32".
-    max_grad_norm: clip the averaged gradient to this global norm inside step(), as
-        torch.nn.utils.clip_grad_norm_ does on one process. Clipping p.grad before step() is wrong
-        here: a rank holds its own micro-batch's gradient, not the average, so each rank would
-        clip by its own norm.
-    process_group: the data-parallel group (default: the world; no group at all: one process).
-    balance: dense packing objective (see pack_dense); seed: base seed of the rounding noise.
-    Parameters must be float32 and on one device (mixed precision keeps fp32 master weights).
+    Param groups carry a `role` (see muon_param_groups). Each rank runs backward() on its own
+    micro-batch; step() (a collective, like the constructor) averages the gradients, updates the
+    matrices this rank owns and gathers them: every rank ends identical. Hyperparameters as
+    torch.optim.Muon and AdamW; zero_width: ranks sharing the dense matrices (divides the group);
+    grad_sync: "bf16_sr" (V4's) or "fp32"; max_grad_norm: clip the averaged gradient, in step().
     """
 
     def __init__(self, params, lr=0.02, momentum=0.95, weight_decay=0.1, nesterov=True,
@@ -519,7 +449,7 @@ class MuonZeRO(torch.optim.Optimizer):
         self.rank = dist.get_rank(process_group) if process_group is not None else 0
         self.grad_sync, self.max_grad_norm, self.seed = grad_sync, max_grad_norm, seed
         self.params = [p for g in self.param_groups for p in g["params"]]
-        check_and_agree(self, zero_width, balance)  # the guard: the same ValueError on every rank
+        check_and_agree(self, zero_width, balance, plan_muon)  # the same ValueError everywhere
         self.device = self.params[0].device
         self._built_for = [(tuple(p.shape), p.dtype, p.device) for p in self.params]  # re-checked
 
@@ -556,10 +486,7 @@ class MuonZeRO(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = None if closure is None else torch.enable_grad()(closure)()
         has_grad = agreed_grad_mask(self)  # one small all-reduce; re-checks settings across ranks
         if not any(has_grad):
             return loss
@@ -569,14 +496,12 @@ class MuonZeRO(torch.optim.Optimizer):
         # AdamW is element-wise, so plain data parallelism is exact: one all-reduce, all step
         adamw = [(p, self.param_groups[k]) for i, p, k in self._params_of(("adamw",))
                  if has_grad[i]]  # fmt: skip
-        flat = torch.cat(
-            [torch.zeros(0, device=self.device)]
-            + [(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p, _ in adamw]
-        )
+        flat = torch.cat([torch.zeros(0, device=self.device)] + [torch.zeros_like(p).flatten()
+                          if p.grad is None else p.grad.flatten() for p, _ in adamw])  # fmt: skip
         if self.world_size > 1 and adamw:
             dist.all_reduce(flat, group=self.process_group)
         flat /= self.world_size
-        settings = [MuonSettings(*(g[k] for k in MUON_KEYS)) for g in self.param_groups]
+        settings = [MuonSettings(*(g[k] for k in MuonSettings._fields)) for g in self.param_groups]
         scale = sharded_step(self.shards, [p.grad for p in self.params],
                              [p.detach() for p in self.params], self._momentum, settings,
                              has_grad, self.world_size, self.grad_sync, self._sr_generator,
@@ -598,14 +523,14 @@ class MuonZeRO(torch.optim.Optimizer):
             raise ValueError("MuonZeRO plans ownership at construction: pass every param group")
         super().add_param_group(param_group)
 
-    def state_dict(self):  # checkpoints: see the appendix
-        return checkpoint(self, gather=False)
+    def state_dict(self):  # this rank's share: no collective, resumes at the same layout
+        return checkpoint.save(self, gather=False)
 
-    def gather_state_dict(self):
-        return checkpoint(self, gather=True)
+    def gather_state_dict(self):  # a collective: the whole state, loads at any world size
+        return checkpoint.save(self, gather=True)
 
-    def load_state_dict(self, state_dict):
-        load_checkpoint(self, state_dict)
+    def load_state_dict(self, state_dict):  # either of the two; resuming is exact
+        checkpoint.load(self, state_dict)
 
     def local_state_tensors(self):
         """The state tensors this rank holds: its stacked Muon momenta and the AdamW moments."""
@@ -621,417 +546,85 @@ def rounding_seed(seed, rank, steps):
     return seed * 65537 + rank + steps * 2**32
 
 
-# ==== appendix: parameter roles, the guard and validation, checkpoints, the demo =================
-
-OUTPUT_HEAD_NAMES = ("head", "lm_head", "output", "output_layer")  # nanoGPT, HF, titan, Megatron
-
-
-def muon_param_groups(model, adamw_names=OUTPUT_HEAD_NAMES, expert_roles=None):
-    """Split `model`'s parameters into MuonZeRO param groups, one per role, by what each tensor is.
-
-    AdamW (V4): embeddings (and anything tied to them), the output head (HF's
-    get_output_embeddings(), or a module named in `adamw_names`: a dotted prefix such as
-    "model.proj" or a module name anywhere in the path), tensors a module declares non-Muon (a
-    `no_muon` or `_adamw_params` set of parameter names, or `tensor.no_muon = True`), static
-    biases (names starting with "bias", such as mHC's 2-D bias_res), tensors below 2 dims.
-    Muon: every other matrix. 3-D tensors are expert stacks [E, n, m], their role from
-    `expert_roles[name]` or a name token ("w_down", "up_proj", "gate"), else a ValueError.
-    """
-    expert_roles, adamw_ids = dict(expert_roles or {}), set()
-    for module in model.modules():
-        if isinstance(module, nn.Embedding):
-            adamw_ids.add(id(module.weight))
-        declared = set(getattr(module, "no_muon", ())) | set(getattr(module, "_adamw_params", ()))
-        adamw_ids |= {id(p) for n, p in module.named_parameters(recurse=False) if n in declared}
-    head = getattr(model, "get_output_embeddings", lambda: None)()
-    if isinstance(head, nn.Module):
-        adamw_ids |= {id(p) for p in head.parameters()}
-    by_role = {role: [] for role in ROLES}
-    for name, p in model.named_parameters():
-        modules = name.split(".")[:-1]  # whole module names: "output" is not "output_gate"
-        named = any(name.startswith(a + ".") or a in modules for a in adamw_names)
-        bias = name.rsplit(".", 1)[-1].startswith("bias")
-        if id(p) in adamw_ids or getattr(p, "no_muon", False) or named or bias or p.ndim < 2:
-            by_role["adamw"].append(p)
-        elif p.ndim == 2:
-            by_role["dense"].append(p)
-        elif p.ndim == 3:
-            tokens = set(name.replace(".", "_").split("_"))
-            found = [r for r in EXPERT_ROLES if r.split("_")[1] in tokens]
-            role = expert_roles.get(name, found[0] if len(found) == 1 else None)
-            if role not in EXPERT_ROLES:
-                raise ValueError(f"expert stack {name!r} {tuple(p.shape)}: cannot tell a down, up "
-                                 f"or gate projection (role {role!r}); pass expert_roles="
-                                 f"{{{name!r}: 'expert_down'}} (or _up / _gate)")  # fmt: skip
-            by_role[role].append(p)
-        else:
-            raise ValueError(f"parameter {name!r} has {p.ndim} dims; Muon handles matrices "
-                             f"[n, m] and expert stacks [E, n, m] only")  # fmt: skip
-    return [{"params": ps, "role": role} for role, ps in by_role.items() if ps]
-
-
-def _number(x, low, high=math.inf, open_low=False, open_high=False):
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
-        return False
-    return (x > low if open_low else x >= low) and (x < high if open_high else x <= high)
-
-
-GROUP_RULES = (  # (setting, test, what it must be)
-    ("lr", lambda v: _number(v, 0), "a finite number >= 0"),
-    ("momentum", lambda v: _number(v, 0, 1, open_high=True), "a number in [0, 1)"),
-    ("weight_decay", lambda v: _number(v, 0), "a finite number >= 0"),
-    ("update_rms", lambda v: _number(v, 0, open_low=True), "a finite number > 0"),
-    ("eps", lambda v: _number(v, 0, open_low=True), "a finite number > 0"),
-    ("betas", lambda v: len(v) == 2 and all(_number(b, 0, 1, open_high=True) for b in v),
-     "two numbers in [0, 1)"),
-    ("ns_coefficients", lambda v: len(v) > 0 and all(len(c) == 3 and all(map(_number, c, [-math.inf]
-     * 3)) for c in v), "one or more finite (a, b, c)"),
-    ("ns_dtype", lambda v: isinstance(v, torch.dtype) and v.is_floating_point,
-     "a floating torch dtype"),
-)  # fmt: skip
-TENSOR_RULES = (  # (test of a tensor in a param group of this role, what is wrong and the fix)
-    (lambda p, role: p.dtype == torch.float32, "MuonZeRO updates float32 parameters (its buffers "
-     "are fp32): keep fp32 master weights, e.g. model.float()"),
-    (lambda p, role: p.numel() > 0, "an empty tensor: leave it out of the optimizer"),
-    (lambda p, role: role != "dense" or p.ndim != 3, "a 3-D stack declared 'dense' (expert role "
-     "missing): give it role 'expert_down', 'expert_up' or 'expert_gate' (muon_param_groups does)"),
-    (lambda p, role: role != "dense" or p.ndim == 2, "Muon needs [n, m] matrices: put it in a "
-     "role='adamw' param group (muon_param_groups does)"),
-    (lambda p, role: role not in EXPERT_ROLES or p.ndim == 3, "an expert role needs an expert "
-     "stack [E, n, m]; a single matrix belongs in a 'dense' param group"),
-)  # fmt: skip
-
-
-def check_group(k, g):
-    """Raise ValueError for the first problem with param group k's role, settings or tensors."""
-    if g["role"] not in ROLES:
-        raise ValueError(f"param group {k}: role must be one of {ROLES}, got {g['role']!r}")
-    for key, ok, what in GROUP_RULES:
-        if not ok(g[key]):
-            raise ValueError(f"param group {k}: {key} must be {what}, got {g[key]!r}")
-    for p in g["params"]:
-        for ok, what in TENSOR_RULES:
-            if not ok(p, g["role"]):
-                raise ValueError(f"param group {k}: a {p.dtype} tensor {tuple(p.shape)}: {what}")
-
-
-def agreement_fields(opt, zero_width, balance, weights=True):
-    """What every rank must hold alike, by name; weights: a digest of the initial values."""
-    fields = dict(zero_width=zero_width, balance=balance, grad_sync=opt.grad_sync,
-                  max_grad_norm=opt.max_grad_norm, param_groups=len(opt.param_groups))  # fmt: skip
-    for k, g in enumerate(opt.param_groups):
-        fields[f"param group {k} shapes"] = [tuple(p.shape) for p in g["params"]]
-        fields[f"param group {k} dtypes"] = [str(p.dtype) for p in g["params"]]
-        fields.update({f"param group {k} {key}": g[key] for key in sorted(g) if key != "params"})
-        if weights:  # replicas must start bitwise equal
-            named = [(str(j), p) for j, p in enumerate(g["params"])]
-            fields[f"param group {k} initial values"] = launch.weights_digest(named)
-    return fields
-
-
-def check_and_agree(opt, zero_width, balance):
-    """Every local check on this rank, then one agreement collective: all ranks raise together."""
-    if opt.rank < 0:
-        raise ValueError("this rank is not a member of process_group; build MuonZeRO on members")
-    error = None
-    try:
-        if opt.grad_sync not in ("fp32", "bf16_sr"):
-            raise ValueError(f"grad_sync must be 'fp32' (exact) or 'bf16_sr' (V4's), got "
-                             f"{opt.grad_sync!r}")  # fmt: skip
-        if not (opt.max_grad_norm is None or _number(opt.max_grad_norm, 0, open_low=True)):
-            raise ValueError(f"max_grad_norm must be None or > 0, got {opt.max_grad_norm!r}")
-        pack_dense([], 1, balance), plan_muon([], [], opt.world_size, zero_width)
-        for k, g in enumerate(opt.param_groups):
-            check_group(k, g)
-        if len(devices := {str(p.device) for p in opt.params}) > 1:
-            raise ValueError(f"parameters sit on several devices {sorted(devices)}; use one")
-    except ValueError as err:
-        error = str(err)
-    launch.agree(agreement_fields(opt, zero_width, balance), error, opt.process_group, "MuonZeRO")
-
-
-def agreed_grad_mask(opt):
-    """Which parameters have a gradient on some rank, and a re-check of what was agreed.
-
-    One all-reduce (MAX) of [has grad per parameter, digest, -digest, local error]: a gradient None
-    on some ranks counts as zero there; None everywhere skips the parameter. Settings that changed
-    on one rank (the digest), or parameters that changed shape, dtype or device since
-    construction, make every rank run the full guard."""
-    fields = agreement_fields(opt, opt.zero_width, "-", weights=False)
-    digest, error = launch.fields_digest(fields), None
-    for i, (built, p) in enumerate(zip(opt._built_for, opt.params)):
-        if (now := (tuple(p.shape), p.dtype, p.device)) != built and error is None:
-            error = (f"parameter {i} is now {now[0]} {now[1]} on {now[2]}, but MuonZeRO was built "
-                     f"for {built[0]} {built[1]} on {built[2]}: build the optimizer after moving "
-                     f"or converting the model")  # fmt: skip
-    mask = [p.grad is not None for p in opt.params] + [digest, -digest, error is not None]
-    mask = torch.tensor(mask, dtype=torch.int64, device=opt.device)
-    if opt.world_size > 1:
-        dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=opt.process_group)
-    if mask[-3].item() != -mask[-2].item() or mask[-1].item():
-        launch.agree(fields, error, opt.process_group, "MuonZeRO")
-    return mask[:-3].bool().tolist()
-
-
-def checkpoint(opt, gather):
-    """{"state", "param_groups", "rounding"}. gather=False: this rank's share, no collective (safe
-    under `if rank == 0`): AdamW moments (replicated, complete), the momentum of the matrices it
-    owns (a stack's buffer with the owned experts filled, listed under "experts") and its
-    rounding generator; it resumes exactly at the same world size and zero width. gather=True, a
-    collective: every momentum and every rank's generator, loadable at any world size."""
-    state = {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state[p].items()}
-             for i, p in enumerate(opt.params) if opt.state.get(p)}  # fmt: skip
-    generators = {opt.rank: opt._sr_generator.get_state()}
-    owned = [(s, m) for shards, buffers in zip(opt.shards, opt._momentum or [])
-             for run, M in zip(shards.runs, buffers) for s, m in zip(run.slots, M)]  # fmt: skip
-    if gather and opt.world_size > 1:
-        mine = generators[opt.rank].to(opt.device)
-        everyone = all_gather_chunks(mine, opt.process_group, opt.world_size).cpu()
-        generators = {r: t.clone() for r, t in enumerate(everyone)}  # own storage: set_state
-    if gather and opt._momentum is not None:
-        full = [torch.zeros_like(p) for p in opt.params]
-        for shards, buffers in zip(opt.shards, opt._momentum):
-            chunk = torch.zeros(shards.chunk_numel, device=opt.device)
-            for run, M in zip(shards.runs, buffers):
-                chunk[run.offset : run.offset + M.numel()] = M.flatten()
-            unpack(all_gather_chunks(chunk, shards.group, shards.peers), shards.chunks, full)
-        owned = [(s, s.of(full)) for s in opt.dense_matrices + opt.expert_matrices]
-    for s, m in owned:
-        if s.expert is None or gather:
-            state[s.param] = {"momentum_buffer": m.clone() if s.expert is None else full[s.param]}
-        else:
-            entry = state.setdefault(s.param, {"experts": [], "momentum_buffer":
-                                               torch.zeros_like(opt.params[s.param])})  # fmt: skip
-            entry["momentum_buffer"][s.expert] = m
-            entry["experts"].append(s.expert)
-    groups, start = [], 0
-    for g in opt.param_groups:
-        groups.append({**g, "params": list(range(start, start + len(g["params"])))})
-        start += len(g["params"])
-    rounding = dict(world_size=opt.world_size, zero_width=opt.zero_width, steps=opt.steps,
-                    generators=generators)  # fmt: skip
-    return {"state": state, "param_groups": groups, "rounding": rounding}
-
-
-def _as_group_value(key, value):
-    """Undo what a text round trip does to a hyperparameter (lists for tuples, dtype names)."""
-    if key == "ns_dtype" and isinstance(value, str):
-        return getattr(torch, value.replace("torch.", ""))
-    if key in ("betas", "ns_coefficients") and isinstance(value, list):
-        return tuple(tuple(v) if isinstance(v, list) else v for v in value)
-    return value
-
-
-def load_checkpoint(opt, state_dict):
-    """Load a gathered state_dict (any world size and zero width) or this rank's own share. Keys
-    may be ints or their strings; momentum this rank needs but the dict lacks raises. The rounding
-    generator is restored where the dict holds this rank's, saved at the same world size and zero
-    width; elsewhere (resharding) it is reseeded from (seed, rank, steps taken)."""
-    saved = state_dict["param_groups"]
-    if [len(g["params"]) for g in saved] != [len(g["params"]) for g in opt.param_groups]:
-        raise ValueError("state_dict has a different number of param groups or parameters")
-    try:
-        state = {int(key): value for key, value in state_dict["state"].items()}
-    except (TypeError, ValueError):
-        raise ValueError(f"state_dict keys must be parameter indices: {list(state_dict['state'])}")
-    settings = [{key: _as_group_value(key, v) for key, v in s.items() if key != "params"}
-                for s in saved]  # fmt: skip
-    for k, (g, s) in enumerate(zip(opt.param_groups, settings)):
-        if g["role"] != s["role"]:
-            raise ValueError(
-                f"state_dict param group {k} role {s['role']!r} does not match {g['role']!r}"
-            )
-        check_group(k, {**g, **s})
-    mine = [s for shards in opt.shards for run in shards.runs for s in run.slots]
-    has_momentum = any("momentum_buffer" in s for s in state.values())
-    missing = [f"parameter {s.param}" + ("" if s.expert is None else f" expert {s.expert}")
-               for s in mine if "momentum_buffer" not in state.get(s.param, {})
-               or s.expert not in state[s.param].get("experts", [s.expert])]  # fmt: skip
-    if has_momentum and missing:
-        raise ValueError(f"state_dict holds no momentum for {len(missing)} matrices this rank "
-                         f"owns ({', '.join(missing[:4])}): a state_dict() holds one rank's share; "
-                         f"save gather_state_dict() to resume at another world size or zero "
-                         f"width")  # fmt: skip
-    for g, s in zip(opt.param_groups, settings):
-        g.update(s)
-    opt.state.clear()
-    for i, p in enumerate(opt.params):
-        if "exp_avg" in state.get(i, {}):
-            opt.state[p] = {k: v if k == "step" else torch.as_tensor(v).to(p).clone()
-                            for k, v in state[i].items()}  # fmt: skip
-    buffers = {i: torch.as_tensor(s["momentum_buffer"]).float() for i, s in state.items()
-               if "momentum_buffer" in s}  # fmt: skip
-    opt._momentum = (
-        [
-            [torch.stack([s.of(buffers) for s in run.slots]).to(opt.device) for run in shards.runs]
-            for shards in opt.shards
-        ]
-        if has_momentum
-        else None
-    )
-    rounding = state_dict.get("rounding", {})
-    opt.steps, generators = rounding.get("steps", 0), rounding.get("generators", {})
-    where = (rounding.get("world_size"), rounding.get("zero_width"))
-    if where == (opt.world_size, opt.zero_width) and opt.rank in generators:
-        opt._sr_generator.set_state(torch.as_tensor(generators[opt.rank]).cpu().clone())
-    else:
-        opt._sr_generator.manual_seed(rounding_seed(opt.seed, opt.rank, opt.steps))
-
-
-# -- the demo: a small MoE transformer trained on every rank's slice of the batch -----------------
-
-
-class TinyMoE(nn.Module):
-    """Embedding -> [attention + top-2 MoE of SwiGLU experts] x layers -> head. Dense matrices of
-    several shapes (square, wide, tall) plus 3-D expert stacks [E, n, m]."""
-
-    def __init__(self, vocab=64, dim=48, heads=4, kv_dim=16, layers=2, experts=6, ffn=32, top_k=2):
-        super().__init__()
-        self.heads, self.kv_dim, self.top_k = heads, kv_dim, top_k
-        self.embed = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList()
-        for _ in range(layers):
-            L = nn.Module()
-            L.attn_norm, L.ffn_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
-            L.wq = nn.Parameter(torch.randn(heads * kv_dim, dim) / dim**0.5)  # tall [64, 48]
-            L.wkv = nn.Parameter(torch.randn(2 * kv_dim, dim) / dim**0.5)  # wide [32, 48]
-            L.wo = nn.Parameter(torch.randn(dim, heads * kv_dim) / dim**0.5)  # wide [48, 64]
-            L.router = nn.Parameter(torch.randn(experts, dim) / dim**0.5)
-            L.w_gate = nn.Parameter(torch.randn(experts, ffn, dim) / dim**0.5)
-            L.w_up = nn.Parameter(torch.randn(experts, ffn, dim) / dim**0.5)
-            L.w_down = nn.Parameter(torch.randn(experts, dim, ffn) / ffn**0.5)
-            self.layers.append(L)
-        self.norm = nn.RMSNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, tokens):
-        x = self.embed(tokens)
-        B, T, D = x.shape
-        for L in self.layers:
-            h = L.attn_norm(x)
-            q = (h @ L.wq.T).view(B, T, self.heads, self.kv_dim).transpose(1, 2)  # [B, H, T, kv]
-            k, v = (h @ L.wkv.T).split(self.kv_dim, dim=-1)  # one shared KV head
-            k = k.unsqueeze(1).expand(-1, self.heads, -1, -1)
-            v = v.unsqueeze(1).expand(-1, self.heads, -1, -1)
-            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + att.transpose(1, 2).reshape(B, T, -1) @ L.wo.T
-            h = L.ffn_norm(x)
-            weights, chosen = (h @ L.router.T).softmax(-1).topk(self.top_k, dim=-1)
-            gates = torch.zeros(B, T, L.router.size(0), device=x.device).scatter(
-                -1, chosen, weights
-            )
-            up = torch.einsum("btd,efd->btef", h, L.w_up)
-            hidden = F.silu(torch.einsum("btd,efd->btef", h, L.w_gate)) * up
-            x = x + torch.einsum("btef,edf,bte->btd", hidden, L.w_down, gates)
-        return self.head(self.norm(x))
-
-
-def demo_batch(batch, seq, vocab, generator):
-    """Sequences t_{i+1} = (5 t_i + 3) mod vocab from a random start: learnable next-token data.
-    In O(seq): t_i = (a_i t_0 + b_i) mod vocab, the maps (a_i, b_i) built by doubling."""
-    start = torch.randint(0, vocab, (batch, 1), generator=generator, device="cpu")
-    a, b = torch.ones(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
-    while a.numel() < seq + 1:  # map n + i is map i after map n
-        a_n, b_n = a[-1] * 5 % vocab, (b[-1] * 5 + 3) % vocab
-        a, b = torch.cat([a, a * a_n % vocab]), torch.cat([b, (a * b_n + b) % vocab])
-    tokens = (start * a[: seq + 1] + b[: seq + 1]) % vocab  # [batch, seq + 1]
-    return tokens[:, :-1], tokens[:, 1:]
+# ==== appendix, the demo: TinyMoE (models/tiny_moe.py) trained on every rank's slice of the batch
 
 
 def format_plan(plan):
     """One line per rank: matrices, elements and padding (matrix entries), NS cost, NS calls."""
-    head = ("rank", "replica", "pos", "dense mats", "expert mats", "elements owned",
-            "dense pad elems", "expert pad elems", "NS MACs/iter", "NS calls")  # fmt: skip
-    widths = [max(len(h), 6) for h in head]
-    lines = [" ".join(h.rjust(w) for h, w in zip(head, widths))]
+    rows = [("rank", "replica", "pos", "dense mats", "expert mats", "elements owned",
+             "dense pad elems", "expert pad elems", "NS MACs/iter", "NS calls")]  # fmt: skip
     for r in range(plan.world_size):
         dense, experts = plan.owned(r)
         shapes = [plan.dense_shapes[i] for i in dense] + [plan.expert_shapes[i] for i in experts]
         d, e = sum(map(math.prod, shapes[: len(dense)])), sum(map(math.prod, shapes[len(dense) :]))
-        cells = [r, r // plan.zero_width, plan.position(r), len(dense), len(experts),
-                 f"{d + e:,}", f"{plan.dense_bucket_numel - d:,}",
-                 f"{plan.expert_chunk_numel - e:,}",
-                 f"{sum(map(ns_cost, shapes)):.3g}",
-                 sum(1 for i, s in enumerate(shapes) if i == 0 or s != shapes[i - 1])]  # fmt: skip
-        lines.append(" ".join(str(c).rjust(w) for c, w in zip(cells, widths)))
-    return "\n".join(lines)
+        rows.append((r, r // plan.zero_width, r % plan.zero_width, len(dense), len(experts),
+                     f"{d + e:,}", f"{plan.dense_bucket_numel - d:,}",
+                     f"{plan.expert_chunk_numel - e:,}", f"{sum(map(ns_cost, shapes)):.3g}",
+                     len([k for k, _ in groupby(shapes)])))  # fmt: skip
+    widths = [max(len(h), 6) for h in rows[0]]
+    return "\n".join(" ".join(str(c).rjust(w) for c, w in zip(row, widths)) for row in rows)
 
 
 MAX_DEMO_SEQ = 4096  # the demo's attention costs seq² per sequence and step
 
 
 def parse_args(argv=None):
-    """The demo's options, every one checked before any work (one-line usage errors)."""
-    parser = argparse.ArgumentParser(description="Train a small MoE model with MuonZeRO (V4 "
-        "§3.4.1) on every rank; print the ownership plan, the loss, optimizer-state bytes per "
-        "rank and a replica check.")  # fmt: skip
-    add, count = parser.add_argument, launch.at_least(1)
+    """The demo's options, each checked before any work (a one-line usage error)."""
+    world, count = int(os.environ.get("WORLD_SIZE", "1")), launch.at_least(1)
+    parser = launch.add_launch_options(argparse.ArgumentParser(
+        description="Train a small MoE with MuonZeRO on every rank (V4 §3.4.1)."))  # fmt: skip
+    add = parser.add_argument
     add("--steps", type=count, default=40, help="optimizer steps (default: %(default)s)")
-    add("--batch", type=count, help="global batch in sequences, split evenly over the ranks "
-        "(default: 24, or the next multiple of the rank count)")  # fmt: skip
+    add("--batch", type=count, default=-(-24 // world) * world, help="global batch in sequences "
+        "(default: 24, rounded up to a multiple of the ranks)")  # fmt: skip
     add("--seq", type=count, default=16, help=f"tokens per sequence, at most {MAX_DEMO_SEQ} "
         "(default: %(default)s)")  # fmt: skip
-    add("--zero-width", type=count, help="ranks that share the dense matrices; must divide N "
-        "(default: N/2 for even N > 2, else N)")  # fmt: skip
+    add("--zero-width", type=count, default=world // 2 if world % 2 == 0 and world > 2 else world,
+        help="ranks sharing the dense matrices (default: N/2 for even N > 2, else N)")  # fmt: skip
     add("--grad-sync", choices=("bf16_sr", "fp32"), default="bf16_sr", help="gradient exchange: "
         "V4's bf16 stochastic rounding, or exact fp32 (default: %(default)s)")  # fmt: skip
-    add("--lr", type=launch.positive, default=0.02, help="Muon learning rate; AdamW tensors use "
-        "3e-3 (default: %(default)s)")  # fmt: skip
+    add("--lr", type=launch.positive, default=0.02, help="Muon's learning rate; AdamW's is 3e-3 "
+        "(default: %(default)s)")  # fmt: skip
     add("--max-grad-norm", type=launch.positive, help="clip the averaged gradient to this norm "
         "(default: no clipping)")  # fmt: skip
-    launch.add_launch_options(parser)
     args = launch.check_launch_options(parser, parser.parse_args(argv))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.seq > MAX_DEMO_SEQ:
-        parser.error(f"--seq {args.seq}: the demo's attention costs seq² per step; pass at most "
-                     f"{MAX_DEMO_SEQ}")  # fmt: skip
-    if args.batch is None:
-        args.batch = -(-24 // world) * world  # 24 rounded up to a multiple of N: no sample dropped
-    elif args.batch % world:
-        parser.error(f"--batch {args.batch} does not split evenly over {world} ranks (it would "
-                     f"drop samples); pass a multiple of {world}, e.g. "
-                     f"{-(-args.batch // world) * world}")  # fmt: skip
-    if args.zero_width is None:  # half the ranks for even N > 2, so replica groups show
-        args.zero_width = world // 2 if world % 2 == 0 and world > 2 else world
-    elif world % args.zero_width:
-        parser.error(f"--zero-width {args.zero_width} must divide the {world} ranks: one of "
-                     f"{[d for d in range(1, world + 1) if world % d == 0]}")  # fmt: skip
+    for bad, why in ((args.seq > MAX_DEMO_SEQ, f"--seq {args.seq}: pass at most {MAX_DEMO_SEQ}"),
+                     (args.batch % world, f"--batch {args.batch} does not split evenly over "
+                      f"{world} ranks; pass a multiple of {world}"),
+                     (world % args.zero_width, f"--zero-width {args.zero_width} must divide the "
+                      f"{world} ranks")):  # fmt: skip
+        if bad:
+            parser.error(why)
     return args
 
 
 def train(args, rank, world, device):
-    start = time.perf_counter()
+    start, per_rank = time.perf_counter(), args.batch // world
     model = TinyMoE().to(device)  # launch.setup seeded every rank alike: the same initial model
-    opt = MuonZeRO(muon_param_groups(model), lr=args.lr, zero_width=args.zero_width,
-                   grad_sync=args.grad_sync, max_grad_norm=args.max_grad_norm)  # fmt: skip
-    for g in opt.param_groups:
-        g["lr"] = 3e-3 if g["role"] == "adamw" else g["lr"]
-    launch.say(f"MuonZeRO on {world} rank(s), zero width {opt.zero_width} -> "
-               f"{world // opt.zero_width} replica group(s); {len(opt.dense_matrices)} dense "
-               f"matrices, {len(opt.expert_matrices)} expert matrices; the plan (counts in "
-               f"matrix elements):\n{format_plan(opt.plan)}")  # fmt: skip
-    data, per_rank = torch.Generator(device="cpu").manual_seed(1), args.batch // world
-    launch.say(f"global batch {args.batch} sequences = {per_rank} per rank x {world}, "
-               f"{args.seq} tokens")  # fmt: skip
+    groups = [{**g, "lr": 3e-3} if g["role"] == "adamw" else g for g in muon_param_groups(model)]
+    opt = MuonZeRO(groups, lr=args.lr, zero_width=args.zero_width, grad_sync=args.grad_sync,
+                   max_grad_norm=args.max_grad_norm)  # fmt: skip
+    Z = opt.zero_width
+    launch.say(f"{world} rank(s) = {world // Z} replica(s) x zero width {Z}; the plan (elements):")
+    launch.say(format_plan(opt.plan))
+    data = torch.Generator().manual_seed(1)
     for step in range(1, args.steps + 1):
-        x, y = demo_batch(args.batch, args.seq, 64, data)
-        mine = slice(rank * per_rank, (rank + 1) * per_rank)
-        loss = F.cross_entropy(
-            model(x[mine].to(device)).flatten(0, 1), y[mine].to(device).flatten()
-        )
+        x, y = (t[rank * per_rank : (rank + 1) * per_rank].to(device)
+                for t in demo_batch(args.batch, args.seq, 64, data))  # fmt: skip
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         opt.zero_grad()
         loss.backward()
         opt.step()
-        dist.all_reduce(mean_loss := loss.detach().clone())
+        dist.all_reduce(mean_loss := loss.detach() / world)
         if step % 5 == 1 or step == args.steps:
-            launch.say(f"step {step:3d}  loss {mean_loss.item() / world:.4f}  "
+            launch.say(f"step {step:3d}  loss {mean_loss.item():.4f}  "
                        f"({time.perf_counter() - start:.1f} s)")  # fmt: skip
-    muon, adam = [sum(p.numel() for g in opt.param_groups if (g["role"] == "adamw") == a
-                      for p in g["params"]) for a in (False, True)]  # fmt: skip
+    n_adamw = sum(p.numel() for g in opt.param_groups if g["role"] == "adamw" for p in g["params"])
+    muon, adam = 4 * (sum(p.numel() for p in opt.params) - n_adamw), 8 * n_adamw  # fp32 buffers
     held = all_gather_chunks(torch.tensor([float(opt.state_bytes())], device=device), None, world)
-    launch.say(f"optimizer state held per rank (bytes): {[int(b) for b in held.flatten()]}  vs "
-               f"unsharded {4 * muon + 8 * adam:,} (Muon momentum {4 * muon:,} + AdamW moments "
-               f"{8 * adam:,})")  # fmt: skip
+    launch.say(f"optimizer state held per rank (bytes): {held.long().flatten().tolist()}  vs "
+               f"unsharded {muon + adam:,} (Muon momentum {muon:,} + AdamW moments "
+               f"{adam:,})")  # fmt: skip
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
     same = all(torch.equal(flat, other) for other in all_gather_chunks(flat, None, world))
     launch.say(f"parameters bitwise identical on all {world} ranks: {same}")

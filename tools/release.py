@@ -437,9 +437,18 @@ def answer_tokens(root=ROOT):
             if digits.isdigit() and len(digits) >= 5:
                 for form in {answer, digits, f"{int(digits):,}"}:
                     tokens[form] = where
-            elif len(answer) >= 8:
+            elif len(_literal_text(answer)) >= 8:  # "module" is a common word, quotes or not
                 tokens[answer] = where
     return tokens
+
+
+def _literal_text(answer):
+    """A string answer's text without its quotes (other answers as written)."""
+    try:
+        value = ast.literal_eval(answer)
+    except (ValueError, SyntaxError):
+        return answer
+    return value if isinstance(value, str) else answer
 
 
 def private_files(root=ROOT):
