@@ -40,11 +40,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils import flop_counter
 
+import interop.fx_models as fx_models  # forwards FX cannot take as they are, their refusals
 import launch
 
+
 # ---- 1. Mark a tensor, trace the forward, run it once on examples -------------------------------
-
-
 def forget(x):
     """Mark ``x`` to be freed after forward and recomputed in backward. Identity when run eagerly.
 
@@ -85,17 +85,13 @@ def trace(module, leaf_modules=(), trace_into=(), concrete_args=None, n_inputs=N
     code = forward.__code__
     if concrete_args or code.co_flags & (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS) or hasattr(
             forward, "__wrapped__") or n_inputs not in (None, code.co_argcount - 1):  # fmt: skip
-        from interop.fx_models import fixed_forward  # only models nobody here wrote need it
-
-        root = fixed_forward(module, concrete_args, n_inputs)
+        root = fx_models.fixed_forward(module, concrete_args, n_inputs)
     fastpath = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)  # attention's inference path branches on shapes
     try:
         graph = Tracer(leaf_modules, trace_into).trace(root)
     except Exception as err:  # TraceError, or what a Proxy raises in len(), bool()...
-        from interop.fx_models import untraceable
-
-        raise untraceable(module, err) from err
+        raise fx_models.untraceable(module, err) from err
     finally:
         torch.backends.mha.set_fastpath_enabled(fastpath)
     return fx.GraphModule(module, graph, class_name=type(module).__name__ + "Traced")
@@ -120,10 +116,8 @@ def layout_of(t):  # where a tensor sits in its storage
     return (t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
 
 
-def _tensors_in(value):
-    found = []
-    fx.node.map_aggregate(value, lambda v: found.append(v) if isinstance(v, torch.Tensor) else None)
-    return found
+def _tensors_in(value):  # the tensors in a (nested) tuple, list or dict
+    return [v for v in torch.utils._pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
 
 
 def count_flops():
@@ -152,11 +146,9 @@ _RANDOM = {"bernoulli", "bernoulli_", "rand", "randn", "randint", "rand_like", "
 def can_draw(root, node):
     """Whether ``node`` may draw random numbers, read from the graph: a dropout traced at p = 0
     draws nothing in the example run, yet must replay its mask once p is raised."""
-    if node.op == "call_module":
-        module = functools.reduce(getattr, node.target.split("."), root)
-        return any(
-            isinstance(m, (nn.modules.dropout._DropoutNd, nn.RReLU)) for m in module.modules()
-        )
+    if node.op == "call_module":  # a dropout or RReLU anywhere inside the module
+        modules = functools.reduce(getattr, node.target.split("."), root).modules()
+        return any(isinstance(m, (nn.modules.dropout._DropoutNd, nn.RReLU)) for m in modules)
     if node.target is F.scaled_dot_product_attention:
         return node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0) != 0.0
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
@@ -187,10 +179,7 @@ def profile(gm, example_inputs):
     device, saved = rng_snapshot(example_inputs)[2], []
     infos, env = {nodes[-1]: NodeInfo()}, dict(zip(placeholders, example_inputs))
 
-    def pack(t):  # only to learn which storages autograd saves
-        saved.append(t.detach())
-        return t.detach()
-
+    pack = lambda t: saved.append(t.detach()) or saved[-1]  # noqa: E731 (learns what is saved)
     fork = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
     with fork, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         for n in nodes[:-1]:  # the last node is the output
@@ -216,8 +205,6 @@ def profile(gm, example_inputs):
 
 
 # ---- 2. The plan: one minimal recompute subgraph per forgotten storage --------------------------
-
-
 def storage_units(nodes, infos):
     """Group tensor nodes by the storage they live in: {key: [nodes in execution order]}.
 
@@ -270,9 +257,7 @@ class ForgottenUnit:
     op_flops: list = field(default_factory=list)  # [(node name, FLOPs)] per recomputed op
     random_nodes: list = field(default_factory=list)  # ops whose generator state is replayed
 
-    @property
-    def bytes_freed(self):
-        return self.nbytes if self.saved else 0
+    bytes_freed = property(lambda self: self.nbytes if self.saved else 0)
 
 
 @dataclass(eq=False)
@@ -294,13 +279,8 @@ class Plan:
             self.drop_after[n] = [m for m in n.all_input_nodes if m not in seen]
             seen.update(self.drop_after[n])
 
-    @property
-    def bytes_freed(self):
-        return sum(u.bytes_freed for u in self.units) - self.rng_bytes
-
-    @property
-    def recompute_flops(self):
-        return sum(u.flops for u in self.units)
+    bytes_freed = property(lambda self: sum(u.bytes_freed for u in self.units) - self.rng_bytes)
+    recompute_flops = property(lambda self: sum(u.flops for u in self.units))
 
     def __str__(self):  # the table is reporting: it lives with the meters
         from benchmarks.ckpt_meters import format_plan
@@ -318,9 +298,7 @@ def make_plan(gm, infos, saved_keys, names=None):
               if names is None else [by_name.get(name, name) for name in names])  # fmt: skip
     forgotten = check_marks(marked, nodes, infos, by_storage)  # storage key -> first marked name
     params = {k for k, ms in by_storage.items() if any(m.op == "get_attr" for m in ms)}
-    kept_keys = (
-        saved_keys | params | {k for k, ms in by_storage.items() if ms[0].op == "placeholder"}
-    )
+    kept_keys = saved_keys | params | {k for k, m in by_storage.items() if m[0].op == "placeholder"}
 
     def is_kept(n):  # inputs, parameters, what autograd saves; Python values cost nothing to stash
         if n.op in ("placeholder", "get_attr") or not infos[n].is_tensor:
@@ -352,8 +330,6 @@ def make_plan(gm, infos, saved_keys, names=None):
 
 
 # ---- 3. The runtime: one forward that frees as it goes, two saved-tensor hooks ------------------
-
-
 def run_forgetting(plan, inputs, owner):
     """One forward with the plan's storages forgotten: the runtime, end to end. Each value dies
     after its last use, as in FX's generated code, so autograd holds only handles to forgotten
@@ -436,11 +412,10 @@ class Packed:
 
     def kept(self):  # after autograd's own check that nothing changed it in place
         if (t := self.tensor)._version != self.version:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an "
-                f"inplace operation: shape {tuple(t.shape)}, version {t._version}, expected "
-                f"{self.version} (autograd's check, kept)"
-            )
+            raise RuntimeError("one of the variables needed for gradient computation has been "
+                               f"modified by an inplace operation: shape {tuple(t.shape)}, "
+                               f"version {t._version}, expected {self.version} (autograd's "
+                               "check, kept)")  # fmt: skip
         return t
 
 
@@ -505,13 +480,11 @@ class LiveStorage:
     value: torch.Tensor = None  # the recomputed root, alive while a gradient still needs it
 
     def check_inputs(self):
-        for n, v in self.inputs.items():
-            if isinstance(v, torch.Tensor) and v._version != self.versions[n]:
-                raise RuntimeError(
-                    f"tensor_ckpt: '{n.name}', read to recompute forgotten '{self.unit.name}', "
-                    "was modified in place after forward; its gradient would be wrong. Do not "
-                    "modify it before backward."
-                )
+        if changed := [n for n, v in self.versions.items() if self.inputs[n]._version != v]:
+            raise RuntimeError(f"tensor_ckpt: '{changed[0].name}', read to recompute forgotten "
+                               f"'{self.unit.name}', was modified in place after forward; its "
+                               "gradient would be wrong. Do not modify it before "
+                               "backward.")  # fmt: skip
 
     def check_layout(self, v):  # a recompute that ran otherwise than the forward did
         if (layout := (*layout_of(v), v.untyped_storage().nbytes())) != self.layout:
@@ -553,8 +526,6 @@ class LiveStorage:
 
 
 # ---- 4. The module: one plan per train/eval mode, and data-parallel replicas --------------------
-
-
 def python_state(module):
     """What a trace may have frozen into the graph: the plain attributes of every submodule
     (``training``, a dropout's ``p``) and of the objects they hold (a config); autocast's state."""
@@ -570,8 +541,9 @@ def python_state(module):
             if id(obj) not in seen:
                 seen.add(id(obj))
                 state += [(name, k, repr(v)) for k, v in vars(obj).items() if is_plain(v)]
-    autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu",
-                "cuda")]  # fmt: skip
+    autocast = (
+        (d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
+    )
     return tuple(state), tuple(autocast)
 
 
@@ -592,9 +564,8 @@ class TensorCheckpoint(nn.Module):
             try:
                 infos, saved_keys = profile(gm, tuple(inputs))
             finally:  # the example run must not move BatchNorm's statistics
-                with torch.no_grad():
-                    for b, copy in buffers:
-                        b.copy_(copy)
+                for b, copy in buffers:
+                    b.detach().copy_(copy)
             self.plans[state] = make_plan(gm, infos, saved_keys, self.names)
         self.plan = self.plans[state]
         return self.plan
@@ -606,9 +577,8 @@ class TensorCheckpoint(nn.Module):
             return self.module(*args, **kwargs)
         inputs = args
         if kwargs or self.concrete_args:  # split the call as the trace did
-            from interop.fx_models import bound_inputs
-
-            inputs = bound_inputs(self.module, self.concrete_args, self.n_inputs, args, kwargs)
+            inputs = fx_models.bound_inputs(self.module, self.concrete_args, self.n_inputs, args,
+                                            kwargs)  # fmt: skip
         if not self.plan_for(inputs).units:
             return self.module(*args, **kwargs)
         check_arity(self.plan.placeholders, inputs)
@@ -624,11 +594,9 @@ def checkpoint_tensors(
     value} fixes other arguments for every call. ``.plan`` says what happens."""
     concrete_args = dict(concrete_args or {})
     if any(not isinstance(v, torch.Tensor) for v in example_inputs):
-        from interop.fx_models import refuse_examples
-
-        refuse_examples(module, concrete_args, example_inputs)
-    n = len(example_inputs)
-    ckpt = TensorCheckpoint(module, n, names, leaf_modules, trace_into, concrete_args)
+        fx_models.refuse_examples(module, concrete_args, example_inputs)
+    ckpt = TensorCheckpoint(module, len(example_inputs), names, leaf_modules, trace_into,
+                            concrete_args)  # fmt: skip
     ckpt.plan_for(tuple(example_inputs))
     return ckpt
 
@@ -657,8 +625,6 @@ def checkpoint_data_parallel(module, example_inputs, settings, group=None, **kwa
 
 
 # ---- 5. Demo: a transformer block stack with V4-style marks, trained data-parallel --------------
-
-
 class Block(nn.Module):
     """Pre-norm transformer layer, marked V4-style: forget what is large and cheap, keep matmuls."""
 
@@ -675,8 +641,7 @@ class Block(nn.Module):
         qkv = self.qkv(h).view(B, T, 3, self.n_heads, C // self.n_heads)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # (B, nh, T, hs) each
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        # Not forgotten: this reshape is a view of the attention output (the kernels lay it out
-        # so), and a view shares its base's storage: forgetting it would recompute attention.
+        # not forgotten: a view of attention's output (shared storage), so it would redo attention
         y = y.transpose(1, 2).reshape(B, T, C)
         x = x + self.proj(y)
         h = forget(self.norm2(x))
@@ -685,20 +650,17 @@ class Block(nn.Module):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0] + " The plan, gradients against the plain model, "
-        "data-parallel training of a small LM. Measured: benchmarks/bench_tensor_ckpt.py.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    parser = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=__doc__.splitlines()[0] + " The plan, gradients against the plain model, data-"
+        "parallel training of a small LM. Measured: benchmarks/bench_tensor_ckpt.py")  # fmt: skip
     one = launch.at_least(1)
-    parser.add_argument("--steps", type=one, default=30, help="training steps")
-    parser.add_argument("--batch", type=one, default=8, help="sequences per rank and step")
-    parser.add_argument("--seq", type=one, default=64, help="tokens per sequence")
-    parser.add_argument("--dim", type=one, default=128, help="model width, a multiple of --heads")
-    parser.add_argument("--heads", type=one, default=4, help="attention heads")
-    parser.add_argument("--layers", type=one, default=4, help="transformer layers")
-    parser.add_argument("--vocab", type=launch.at_least(2), default=64, help="vocabulary size")
-    parser.add_argument("--lr", type=launch.positive, default=3e-3, help="AdamW learning rate")
+    for name, kind, default, what in (
+        ("steps", one, 30, "training steps"), ("batch", one, 8, "sequences per rank and step"),
+        ("seq", one, 64, "tokens per sequence"), ("heads", one, 4, "attention heads"),
+        ("dim", one, 128, "model width, a multiple of --heads"),
+        ("layers", one, 4, "transformer layers"), ("vocab", launch.at_least(2), 64, "vocabulary"),
+        ("lr", launch.positive, 3e-3, "AdamW learning rate")):  # fmt: skip
+        parser.add_argument(f"--{name}", type=kind, default=default, help=what)
     launch.add_launch_options(parser)
     args = parser.parse_args(argv)
     if args.dim % args.heads:
@@ -707,40 +669,36 @@ def parse_args(argv=None):
 
 
 def demo(args, rank, world, device):
-    layers = OrderedDict(embed=nn.Embedding(args.vocab, args.dim))
-    layers["blocks"] = nn.Sequential(*[Block(args.dim, args.heads) for _ in range(args.layers)])
-    layers.update(norm=nn.LayerNorm(args.dim), head=nn.Linear(args.dim, args.vocab))
-    model, gen = nn.Sequential(layers).to(device), torch.Generator().manual_seed(1 + rank)
+    blocks = nn.Sequential(*[Block(args.dim, args.heads) for _ in range(args.layers)])
+    model = nn.Sequential(OrderedDict(embed=nn.Embedding(args.vocab, args.dim), blocks=blocks,
+        norm=nn.LayerNorm(args.dim), head=nn.Linear(args.dim, args.vocab))).to(device)  # fmt: skip
+    agreed = {k: vars(args)[k] for k in "steps batch seq dim heads layers vocab lr".split()}
+    gen = torch.Generator().manual_seed(1 + rank)
 
-    def batch():  # a shard per rank, following a fixed rule so the loss can fall
+    def loss_of(fn):  # a shard per rank, following a fixed rule so the loss can fall
         first = torch.randint(0, args.vocab, (args.batch, 1), generator=gen)
-        return ((first + 7 * torch.arange(args.seq + 1)) % args.vocab).to(device)
-
-    def loss_of(fn, tokens):
+        tokens = ((first + 7 * torch.arange(args.seq + 1)) % args.vocab).to(device)
         return F.cross_entropy(fn(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
 
-    tokens, agreed = batch(), ("steps", "batch", "seq", "dim", "heads", "layers", "vocab", "lr")
-    train = checkpoint_data_parallel(
-        model, (tokens[:, :-1],), {k: getattr(args, k) for k in agreed}
-    )
+    example = (torch.zeros(args.batch, args.seq, dtype=torch.long, device=device),)
+    train = checkpoint_data_parallel(model, example, agreed)
     ckpt = train.module if world > 1 else train  # the guard agreed, then DDP wrapped it
-    launch.say(f"[plan] traced on each rank's first batch; all ranks agree on it\n{ckpt.plan}")
+    launch.say(f"[plan] all ranks agree on it\n{ckpt.plan}")
     math = torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH)
     grads = []  # one batch through both; CUDA's fused attention backward is not deterministic
     with math if device.type == "cuda" else contextlib.nullcontext():
         for fn in (model, ckpt):
+            gen.manual_seed(1 + rank)
             model.zero_grad(set_to_none=True)
-            loss_of(fn, tokens).backward()
+            loss_of(fn).backward()
             grads.append([p.grad.clone() for p in model.parameters()])
     launch.say("[exactness] gradients bitwise equal to the plain model: "
                f"{all(torch.equal(a, b) for a, b in zip(*grads))}\n[memory] activation bytes saved "
-               f"per forward (plan): {ckpt.plan.bytes_freed / 2**20:.2f} MiB; measured bytes and "
-               "recompute work: benchmarks/bench_tensor_ckpt.py")  # fmt: skip
+               f"per forward: {ckpt.plan.bytes_freed / 2**20:.2f} MiB")  # fmt: skip
     opt, start = torch.optim.AdamW(model.parameters(), lr=args.lr), time.perf_counter()
     for step in range(args.steps):
-        loss = loss_of(train, batch())
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss := loss_of(train)).backward()
         opt.step()
         if step % 10 == 0 or step == args.steps - 1:
             launch.say(f"[train] step {step:3d}  loss on rank 0's batch {loss.item():.4f}")
@@ -755,8 +713,6 @@ def main(argv=None):
 
 
 # ---- appendix: the refusals, each naming the tensor and the fix ---------------------------------
-
-
 def check_arity(placeholders, inputs, tracing=False):
     """One value per traced argument; and an example input with no storage cannot be planned."""
     if len(inputs) != len(wanted := [n.name for n in placeholders]):
@@ -769,13 +725,10 @@ def check_arity(placeholders, inputs, tracing=False):
 
 
 def check_marks(marked, nodes, infos, by_storage):
-    """{storage key: first marked name} of the marked nodes, refusing what cannot be forgotten:
-    an unknown name, a non-tensor, an empty tensor, an input/parameter alias, a module output, a
-    tensor changed in place."""
+    """{storage key: first marked name}; refused: an unknown name, a non-tensor, an empty tensor,
+    an input/parameter alias, a module output, a tensor changed in place."""
     if unknown := [m for m in marked if isinstance(m, str)]:
-        from interop.fx_models import refuse_names  # names= is for models nobody here wrote
-
-        refuse_names(unknown, nodes, [n.name for n in nodes if infos[n].is_tensor])
+        fx_models.refuse_names(unknown, nodes, [n.name for n in nodes if infos[n].is_tensor])
     forgotten = {}
     output_keys = {infos[a].key for a in nodes[-1].all_input_nodes if infos[a].is_tensor}
     for m in marked:
@@ -831,12 +784,9 @@ def check_recomputable(name, sub, frontier, deps, nodes, infos):
                       "tensor computed after it, or keep it.", stacklevel=4)  # fmt: skip
 
 
-def flops_text(flops):
-    """FLOPs with a unit that keeps small counts visible (3.1 kFLOP, not 0.0 MFLOP)."""
-    for unit, scale in (("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
-        if flops >= scale:
-            return f"{flops / scale:.1f} {unit}"
-    return f"{flops:.0f} FLOP"
+def flops_text(flops):  # a unit that keeps small counts visible (3.1 kFLOP, not 0.0 MFLOP)
+    scale, unit = next(p for p in ((1e9, "G"), (1e6, "M"), (1e3, "k"), (0, "")) if flops >= p[0])
+    return f"{flops / scale:.1f} {unit}FLOP" if scale else f"{flops:.0f} FLOP"
 
 
 if __name__ == "__main__":
