@@ -28,7 +28,6 @@ import contextlib
 import functools
 import inspect
 import time
-import warnings
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -42,6 +41,7 @@ from torch.utils import flop_counter
 
 import interop.fx_models as fx_models  # forwards FX cannot take as they are, their refusals
 import launch
+from guards.tensor_ckpt_guard import check_arity, check_marks, check_recomputable  # the refusals
 
 
 # ---- 1. Mark a tensor, trace the forward, run it once on examples -------------------------------
@@ -334,7 +334,7 @@ def run_forgetting(plan, inputs, owner):
     """One forward with the plan's storages forgotten: the runtime, end to end. Each value dies
     after its last use, as in FX's generated code, so autograd holds only handles to forgotten
     storages; then each LiveStorage gets what its recompute reads."""
-    autocast = python_state(torch.nn.Module())[1]  # the recompute re-enters it
+    autocast = fx_models.python_state(torch.nn.Module())[1]  # the recompute re-enters it
     call = ForwardCall({u.root: LiveStorage(u, owner, autocast) for u in plan.units})
     env = dict(zip(plan.placeholders, inputs))
     with torch.autograd.graph.saved_tensors_hooks(functools.partial(pack_hook, call), unpack_hook):
@@ -526,30 +526,10 @@ class LiveStorage:
 
 
 # ---- 4. The module: one plan per train/eval mode, and data-parallel replicas --------------------
-def python_state(module):
-    """What a trace may have frozen into the graph: the plain attributes of every submodule
-    (``training``, a dropout's ``p``) and of the objects they hold (a config); autocast's state."""
-    plain = (bool, int, float, str, type(None), torch.dtype, torch.device)
-
-    def is_plain(v):
-        return isinstance(v, plain) or (isinstance(v, (tuple, list)) and all(map(is_plain, v)))
-
-    state, seen = [], set()
-    for name, m in module.named_modules():
-        held = [v for v in vars(m).values() if hasattr(v, "__dict__") and not callable(v)]
-        for obj in [m, *(v for v in held if not isinstance(v, (nn.Module, torch.Tensor)))]:
-            if id(obj) not in seen:
-                seen.add(id(obj))
-                state += [(name, k, repr(v)) for k, v in vars(obj).items() if is_plain(v)]
-    autocast = (
-        (d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
-    )
-    return tuple(state), tuple(autocast)
-
-
 class TensorCheckpoint(nn.Module):
-    """``module`` with its plan's tensors forgotten; one plan per ``python_state``, traced on the
-    first call in that state (a stale graph never runs). Without gradients the module runs."""
+    """``module`` with its plan's tensors forgotten; one plan per ``fx_models.python_state``
+    (train/eval, frozen attributes, autocast), traced on the first call in that state (a stale
+    graph never runs). Without gradients the module runs."""
 
     def __init__(self, module, n_inputs, names, leaf_modules, trace_into, concrete_args):
         super().__init__()
@@ -558,7 +538,7 @@ class TensorCheckpoint(nn.Module):
         self.opaque, self.concrete_args = (leaf_modules, trace_into), concrete_args  # for trace()
 
     def plan_for(self, inputs):  # self.plan: the plan of the latest call
-        if (state := python_state(self.module)) not in self.plans:
+        if (state := fx_models.python_state(self.module)) not in self.plans:
             gm = trace(self.module, *self.opaque, self.concrete_args, len(inputs))
             buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
             try:
@@ -700,94 +680,13 @@ def demo(args, rank, world, device):
         opt.zero_grad(set_to_none=True)
         (loss := loss_of(train)).backward()
         opt.step()
-        if step % 10 == 0 or step == args.steps - 1:
-            launch.say(f"[train] step {step:3d}  loss on rank 0's batch {loss.item():.4f}")
+        if step % 10 == 0 or step == args.steps - 1:  # steps counted from 1, as everywhere
+            launch.say(f"[train] step {step + 1:3d}  loss on rank 0's batch {loss.item():.4f}")
     launch.say(f"[done] {args.steps} steps on {world} rank(s), {device.type}: "
                f"{time.perf_counter() - start:.2f} s, {ckpt.recomputations} recompute subgraphs "
                "run in backward")  # fmt: skip
     del train, ckpt, opt  # DDP holds gloo state: free it before the group goes
 
 
-def main(argv=None):
-    launch.run(demo, parse_args(argv))  # every argument checked before any process group
-
-
-# ---- appendix: the refusals, each naming the tensor and the fix ---------------------------------
-def check_arity(placeholders, inputs, tracing=False):
-    """One value per traced argument; and an example input with no storage cannot be planned."""
-    if len(inputs) != len(wanted := [n.name for n in placeholders]):
-        raise ValueError(f"tensor_ckpt: expected {len(wanted)} inputs ({wanted}), got "
-                         f"{len(inputs)}. Pass one value per argument of forward.")  # fmt: skip
-    if empty := [tuple(t.shape) for t in _tensors_in(inputs) if t.numel() == 0] if tracing else []:
-        raise ValueError(f"tensor_ckpt: an example input is empty (shape {empty[0]}): it allocates "
-                         "no storage, so nothing can be planned. Trace with a batch of at least "
-                         "one sample.")  # fmt: skip
-
-
-def check_marks(marked, nodes, infos, by_storage):
-    """{storage key: first marked name}; refused: an unknown name, a non-tensor, an empty tensor,
-    an input/parameter alias, a module output, a tensor changed in place."""
-    if unknown := [m for m in marked if isinstance(m, str)]:
-        fx_models.refuse_names(unknown, nodes, [n.name for n in nodes if infos[n].is_tensor])
-    forgotten = {}
-    output_keys = {infos[a].key for a in nodes[-1].all_input_nodes if infos[a].is_tensor}
-    for m in marked:
-        if not isinstance(m, fx.Node) or not infos[m].is_tensor:
-            raise ValueError(f"tensor_ckpt: forget() needs a tensor, got {m!r}. Mark a tensor.")
-        key = infos[m].key
-        source = [n.name for n in by_storage.get(key, ()) if n.op in ("placeholder", "get_attr")]
-        writers = [n.name for n in nodes if key in infos[n].mutates]
-        why = ("it was empty in the example run, so its storage cannot be told apart. Trace with "
-               "a non-empty batch" if infos[m].nbytes == 0 else
-               f"it shares storage with the input/parameter '{source[0]}', which stays alive. "
-               "Forget a tensor computed in forward" if source else
-               "it is (or shares storage with) an output of the module, which the caller holds. "
-               "Remove forget() there; forget it where it is consumed instead"
-               if key in output_keys else f"the in-place op '{writers[0]}' modifies it: no single "
-               "value to recompute. Use the out-of-place op (x = x + y, not x.add_(y); no "
-               "inplace=True)" if writers else None)  # fmt: skip
-        if why:
-            raise ValueError(f"tensor_ckpt: cannot forget '{m.name}': {why}.")
-        forgotten.setdefault(key, m.name)
-    return forgotten
-
-
-def check_recomputable(name, sub, frontier, deps, nodes, infos):
-    """Refuse a recompute that reads a node it neither re-runs nor keeps, would apply an in-place
-    op twice or reads a value changed later; warn when it re-runs a matmul or attention."""
-    if missing := {m.name for n in sub for m in n.all_input_nodes} - {
-            n.name for n in [*sub, *frontier, *deps]}:  # fmt: skip
-        raise ValueError(f"tensor_ckpt: the recompute of '{name}' reads {sorted(missing)}, neither "
-                         "re-run nor kept: recompute_subgraph must walk back through every node "
-                         "that is not kept, not only root's direct inputs")  # fmt: skip
-
-    def writers(n, start=0):  # the in-place ops that modify n's storage, from position start on
-        return [w.name for w in nodes[start:] if infos[n].is_tensor and infos[n].key in
-                infos[w].mutates]  # fmt: skip
-
-    start = nodes.index(sub[0])  # FX records an in-place op, not that later readers see its effect
-    whys = [f"its recompute subgraph contains '{n.name}', which modifies a tensor in place "
-            "(running it again would apply it twice)" if infos[n].mutates else
-            f"it is computed from '{n.name}', which the in-place op '{writers(n)[0]}' modifies, "
-            "an order the traced graph does not record" for n in sub if infos[n].mutates or
-            writers(n)] + [f"it reads '{f.name}', which the in-place op '{writers(f, start)[0]}' "
-            "modifies later in forward, so backward would see the modified value"
-            for f in frontier if writers(f, start)]  # fmt: skip
-    if whys:
-        raise ValueError(f"tensor_ckpt: cannot recompute '{name}': {whys[0]}. Make that op "
-                         "out-of-place, or forget a tensor after it.")  # fmt: skip
-    if costly := [f"'{n.name}' ({flops_text(infos[n].flops)})" for n in sub
-                  if infos[n].flops and n.name != name]:  # fmt: skip
-        warnings.warn(f"tensor_ckpt: forgetting '{name}' recomputes {', '.join(costly)} in every "
-                      "backward: its storage, or a tensor its recompute needs, is not kept by "
-                      "autograd (a view of an op's output shares that output's storage). Forget a "
-                      "tensor computed after it, or keep it.", stacklevel=4)  # fmt: skip
-
-
-def flops_text(flops):  # a unit that keeps small counts visible (3.1 kFLOP, not 0.0 MFLOP)
-    scale, unit = next(p for p in ((1e9, "G"), (1e6, "M"), (1e3, "k"), (0, "")) if flops >= p[0])
-    return f"{flops / scale:.1f} {unit}FLOP" if scale else f"{flops:.0f} FLOP"
-
-
 if __name__ == "__main__":
-    main()
+    launch.run(demo, parse_args())  # every argument checked before any process group

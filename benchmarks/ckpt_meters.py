@@ -9,7 +9,8 @@ import weakref
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tensor_ckpt import _tensors_in, count_flops, flops_text
+from guards.tensor_ckpt_guard import flops_text
+from tensor_ckpt import _tensors_in, count_flops
 
 
 class Meter(TorchDispatchMode):

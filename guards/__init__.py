@@ -1,1 +1,2 @@
-"""Checks a chapter runs on every rank before its collectives (muon_zero_guard: MuonZeRO's)."""
+"""Checks a chapter runs on every rank before its collectives (muon_zero_guard: MuonZeRO's;
+tensor_ckpt_guard: the refusals of marks that cannot be recomputed exactly)."""

@@ -5,12 +5,14 @@ argument steering an ``if`` (``mask=None``) break the trace. ``fixed_forward`` g
 generated forward of the same class and attributes that takes only the traced arguments and
 passes ``concrete_args`` {name: value} by keyword; ``bound_inputs`` takes a later call apart the
 same way and refuses one whose fixed arguments are not as they were traced. The refusals for a
-non-tensor example input and for code FX cannot trace live here too.
+non-tensor example input and for code FX cannot trace live here too, and ``python_state``: what
+a trace may have frozen into its graph, so tensor_ckpt keeps one plan per state.
 """
 
 import inspect
 
 import torch
+import torch.nn as nn
 
 
 def traced_arguments(module, concrete_args, n_inputs=None):
@@ -99,3 +101,24 @@ def refuse_names(unknown, nodes, tensor_names):
         f"tensor_ckpt: no node named {unknown} in the traced graph.{inside} "
         f"Pick from: {tensor_names}"
     )
+
+
+def python_state(module):
+    """What a trace may have frozen into the graph: the plain attributes of every submodule
+    (``training``, a dropout's ``p``) and of the objects they hold (a config); autocast's state."""
+    plain = (bool, int, float, str, type(None), torch.dtype, torch.device)
+
+    def is_plain(v):
+        return isinstance(v, plain) or (isinstance(v, (tuple, list)) and all(map(is_plain, v)))
+
+    state, seen = [], set()
+    for name, m in module.named_modules():
+        held = [v for v in vars(m).values() if hasattr(v, "__dict__") and not callable(v)]
+        for obj in [m, *(v for v in held if not isinstance(v, (nn.Module, torch.Tensor)))]:
+            if id(obj) not in seen:
+                seen.add(id(obj))
+                state += [(name, k, repr(v)) for k, v in vars(obj).items() if is_plain(v)]
+    autocast = (
+        (d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
+    )
+    return tuple(state), tuple(autocast)
