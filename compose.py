@@ -1123,19 +1123,19 @@ def demo(args, rank, world, device):
     dist.gather_object(mine, records, dst=0)
     timelines = [None] * world if rank == 0 else None
     dist.gather_object(recorder.timeline, timelines, dst=0)
-    launch.say(
-        f"\n{'rank':>4} {'p,c,d':>6} {'peak MiB':>9} {'params':>7} {'grads':>7} "
-        f"{'optim':>7} {'activ':>7}   sent KiB per step: " + " ".join(LINKS[:-1])
-    )
+    predicted = next(row for row in rows if row.name == f"{args.pp}x{args.cp}x{args.dp}")
+    launch.say(f"\nmeasured / predicted by the budget: MiB held at the peak, KiB sent per step\n"
+               f"{'rank':>4} {'p,c,d':>6} {'peak':>13} " + " ".join(f"{k:>13}" for k in HELD)
+               + "   " + " ".join(SENT))  # fmt: skip
     for r in records or []:
-        held, mib = r["held_bytes"], lambda b: f"{b / 2**20:7.2f}"  # noqa: E731
-        cells = " ".join(mib(held.get(k, 0)) for k in ("parameters", "gradients", "optimizer",
-                                                       "activations"))  # fmt: skip
-        sent = " ".join(f"{r['sent_bytes'][k] / 2**10:.0f}" for k in LINKS[:-1])
-        peak = max(r["peak_bytes"], default=0) / 2**20
-        launch.say(
-            f"{r['rank']:>4} {','.join(map(str, r['coords'])):>6} {peak:9.2f} {cells}   {sent}"
-        )
+        held, want = r["held_bytes"], predicted.held[r["rank"]]
+        pair = lambda got, bytes_, unit: f"{got / unit:.1f}/{bytes_ / unit:.1f}"  # noqa: E731
+        cells = " ".join(f"{pair(held.get(k, 0), want[k], 2**20):>13}" for k in HELD)
+        sent = " ".join(pair(r["sent_bytes"][k], predicted.sent[r["rank"]][k], 2**10)
+                        for k in SENT)  # fmt: skip
+        peak = pair(max(r["peak_bytes"], default=0), sum(want.values()), 2**20)
+        launch.say(f"{r['rank']:>4} {','.join(map(str, r['coords'])):>6} {peak:>13} {cells}   "
+                   f"{sent}")  # fmt: skip
     if args.check:
         gathered = [None] * world if rank == 0 else None
         dist.gather_object({n: p.cpu() for n, p in params.items()}, gathered, dst=0)
