@@ -255,10 +255,11 @@ def test_autograder_writes_a_result_when_grading_breaks(kit, tmp_path):
 
 def _make_grade_command(folder):
     """The student Makefile's own `make grade` command, with this interpreter for the venv's."""
+    # make -n prints a recipe's continued lines as written: join them
     out = subprocess.run(
         ["make", "-s", "-n", "grade", f"PY={sys.executable}"], cwd=folder, capture_output=True,
         text=True, check=True,
-    ).stdout  # fmt: skip
+    ).stdout.replace("\\\n", " ")  # fmt: skip
     return [line for line in out.splitlines() if "tools/grade.py" in line][-1]
 
 
