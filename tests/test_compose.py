@@ -83,6 +83,7 @@ def _groups_of_every_layout(rank, world):
         out[pp, cp, dp] = dict(coords=tuple(g.coords), links=[ranks(x) for x in links],
                                two=links[0] is not links[1], cp=ranks(g.cp_group),
                                stage=ranks(g.stage_group))  # fmt: skip
+        dist.barrier()  # no rank leaves while a peer is still connecting that layout's groups
     return out
 
 
