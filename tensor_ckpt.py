@@ -41,7 +41,7 @@ from torch.utils import flop_counter
 
 import interop.fx_models as fx_models  # forwards FX cannot take as they are, their refusals
 import launch
-from guards.tensor_ckpt_guard import check_arity, check_marks, check_recomputable  # the refusals
+from guards.tensor_ckpt_guard import _tensors_in, check_arity, check_marks, check_recomputable
 
 
 # ---- 1. Mark a tensor, trace the forward, run it once on examples -------------------------------
@@ -114,10 +114,6 @@ def storage_key(t):  # the memory a tensor lives in, shared by its views
 
 def layout_of(t):  # where a tensor sits in its storage
     return (t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
-
-
-def _tensors_in(value):  # the tensors in a (nested) tuple, list or dict
-    return [v for v in torch.utils._pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
 
 
 def count_flops():
