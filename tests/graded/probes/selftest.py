@@ -1,6 +1,5 @@
 """Probes the sandbox's own tests call (no submission code)."""
 
-import torch
 
 
 def double(x):
