@@ -95,11 +95,12 @@ def _protect_self():
         pass
 
 
-def kill_everything():
-    """Kill every process this grading started that is still alive, and every process of the
-    sandbox user; returns when none is left."""
+def kill_everything(keep=()):
+    """Kill every process this grading started that is still alive (but ``keep``, the shared
+    zygote, whose workers go all the same), and every process of the sandbox user."""
     for pid in sandbox.descendants(os.getpid()):
-        sandbox.kill_tree(pid)
+        if pid not in keep:
+            sandbox.kill_tree(pid)
     sandbox.kill_sandbox_user()
     while True:
         try:
@@ -221,7 +222,6 @@ def _session(root, test_file, args, env, deadline, quiet):
         if quiet and proc.returncode not in (0, 1, 5):  # 1: tests failed, 5: none collected
             log.seek(0)
             print(log.read().decode(errors="replace")[-5000:], file=sys.stderr)
-    kill_everything()
     return events(report), proc.returncode, killed
 
 
@@ -317,14 +317,16 @@ def run_graded(
         env.pop(key, None)
     if stop_on:
         env["GRADE_STOP_ON"] = stop_on
-    saved = {k: os.environ.get(k) for k in ("GRADE_STAGE", "GRADE_PROBES", "GRADE_SCRATCH")}
-    os.environ.update(GRADE_STAGE=where.stage, GRADE_PROBES=where.probes)
-    os.environ["GRADE_SCRATCH"] = where.scratch
+    keys = ("GRADE_STAGE", "GRADE_PROBES", "GRADE_SCRATCH", "GRADE_ZYGOTE")
+    saved = {k: os.environ.get(k) for k in keys}
+    env["GRADE_ZYGOTE"] = os.path.join(where.private, "zygote.sock")
+    os.environ.update({k: env[k] for k in keys})
     graded, results, notes = [], {}, []
+    shared = sandbox.shared_zygote(env["GRADE_ZYGOTE"], sandbox.preload_for(root))
     try:
         broken = sandbox.import_check([_module(n) for n in names], IMPORT_S)
         sandbox.close()
-        kill_everything()
+        kill_everything(keep=(shared.proc.pid,))
         reasons = {_module(n): f"{n} could not be imported: {why}" for n, why in broken.items()}
         env["GRADE_BROKEN"] = json.dumps(reasons)
         if only:
@@ -345,6 +347,7 @@ def run_graded(
             args += ["--no-header", *(by_file[test_file] if nodeids else [test_file])]
             began = time.time()
             found, code, killed = _session(root, test_file, args, env, began + budget, quiet)
+            kill_everything(keep=(shared.proc.pid,))
             mine = outcomes(found)
             died = None
             if code is not None and code < 0 and not killed:
@@ -370,6 +373,7 @@ def run_graded(
                 break
     finally:
         sandbox.close()
+        shared.close()
         kill_everything()
         for key, value in saved.items():
             if value is None:

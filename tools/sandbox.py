@@ -54,6 +54,7 @@ GRACE_S = 5.0  # past a call's timeout (the worker dumps its stack and exits at 
 PEERS_S = 3.0  # once a rank has failed, how long the others get before they are stopped
 LIMITS = {"nproc": 512, "fsize": 512 * 2**20}
 USER = os.environ.get("GRADE_SANDBOX_USER", "grade-sandbox")
+PEER_FAILED = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 OK = b"\x01"  # a probe's record starts with this byte when it holds a value, else with b"\x00"
 PRELOAD = ["torch.distributed", "torch.nn", "torch.nn.functional", "torch.optim"]
 
@@ -311,35 +312,29 @@ def _site():
 
 
 class Zygote:
-    """The zygote process and its socket; forks a worker per spawn()."""
+    """A zygote and the socket to it; forks a worker per spawn(). ``path``: connect to the zygote
+    listening there (tools/grade.py's, shared by its sessions) instead of starting one."""
 
-    def __init__(self, preload=()):
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        env = {
-            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-            "OMP_NUM_THREADS": "1",
-            "CUDA_VISIBLE_DEVICES": "",
-            "PYTHONDONTWRITEBYTECODE": "1",
-            "LANG": "C.UTF-8",
-        }
-        wanted = [*PRELOAD, *preload, *filter(None, os.environ.get("GRADE_PRELOAD", "").split(","))]
-        self.proc = subprocess.Popen(
-            [sys.executable, CHILD, str(theirs.fileno()), *dict.fromkeys(wanted)],
-            pass_fds=(theirs.fileno(),),
-            cwd=TOOLS,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            start_new_session=True,
-            preexec_fn=_oom_adjust(500),
-        )
-        theirs.close()
-        self.sock, self.pending = ours, []
+    def __init__(self, preload=(), path=None, listener=None):
+        self.proc, self.dead = None, False
+        if path is not None:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            self.sock.connect(path)
+        else:
+            if listener is None:
+                self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            else:
+                self.sock, theirs = None, listener
+            self.proc = _start_zygote(theirs, preload)
+            if listener is not None:
+                return
+            theirs.close()
+        self.pending = []
         if self._next("ready", 300) is None:
             raise RuntimeError("the sandbox's zygote did not start (see its output above)")
 
     def alive(self):
-        return self.proc.poll() is None
+        return not self.dead and (self.proc is None or self.proc.poll() is None)
 
     def _next(self, op, timeout):
         """The next message ``op`` (others are queued); None when the zygote is gone."""
@@ -353,6 +348,7 @@ class Zygote:
                 return None
             data = self.sock.recv(1 << 16)
             if not data:
+                self.dead = True
                 return None
             self.pending.append(json.loads(data))
 
@@ -361,6 +357,7 @@ class Zygote:
         while select.select([self.sock], [], [], 0)[0]:
             data = self.sock.recv(1 << 16)
             if not data:
+                self.dead = True
                 break
             self.pending.append(json.loads(data))
         out, self.pending = self.pending, []
@@ -378,18 +375,80 @@ class Zygote:
         user); return how many are still alive."""
         try:
             self.sock.send(json.dumps({"op": "kill", "uid": identity()[0]}).encode())
-        except OSError:
+        except (OSError, AttributeError):
             return 0
         answer = self._next("killed", 60)
         return answer["left"] if answer else 0
 
     def close(self):
-        self.sock.close()
+        if self.sock is not None:
+            self.sock.close()
+        if self.proc is not None:
+            if self.sock is None:  # a listening zygote: it serves until it is stopped
+                self.proc.kill()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _start_zygote(sock, preload):
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "OMP_NUM_THREADS": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "LANG": "C.UTF-8",
+    }
+    wanted = [*PRELOAD, *preload, *filter(None, os.environ.get("GRADE_PRELOAD", "").split(","))]
+    return subprocess.Popen(
+        [sys.executable, CHILD, str(sock.fileno()), *dict.fromkeys(wanted)],
+        pass_fds=(sock.fileno(),),
+        cwd=TOOLS,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,
+        preexec_fn=_oom_adjust(500),
+    )
+
+
+def shared_zygote(path, preload=()):
+    """Start a zygote listening at ``path`` (in a folder only this user can enter) for the
+    sessions of one grading (GRADE_ZYGOTE); returns its Zygote, to close() at the end."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(4)
+    z = Zygote(preload, listener=listener)
+    listener.close()
+    return z
+
+
+def preload_for(root):
+    """The torch and standard-library modules the repository's own files under ``root`` import
+    (never a submitted file's: the zygote runs as the grader): imported once in the zygote."""
+    import ast
+
+    found = []
+    names = [f for f in os.listdir(root) if f.endswith(".py")]
+    for sub in ("memory", "guards", "models", "interop", "optimizer_state"):
+        if os.path.isdir(os.path.join(root, sub)):
+            names += [os.path.join(sub, f) for f in os.listdir(os.path.join(root, sub))]
+    for name in (n for n in names if n.endswith(".py")):
         try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            with open(os.path.join(root, name)) as f:
+                tree = ast.parse(f.read())
+        except (OSError, SyntaxError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found += [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                found.append(node.module)
+    keep = [m for m in found if m.split(".")[0] in ("torch", "numpy")]
+    keep += [m for m in found if m.split(".")[0] in sys.stdlib_module_names]
+    return list(dict.fromkeys(m for m in keep if m.split(".")[0] not in ("antigravity", "this")))
 
 
 def _oom_adjust(score):
@@ -404,10 +463,16 @@ def _oom_adjust(score):
 
 
 def zygote():
-    """This process's zygote, started on first use (again if it died)."""
+    """This process's zygote: the grading's shared one (GRADE_ZYGOTE), else one of its own,
+    started on first use (again if it died)."""
     z = _STATE.get("zygote")
     if z is None or not z.alive():
-        z = _STATE["zygote"] = Zygote()
+        path = os.environ.get("GRADE_ZYGOTE")
+        try:
+            z = Zygote(path=path) if path else None
+        except OSError:  # the shared one is gone (killed for memory): a zygote of its own
+            z = None
+        z = _STATE["zygote"] = z or Zygote(preload_for(ROOT) if not path else ())
     return z
 
 
@@ -486,6 +551,8 @@ def _kill_worker(w):
 def _read(w, fd):
     try:
         chunk = os.read(fd, 1 << 20)
+    except BlockingIOError:
+        raise
     except OSError:
         chunk = b""
     if not chunk:
@@ -504,6 +571,18 @@ def _read(w, fd):
             os.close(fd)
             w.result = None
             _kill_worker(w)
+
+
+def _drain_result(w):
+    os.set_blocking(w.result, False)
+    try:
+        while w.result is not None:
+            _read(w, w.result)
+    except BlockingIOError:
+        pass
+    if w.result is not None:
+        os.close(w.result)
+        w.result = None
 
 
 def _drain(w):
@@ -527,7 +606,10 @@ def _wait(z, workers, deadline):
     while True:
         for message in z.messages():
             if message["op"] == "exited" and message["pid"] in by_pid:
-                by_pid[message["pid"]].status = message["status"]
+                w = by_pid[message["pid"]]
+                w.status = message["status"]
+                if w.result is not None:  # written before it exited: in the pipe now (a process
+                    _drain_result(w)  # it left behind may hold the pipe open, never wait for it)
         done = [w for w in workers if w.status is not None and w.result is None]
         if len(done) == len(workers) or not z.alive():
             return
@@ -633,7 +715,12 @@ def _run(probe, world_size, args, kwargs, timeout):
 
 def _raise(errors, outcomes, world_size):
     # the first rank that failed on its own, not one stopped because another failed first
-    order = sorted(errors, key=lambda r: (errors[r]["kind"] == "timeout", r))
+    def first_failure(rank):
+        error = errors[rank]
+        peer = any(p in error.get("message", "") for p in PEER_FAILED)
+        return (error.get("kind") == "timeout", peer, error.get("at", float("inf")), rank)
+
+    order = sorted(errors, key=first_failure)
     rank = order[0]
     first, output = errors[rank], outcomes[rank][1]
     where = f" (rank {rank} of {world_size})" if world_size else ""

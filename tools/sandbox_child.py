@@ -32,6 +32,7 @@ import select
 import signal
 import socket
 import sys
+import time
 import traceback
 import types
 
@@ -151,7 +152,8 @@ def failure(error):
     lines = traceback.format_exception(error)
     short = "".join(lines[-TRACEBACK_LINES:]).rstrip()
     kind = "stub" if stubs else "raised"
-    return {"ok": False, "kind": kind, "message": message, "traceback": short, "stubs": stubs}
+    record = {"ok": False, "kind": kind, "message": message, "traceback": short, "stubs": stubs}
+    return {**record, "at": time.time()}
 
 
 def import_failure(error, filename):
@@ -179,27 +181,10 @@ def _run_probe(request):
         inputs = torch.load(request["args"], weights_only=False)  # written by the grader
         probe = getattr(importlib.import_module(f"probes.{stem}"), function)
         world = os.environ.get("WORLD_SIZE")
-        if world is not None:
-            import datetime
-
-            import torch.distributed as dist
-
-            rank = int(os.environ["RANK"])
-            seconds = float(os.environ.get("SANDBOX_GROUP_TIMEOUT_S", "60"))
-            dist.init_process_group(
-                "gloo",
-                rank=rank,
-                world_size=int(world),
-                timeout=datetime.timedelta(seconds=seconds),
-            )
-            try:
-                value = probe(rank, int(world), *inputs["args"], **inputs["kwargs"])
-            finally:
-                if dist.is_initialized():
-                    dist.destroy_process_group()
+        if world is None:
+            record = {"ok": True, "value": plain(probe(*inputs["args"], **inputs["kwargs"]))}
         else:
-            value = probe(*inputs["args"], **inputs["kwargs"])
-        record = {"ok": True, "value": plain(value)}
+            record = _on_rank(probe, int(world), inputs)
     except BaseException as error:  # everything goes back as a record; nothing is trusted
         record = failure(error)
     import io
@@ -213,6 +198,30 @@ def _run_probe(request):
         buffer.write(b"\x00")
         torch.save(failure(error), buffer)
     _send(buffer.getvalue())
+
+
+def _on_rank(probe, world, inputs):
+    """The probe on this rank, in a gloo group; a failure is recorded before the group closes
+    (closing it fails the other ranks, and the first failure is the one to report)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    seconds = float(os.environ.get("SANDBOX_GROUP_TIMEOUT_S", "60"))
+    timeout = datetime.timedelta(seconds=seconds)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+        record = {
+            "ok": True,
+            "value": plain(probe(rank, world, *inputs["args"], **inputs["kwargs"])),
+        }
+    except BaseException as error:
+        record = failure(error)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return record
 
 
 def _run_import(request):
@@ -368,7 +377,9 @@ def _say(sock, message):
 
 
 def serve(sock, preload):
-    """The zygote's loop: fork a worker per "spawn", answer "kill", exit when the grader goes."""
+    """The zygote: import torch and ``preload``, then serve ``sock``: one grader's connection, or
+    a listening socket whose connections (one pytest session after another) it serves in turn.
+    When a connection closes, everything started for it is killed."""
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     _prctl(PR_SET_CHILD_SUBREAPER, 1)  # a worker's orphans come here, where "kill" finds them
     import torch
@@ -379,13 +390,22 @@ def serve(sock, preload):
             importlib.import_module(name)
         except Exception:  # a module this torch lacks: the worker imports it or says why
             pass
-    SITE_PATH[:] = [p for p in sys.path if p and p != os.path.dirname(os.path.abspath(__file__))]
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    workers = {}
+    if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+        _serve_one(sock, wake_r)
+        return
+    while True:
+        conn, _ = sock.accept()
+        _serve_one(conn, wake_r)
+        conn.close()
+
+
+def _serve_one(sock, wake_r):
+    workers, uid = {}, None
     _say(sock, {"op": "ready", "pid": os.getpid()})
     while True:
         ready, _, _ = select.select([sock, wake_r], [], [], 1.0)
@@ -402,12 +422,13 @@ def serve(sock, preload):
             data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 4)
         except OSError:
             data, fds = b"", []
-        if not data:  # the grader is gone: so is everything started for it
-            _kill_all(None)
+        if not data:  # this grader is gone: so is everything started for it
+            _kill_all(uid)
             return
         request = json.loads(data)
+        uid = request.get("uid", uid)
         if request["op"] == "kill":
-            left = _kill_all(request.get("uid"))
+            left = _kill_all(uid)
             _say(sock, {"op": "killed", "left": left})
         elif request["op"] == "spawn":
             sys.stdout.flush()
@@ -430,6 +451,9 @@ def serve(sock, preload):
 
 
 def main():
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if p and os.path.abspath(p) != here]  # nothing of tools/
+    SITE_PATH[:] = sys.path
     sock = socket.socket(fileno=int(sys.argv[1]))
     serve(sock, sys.argv[2:])
 
