@@ -479,7 +479,7 @@ def results_json(graded, results, notes=(), note="", broken=None, files=()):
     for g in graded:
         passed, output = result_of(results, g["nodeid"])[:2]
         name = file_of(g, files)
-        if not passed and name in (broken or {}) and "could not be imported" not in output:
+        if not passed and name in (broken or {}):
             output = f"could not import {os.path.basename(name)}: {broken[name]}\n\n{output}"
         elif not passed and g["nodeid"] in blocked:
             output = blocked[g["nodeid"]]
