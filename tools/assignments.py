@@ -210,11 +210,13 @@ def _finder(path):
 def import_closure(root, scripts):
     """The repository files that ``scripts`` import, followed to the end: the standard library's
     modulefinder, searching the repository alone (torch and the standard library are not
-    followed). Paths relative to ``root``, the scripts included."""
+    followed). A script is a path relative to ``root`` (its folder is searched first, as Python
+    does), or (path, the folder it runs in). Paths relative to ``root``, the scripts included."""
     root, found = os.path.abspath(root), set()
     for script in scripts:
-        path = os.path.join(root, script)
-        finder = _finder([os.path.dirname(path), root])
+        path, folder = script if isinstance(script, tuple) else (script, None)
+        path = os.path.join(root, path)
+        finder = _finder([folder or os.path.dirname(path), root])
         finder.run_script(path)
         for module in finder.modules.values():
             name = getattr(module, "__file__", None)

@@ -164,7 +164,8 @@ def stage(submission, root=ROOT, out=None):
     for name in names:  # memory/memory_timeline.py may also be handed in as memory_timeline.py
         for given in (name, os.path.basename(name)):
             path = os.path.join(submission, given)
-            if os.path.isfile(path) and not os.path.islink(path):
+            inside = os.path.realpath(path).startswith(os.path.realpath(submission) + os.sep)
+            if os.path.isfile(path) and inside:  # a link out of the upload is not its file
                 shutil.copyfile(path, os.path.join(out, name))
                 found.append(name)
                 break
