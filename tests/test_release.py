@@ -357,3 +357,26 @@ def test_autograder_grades_a_nested_upload_like_the_students_make_grade(kit, tmp
     _check_schema(results)
     assert results["score"] == results["max_score"] > 0, out
     assert "alice" in results["output"]
+
+
+def test_make_never_repoints_a_venv_that_belongs_to_another_checkout(tmp_path):
+    """tools/venv.sh writes the .pth that puts the checkout on sys.path once; a venv whose .pth
+    names another checkout makes it stop with one line, the .pth left as it was."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    script = os.path.join(ROOT, "tools", "venv.sh")
+
+    def run():
+        return subprocess.run(
+            ["bash", script, sys.executable, str(venv), ""], capture_output=True, text=True
+        )
+
+    first = run()
+    assert first.returncode == 0, first.stderr
+    (pth,) = venv.glob("lib/python*/site-packages/course_repository_root.pth")
+    assert pth.read_text().strip() == ROOT
+    pth.write_text("/elsewhere/another-checkout\n")
+    second = run()
+    assert second.returncode == 1 and len(second.stderr.strip().splitlines()) == 1, second
+    assert "belongs to the checkout /elsewhere/another-checkout" in second.stderr
+    assert pth.read_text() == "/elsewhere/another-checkout\n"
