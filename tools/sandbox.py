@@ -50,6 +50,7 @@ ROOT = os.path.dirname(TOOLS)
 CHILD = os.path.join(TOOLS, "sandbox_child.py")
 MAX_RESULT_BYTES = 256 * 2**20
 OUTPUT_TAIL = 4000  # characters of a worker's output kept for a failure's message
+MAX_OUTPUT = 2**20  # bytes of a worker's output kept (a demo's whole output, a flood's tail)
 GRACE_S = 5.0  # past a call's timeout (the worker dumps its stack and exits at it itself)
 PEERS_S = 3.0  # once a rank has failed, how long the others get before they are stopped
 LIMITS = {"nproc": 512, "fsize": 512 * 2**20}
@@ -563,7 +564,7 @@ def _read(w, fd):
             w.result = None
         return
     if fd == w.out:
-        w.tail = (w.tail + chunk)[-4 * OUTPUT_TAIL :]
+        w.tail = (w.tail + chunk)[-MAX_OUTPUT:]
     else:
         w.data += chunk
         if len(w.data) > MAX_RESULT_BYTES:
@@ -594,7 +595,7 @@ def _drain(w):
                 if not chunk:
                     break
                 if fd == w.out:
-                    w.tail = (w.tail + chunk)[-4 * OUTPUT_TAIL :]
+                    w.tail = (w.tail + chunk)[-MAX_OUTPUT:]
         except (BlockingIOError, OSError):
             pass
         os.close(fd)
@@ -762,34 +763,65 @@ def on_ranks(probe, world_size, *args, timeout=120.0, **kwargs):
 
 
 def torchrun(file, nproc, args=(), timeout=300.0, check=True):
-    """The staged ``file`` under torchrun at ``nproc`` gloo ranks, run by a sandboxed worker;
-    CompletedProcess with stdout and stderr together in ``.stdout``. With ``check`` a non-zero
+    """The staged ``file`` run as ``torchrun --nproc_per_node=nproc file args`` runs it: ``nproc``
+    sandboxed workers, each with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR, ...) running the file as __main__, forked from the zygote (no fresh interpreter
+    of ~150 MB per rank). CompletedProcess: the exit status of the first rank that failed (else
+    0), every rank's stdout and stderr in ``.stdout``, rank by rank. With ``check`` a non-zero
     exit raises StudentCodeError."""
     timeout = _timeout(timeout)
-    argv = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-        os.path.join(stage(), file),
-        *map(str, args),
-    ]
-    request = _request(argv=argv, env=_env(), tag=f"torchrun {file}")
-    request["sys_path"] = []
-    (w,) = run_workers([request], timeout)
-    text = w.tail.decode(errors="replace")
-    if w.killed and w.status is None or "Timeout (" in text:
-        raise StudentCodeError(
-            f"{file} at {nproc} ranks did not finish in {timeout:.0f} s", "timeout"
+    path = os.path.join(stage(), file)
+    port = free_port()
+    requests = []
+    for rank in range(nproc):
+        env = _env(
+            {
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(nproc),
+                "LOCAL_WORLD_SIZE": str(nproc),
+                "GROUP_RANK": "0",
+                "ROLE_RANK": str(rank),
+                "ROLE_WORLD_SIZE": str(nproc),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "TORCHELASTIC_RUN_ID": "sandbox",
+            }
         )
-    code = w.status if w.status is not None else -signal.SIGKILL
-    if check and code != 0:
+        request = _request(script=path, script_args=[str(a) for a in args], env=env)
+        requests.append({**request, "tag": f"{file}/{rank}"})
+    workers = run_workers(requests, timeout)
+    texts = [w.tail.decode(errors="replace") for w in workers]
+    text = "".join(
+        t if nproc == 1 else "".join(f"[rank{r}]: {line}\n" for line in t.splitlines())
+        for r, t in enumerate(texts)
+    )
+    argv = ["torchrun", f"--nproc_per_node={nproc}", file, *map(str, args)]
+    timed = [r for r, w in enumerate(workers) if "Timeout (" in texts[r] or w.status is None]
+    own = [r for r, w in enumerate(workers) if r not in timed and w.status not in (None, 0)]
+    if timed and not own:  # nothing failed: something hung
+        where = _where_it_hung(texts[timed[0]])
         raise StudentCodeError(
-            f"{file} at {nproc} ranks exited {code}\n{text[-OUTPUT_TAIL:]}", "raised", (), text
+            f"{file} at {nproc} ranks did not finish in {timeout:.0f} s{where}", "timeout", (), text
+        )
+    codes = [w.status if w.status is not None else -signal.SIGKILL for w in workers]
+    rank = own[0] if own else next((r for r, c in enumerate(codes) if c != 0), 0)
+    code = codes[rank]
+    if check and code != 0:
+        first = _first_error(texts[rank]) or f"exit code {code}"
+        raise StudentCodeError(
+            f"{file} at {nproc} ranks failed on rank {rank}: {first}\n{text[-OUTPUT_TAIL:]}",
+            "raised",
+            (),
+            text,
         )
     return subprocess.CompletedProcess(argv, code, text)
+
+
+def _first_error(output):
+    """The last exception line of a traceback in ``output`` ("ValueError: ..."), or ""."""
+    found = re.findall(r"^((?:\w+\.)*\w*(?:Error|Exception|Interrupt)\b.*)$", output, re.M)
+    return found[-1][:300] if found else ""
 
 
 def import_check(modules, timeout=30.0, placeholders=True):

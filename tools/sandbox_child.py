@@ -21,6 +21,7 @@ import ctypes
 import dataclasses
 import errno
 import faulthandler
+import gc
 import importlib
 import importlib.abc
 import importlib.util
@@ -224,6 +225,28 @@ def _on_rank(probe, world, inputs):
     return record
 
 
+def _run_script(path, args):
+    """``python path args`` in this process, as one of torchrun's ranks would run it (the
+    rendezvous is in the environment): its exit status is the worker's."""
+    import runpy
+
+    sys.argv = [path, *args]
+    sys.path.insert(0, os.path.dirname(path))
+    code = 0
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as error:
+        code = error.code if isinstance(error.code, int) else (0 if error.code is None else 1)
+        if not isinstance(error.code, (int, type(None))):
+            print(error.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _run_import(request):
     module = request["import"]
     filename = module.replace(".", os.sep) + ".py"
@@ -271,12 +294,12 @@ def _worker(request, out_fd, result_fd):
     sys.stderr = open(2, "w", buffering=1, closefd=False, errors="replace")
     faulthandler.enable(file=sys.stderr, all_threads=True)
     faulthandler.dump_traceback_later(request["timeout"], exit=True)  # where it hung, then exit
-    if request.get("argv"):
-        os.execve(request["argv"][0], request["argv"], request["env"])
     sys.path[:] = [*request["sys_path"], *SITE_PATH]
     importlib.invalidate_caches()
     install_placeholders(request.get("broken") or {})
-    if request.get("import"):
+    if request.get("script"):
+        _run_script(request["script"], request.get("script_args", []))
+    elif request.get("import"):
         _run_import(request)
     else:
         _run_probe(request)
@@ -390,6 +413,7 @@ def serve(sock, preload):
             importlib.import_module(name)
         except Exception:  # a module this torch lacks: the worker imports it or says why
             pass
+    gc.freeze()  # the collector never writes to what is here: the workers share these pages
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
