@@ -147,6 +147,10 @@ def assignment_files(root=ROOT, files=None):
     if files:
         return [f for f in files if os.path.exists(os.path.join(root, f))]
     found = [f for f in ASSIGNMENT_FILES if os.path.exists(os.path.join(root, f))]
+    table = os.path.join(root, REGION_TABLE)
+    if os.path.exists(table):  # a student's repository: the files are stubs, without markers
+        with open(table) as f:
+            found += [r["path"] for r in json.load(f) if r["path"] not in found]
     for name in sorted(os.listdir(root)):
         if name.endswith(".py") and name not in found:
             with open(os.path.join(root, name)) as f:
@@ -174,10 +178,18 @@ def graded_regions(root=ROOT):
     ]
 
 
-def region_table(regions):
-    """What tools/regions.json holds: each region's file, name, stub line and message."""
+def region_table(regions, root=ROOT):
+    """What tools/regions.json holds: each region's file (and its path), name, stub line and
+    message."""
+    paths = {os.path.basename(f): f for f in assignment_files(root)}
     return [
-        {"file": r.file, "qualname": r.qualname, "line": r.student_line, "message": r.message}
+        {
+            "file": r.file,
+            "path": paths.get(r.file, r.file),
+            "qualname": r.qualname,
+            "line": r.student_line,
+            "message": r.message,
+        }
         for r in regions
     ]
 

@@ -224,7 +224,7 @@ def write_student_repo(out, root=ROOT):
         strip_notebook(os.path.join(root, path), os.path.join(out, path))
     regions = assignments.all_regions(root)
     with open(os.path.join(out, assignments.REGION_TABLE), "w") as f:
-        json.dump(assignments.region_table(regions), f, indent=1)
+        json.dump(assignments.region_table(regions, root), f, indent=1)
     fill = {
         "{{REGIONS}}": _region_rows(out, regions, root),
         "{{ASSIGNMENTS}}": _assignment_prose(root),
