@@ -25,8 +25,9 @@ import time
 import pytest
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
-# pytest-reportlog writes a serialised TestReport per phase but no event when a test starts (the
-# grader names the test a file's time ran out in) and no marker's points; the plugin writes both.
+# not pytest-reportlog: no event when a test starts (the grader names the test a file's time ran
+# out in), no points; measured on two stubbed tests, 16,021 bytes of serialised reports vs 2,437
+
 
 _FILE = None
 MAX_LINES, MAX_CHARS = 30, 2500  # the traceback under the message: enough to find the line
