@@ -380,3 +380,20 @@ def test_make_never_repoints_a_venv_that_belongs_to_another_checkout(tmp_path):
     assert second.returncode == 1 and len(second.stderr.strip().splitlines()) == 1, second
     assert "belongs to the checkout /elsewhere/another-checkout" in second.stderr
     assert pth.read_text() == "/elsewhere/another-checkout\n"
+
+
+def test_the_grading_figures_in_the_docs_are_the_ones_checked():
+    """README.md and ASSIGNMENTS.md state the container and the margin that `make grade-fit`
+    checks (its defaults), and no other grading time or memory figure."""
+    import measure_grading
+
+    defaults = {a.dest: a.default for a in measure_grading.argparse_parser()._actions}
+    assert (defaults["memory_mb"], defaults["cpus"]) == (768, 0.5)
+    assert (defaults["max_mb"], defaults["max_s"]) == (650, 360)
+    for name in ("README.md", "ASSIGNMENTS.md"):
+        with open(os.path.join(ROOT, name)) as f:
+            text = " ".join(f.read().split())
+        assert "768 MB" in text and "half a CPU" in text, name
+        assert "650 MB" in text and "6 minutes" in text, name
+        stale = re.findall(r"\d+(?:\.\d+)? GB(?: or more)?\)?[^.]*(?:grading|autograder)", text)
+        assert not [s for s in stale if "141 GB" not in s and "80 or" not in s], (name, stale)

@@ -178,14 +178,18 @@ def _graded_files(root):
     return [f for f in release.graded_test_files(root) if "/probes/" not in f]
 
 
-def main(argv=None):
+def argparse_parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--memory-mb", type=float, default=768, help="the memory limit")
     parser.add_argument("--cpus", type=float, default=0.5, help="the CPU limit, in CPUs")
     parser.add_argument("--max-mb", type=float, default=650, help="the largest peak that passes")
     parser.add_argument("--max-s", type=float, default=360, help="the longest grading that passes")
     parser.add_argument("--autograder", help="an unpacked autograder folder (its run_autograder)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None):
+    args = argparse_parser().parse_args(argv)
     if os.geteuid() != 0:
         sys.exit("measure: needs root (it makes a control group)")
     if not _graded_files(ROOT):
