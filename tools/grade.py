@@ -7,26 +7,32 @@
     python tools/grade.py --check-regions --only compose  # the same for one file's regions
     python tools/grade.py --check-mistakes  # each catalogued mistake loses points, with its message
 
-Only tests marked `@pytest.mark.grade(points=N, solution="FILESTEM.qualname", needs=(...))` run. A
-submission is staged in build/grading/: the student version of every assignment file
-(tools/assignments.py), overwritten by the submission's own copies, and nothing else; the tests'
-conftest puts that folder first on sys.path and PYTHONPATH, so the tests, run_ranks' children and
-run_torchrun all use the student's code, and a file the student did not hand in is graded as its
-stub, never as the reference. `--only` grades the tests naming the given regions (and those of the
-regions they need) on the same staged folder, by the same code path. Each test has a timeout
-(pytest-timeout, `--per-test-timeout`) and the whole run another: a hang scores zero, the grader
-says which test is still running, and it still finishes. A failing test whose `needs` region is
-unwritten or fails its own tests is reported as blocked by it. Writes build/results.json in
-Gradescope's autograder format.
+Only tests under tests/graded/ marked `@pytest.mark.grade(points=N, solution="FILESTEM.qualname",
+needs=(...))` run (cases marked `ungraded` are left out). A submission is staged in a fresh folder:
+the student version of every assignment file (tools/assignments.py), overwritten by the
+submission's own copies, and the repository files they import. Neither this process nor the
+pytest processes it starts import a staged file: the graded tests hand inputs to probes that run
+in sandboxed workers (tools/sandbox.py; as root, as an unprivileged user) and decide here.
+
+Each graded file (tests/graded/test_<stem>.py) runs in a pytest session of its own with its own
+share of the overall time (`--timeout`): a hang scores that file's remaining tests zero and names
+where it hung, and every other file is graded in full. Before the sessions each assignment file
+is imported alone in a worker; one that fails (a syntax error, an exception, sys.exit, a hang) is
+reported in each of its tests, and every other file that imports it (compose.py) gets a
+placeholder that says so when used. A failing test whose `needs` region is unwritten, or whose
+tests ran and failed, is reported as blocked by it. results.json (Gradescope's format) is written
+once, at the end, after every process of the grading has been killed.
 """
 
 import argparse
 import ast
+import ctypes
 import glob
 import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -37,79 +43,213 @@ from typing import NamedTuple
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TOOLS)
-from assignments import ROOT, all_regions, assignment_files, write_student  # noqa: E402
-
-sys.path.append(os.path.join(ROOT, "tests"))  # the test harness: stdlib only until a rank starts
-from harness import kill_tree  # noqa: E402
+import sandbox  # noqa: E402  (imports no torch: this process stays small)
+from assignments import (  # noqa: E402
+    ASSIGNMENT_FILES,
+    ROOT,
+    all_regions,
+    assignment_files,
+    graded_regions,
+    support_files,
+    write_student,
+)
+from grade_plugin import collect, events  # noqa: E402
 
 NOTICE_S = float(os.environ.get("GRADE_NOTICE_S", 30))  # how often to say a test still runs
 CONSOLE_LINES = 6  # traceback lines under each failure on the console (results.json has more)
+IMPORT_S = float(os.environ.get("GRADE_IMPORT_S", 60))  # importing one assignment file
+MIN_FILE_S = 60.0  # the least time a graded file is given
+KILL_GRACE_S = 20.0  # a session past its time is killed this long after (it stops itself first)
 
 
 class Outcome(NamedTuple):
     passed: bool
     output: str  # for a failure: the assertion message's line first, then a short traceback
     stubs: tuple = ()  # regions whose stub raised NotImplementedError in this test
+    ran: bool = True  # False: never run (its file's time ran out), so it tells nothing of a region
 
 
-def _pytest(
-    root, args, report, submission=None, timeout=1800.0, quiet=False, only=None, stop_on=None
-):
-    """Run pytest in ``root`` with the grade plugin; return (exit code, seconds, timed out).
+class Run(NamedTuple):
+    graded: list  # the collected graded tests (dicts: nodeid, points, solutions, needs)
+    results: dict  # nodeid -> Outcome
+    seconds: float
+    notes: list  # lines for results.json's output: a file whose time ran out, out of memory
+    broken: dict  # assignment file -> why it could not be imported
 
-    ``quiet`` keeps pytest's own output back unless it fails (for collection and the checks).
-    While it runs, a test that takes long is named every NOTICE_S seconds."""
-    env = dict(os.environ, GRADE_REPORT=report, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (TOOLS, env.get("PYTHONPATH")) if p)
-    env.pop("GRADE_SUBMISSION", None)
-    env.pop("GRADE_ONLY", None)
-    env.pop("GRADE_STOP_ON", None)
-    if stop_on:
-        env["GRADE_STOP_ON"] = stop_on
-    if submission:
-        env["GRADE_SUBMISSION"] = os.path.abspath(submission)
-    if only:
-        env["GRADE_ONLY"] = ",".join(only)
-    cmd = [sys.executable, "-m", "pytest", "-p", "grade_plugin", "-p", "no:cacheprovider", *args]
-    start = time.monotonic()
+
+def _prctl(option, value):
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(option, ctypes.c_ulong(value), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _protect_self():
+    """Processes orphaned below the grader come back to it (so it can kill them), and the
+    kernel's out-of-memory killer takes a worker first, never the grader (as root)."""
+    _prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("-1000" if os.geteuid() == 0 else "0")
+    except OSError:
+        pass
+
+
+def kill_everything(keep=()):
+    """Kill every process this grading started that is still alive (but ``keep``, the shared
+    zygote, whose workers go all the same), and every process of the sandbox user."""
+    for pid in sandbox.descendants(os.getpid()):
+        if pid not in keep:
+            sandbox.kill_tree(pid)
+    sandbox.kill_sandbox_user()
+    while True:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                break
+        except ChildProcessError:
+            break
+
+
+# ---- the staged folder ----
+
+
+class Stage(NamedTuple):
+    work: str  # the grading's folder (removed at the end)
+    stage: str  # the staged files (root's, readable by all)
+    probes: str  # the folder holding the probes package
+    scratch: str  # the workers' writable folder
+    private: str  # the grader's own files (reports), root's alone
+
+
+def make_stage(root, files_dir, names):
+    """A fresh grading folder: the repository files the assignment files import, then ``names``
+    (assignment files) from ``files_dir``, and a copy of the probes. Only the scratch folder is
+    writable by the sandbox user."""
+    work = tempfile.mkdtemp(prefix="grading-")
+    os.chmod(work, 0o755)
+    stage = os.path.join(work, "stage")
+    for name in support_files(root):
+        os.makedirs(os.path.join(stage, os.path.dirname(name)), exist_ok=True)
+        shutil.copyfile(os.path.join(root, name), os.path.join(stage, name))
+    for name in names:
+        os.makedirs(os.path.join(stage, os.path.dirname(name)), exist_ok=True)
+        shutil.copyfile(os.path.join(files_dir, name), os.path.join(stage, name))
+    probes = os.path.join(work, "sandbox")
+    shutil.copytree(
+        os.path.join(root, "tests", "graded", "probes"),
+        os.path.join(probes, "probes"),
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
+    for folder in (stage, probes):
+        for d, dirs, fs in os.walk(folder):
+            os.chmod(d, 0o755)
+            for f in fs:
+                os.chmod(os.path.join(d, f), 0o644)
+    scratch, private = os.path.join(work, "scratch"), os.path.join(work, "private")
+    os.makedirs(scratch, mode=0o700)
+    os.makedirs(private, mode=0o700)
+    uid, gid, _ = sandbox.identity()
+    if uid is not None:
+        os.chown(scratch, uid, gid)
+    return Stage(work, stage, probes, scratch, private)
+
+
+def stage(submission, root=ROOT, out=None):
+    """The assignment files to grade, in ``out``: every stub, then the submission's files on
+    top. Returns (out, files found in the submission, files graded as their stub)."""
+    out = out or tempfile.mkdtemp(prefix="submission-")
+    shutil.rmtree(out, ignore_errors=True)
+    names = write_student(out, root)
+    found = []
+    for name in names:  # memory/memory_timeline.py may also be handed in as memory_timeline.py
+        for given in (name, os.path.basename(name)):
+            path = os.path.join(submission, given)
+            inside = os.path.realpath(path).startswith(os.path.realpath(submission) + os.sep)
+            if os.path.isfile(path) and inside:  # a link out of the upload is not its file
+                shutil.copyfile(path, os.path.join(out, name))
+                found.append(name)
+                break
+    return out, found, [n for n in names if n not in found]
+
+
+def _module(name):
+    return os.path.splitext(name)[0].replace(os.sep, ".")
+
+
+# ---- running the graded test files ----
+
+
+def graded_files(root):
+    """tests/graded/test_*.py, in the order of ASSIGNMENT_FILES' stems (the others after)."""
+    found = sorted(glob.glob(os.path.join(root, "tests", "graded", "test_*.py")))
+    stems = [os.path.splitext(os.path.basename(f))[0] for f in ASSIGNMENT_FILES]
+
+    def order(path):
+        stem = os.path.basename(path)[len("test_") : -len(".py")]
+        return (stems.index(stem) if stem in stems else len(stems), path)
+
+    return [os.path.relpath(f, root) for f in sorted(found, key=order)]
+
+
+def weight(root, test_file):
+    """How much of the time a graded file gets: its number of graded test functions."""
+    with open(os.path.join(root, test_file)) as f:
+        tree = ast.parse(f.read())
+    count = 0
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            count += any("grade" in ast.unparse(d) for d in node.decorator_list)
+    return max(1, count)
+
+
+def _session(root, test_file, args, env, deadline, quiet):
+    """One pytest session over ``test_file``; returns (events, exit code, killed at deadline)."""
+    report = os.path.join(env["GRADE_PRIVATE"], "report.jsonl")
+    open(report, "w").close()
+    env = dict(env, GRADE_REPORT=report, GRADE_DEADLINE=f"{deadline:.3f}")
+    cmd = [sys.executable, "-m", "pytest", "-p", "grade_plugin", "-p", "no:cacheprovider"]
+    cmd += ["--confcutdir", os.path.join(root, "tests", "graded"), *args]
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(
             cmd,
             cwd=root,
             env=env,
             start_new_session=True,
+            stdin=subprocess.DEVNULL,
             stdout=log if quiet else None,
             stderr=subprocess.STDOUT,
         )
-        timed_out = _wait_and_tell(proc, report, start + timeout)
-        code = proc.returncode
-        if quiet and code not in (0, 1, 5):  # 1: tests failed, 5: none collected
+        killed = _wait_and_tell(proc, report, deadline + KILL_GRACE_S)
+        if quiet and proc.returncode not in (0, 1, 5):  # 1: tests failed, 5: none collected
             log.seek(0)
-            print(log.read().decode(errors="replace"), file=sys.stderr)
-    return code, time.monotonic() - start, timed_out
+            print(log.read().decode(errors="replace")[-5000:], file=sys.stderr)
+    return events(report), proc.returncode, killed
 
 
 def _wait_and_tell(proc, report, deadline):
     """Wait for ``proc``; print "still running: TEST (N s)" for a test that takes long; kill it
-    (pytest and every rank it started, torchrun's workers included) at ``deadline``."""
-    offset, running, told = 0, None, 0
+    and everything below it at ``deadline`` (time.time())."""
+    offset, running, told, since = 0, None, 0, 0.0
     while True:
         try:
             proc.wait(timeout=0.25)
             return False
         except subprocess.TimeoutExpired:
             pass
-        if time.monotonic() > deadline:
-            kill_tree(proc.pid)
+        if time.time() > deadline:
+            sandbox.kill_tree(proc.pid)
             proc.wait()
             return True
-        with open(report) as f:
+        with open(report, "rb") as f:
             f.seek(offset)
             chunk = f.read()
-        complete = chunk[: chunk.rfind("\n") + 1]
-        offset += len(complete.encode())
-        for line in complete.splitlines():
-            event = json.loads(line)
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        offset += len(complete)
+        for line in complete.decode(errors="replace").splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
             if event["event"] == "start":
                 running, since, told = event["nodeid"], time.monotonic(), 0
             elif event["event"] == "result" and event["nodeid"] == running:
@@ -120,78 +260,152 @@ def _wait_and_tell(proc, report, deadline):
             print(f"still running: {name} ({told * NOTICE_S:.0f} s)", flush=True)
 
 
-def _events(report):
-    with open(report) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def collect(root=ROOT, only=None):
-    """Every graded test: dicts with ``nodeid``, ``points``, ``solutions`` and ``needs``."""
-    with tempfile.TemporaryDirectory() as tmp:
-        report = os.path.join(tmp, "report.jsonl")
-        open(report, "w").close()
-        args = ["--collect-only", "-q", "-m", "grade"]
-        code, _, _ = _pytest(root, args, report, timeout=600, quiet=True, only=only)
-        graded = [e for e in _events(report) if e["event"] == "collected"]
-    if code not in (0, 5):  # 5: nothing collected
-        raise RuntimeError(f"collecting the graded tests failed (pytest exit code {code})")
-    return graded
-
-
 def outcomes(events):
     """nodeid -> Outcome from the plugin's result events (set-up, call and teardown)."""
     out = {}
     for e in (e for e in events if e["event"] == "result"):
         now = out.get(e["nodeid"], Outcome(True, ""))
         if e["outcome"] != "passed" and now.passed:  # the first failure is the one to read
-            now = Outcome(False, e["output"], tuple(e.get("stubs", ())))
+            ran = not e["output"].startswith("not run:")
+            now = Outcome(False, e["output"], tuple(e.get("stubs", ())), ran)
         out[e["nodeid"]] = now
     return out
 
 
+def _cut_off(test_file, seconds, events, results, died):
+    """Outcomes for the tests of a session that did not finish: the one running, and the rest."""
+    running = None
+    for e in events:
+        if e["event"] == "start":
+            running = e["nodeid"]
+        elif e["event"] == "result" and e["nodeid"] == running and e["when"] == "teardown":
+            running = None
+    name = os.path.basename(test_file)
+    why = f"{name}'s process died ({died})" if died else f"{name}'s time ({seconds:.0f} s) ran out"
+    cut = {}
+    for e in (e for e in events if e["event"] == "collected"):
+        if e["nodeid"] in results:
+            continue
+        if e["nodeid"] == running:
+            cut[e["nodeid"]] = Outcome(False, f"did not finish: {why} while it ran")
+        else:
+            cut[e["nodeid"]] = Outcome(False, f"not run: {why}", ran=False)
+    return cut, running
+
+
 def run_graded(
     root,
-    submission=None,
+    files_dir,
     nodeids=None,
     per_test_s=180,
     overall_s=1800,
     quiet=False,
     only=None,
     stop_on=None,
+    names=None,
 ):
-    """Run the graded tests (or just ``nodeids``); return (graded, outcomes, seconds, timed out).
+    """Stage the assignment files in ``files_dir`` and run the graded tests (or ``nodeids``),
+    one pytest session per graded file. Returns a Run."""
+    start = time.time()
+    _protect_self()
+    names = names or assignment_files(root)
+    where = make_stage(root, files_dir, names)
+    env = dict(os.environ, GRADE_STAGE=where.stage, GRADE_PROBES=where.probes)
+    env.update(GRADE_SCRATCH=where.scratch, GRADE_PRIVATE=where.private, GRADE_ISOLATED="1")
+    env.update(PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1", CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = TOOLS
+    for key in ("GRADE_SUBMISSION", "GRADE_ONLY", "GRADE_STOP_ON", "GRADE_BROKEN"):
+        env.pop(key, None)
+    if stop_on:
+        env["GRADE_STOP_ON"] = stop_on
+    keys = ("GRADE_STAGE", "GRADE_PROBES", "GRADE_SCRATCH", "GRADE_ZYGOTE")
+    saved = {k: os.environ.get(k) for k in keys}
+    env["GRADE_ZYGOTE"] = os.path.join(where.private, "zygote.sock")
+    os.environ.update({k: env[k] for k in keys})
+    graded, results, notes = [], {}, []
+    shared = sandbox.shared_zygote(env["GRADE_ZYGOTE"], sandbox.preload_for(root))
+    try:
+        broken = sandbox.import_check([_module(n) for n in names], IMPORT_S)
+        sandbox.close()
+        kill_everything(keep=(shared.proc.pid,))
+        reasons = {_module(n): f"{n} could not be imported: {why}" for n, why in broken.items()}
+        env["GRADE_BROKEN"] = json.dumps(reasons)
+        if only:
+            env["GRADE_ONLY"] = ",".join(only)
+        by_file = defaultdict(list)
+        for nodeid in nodeids or []:
+            by_file[nodeid.split("::")[0]].append(nodeid)
+        files = [f for f in graded_files(root) if not nodeids or f in by_file]
+        need = {f: weight(root, f) for f in files}
+        total = sum(need.values()) or 1
+        overall_end = start + overall_s
+        for i, test_file in enumerate(files):
+            later = sum(max(MIN_FILE_S, overall_s * need[f] / total) for f in files[i + 1 :])
+            left = overall_end - time.time()
+            budget = max(min(MIN_FILE_S, left), left - later)
+            args = ["-m", "grade and not ungraded", f"--timeout={per_test_s}"]
+            args += ["-q" if quiet else "-v", "--tb=short", "-rN", "--disable-warnings"]
+            args += ["--no-header", *(by_file[test_file] if nodeids else [test_file])]
+            began = time.time()
+            found, code, killed = _session(root, test_file, args, env, began + budget, quiet)
+            kill_everything(keep=(shared.proc.pid,))
+            mine = outcomes(found)
+            died = None
+            if code is not None and code < 0 and not killed:
+                died = f"signal {-code}" + (", out of memory" if -code == signal.SIGKILL else "")
+            cut, running = _cut_off(test_file, time.time() - began, found, mine, died)
+            if not any(e["event"] == "collected" for e in found):  # it died before collecting
+                collected = collect(root, [test_file], only)
+                found += collected
+                cut, running = _cut_off(test_file, time.time() - began, found, mine, died)
+            if killed or died or cut:
+                what = f"died ({died})" if died else "ran out of time"
+                notes.append(
+                    f"{os.path.basename(test_file)} {what} after {time.time() - began:.0f} s"
+                    + (f", in {running.split('::', 1)[-1]}" if running else "")
+                    + "; its tests not run score zero."
+                )
+            graded += [e for e in found if e["event"] == "collected"]
+            results.update(mine)
+            results.update(cut)
+            if stop_on and any(
+                not o.passed and stop_on in first_line(o.output) for o in mine.values()
+            ):
+                break
+    finally:
+        sandbox.close()
+        shared.close()
+        kill_everything()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        shutil.rmtree(where.work, ignore_errors=True)
+    oom = [(g, results[g["nodeid"]]) for g in graded if g["nodeid"] in results]
+    oom = [(g, o) for g, o in oom if first_line(o.output).startswith("out of memory")]
+    if oom:
+        g, o = oom[0]
+        notes.insert(0, _oom_line(g["nodeid"], first_line(o.output)))
+    return Run(graded, results, time.time() - start, notes, broken)
 
-    A test file that cannot be collected (the submission fails on import) leaves its tests out
-    of ``graded`` but not of ``outcomes``: each of its tests that the reference has (from
-    ``collect()``) is entered there as failed, with the collection error as its output."""
-    with tempfile.TemporaryDirectory() as tmp:
-        report = os.path.join(tmp, "report.jsonl")
-        open(report, "w").close()
-        args = ["-m", "grade", f"--timeout={per_test_s}", "-q" if quiet else "-v"]
-        args += ["--continue-on-collection-errors", "--tb=short", "-rN", "--disable-warnings"]
-        args += ["--no-header"]
-        args += list(nodeids or ["tests"])
-        _, seconds, timed_out = _pytest(
-            root, args, report, submission, overall_s, quiet, only, stop_on
-        )
-        events = _events(report)
-    graded = [e for e in events if e["event"] == "collected"]
-    results = outcomes(events)
-    for e in (e for e in events if e["event"] == "collect_error"):
-        results[("collect_error", e["nodeid"])] = Outcome(
-            False, "could not be collected:\n" + e["output"]
-        )
-    return graded, results, seconds, timed_out
+
+def _oom_line(nodeid, first):
+    limit = sandbox.memory_limit()
+    if limit:
+        more = f"{2 * limit / 2**30:.1f} GB (it is {limit / 2**20:.0f} MB)"
+    else:
+        more = "2 GB or more"
+    ranks = first.split(" ranks", 1)[0].rsplit(" ", 1)[-1] if " ranks" in first else "1"
+    return (
+        f"out of memory in test {nodeid.split('::', 1)[-1]} at {ranks} ranks; raise the "
+        f"container's memory to {more}"
+    )
 
 
 def result_of(results, nodeid):
     """The Outcome of a test; a test never run scores zero and says why."""
-    if nodeid in results:
-        return results[nodeid]
-    for key, value in results.items():
-        if isinstance(key, tuple) and nodeid.startswith(key[1]):
-            return value
-    return Outcome(False, "not run: the grader's time ran out")
+    return results.get(nodeid, Outcome(False, "not run: the grading stopped before it", ran=False))
 
 
 def first_line(output):
@@ -225,10 +439,13 @@ def blocked_by(graded, results):
             if need in stubbed:
                 memo[nodeid] = (need, "not implemented")
                 break
-            own = [
+            own = [  # its tests that ran and failed (one never run tells nothing)
                 t
                 for t in tests
-                if t != nodeid and need in tests[t]["solutions"] and not result_of(results, t)[0]
+                if t != nodeid
+                and need in tests[t]["solutions"]
+                and not result_of(results, t).passed
+                and result_of(results, t).ran
             ]
             causes = [why(t) for t in own]
             if any(c is None for c in causes):
@@ -248,68 +465,17 @@ def blocked_by(graded, results):
     }
 
 
-def stage(submission, root=ROOT, out=None):
-    """The folder to grade: every stub from the reference, then the submission's files on top."""
-    out = out or os.path.join(root, "build", "grading", "submission")
-    shutil.rmtree(out, ignore_errors=True)
-    names = write_student(out, root)
-    found = []
-    for name in names:  # memory/memory_timeline.py may also be handed in as memory_timeline.py
-        for given in (name, os.path.basename(name)):
-            if os.path.isfile(os.path.join(submission, given)):
-                shutil.copyfile(os.path.join(submission, given), os.path.join(out, name))
-                found.append(name)
-                break
-    return out, found, [n for n in names if n not in found]
-
-
-_IMPORT_CHECK = """
-import importlib, json, sys, traceback
-out = {}
-for name, module in json.loads(sys.argv[1]).items():
-    try:
-        importlib.import_module(module)
-    except BaseException as e:
-        line = getattr(e, "lineno", None) if isinstance(e, SyntaxError) else None
-        for frame in traceback.extract_tb(e.__traceback__):
-            if frame.filename.endswith(name):
-                line = frame.lineno
-        first = (str(e).splitlines() or [""])[0]
-        out[name] = f"{type(e).__name__}" + (f" at line {line}" if line else "") + f": {first}"
-print(json.dumps(out))
-"""
-
-
-def import_errors(staged, names):
-    """{file: "SyntaxError at line 118: ..."} for each of ``names`` that fails to import."""
-    modules = {n: os.path.splitext(n)[0].replace(os.sep, ".") for n in names}
-    if not modules:
-        return {}
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(staged), CUDA_VISIBLE_DEVICES="")
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-c", _IMPORT_CHECK, json.dumps(modules)],
-            cwd=staged,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        return json.loads(proc.stdout.strip().splitlines()[-1])
-    except (subprocess.TimeoutExpired, ValueError, IndexError):
-        return {n: "importing it did not finish within 120 s" for n in names}
-
-
 def file_of(test, files):
     """The assignment file a graded test's first solution lives in (by its stem)."""
     stem = test["solutions"][0].split(".", 1)[0] if test["solutions"] else "?"
     return next((f for f in files if os.path.splitext(os.path.basename(f))[0] == stem), stem)
 
 
-def results_json(graded, results, timed_out, note="", broken=None, files=()):
+def results_json(graded, results, notes=(), note="", broken=None, files=()):
     """Gradescope's autograder format: top-level score, and one entry per graded test.
 
-    ``broken`` maps a file that could not be imported to why: its tests say so first."""
+    ``notes`` lead the output (out of memory first); ``broken`` maps a file that could not be
+    imported to why: its tests say so first."""
     tests, blocked = [], blocked_by(graded, results)
     for g in graded:
         passed, output = result_of(results, g["nodeid"])[:2]
@@ -328,12 +494,10 @@ def results_json(graded, results, timed_out, note="", broken=None, files=()):
             }
         )
     total = sum(t["score"] for t in tests)
-    if timed_out:
-        note += " The grader's overall time limit stopped the run; tests not run score zero."
     return {
         "score": total,
         "max_score": sum(t["max_score"] for t in tests),
-        "output": note.strip(),
+        "output": "\n".join([*notes, note.strip()]).strip(),
         "visibility": "visible",
         "tests": tests,
     }
@@ -440,43 +604,56 @@ def check_only(only, regions):
     return wanted
 
 
+def write_results(report, out):
+    """Write results.json once, whole (a reader never sees half of it)."""
+    out = os.path.abspath(out)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(out), prefix=".results-")
+    with os.fdopen(fd, "w") as f:
+        json.dump(report, f, indent=2)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, out)
+
+
 def grade(root, submission, out, per_test_s, overall_s, only=None):
     note = "Reference solution." if submission is None else ""
-    regions = all_regions(root)
+    regions = graded_regions(root)
     wanted = check_only(only, regions) if only else None
-    staged, found = None, []
+    files_dir, found = root, []
     if submission is not None:
         if not os.path.isdir(submission):
             sys.exit(f"grade: --submission {submission}: no such folder")
-        staged, found, missing = stage(submission, root)
+        files_dir, found, missing = stage(submission, root)
         note = f"Graded files: {', '.join(found) or 'none'}."
         if missing:
             note += f" Not handed in (graded as the unfilled stub): {', '.join(missing)}."
     if wanted:
         note += f" Only the tests of {', '.join(wanted)} (and of the regions they need)."
     print(note.strip(), flush=True)
-    broken = import_errors(staged, found) if staged else {}
-    graded, results, seconds, timed_out = run_graded(
-        root, staged, None, per_test_s, overall_s, only=wanted
-    )
-    if any(isinstance(k, tuple) for k in results):  # a test file failed: the reference's tests
-        graded = collect(root, only=wanted)
-    if not graded:
-        print("grade: no graded tests found (no test carries @pytest.mark.grade)")
-        return 1
+    print(sandbox.mode_line(), flush=True)
+    nodeids = [g["nodeid"] for g in collect(root, only=wanted)] if wanted else None
     files = assignment_files(root)
-    report = results_json(graded, results, timed_out, note, broken, files)
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(report, f, indent=2)
+    try:
+        run = run_graded(root, files_dir, nodeids, per_test_s, overall_s, only=wanted)
+        function_at = function_lines(files_dir, files)
+    finally:
+        if files_dir != root:
+            shutil.rmtree(files_dir, ignore_errors=True)
+    if not run.graded:
+        print("grade: no graded tests found (none under tests/graded/ carries @pytest.mark.grade)")
+        return 1
+    report = results_json(run.graded, run.results, run.notes, note, run.broken, files)
+    write_results(report, out)  # once, after every process of the grading is gone
     failures = failures_text(report)
     if failures:
         print("\n" + failures)
     print()
-    print(score_table(report, broken))
-    print(function_table(report, regions, function_lines(staged or root, files)))
+    for line in run.notes:
+        print(line)
+    print(score_table(report, run.broken))
+    print(function_table(report, regions, function_at))
     shown = os.path.relpath(out) if out.startswith(os.getcwd() + os.sep) else out
-    print(f"\n{shown} written; grading took {seconds:.0f} s")
+    print(f"\n{shown} written; grading took {run.seconds:.0f} s")
     full = report["score"] == report["max_score"]
     return 0 if submission is not None or full else 1
 
@@ -500,8 +677,9 @@ def check_regions(root, per_test_s, overall_s, only=None):
             continue
         with tempfile.TemporaryDirectory() as staged:
             write_student(staged, root, only={qualname})
-            _, results, seconds, _ = run_graded(root, staged, tests, per_test_s, overall_s, True)
-        passing = [t for t in tests if result_of(results, t)[0]]
+            run = run_graded(root, staged, tests, per_test_s, overall_s, True)
+        seconds = run.seconds
+        passing = [t for t in tests if result_of(run.results, t).passed]
         verdict = "FAIL" if passing else "ok  "
         print(
             f"{verdict} {qualname}: {len(tests) - len(passing)} of {len(tests)} graded tests "
@@ -570,10 +748,11 @@ def check_mistakes(root, which, per_test_s, overall_s):
                 text = splice(f.read(), region, m.body)
             with open(path, "w") as f:
                 f.write(text)
-            _, results, seconds, _ = run_graded(
+            run = run_graded(
                 root, staged, tests, per_test_s, overall_s, True, stop_on=m.message
             )  # the run stops at the first failure that shows the message: the rest cannot undo it
-        ran = [t for t in tests if t in results]
+        results, seconds = run.results, run.seconds
+        ran = [t for t in tests if t in results and results[t].ran]
         firsts = [first_line(results[t].output) for t in ran if not results[t].passed]
         matching = [f for f in firsts if m.message in f]
         shown = (matching or firsts or [""])[0]
@@ -620,7 +799,7 @@ def main(argv=None):
     if args.per_test_timeout <= 0 or args.timeout <= 0:
         parser.error("--per-test-timeout and --timeout take a number of seconds above 0")
     if args.check_regions:
-        only = check_only(args.only, all_regions(root)) if args.only else None
+        only = check_only(args.only, graded_regions(root)) if args.only else None
         return check_regions(root, args.per_test_timeout, args.timeout, only)
     if args.check_mistakes is not None:
         return check_mistakes(root, args.check_mistakes, args.per_test_timeout, args.timeout)

@@ -3,16 +3,19 @@
 The reference holds every solution; what a student clones must hold none. This writes:
 
     build/release/student/         a repository a student clones: the stubbed technique files
-                                   (tools/assignments.py), launch.py, memory/, the tests a student
-                                   may run (the files with graded tests, the harness, conftest),
-                                   the notebooks with every output stripped, the grader, a
-                                   Makefile (make demo / test / grade) and a student README
+                                   (tools/assignments.py), what they import, the graded tests
+                                   (tests/graded/: the tests, their probes, conftest), the
+                                   notebooks with every output stripped, the grader and its
+                                   sandbox, the regions' table (tools/regions.json), a Makefile
+                                   (make demo / test / grade) and a student README
     build/release/autograder.zip   Gradescope's layout: setup.sh and run_autograder at the top,
                                    the same stubs, tests and grader beside them, so a submission
                                    scores the same there as with the student's own `make grade`
 
 Then it searches every released file for the text of each solution region and for the reference's
-private answers (the mistakes catalogue, tests/notebook_answers.py): any hit fails the release.
+private answers (the mistakes catalogue, tests/notebook_answers.py), and compares every function
+it ships with every region, token by token with names left out, so a helper that re-implements a
+region under other names is found too: any hit fails the release.
 
     python tools/release.py               # both, then the leak search (make release)
     python tools/release.py --out DIR     # somewhere else
@@ -20,11 +23,17 @@ private answers (the mistakes catalogue, tests/notebook_answers.py): any hit fai
 
 import argparse
 import ast
+import io
+import json
+import keyword
 import os
 import re
 import shutil
 import stat
 import sys
+import tempfile
+import textwrap
+import tokenize
 import zipfile
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
@@ -42,15 +51,22 @@ SUPPORT = (
     "requirements-test.txt",
     "pytest.ini",
     "pyproject.toml",
-    "tests/conftest.py",
-    "tests/harness.py",
+    "tests/graded/conftest.py",
+    "tests/graded/probes/__init__.py",
     "tools/grade.py",
     "tools/grade_plugin.py",
     "tools/assignments.py",
+    "tools/sandbox.py",
+    "tools/sandbox_child.py",
     "tools/venv.sh",
 )
-# never released: the reference's private answers
-PRIVATE = ("tests/mistakes", "tests/notebook_answers.py")
+# never released: the reference's private answers, and the V4 oracles (they hold regions' math)
+PRIVATE = (
+    "tests/mistakes",
+    "tests/notebook_answers.py",
+    "tests/oracle_v4_mhc.py",
+    "tests/oracle_v4_attention.py",
+)
 # what grading on Gradescope does not import (the notebooks' kernel, the linter)
 NOT_FOR_GRADING = ("jupyter", "jupytext", "nbclient", "nbformat", "ipykernel", "ruff")
 STAMP = ".release"  # marks a folder this script wrote, so it may be written again
@@ -59,46 +75,60 @@ STAMP = ".release"  # marks a folder this script wrote, so it may be written aga
 # ---- what goes in ----
 
 
+def _has_grade_mark(path):
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    return any(
+        isinstance(n, ast.Attribute)
+        and n.attr == "grade"
+        and isinstance(n.value, ast.Attribute)
+        and n.value.attr == "mark"
+        for n in ast.walk(tree)
+    )
+
+
 def graded_test_files(root=ROOT):
-    """tests/test_*.py files with a `pytest.mark.grade` in their code (not in a string)."""
+    """tests/graded/test_*.py files with a `pytest.mark.grade` in their code (not in a string),
+    and the probes each calls (tests/graded/probes/<stem>.py for a test_<stem>.py)."""
     found = []
-    tests = os.path.join(root, "tests")
-    for name in sorted(os.listdir(tests)):
+    graded = os.path.join(root, "tests", "graded")
+    for name in sorted(os.listdir(graded)) if os.path.isdir(graded) else []:
         if name.startswith("test_") and name.endswith(".py"):
-            with open(os.path.join(tests, name)) as f:
-                tree = ast.parse(f.read())
-            marks = (
-                n
-                for n in ast.walk(tree)
-                if isinstance(n, ast.Attribute)
-                and n.attr == "grade"
-                and isinstance(n.value, ast.Attribute)
-                and n.value.attr == "mark"
-            )
-            if any(True for _ in marks):
-                found.append(f"tests/{name}")
+            if _has_grade_mark(os.path.join(graded, name)):
+                found.append(f"tests/graded/{name}")
+                probe = f"tests/graded/probes/{name[len('test_') :]}"
+                if os.path.exists(os.path.join(root, probe)):
+                    found.append(probe)
     return found
 
 
-def _module_path(name, root, places):
-    """The repository file or package a top-level import name resolves to, or None."""
-    for place in places:
-        base = os.path.join(root, place, name) if place else os.path.join(root, name)
-        if os.path.isfile(base + ".py"):
-            return os.path.relpath(base + ".py", root)
-        if os.path.isdir(base) and any(f.endswith(".py") for f in os.listdir(base)):
-            return os.path.relpath(base, root)
-    return None
+def release_sources(root=ROOT):
+    """Every reference file the student repository copies (assignment files aside), sorted.
 
-
-def _imported_names(tree):
-    """Each import as the dotted names it may mean (`from pkg import mod` may mean pkg.mod)."""
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            yield from ([a.name] for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            for a in node.names:
-                yield [f"{node.module}.{a.name}", node.module]
+    The support files, the graded tests and their probes, and whatever any of them or the
+    notebooks import from the repository (the standard library's modulefinder), followed to its
+    end; a private file is never released (the leak search fails on one)."""
+    assigned = set(assignments.assignment_files(root))
+    wanted = [p for p in SUPPORT if os.path.exists(os.path.join(root, p))]
+    wanted += graded_test_files(root)
+    scripts = [p for p in wanted if p.endswith(".py")] + sorted(assigned)
+    with tempfile.TemporaryDirectory() as tmp:
+        for path in notebooks(root):  # a notebook's code cells, as a script modulefinder reads
+            script = os.path.join(tmp, os.path.basename(path) + ".py")
+            with open(script, "w") as f:
+                f.write(ast.unparse(_notebook_tree(os.path.join(root, path))))
+            scripts.append((script, os.path.join(root, "notebooks")))  # its kernel starts there
+        found = assignments.import_closure(root, scripts)
+    files = set(wanted) | set(found)
+    package_siblings = {
+        os.path.join(os.path.dirname(a), f)
+        for a in assigned
+        if os.path.dirname(a)
+        for f in os.listdir(os.path.join(root, os.path.dirname(a)))
+        if f.endswith(".py")
+    }
+    private = {f for f in files if any(f == p or f.startswith(p + "/") for p in PRIVATE)}
+    return sorted(files - assigned - package_siblings - private)
 
 
 def _notebook_tree(path):
@@ -114,80 +144,6 @@ def _notebook_tree(path):
         if not line.lstrip().startswith(("%", "!"))
     )
     return ast.parse(code)
-
-
-def local_imports(relpath, root=ROOT):
-    """Repository files and packages that the file (or notebook) at ``relpath`` imports."""
-    path = os.path.join(root, relpath)
-    if relpath.endswith(".ipynb"):
-        tree = _notebook_tree(path)
-    else:
-        with open(path) as f:
-            tree = ast.parse(f.read())
-    places = ["", os.path.dirname(relpath), "tests", "tools"]  # the tests put both on sys.path
-    found = set()
-    for names in _imported_names(tree):
-        for name in names:  # the most specific that is a file of the repository wins
-            parts = name.split(".")
-            path = _module_path(parts[0], root, places)
-            if path and len(parts) > 1 and os.path.isdir(os.path.join(root, path)):
-                inner = _module_path(parts[1], root, [path])
-                if inner and os.path.isfile(os.path.join(root, inner)):
-                    init = os.path.join(path, "__init__.py")
-                    found.update([init] if os.path.exists(os.path.join(root, init)) else [])
-                    found.add(inner)
-                    break
-                if len(names) > 1 and name == names[0]:
-                    continue  # `from pkg import name`: pkg itself is the next candidate
-            if path:
-                found.add(path)
-                break
-    return found
-
-
-def _python_files(relpath, root):
-    """The file itself, or a package's modules."""
-    if os.path.isfile(os.path.join(root, relpath)):
-        return [relpath]
-    return sorted(
-        os.path.join(relpath, f)
-        for f in os.listdir(os.path.join(root, relpath))
-        if f.endswith(".py")
-    )
-
-
-def release_sources(root=ROOT):
-    """Every reference file the student repository copies (assignment files aside), sorted.
-
-    The support files, the graded test files, and whatever any of them imports from the
-    repository, followed to its end; a private path is never followed."""
-    assigned = set(assignments.assignment_files(root))
-    todo = [p for p in SUPPORT if os.path.exists(os.path.join(root, p))]
-    todo += graded_test_files(root) + [f for f in assigned if f.endswith(".py")]
-    todo += notebooks(root)
-    seen = set()
-    while todo:
-        path = todo.pop()
-        if path in seen or any(path == p or path.startswith(p + "/") for p in PRIVATE):
-            continue
-        seen.add(path)
-        for file in _python_files(path, root):
-            if file.endswith((".py", ".ipynb")):
-                todo += sorted(local_imports(file, root) - seen)
-    files = set()
-    for path in seen:
-        files.update(
-            _python_files(path, root) if os.path.isdir(os.path.join(root, path)) else [path]
-        )
-    package_siblings = {
-        os.path.join(os.path.dirname(a), f)
-        for a in assigned
-        if os.path.dirname(a)
-        for f in os.listdir(os.path.join(root, os.path.dirname(a)))
-        if f.endswith(".py")
-    }
-    files = {f for f in files if not f.endswith(".ipynb")}  # released stripped, not copied
-    return sorted(files - assigned - package_siblings - {"tests", "tools"})
 
 
 def notebooks(root=ROOT):
@@ -267,6 +223,8 @@ def write_student_repo(out, root=ROOT):
         os.makedirs(os.path.join(out, "notebooks"), exist_ok=True)
         strip_notebook(os.path.join(root, path), os.path.join(out, path))
     regions = assignments.all_regions(root)
+    with open(os.path.join(out, assignments.REGION_TABLE), "w") as f:
+        json.dump(assignments.region_table(regions, root), f, indent=1)
     fill = {
         "{{REGIONS}}": _region_rows(out, regions, root),
         "{{ASSIGNMENTS}}": _assignment_prose(root),
@@ -399,6 +357,92 @@ def solution_signatures(root=ROOT):
     return signatures
 
 
+SHINGLE = 8  # tokens in a shingle
+MIN_SHINGLES = 40  # a region with fewer says too little to be recognised by its shape alone
+OVERLAP = 0.6  # this share of a region's shingles inside one released function: a re-implementation
+
+
+def shape(source):
+    """``source``'s tokens with every name, number and string replaced by its kind (keywords,
+    operators and attribute names stay): a body renamed throughout keeps its shape."""
+    out, previous = [], None
+    skip = {tokenize.COMMENT, tokenize.NL, tokenize.INDENT, tokenize.DEDENT, tokenize.ENCODING}
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(source).readline):
+            if token.type in skip or token.type == tokenize.ENDMARKER:
+                continue
+            if token.type == tokenize.NAME and not keyword.iskeyword(token.string):
+                out.append(token.string if previous == "." else "N")
+            elif token.type == tokenize.NUMBER:
+                out.append("0")
+            elif token.type == tokenize.STRING:
+                out.append("S")
+            elif token.type == tokenize.NEWLINE:
+                out.append(";")
+            else:
+                out.append(token.string)
+            previous = token.string
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        pass
+    return out
+
+
+def shingles(source):
+    tokens = shape(source)
+    return {tuple(tokens[i : i + SHINGLE]) for i in range(len(tokens) - SHINGLE + 1)}
+
+
+def region_shapes(root=ROOT):
+    """{qualname: (its shingles, where)} for each region long enough to be known by its shape."""
+    where = {os.path.basename(f): f for f in assignments.assignment_files(root)}
+    out = {}
+    for r in assignments.all_regions(root):
+        with open(os.path.join(root, where[r.file])) as f:
+            lines = f.read().splitlines()
+        body = textwrap.dedent("\n".join(lines[r.begin : r.end - 1]))
+        found = shingles(body)
+        if len(found) >= MIN_SHINGLES:
+            out[r.qualname] = (found, f"{r.file}:{r.begin + 1}")
+    return out
+
+
+def code_units(text):
+    """(first line, source) of every function in ``text`` (methods and nested ones included)."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return []
+    return [
+        (node.lineno, ast.get_source_segment(text, node) or "")
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    ]
+
+
+def reimplementations(folder, shapes):
+    """(file, line, what) for each function under ``folder`` that holds most of a region's shape:
+    a helper re-implementing a region under other names (or its own copy left in a stub)."""
+    hits = []
+    for name in files_of(folder):
+        if not name.endswith((".py", ".ipynb")):
+            continue
+        text = searchable_text(os.path.join(folder, name))
+        units = code_units(text) if name.endswith(".py") else [(1, text)]
+        for line, source in units:
+            mine = shingles(textwrap.dedent(source))
+            for qualname, (theirs, where) in shapes.items():
+                share = len(theirs & mine) / len(theirs)
+                if share >= OVERLAP:
+                    hits.append(
+                        (
+                            name,
+                            line,
+                            f"{qualname} ({where}) re-implemented: {share:.0%} of its shape",
+                        )
+                    )
+    return hits
+
+
 def mistake_bodies(tree):
     """The `body=` strings of a module's `Mistake(...)` records (tests/mistakes/)."""
     for node in ast.walk(tree):
@@ -483,9 +527,11 @@ def searchable_text(path):
     return text
 
 
-def leaks(folder, root=ROOT, signatures=None):
-    """(released file, line, what it reveals) for every solution line found under ``folder``."""
+def leaks(folder, root=ROOT, signatures=None, shapes=None):
+    """(released file, line, what it reveals) for every solution line found under ``folder``, and
+    every function there that re-implements a region (its shape, names aside)."""
     signatures = solution_signatures(root) if signatures is None else signatures
+    shapes = region_shapes(root) if shapes is None else shapes
     tokens = answer_tokens(root)
     words = re.compile("|".join(rf"(?<![\w,]){re.escape(t)}(?![\w,])" for t in tokens) or "(?!)")
     hits = []
@@ -507,7 +553,7 @@ def leaks(folder, root=ROOT, signatures=None):
                 for sig in (s for s in signatures if len(s) >= 2 * MIN_SIGNATURE and s in text):
                     hits.append((name, number, signatures[sig]))
                     break
-    return hits
+    return hits + reimplementations(folder, shapes)
 
 
 def main(argv=None):
@@ -522,28 +568,24 @@ def main(argv=None):
     shown = os.path.relpath(args.out)
     print(f"{shown}/student/: {len(files)} files (a repository a student clones)")
     print(f"{shown}/autograder.zip: {len(members)} files (Gradescope: setup.sh, run_autograder)")
-    signatures = solution_signatures()
-    found = leaks(student, signatures=signatures)
-    with tempfile_dir() as tmp:
+    signatures, shapes = solution_signatures(), region_shapes()
+    found = leaks(student, signatures=signatures, shapes=shapes)
+    with tempfile.TemporaryDirectory() as tmp:
         with zipfile.ZipFile(zip_path) as z:
             z.extractall(tmp)
         found += [
-            (f"autograder.zip:{n}", line, what) for n, line, what in leaks(tmp, ROOT, signatures)
+            (f"autograder.zip:{n}", line, what)
+            for n, line, what in leaks(tmp, ROOT, signatures, shapes)
         ]
     for name, line, what in found:
         print(f"LEAK {name}:{line}: {what}")
     regions = len(assignments.all_regions())
     print(
         f"leak search: {len(signatures)} solution lines of {regions} regions and the private "
-        f"answers, in every released file: {len(found)} found"
+        f"answers, and the shapes of {len(shapes)} regions, in every released file: "
+        f"{len(found)} found"
     )
     return 1 if found else 0
-
-
-def tempfile_dir():
-    import tempfile
-
-    return tempfile.TemporaryDirectory()
 
 
 if __name__ == "__main__":

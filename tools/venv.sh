@@ -10,7 +10,9 @@
 #   off half-way) is installed again, so a half-installed venv is repaired before any use.
 # - TORCH_INDEX (optional) is an extra package index used for torch alone, e.g. the CPU-only build.
 # - A .pth file in the venv's site-packages puts the repository root on sys.path, so a Jupyter
-#   kernel started anywhere (notebooks/ included) can `import mhc` without PYTHONPATH.
+#   kernel started anywhere (notebooks/ included) can `import mhc` without PYTHONPATH. A venv whose
+#   .pth names another checkout is never repointed (that checkout's notebooks would import this
+#   one's files): make stops with one line that says what to do.
 set -euo pipefail
 PYTHON=$1 VENV=$2 TORCH_INDEX=$3
 shift 3
@@ -63,6 +65,9 @@ done
 
 site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 pth=$site/course_repository_root.pth
-if [ "$(cat "$pth" 2>/dev/null)" != "$ROOT" ]; then
-    echo "$ROOT" >"$pth"
+if [ -f "$pth" ] && [ "$(cat "$pth")" != "$ROOT" ]; then
+    echo "make: $VENV belongs to the checkout $(cat "$pth"); run make there, give this checkout" \
+        "its own (make VENV=.venv), or delete $pth to move $VENV here" >&2
+    exit 1
 fi
+[ -f "$pth" ] || echo "$ROOT" >"$pth"

@@ -2,29 +2,34 @@
 
 Gradescope gives a student zero and shows nothing when the autograder dies or outlives its limit.
 So this finds the student's files wherever the upload put them (a zip of a folder, a GitHub
-repository), runs tools/grade.py on them under a time limit below Gradescope's, and writes
-results.json whatever happened: the grader's own, with the execution time added, or a zero with
-the reason. Lives at tools/gradescope.py in the autograder zip, beside tools/grade.py.
+repository), runs tools/grade.py on them under a time limit below Gradescope's, passing its output
+on line by line as it comes (a run killed from outside still shows how far it got), kills every
+process left behind (as root: every process of the sandbox user), and then writes results.json
+once: the grader's report, with the execution time added, or a zero with the reason. Lives at
+tools/gradescope.py in the autograder zip, beside tools/grade.py.
 
     python tools/gradescope.py --submission DIR --results FILE [--timeout SECONDS]
 """
 
 import argparse
+import collections
 import json
 import os
-import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SKIP = {"__MACOSX", ".git", "__pycache__", ".venv", "build"}
 
 
-def assignment_names(root=ROOT):
-    sys.path.insert(0, os.path.join(root, "tools"))
-    import assignments
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import assignments  # noqa: E402
+import sandbox  # noqa: E402
 
+
+def assignment_names(root=ROOT):
     return [os.path.basename(n) for n in assignments.assignment_files(root)]
 
 
@@ -46,7 +51,8 @@ def locate(submission, names):
 
 
 def grade(submission, results, timeout_s):
-    """Run tools/grade.py on ``submission``; return (exit code or None on timeout, output tail)."""
+    """Run tools/grade.py on ``submission``, its report to ``results``; return (exit code or
+    None on timeout, the output's tail). Its output is passed on line by line as it comes."""
     grade_py = os.path.join(ROOT, "tools", "grade.py")
     # the grader stops itself first and scores what finished
     cmd = [sys.executable, grade_py, "--submission", submission, "--out", results,
@@ -54,24 +60,44 @@ def grade(submission, results, timeout_s):
     proc = subprocess.Popen(
         cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
     )
-    try:
-        output, _ = proc.communicate(timeout=timeout_s)
-        code = proc.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        code = None
-    text = output.decode(errors="replace")
-    sys.stdout.write(text)  # Gradescope shows run_autograder's output to the instructor
-    return code, text[-3000:]
-
-
-def finish(results, seconds, code, tail, note):
-    """results.json as Gradescope reads it: the grader's, or a zero that says why."""
-    report = None
-    if os.path.exists(results):
+    tail, deadline = collections.deque(maxlen=60), time.monotonic() + timeout_s
+    os.set_blocking(proc.stdout.fileno(), False)
+    pending = b""
+    while True:
         try:
-            with open(results) as f:
+            chunk = proc.stdout.read()
+        except BlockingIOError:
+            chunk = None
+        if chunk:
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                text = line.decode(errors="replace")
+                print(text, flush=True)  # Gradescope shows it to the instructor
+                tail.append(text)
+        if proc.poll() is not None and not chunk:
+            break
+        if time.monotonic() > deadline:
+            sandbox.kill_tree(proc.pid)
+            proc.wait()
+            break
+        time.sleep(0.1)
+    if pending:
+        print(pending.decode(errors="replace"), flush=True)
+    code = proc.returncode if time.monotonic() <= deadline else None
+    for pid in sandbox.descendants(os.getpid()):  # anything grade.py left behind
+        sandbox.kill_tree(pid)
+    sandbox.kill_sandbox_user()
+    return code, "\n".join(tail)[-3000:]
+
+
+def finish(report_path, results, seconds, code, tail, note):
+    """Write results.json once, as Gradescope reads it: the grader's report (from
+    ``report_path``), or a zero that says why."""
+    report = None
+    if os.path.exists(report_path):
+        try:
+            with open(report_path) as f:
                 report = json.load(f)
         except ValueError:
             report = None
@@ -84,10 +110,13 @@ def finish(results, seconds, code, tail, note):
         }
     report["execution_time"] = round(seconds, 1)
     report.setdefault("visibility", "visible")
-    report["output"] = (note + " " + report.get("output", "")).strip()
+    if note:
+        report["output"] = (report.get("output", "") + "\n" + note).strip()
     os.makedirs(os.path.dirname(os.path.abspath(results)), exist_ok=True)
-    with open(results, "w") as f:
+    tmp = results + ".writing"
+    with open(tmp, "w") as f:
         json.dump(report, f, indent=2)
+    os.replace(tmp, results)
     return report
 
 
@@ -102,14 +131,16 @@ def main(argv=None):
     if os.path.exists(results):
         os.remove(results)
     note = ""
+    private = tempfile.mkdtemp(prefix="gradescope-")  # root's alone: the grader's report
+    report_path = os.path.join(private, "results.json")
     if not os.path.isdir(args.submission):
         code, tail = 1, f"no submission folder at {args.submission}"
     else:
         folder = locate(os.path.abspath(args.submission), assignment_names())
         if folder != os.path.abspath(args.submission):
             note = f"Graded the files in {os.path.relpath(folder, args.submission)}/."
-        code, tail = grade(folder, results, args.timeout)
-    report = finish(results, time.monotonic() - start, code, tail, note)
+        code, tail = grade(folder, report_path, args.timeout)
+    report = finish(report_path, results, time.monotonic() - start, code, tail, note)
     print(f"results.json: {report['score']} points in {report['execution_time']} s")
     return 0
 

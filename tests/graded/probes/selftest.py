@@ -1,9 +1,21 @@
-"""Probes the sandbox's own tests call (no submission code)."""
+"""Probes the sandbox's own tests call (tests/graded/test_sandbox.py): no submission code, only the
+ways a worker can behave and misbehave."""
 
+import ctypes
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+
+@dataclass
+class Plan:
+    steps: int
+    name: str
 
 
 def double(x):
-    return {"y": x * 2, "n": 3}
+    return {"y": x * 2, "n": 3, "plan": Plan(2, "p")}
 
 
 def ranked(rank, world_size, x):
@@ -18,6 +30,72 @@ def stub():
     raise NotImplementedError("muon_zero.newton_schulz: write it")
 
 
+def raises():
+    print("some output before the error")
+    raise ValueError("the shapes differ: 3 vs 4")
+
+
+def fails_on_rank(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    if rank == 1:
+        raise RuntimeError("rank 1 went wrong")
+    dist.all_reduce(torch.ones(1))  # rank 0 waits here for a rank that never comes
+    return rank
+
+
 def hang():
     while True:
         pass
+
+
+def exits(how):
+    if how == "sys.exit":
+        sys.exit(0)
+    if how == "os._exit":
+        os._exit(3)
+    if how == "segfault":
+        ctypes.string_at(0)
+    return how
+
+
+def detach(seconds):
+    """Leave a process behind that outlives the call (a double fork into a new session)."""
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            time.sleep(seconds)
+            os._exit(0)
+        os._exit(0)
+    return os.getpid()
+
+
+def not_plain():
+    return object()
+
+
+def who():
+    """Who the worker runs as, where, and what it can reach."""
+    return {"uid": os.getuid(), "cwd": os.getcwd(), "environ": sorted(os.environ)}
+
+
+def can(path, mode):
+    """Whether opening ``path`` for ``mode`` works in the worker."""
+    try:
+        with open(path, mode):
+            pass
+        return True
+    except OSError:
+        return False
+
+
+def uses(module, name):
+    """Calls ``module.name()`` (a broken sibling gives a placeholder that raises)."""
+    import importlib
+
+    return getattr(importlib.import_module(module), name)()
+
+
+def big(n):
+    return "x" * n
