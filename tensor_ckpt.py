@@ -53,7 +53,7 @@ import launch
 from guards import tensor_ckpt_guard  # the refusals: one check() per plan, when it is made
 
 
-# ---- 1. Mark a tensor, trace the forward, run it once on examples -------------------------------
+# ---- 1. Mark a tensor, trace the forward, run it once on examples --------------------------------
 def forget(x):
     """Mark ``x`` to be freed after forward and recomputed in backward. Identity when run eagerly.
 
@@ -228,7 +228,7 @@ def profile(gm, example_inputs):
     return infos, {storage_key(t) for t in saved}
 
 
-# ---- 2. The plan: one minimal recompute subgraph per forgotten storage --------------------------
+# ---- 2. The plan: one minimal recompute subgraph per forgotten storage ---------------------------
 def storage_units(nodes, infos):
     """Group tensor nodes by the storage they live in: {key: [nodes in execution order]}.
 
@@ -311,47 +311,8 @@ class Plan:
     bytes_freed = property(lambda self: sum(u.bytes_freed for u in self.units) - self.rng_bytes)
     recompute_flops = property(lambda self: sum(u.flops for u in self.units))
 
-    def __str__(self):
-        """The plan as a table: per forgotten storage, what is freed and what backward runs."""
-        rng_mib, held_mib = mib_text(self.rng_bytes), mib_text(self.held_bytes)
-        snapshots = f", generator snapshots of {rng_mib} deducted" if self.rng_bytes else ""
-        held = f"; {held_mib} held for recompute" if self.held_bytes else ""
-        shapes = "; traced for these input shapes only" if self.gm.meta.get("shapes") else ""
-        lines = [
-            f"tensor_ckpt plan: {len(self.units)} forgotten storages, {mib_text(self.bytes_freed)} "
-            f"freed per forward{snapshots}{held}; recomputed per backward: "
-            f"{flops_text(self.recompute_flops)} in matmul/attention{shapes}",
-            f"  {'forgotten (aliases)':<30} {'shape':<16} {'freed':>10} {'matmul FLOP':>11}  "
-            "recompute ops <- from kept (* = forgotten, shared)",
-        ]
-        for u in self.units:
-            aliases = ", ".join(m for m in u.members if m != u.name)
-            label = u.name + (f" ({aliases})" if aliases else "")
-            freed = mib_text(u.bytes_freed) if u.saved else "0 (unsaved)"
-            ops = ", ".join(
-                name + (f"[{flops_text(fl)}]" if fl else "")
-                for name, fl in u.op_flops
-                if not name.startswith("forget")
-            )
-            kept = ", ".join([f.name for f in u.frontier] + [d.name + "*" for d in u.deps])
-            replayed = (
-                f"  [generator replayed: {', '.join(u.random_nodes)}]" if u.random_nodes else ""
-            )
-            lines.append(
-                f"  {label[:30]:<30} {str(tuple(u.shape)):<16} {freed:>10} "
-                f"{flops_text(u.flops):>11}  {ops} <- {kept}{replayed}"
-            )
-        return "\n".join(lines)
-
-
-def flops_text(flops):  # a unit that keeps small counts visible (3.1 kFLOP, not 0.0 MFLOP)
-    scale, unit = next(p for p in ((1e9, "G"), (1e6, "M"), (1e3, "k"), (0, "")) if flops >= p[0])
-    return f"{flops / scale:.1f} {unit}FLOP" if scale else f"{flops:.0f} FLOP"
-
-
-def mib_text(nbytes):  # MiB, or KiB below one MiB
-    mib = nbytes >= 2**20 or nbytes == 0
-    return f"{nbytes / 2**20:.2f} MiB" if mib else f"{nbytes / 2**10:.1f} KiB"
+    def __str__(self):  # the table: see plan_table
+        return plan_table(self)
 
 
 def make_plan(gm, infos, saved_keys, names=None):
@@ -427,7 +388,7 @@ def make_plan(gm, infos, saved_keys, names=None):
     return plan
 
 
-# ---- 3. The runtime: one forward that frees as it goes, two saved-tensor hooks ------------------
+# ---- 3. The runtime: one forward that frees as it goes, two saved-tensor hooks -------------------
 def run_forgetting(plan, inputs, owner):
     """One forward with the plan's storages forgotten: the runtime, end to end. Each value dies
     after its last use, as in FX's generated code, so autograd holds only handles to forgotten
@@ -633,7 +594,7 @@ class LiveStorage:
             self.value, self.pending = None, self.uses  # (a retained graph recomputes once more)
 
 
-# ---- 4. The module: one plan per frozen state, and data-parallel replicas ---------------------
+# ---- 4. The module: one plan per frozen state, and data-parallel replicas ------------------------
 def frozen_values(module):
     """What a trace may have frozen into the graph: the plain attributes of every submodule
     (``training``, a dropout's ``p``) and of the objects they hold (a config)."""
@@ -652,6 +613,12 @@ def frozen_values(module):
     return tuple(state)
 
 
+NOT_FULLGRAPH = (
+    "tensor_ckpt looks up the plan for each call in Python, one graph break before the compiled "
+    "forgetting: compile it without fullgraph=True"
+)
+
+
 class TensorCheckpoint(nn.Module):
     """``module`` with its plan's tensors forgotten; one plan per key (the values a trace may have
     frozen, the autocast state, and the input shapes where the trace read them), traced on the
@@ -667,7 +634,7 @@ class TensorCheckpoint(nn.Module):
         shapes = [(t.shape, t.dtype, t.device) for t in inputs] if self.knows_shapes else None
         return frozen_values(self.module), autocast_state(), shapes and tuple(shapes)
 
-    @torch.compiler.disable  # Python bookkeeping: under torch.compile a graph break, run eagerly
+    @functools.partial(torch.compiler.disable, reason=NOT_FULLGRAPH)  # run eagerly: a graph break
     def plan_for(self, args, kwargs):
         """This call's plan (``self.plan``, traced now if none fits) and its traced tensors, one
         per placeholder (fx_models: the arguments the trace took, the others as traced)."""
@@ -739,7 +706,7 @@ def checkpoint_data_parallel(module, example_inputs, settings, group=None, **kwa
     return nn.parallel.DistributedDataParallel(ckpt, device_ids=ids, process_group=group)
 
 
-# ---- 5. Under torch.compile: the plan as the compiler's recompute policy ---------------------
+# ---- 5. Under torch.compile: the plan as the compiler's recompute policy -------------------------
 def tagged_graph(gm, forgotten):
     """A copy of ``gm`` whose ``forgotten`` nodes run under ``fx.traceback.annotate``: under
     torch.compile the tag follows each of them to the aten ops it becomes."""
@@ -782,7 +749,49 @@ def compiled_forgetting(plan, inputs):
     return checkpoint(plan.tagged, *inputs, use_reentrant=False, context_fn=policy)
 
 
-# ---- 6. Demo: a transformer block stack with V4-style marks, trained data-parallel --------------
+# ---- 6. Reading a plan: print(model.plan) --------------------------------------------------------
+def plan_table(plan):
+    """The plan as a table: per forgotten storage, what is freed and what backward runs again."""
+    rng_mib, held_mib = mib_text(plan.rng_bytes), mib_text(plan.held_bytes)
+    snapshots = f", generator snapshots of {rng_mib} deducted" if plan.rng_bytes else ""
+    held = f"; {held_mib} held for recompute" if plan.held_bytes else ""
+    shapes = "; traced for these input shapes only" if plan.gm.meta.get("shapes") else ""
+    lines = [
+        f"tensor_ckpt plan: {len(plan.units)} forgotten storages, {mib_text(plan.bytes_freed)} "
+        f"freed per forward{snapshots}{held}; recomputed per backward: "
+        f"{flops_text(plan.recompute_flops)} in matmul/attention{shapes}",
+        f"  {'forgotten (aliases)':<30} {'shape':<16} {'freed':>10} {'matmul FLOP':>11}  "
+        "recompute ops <- from kept (* = forgotten, shared)",
+    ]
+    for u in plan.units:
+        aliases = ", ".join(m for m in u.members if m != u.name)
+        label = u.name + (f" ({aliases})" if aliases else "")
+        freed = mib_text(u.bytes_freed) if u.saved else "0 (unsaved)"
+        ops = ", ".join(
+            name + (f"[{flops_text(fl)}]" if fl else "")
+            for name, fl in u.op_flops
+            if not name.startswith("forget")
+        )
+        kept = ", ".join([f.name for f in u.frontier] + [d.name + "*" for d in u.deps])
+        replayed = f"  [generator replayed: {', '.join(u.random_nodes)}]" if u.random_nodes else ""
+        lines.append(
+            f"  {label[:30]:<30} {str(tuple(u.shape)):<16} {freed:>10} "
+            f"{flops_text(u.flops):>11}  {ops} <- {kept}{replayed}"
+        )
+    return "\n".join(lines)
+
+
+def flops_text(flops):  # a unit that keeps small counts visible (3.1 kFLOP, not 0.0 MFLOP)
+    scale, unit = next(p for p in ((1e9, "G"), (1e6, "M"), (1e3, "k"), (0, "")) if flops >= p[0])
+    return f"{flops / scale:.1f} {unit}FLOP" if scale else f"{flops:.0f} FLOP"
+
+
+def mib_text(nbytes):  # MiB, or KiB below one MiB
+    mib = nbytes >= 2**20 or nbytes == 0
+    return f"{nbytes / 2**20:.2f} MiB" if mib else f"{nbytes / 2**10:.1f} KiB"
+
+
+# ---- 7. Demo: a transformer block stack with V4-style marks, trained data-parallel ---------------
 class Block(nn.Module):
     """Pre-norm transformer layer, marked V4-style: forget what is large and cheap, keep matmuls."""
 

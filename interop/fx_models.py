@@ -24,6 +24,12 @@ class Arguments:
     or dict of tensors), and the ``concrete_args`` fixed for every call."""
 
     def __init__(self, module, example_inputs, concrete_args=None):
+        if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):  # no public name for it
+            raise ValueError(
+                "tensor_ckpt: the module is already compiled, and FX cannot trace a compiled "
+                "forward. Fix: checkpoint the plain module, then compile the result: "
+                "torch.compile(checkpoint_tensors(model, ...))."
+            )
         self.module, self.fixed = module, dict(concrete_args or {})
         self.signature = inspect.signature(module.forward)
         params = self.signature.parameters.values()

@@ -113,6 +113,13 @@ def test_compiled_inductor_equals_the_plain_model_in_float64():
     for i, (a, b) in enumerate(pairs):
         # float64: Inductor's fused kernels reorder sums (~1e-15); a wrong recompute is O(1e-1)
         torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-9, msg=f"tensor {i}")
+    stack, x = (
+        stack.float(),
+        x.float(),
+    )  # and in float32, as trained: rounding of values ~1 is ~1e-6
+    ours = outputs_and_grads(stack, torch.compile(checkpoint_tensors(stack, (x,))), x)
+    for i, (a, b) in enumerate(zip(outputs_and_grads(stack, stack, x), ours, strict=True)):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=f"float32 tensor {i}")
 
 
 class Switched(nn.Module):
@@ -135,6 +142,14 @@ def test_compiled_model_re_plans_when_a_traced_flag_changes():
         plain = outputs_and_grads(module, module, x)
         assert_bitwise(plain, outputs_and_grads(module, compiled, x), f"use_sin={flag}")
     assert len(ckpt.plans) == 2
+
+
+def test_compiled_the_two_ways_that_cannot_work_say_why_and_what_to_do():
+    module, x = Switched(), torch.randn(B, T, C)
+    with pytest.raises(ValueError, match=r"already compiled.*torch.compile\(checkpoint_tensors"):
+        checkpoint_tensors(torch.compile(module, backend="aot_eager"), (x,))
+    with pytest.raises(Exception, match="graph break .*compile it without fullgraph=True"):
+        torch.compile(checkpoint_tensors(module, (x,)), backend="aot_eager", fullgraph=True)(x)
 
 
 # -------------------------------------------------------------------------------------------------
