@@ -303,10 +303,10 @@ class Plan:
             self.drop_after[n] = [m for m in n.all_input_nodes if m not in seen]
             seen.update(self.drop_after[n])
         members = {name for u in self.units for name in u.members}
-        forgotten = {n for u in self.units for n in u.nodes} | {
+        recomputed = {n for u in self.units for n in u.nodes} | {
             n for n in self.nodes if n.name in members
         }  # what torch.compile recomputes: every op re-run, every alias
-        self.tagged = tagged_graph(self.gm, forgotten) if self.units else None
+        self.tagged = tagged_graph(self.gm, recomputed) if self.units else None
 
     bytes_freed = property(lambda self: sum(u.bytes_freed for u in self.units) - self.rng_bytes)
     recompute_flops = property(lambda self: sum(u.flops for u in self.units))
@@ -617,6 +617,13 @@ NOT_FULLGRAPH = (
     "tensor_ckpt looks up the plan for each call in Python, one graph break before the compiled "
     "forgetting: compile it without fullgraph=True"
 )
+EAGER = {}  # function -> the same, run in Python (a graph break) under torch.compile
+
+
+def eagerly(fn):  # torch.compiler.disable loads Dynamo: made when first asked, not at import
+    if fn not in EAGER:
+        EAGER[fn] = torch.compiler.disable(fn, reason=NOT_FULLGRAPH)
+    return EAGER[fn]
 
 
 class TensorCheckpoint(nn.Module):
@@ -634,7 +641,6 @@ class TensorCheckpoint(nn.Module):
         shapes = [(t.shape, t.dtype, t.device) for t in inputs] if self.knows_shapes else None
         return frozen_values(self.module), autocast_state(), shapes and tuple(shapes)
 
-    @functools.partial(torch.compiler.disable, reason=NOT_FULLGRAPH)  # run eagerly: a graph break
     def plan_for(self, args, kwargs):
         """This call's plan (``self.plan``, traced now if none fits) and its traced tensors, one
         per placeholder (fx_models: the arguments the trace took, the others as traced)."""
@@ -657,7 +663,10 @@ class TensorCheckpoint(nn.Module):
     def forward(self, *args, **kwargs):
         if not torch.is_grad_enabled():
             return self.module(*args, **kwargs)
-        plan, inputs = self.plan_for(args, kwargs)
+        lookup = TensorCheckpoint.plan_for  # Python: under torch.compile, one graph break
+        if torch.compiler.is_compiling():  # (so compile without fullgraph=True)
+            lookup = eagerly(lookup)
+        plan, inputs = lookup(self, args, kwargs)
         if not plan.units:
             return self.module(*args, **kwargs)
         if torch.compiler.is_compiling():  # the compiler frees and recomputes: hand it the plan
@@ -677,6 +686,7 @@ def checkpoint_tensors(
     ckpt = TensorCheckpoint(module, arguments, names, leaf_modules, trace_into)
     by_name = isinstance(example_inputs, dict)
     ckpt.plan_for(() if by_name else tuple(example_inputs), example_inputs if by_name else {})
+    eagerly(TensorCheckpoint.plan_for)  # made here, not inside a Dynamo trace, which skips it
     return ckpt
 
 
@@ -707,12 +717,12 @@ def checkpoint_data_parallel(module, example_inputs, settings, group=None, **kwa
 
 
 # ---- 5. Under torch.compile: the plan as the compiler's recompute policy -------------------------
-def tagged_graph(gm, forgotten):
-    """A copy of ``gm`` whose ``forgotten`` nodes run under ``fx.traceback.annotate``: under
+def tagged_graph(gm, recomputed):
+    """A copy of ``gm`` whose ``recomputed`` nodes run under ``fx.traceback.annotate``: under
     torch.compile the tag follows each of them to the aten ops it becomes."""
     graph, env = fx.Graph(), {}
     for n in gm.graph.nodes:
-        if n not in forgotten or n.op not in ("call_function", "call_method", "call_module"):
+        if n not in recomputed or n.op not in ("call_function", "call_method", "call_module"):
             env[n] = graph.node_copy(n, env.__getitem__)
             continue
         args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
@@ -723,7 +733,7 @@ def tagged_graph(gm, forgotten):
 
 
 def tagged(op, target):  # one node's op, run under the tag recompute_policy reads
-    def forgotten(*args, **kwargs):
+    def tagged_op(*args, **kwargs):
         with fx_traceback.annotate({"tensor_ckpt": "forget"}):
             if op == "call_function":
                 return target(*args, **kwargs)
@@ -731,7 +741,7 @@ def tagged(op, target):  # one node's op, run under the tag recompute_policy rea
                 return getattr(args[0], target)(*args[1:], **kwargs)
             return args[0](*args[1:], **kwargs)  # call_module
 
-    return forgotten
+    return tagged_op
 
 
 def recompute_policy(ctx, op, *args, **kwargs):

@@ -12,6 +12,7 @@ The refusal for code FX cannot trace lives here too.
 """
 
 import inspect
+import sys
 
 import torch
 import torch.fx as fx
@@ -24,7 +25,8 @@ class Arguments:
     or dict of tensors), and the ``concrete_args`` fixed for every call."""
 
     def __init__(self, module, example_inputs, concrete_args=None):
-        if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):  # no public name for it
+        compiled = sys.modules.get("torch._dynamo.eval_frame")  # loaded by torch.compile
+        if compiled is not None and isinstance(module, compiled.OptimizedModule):
             raise ValueError(
                 "tensor_ckpt: the module is already compiled, and FX cannot trace a compiled "
                 "forward. Fix: checkpoint the plain module, then compile the result: "
@@ -80,7 +82,7 @@ class Arguments:
         subclass of its class, sharing its ``__dict__``, whose forward takes the leaf tensors."""
         if self.direct:
             return self.module
-        cls, leaves = type(self.module), self.leaf_names()
+        cls, params = type(self.module), self.leaf_names()
         scope = {
             "forward": cls.forward,
             "fixed": self.fixed,
@@ -89,8 +91,8 @@ class Arguments:
             "unflatten": pytree.tree_unflatten,
         }
         exec(
-            f"def bound(self, {', '.join(leaves)}):\n"
-            f" values = unflatten([{', '.join(leaves)}], spec)\n"
+            f"def bound(self, {', '.join(params)}):\n"
+            f" values = unflatten([{', '.join(params)}], spec)\n"
             " return forward(self, **dict(zip(names, values)), **fixed)",
             scope,
         )
@@ -123,18 +125,18 @@ class Arguments:
         values = tuple(given.pop(n) for n in self.names)
         leaves, spec = pytree.tree_flatten(values)
         if spec != self.spec:
-            traced = pytree.tree_unflatten(list(self.examples), self.spec)
+            as_traced = pytree.tree_unflatten(list(self.examples), self.spec)
             raise ValueError(
                 f"tensor_ckpt: the traced arguments {self.names} came as {described(values)}; "
-                f"the trace took {described(traced)}. Pass them as traced."
+                f"the trace took {described(as_traced)}. Pass them as traced."
             )
         for name, value in given.items():
             p = self.signature.parameters.get(name)
-            fixed = self.fixed.get(name, p.default if p is not None else "not passed")
-            if not same(value, fixed):
+            traced = self.fixed.get(name, p.default if p is not None else "not passed")
+            if not same(value, traced):
                 raise ValueError(
                     f"tensor_ckpt: argument '{name}' ({described(value)}) differs from the value "
-                    f"the trace fixed ({described(fixed)}). Fix: pass it in concrete_args="
+                    f"the trace fixed ({described(traced)}). Fix: pass it in concrete_args="
                     f"{{'{name}': ...}} with this value, or trace it as an example input."
                 )
         return leaves

@@ -162,10 +162,15 @@ FORGOTTEN = ["mul_1", "mul_7", "silu", "mul_8"]  # both RMSNorm outputs, SiLU, S
 def _llama(layers=1):
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
-        hidden_size=C, intermediate_size=2 * C, num_attention_heads=H, num_key_value_heads=H // 2,
-        num_hidden_layers=layers, vocab_size=64, max_position_embeddings=64,
+        hidden_size=C,
+        intermediate_size=2 * C,
+        num_attention_heads=H,
+        num_key_value_heads=H // 2,
+        num_hidden_layers=layers,
+        vocab_size=64,
+        max_position_embeddings=64,
         attn_implementation="sdpa",
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     model = transformers.LlamaModel(config).train()
     return model, lambda h, t: model.rotary_emb(h, torch.arange(t).unsqueeze(0))
@@ -205,9 +210,11 @@ def test_llama_model_bitwise_with_every_layer_checkpointed_and_concrete_args_by_
     h, position_ids = torch.randn(B, T, C), torch.arange(T).unsqueeze(0)
     for i, layer in enumerate(model.layers):  # LlamaModel passes a new, equal position_ids
         model.layers[i] = checkpoint_tensors(
-            layer, {"hidden_states": h, "position_embeddings": rotary(h, T)}, names=FORGOTTEN,
+            layer,
+            {"hidden_states": h, "position_embeddings": rotary(h, T)},
+            names=FORGOTTEN,
             concrete_args={"position_ids": position_ids},
-        )  # fmt: skip
+        )
 
     def run(lm):
         lm.zero_grad(set_to_none=True)
@@ -233,8 +240,12 @@ def test_concrete_args_compare_tuples_lists_and_dicts_of_tensors_by_value():
     copies = {k: torch.utils._pytree.tree_map(torch.clone, v) for k, v in fixed.items()}
     plain = outputs_and_grads(ckpt, Scaled(), x, **fixed)
     assert_bitwise(plain, outputs_and_grads(ckpt, ckpt, x, **copies), "equal copies")
-    for name, other in [("pair", (w, w + 2)), ("items", [w * 2, w]), ("table", {"v": w - 1}),
-                        ("items", [(w * 2).double()])]:  # fmt: skip
+    for name, other in [
+        ("pair", (w, w + 2)),
+        ("items", [w * 2, w]),
+        ("table", {"v": w - 1}),
+        ("items", [(w * 2).double()]),
+    ]:
         with pytest.raises(ValueError, match=f"argument '{name}' .*differs from the value"):
             ckpt(x, **{**copies, name: other})
 
