@@ -66,7 +66,7 @@ class Graphs:
 # -------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model", ["block", "dropout"])
+@pytest.mark.parametrize("model", ["block", pytest.param("dropout", marks=pytest.mark.slow)])
 def test_compiled_aot_eager_is_bitwise_with_the_plain_eager_model_and_forgets(model):
     torch.manual_seed(0)
     module = (tc.Block(C, H) if model == "block" else DropoutMLP()).train()
@@ -132,6 +132,7 @@ class Switched(nn.Module):
         return self.fc2(forget(torch.sin(h) if self.use_sin else F.gelu(h)))
 
 
+@pytest.mark.slow
 def test_compiled_model_re_plans_when_a_traced_flag_changes():
     torch.manual_seed(0)
     module, x = Switched(), torch.randn(B, T, C)
@@ -204,6 +205,7 @@ def test_llama_decoder_layer_without_position_embeddings_says_which_argument_in_
     assert "LlamaAttention" in text and "cannot unpack non-iterable NoneType" in text, text
 
 
+@pytest.mark.slow
 def test_llama_model_bitwise_with_every_layer_checkpointed_and_concrete_args_by_value():
     model, rotary = _llama(layers=2)
     plain, tokens = copy.deepcopy(model), torch.randint(0, 64, (B, T))
