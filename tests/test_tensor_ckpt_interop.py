@@ -23,6 +23,11 @@ from tensor_ckpt import checkpoint_tensors, forget
 B, T, C, H = 2, 8, 32, 4
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():  # each checkpointed module compiles its own graphs: stay under the cache limit
+    torch._dynamo.reset()
+
+
 def outputs_and_grads(module, fn, *inputs, **kwargs):
     """Output and the gradients of every parameter and input, for loss = sum(out * weights)."""
     module.zero_grad(set_to_none=True)
