@@ -14,9 +14,11 @@ subgraph that recomputes it from what autograd keeps anyway (a view and its base
 At run time saved-tensor hooks store a handle instead of the storage; the first gradient that needs
 it reruns the subgraph (with the forward's generator state) and rebuilds every saved alias as a
 view of the one recomputed storage. What cannot be recomputed exactly is refused, with the fix.
+Under torch.compile the same plan becomes the compiler's recompute policy.
 
     model = checkpoint_tensors(Block(dim, heads), (x,))  # Block's forward calls forget(...)
     print(model.plan)  # per forgotten tensor: recompute ops, their cost, bytes freed
+    torch.compile(model)  # forgets the same tensors: the partitioner recomputes them
 
     python tensor_ckpt.py                                          # one process
     OMP_NUM_THREADS=1 torchrun --nproc_per_node=4 tensor_ckpt.py   # data parallel, CPU/gloo
@@ -26,8 +28,8 @@ view of the one recomputed storage. What cannot be recomputed exactly is refused
 import argparse
 import contextlib
 import functools
-import inspect
 import time
+import warnings
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -35,16 +37,23 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch.utils import flop_counter
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
-import interop.fx_models as fx_models  # forwards FX cannot take as they are, their refusals
+import interop.fx_models as fx_models  # forwards FX cannot take as they are
 import launch
-from guards.tensor_ckpt_guard import _tensors_in, check_arity, check_marks, check_recomputable
+from guards import tensor_ckpt_guard  # the refusals: one check() per plan, when it is made
 
 
-# ---- 1. Mark a tensor, trace the forward, run it once on examples -------------------------------
+# ---- 1. Mark a tensor, trace the forward, run it once on examples --------------------------------
 def forget(x):
     """Mark ``x`` to be freed after forward and recomputed in backward. Identity when run eagerly.
 
@@ -78,23 +87,28 @@ class Tracer(fx.Tracer):
             raise
 
 
-def trace(module, leaf_modules=(), trace_into=(), concrete_args=None, n_inputs=None):
-    """Trace ``module`` into a GraphModule sharing its parameters; a forward FX cannot take as it
-    is (``**kwargs``, a decorator, ``concrete_args``) through interop/fx_models.py's."""
-    root, concrete_args, forward = module, dict(concrete_args or {}), type(module).forward
-    code = forward.__code__
-    if concrete_args or code.co_flags & (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS) or hasattr(
-            forward, "__wrapped__") or n_inputs not in (None, code.co_argcount - 1):  # fmt: skip
-        root = fx_models.fixed_forward(module, concrete_args, n_inputs)
+def trace(module, leaf_modules=(), trace_into=(), arguments=None, examples=()):
+    """Trace ``module`` into a GraphModule sharing its parameters. With ``arguments`` (which of
+    forward's arguments, fx_models.Arguments) a forward FX cannot take as it is goes through a
+    generated one; Python on shapes is traced knowing those of ``examples`` (the placeholders'
+    tensors), and ``gm.meta["shapes"]`` says the graph then holds for those shapes only."""
+    root, knows_shapes = module if arguments is None else arguments.root(), False
     fastpath = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)  # attention's inference path branches on shapes
     try:
         graph = Tracer(leaf_modules, trace_into).trace(root)
-    except Exception as err:  # TraceError, or what a Proxy raises in len(), bool()...
-        raise fx_models.untraceable(module, err) from err
+    except Exception as err:  # TraceError, or what a Proxy raises in len(), iter(), bool()...
+        if arguments is None:
+            raise fx_models.untraceable(module, err) from err
+        graph = fx_models.trace_knowing_shapes(
+            Tracer(leaf_modules, trace_into), root, module, arguments, examples
+        )
+        knows_shapes = True
     finally:
         torch.backends.mha.set_fastpath_enabled(fastpath)
-    return fx.GraphModule(module, graph, class_name=type(module).__name__ + "Traced")
+    gm = fx.GraphModule(module, graph, class_name=type(module).__name__ + "Traced")
+    gm.meta["shapes"] = knows_shapes
+    return gm
 
 
 def run_node(root, node, env):
@@ -108,6 +122,10 @@ def run_node(root, node, env):
     return value(*args, **kwargs) if node.op == "call_module" else value  # else get_attr
 
 
+def tensors_in(value):  # the tensors in a (nested) tuple, list or dict
+    return [v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
+
+
 def storage_key(t):  # the memory a tensor lives in, shared by its views
     return (t.device, t.untyped_storage().data_ptr())
 
@@ -118,25 +136,34 @@ def layout_of(t):  # where a tensor sits in its storage
 
 def count_flops():
     """A FlopCounterMode (matmul, attention, conv FLOPs), with CPU attention counted as on GPUs."""
-    fwd, bwd = flop_counter.sdpa_flop_count, flop_counter.sdpa_backward_flop_count
-    cpu = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
-           lambda q, k, v, *a, out_shape=None, **kw: fwd(q, k, v),
-           torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
-           lambda g, q, k, v, *a, out_shape=None, **kw: bwd(g, q, k, v)}  # fmt: skip
+
+    def forward(q, k, v, *args, out_shape=None, **kwargs):
+        return flop_counter.sdpa_flop_count(q, k, v)
+
+    def backward(grad, q, k, v, *args, out_shape=None, **kwargs):
+        return flop_counter.sdpa_backward_flop_count(grad, q, k, v)
+
+    aten = torch.ops.aten
+    cpu = {
+        aten._scaled_dot_product_flash_attention_for_cpu: forward,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: backward,
+    }
     return flop_counter.FlopCounterMode(display=False, custom_mapping=cpu)
 
 
 def rng_snapshot(where):
     """Copies of (CPU state, CUDA state or None, device), for a device or ``where``'s tensors."""
-    device = where if isinstance(where, torch.device) else next(
-        (t.device for t in _tensors_in(where)), torch.device("cpu"))  # fmt: skip
+    first = next((t.device for t in tensors_in(where)), torch.device("cpu"))
+    device = where if isinstance(where, torch.device) else first
     cuda = torch.cuda.get_rng_state(device).clone() if device.type == "cuda" else None
     return torch.get_rng_state().clone(), cuda, device
 
 
-_RANDOM = {"bernoulli", "bernoulli_", "rand", "randn", "randint", "rand_like", "randn_like",
-           "randint_like", "normal", "normal_", "uniform_", "multinomial", "poisson", "randperm",
-           "rrelu", "random_", "exponential_", "geometric_", "cauchy_", "log_normal_"}  # fmt: skip
+_RANDOM = set(
+    "bernoulli bernoulli_ rand randn randint rand_like randn_like randint_like normal normal_ "
+    "uniform_ multinomial poisson randperm rrelu random_ exponential_ geometric_ cauchy_ "
+    "log_normal_".split()
+)
 
 
 def can_draw(root, node):
@@ -171,7 +198,6 @@ def profile(gm, example_inputs):
     Every value stays alive during the run, so one address means one storage."""
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
-    check_arity(placeholders, example_inputs, tracing=True)
     device, saved = rng_snapshot(example_inputs)[2], []
     infos, env = {nodes[-1]: NodeInfo()}, dict(zip(placeholders, example_inputs))
 
@@ -181,7 +207,7 @@ def profile(gm, example_inputs):
         for n in nodes[:-1]:  # the last node is the output
             info = infos[n] = NodeInfo()
             if n.op != "placeholder":
-                touched = _tensors_in(fx.node.map_arg((n.args, n.kwargs), env.__getitem__))
+                touched = tensors_in(fx.node.map_arg((n.args, n.kwargs), env.__getitem__))
                 called = gm.get_submodule(n.target) if n.op == "call_module" else nn.Module()
                 touched += [*called.parameters(), *called.buffers()]
                 versions, rng = [t._version for t in touched], rng_snapshot(device)
@@ -189,18 +215,20 @@ def profile(gm, example_inputs):
                     env[n] = run_node(gm, n, env)
                 info.flops, moved = flops.get_total_flops(), zip(rng[:2], rng_snapshot(device)[:2])
                 info.random = can_draw(gm, n) or any(
-                    a is not None and not torch.equal(a, b) for a, b in moved)  # fmt: skip
-                info.mutates = tuple({storage_key(t) for t, v in zip(touched, versions)
-                                      if t._version != v})  # fmt: skip
+                    a is not None and not torch.equal(a, b) for a, b in moved
+                )
+                info.mutates = tuple(
+                    {storage_key(t) for t, v in zip(touched, versions) if t._version != v}
+                )
             if isinstance(env[n], torch.Tensor):
                 info.is_tensor, info.key, info.layout = True, storage_key(env[n]), layout_of(env[n])
                 info.nbytes = env[n].untyped_storage().nbytes()
             else:
-                info.holds_tensors = bool(_tensors_in(env[n]))
+                info.holds_tensors = bool(tensors_in(env[n]))
     return infos, {storage_key(t) for t in saved}
 
 
-# ---- 2. The plan: one minimal recompute subgraph per forgotten storage --------------------------
+# ---- 2. The plan: one minimal recompute subgraph per forgotten storage ---------------------------
 def storage_units(nodes, infos):
     """Group tensor nodes by the storage they live in: {key: [nodes in execution order]}.
 
@@ -241,7 +269,7 @@ class ForgottenUnit:
     """One storage to forget: its aliases, and the subgraph that brings it back."""
 
     name: str  # the tensor that owns the storage (first node writing it)
-    members: list  # every node living in this storage (views, reshapes)
+    members: list  # names of every node living in this storage (views, reshapes)
     root: fx.Node
     nodes: list  # recompute subgraph, in execution order (root last)
     frontier: list  # kept nodes the subgraph reads (their values are stashed)
@@ -249,11 +277,11 @@ class ForgottenUnit:
     shape: tuple
     nbytes: int  # bytes of the storage
     saved: bool  # autograd saves it (otherwise forgetting it frees nothing)
-    flops: int  # recompute matmul/attention FLOPs (from the example run)
-    op_flops: list = field(default_factory=list)  # [(node name, FLOPs)] per recomputed op
-    random_nodes: list = field(default_factory=list)  # ops whose generator state is replayed
+    op_flops: list  # [(node name, matmul/attention FLOPs in the example run)] per recomputed op
+    random_nodes: list  # ops whose generator state is replayed
 
     bytes_freed = property(lambda self: self.nbytes if self.saved else 0)
+    flops = property(lambda self: sum(f for _, f in self.op_flops))
 
 
 @dataclass(eq=False)
@@ -261,9 +289,9 @@ class Plan:
     """What to forget, and what the runtime reads per node of the traced graph ``gm``."""
 
     units: list
-    held_bytes: int = 0  # frontier tensors autograd would not keep: held for the recompute
-    rng_bytes: int = 0  # generator snapshots kept per random node and forward, for the replay
-    gm: fx.GraphModule = None
+    held_bytes: int  # frontier tensors autograd would not keep: held for the recompute
+    rng_bytes: int  # generator snapshots kept per random node and forward, for the replay
+    gm: fx.GraphModule
 
     def __post_init__(self):
         self.nodes = list(self.gm.graph.nodes)
@@ -274,25 +302,35 @@ class Plan:
         for n in reversed(self.nodes):
             self.drop_after[n] = [m for m in n.all_input_nodes if m not in seen]
             seen.update(self.drop_after[n])
+        members = {name for u in self.units for name in u.members}
+        recomputed = {n for u in self.units for n in u.nodes} | {
+            n for n in self.nodes if n.name in members
+        }  # what torch.compile recomputes: every op re-run, every alias
+        self.tagged = tagged_graph(self.gm, recomputed) if self.units else None
 
     bytes_freed = property(lambda self: sum(u.bytes_freed for u in self.units) - self.rng_bytes)
     recompute_flops = property(lambda self: sum(u.flops for u in self.units))
 
-    def __str__(self):  # the table is reporting: it lives with the meters
-        from benchmarks.ckpt_meters import format_plan
-
-        return format_plan(self)
+    def __str__(self):  # the table: see plan_table
+        return plan_table(self)
 
 
 def make_plan(gm, infos, saved_keys, names=None):
     """What to forget (the ``forget()`` marks, or the nodes ``names``) and how to bring each
-    storage back. A recompute reads another forgotten storage's recomputed value, not its ops."""
+    storage back. A recompute reads another forgotten storage's recomputed value, not its ops.
+    What cannot be recomputed exactly is refused by one check() on the finished plan."""
     nodes = list(gm.graph.nodes)
     position, by_storage = {n: i for i, n in enumerate(nodes)}, storage_units(nodes, infos)
-    by_name = {n.name: n for n in nodes}  # an unknown name stays a string, refused by check_marks
-    marked = ([n.args[0] for n in nodes if n.op == "call_function" and n.target is forget]
-              if names is None else [by_name.get(name, name) for name in names])  # fmt: skip
-    forgotten = check_marks(marked, nodes, infos, by_storage)  # storage key -> first marked name
+    by_name = {n.name: n for n in nodes}  # an unknown name stays a string, for check() to refuse
+    marked = (
+        [n.args[0] for n in nodes if n.op == "call_function" and n.target is forget]
+        if names is None
+        else [by_name.get(name, name) for name in names]
+    )
+    forgotten = {}  # storage key -> the first name marked in it (no storage: check() refuses it)
+    for m in marked:
+        if isinstance(m, fx.Node) and infos[m].key in by_storage:
+            forgotten.setdefault(infos[m].key, m.name)
     params = {k for k, ms in by_storage.items() if any(m.op == "get_attr" for m in ms)}
     kept_keys = saved_keys | params | {k for k, m in by_storage.items() if m[0].op == "placeholder"}
 
@@ -301,36 +339,61 @@ def make_plan(gm, infos, saved_keys, names=None):
             return n.op in ("placeholder", "get_attr") or not infos[n].holds_tensors
         return infos[n].key not in forgotten and infos[n].key in kept_keys
 
-    roots, plan_units, held = {by_storage[key][0] for key in forgotten}, [], {}
+    roots, units, held, costly = {by_storage[key][0] for key in forgotten}, [], {}, []
     for key, name in forgotten.items():
         root = by_storage[key][0]
         others = roots - {root}  # forgotten too: their recomputed value is read, once
         sub, frontier = recompute_subgraph(root, lambda m: is_kept(m) or m in others)
         sub = sorted(sub, key=position.get)
-        deps, frontier = (sorted((f for f in frontier if (f in roots) == dep), key=position.get)
-                          for dep in (True, False))  # fmt: skip
-        check_recomputable(name, sub, frontier, deps, nodes, infos)  # held: kept for it alone
-        held.update({infos[f].key: infos[f].nbytes for f in frontier if infos[f].is_tensor and
-                     infos[f].key not in saved_keys | params})  # fmt: skip
-        members = [n.name for n in by_storage[key] if n.target is not forget]
-        plan_units.append(ForgottenUnit(
-            root.name, members, root, sub, frontier, deps, infos[root].layout[1],
-            infos[root].nbytes, key in saved_keys,
-            sum(infos[n].flops for n in sub), [(n.name, infos[n].flops) for n in sub],
-            [n.name for n in sub if infos[n].random]))  # fmt: skip
-    plan_units.sort(key=lambda u: position[u.root])  # dependencies first
-    snapshots = [rng_snapshot(infos[n].key[0] if infos[n].is_tensor else torch.device("cpu"))
-                 for n in {n for u in plan_units for n in u.nodes if infos[n].random}]  # fmt: skip
+        deps, frontier = (
+            sorted((f for f in frontier if (f in roots) == dep), key=position.get)
+            for dep in (True, False)
+        )
+        for f in frontier:  # a tensor autograd would not keep: held for this recompute alone
+            if infos[f].is_tensor and infos[f].key not in saved_keys | params:
+                held[infos[f].key] = infos[f].nbytes
+        units.append(
+            ForgottenUnit(
+                name=root.name,
+                members=[n.name for n in by_storage[key] if n.target is not forget],
+                root=root,
+                nodes=sub,
+                frontier=frontier,
+                deps=deps,
+                shape=infos[root].layout[1],
+                nbytes=infos[root].nbytes,
+                saved=key in saved_keys,
+                op_flops=[(n.name, infos[n].flops) for n in sub],
+                random_nodes=[n.name for n in sub if infos[n].random],
+            )
+        )
+        if matmuls := [n for n in sub if infos[n].flops and n.name != name]:
+            ops = ", ".join(f"'{n.name}' ({flops_text(infos[n].flops)})" for n in matmuls)
+            costly.append(f"forgetting '{name}' recomputes {ops}")
+    units.sort(key=lambda u: position[u.root])  # dependencies first
+    snapshots = [
+        rng_snapshot(infos[n].key[0] if infos[n].is_tensor else torch.device("cpu"))
+        for n in {n for u in units for n in u.nodes if infos[n].random}
+    ]
     rng_bytes = sum(s.nbytes for snap in snapshots for s in snap[:2] if s is not None)
-    return Plan(plan_units, sum(held.values()), rng_bytes, gm)
+    plan = Plan(units=units, held_bytes=sum(held.values()), rng_bytes=rng_bytes, gm=gm)
+    tensor_ckpt_guard.check(plan, infos, marked)
+    for text in costly:  # allowed, but worth a line: a forget that pulls a matmul into backward
+        warnings.warn(
+            f"tensor_ckpt: {text} in every backward: its storage, or a tensor its "
+            "recompute needs, is not kept by autograd (a view of an op's output shares "
+            "that output's storage). Forget a tensor computed after it, or keep it.",
+            stacklevel=5,
+        )
+    return plan
 
 
-# ---- 3. The runtime: one forward that frees as it goes, two saved-tensor hooks ------------------
+# ---- 3. The runtime: one forward that frees as it goes, two saved-tensor hooks -------------------
 def run_forgetting(plan, inputs, owner):
     """One forward with the plan's storages forgotten: the runtime, end to end. Each value dies
     after its last use, as in FX's generated code, so autograd holds only handles to forgotten
     storages; then each LiveStorage gets what its recompute reads."""
-    autocast = fx_models.python_state(torch.nn.Module())[1]  # the recompute re-enters it
+    autocast = autocast_state()  # the recompute re-enters it
     call = ForwardCall({u.root: LiveStorage(u, owner, autocast) for u in plan.units})
     env = dict(zip(plan.placeholders, inputs))
     with torch.autograd.graph.saved_tensors_hooks(functools.partial(pack_hook, call), unpack_hook):
@@ -352,8 +415,9 @@ def run_forgetting(plan, inputs, owner):
     for live in reversed(list(call.storages.values())):
         u = live.unit
         live.inputs = {f: call.frontier[f] for f in u.frontier}
-        live.versions = {f: v._version for f, v in live.inputs.items()
-                         if isinstance(v, torch.Tensor)}  # fmt: skip
+        live.versions = {
+            f: v._version for f, v in live.inputs.items() if isinstance(v, torch.Tensor)
+        }
         live.rng = {n: call.rng[n] for n in u.nodes if n in call.rng}
         live.pending = live.uses = live.uses + live.handles
         live.deps = {d: call.storages[d] for d in u.deps} if live.uses else {}
@@ -363,6 +427,11 @@ def run_forgetting(plan, inputs, owner):
     # (and what its recompute reads) dies with the last gradient that needs it.
     call.storages, call.by_key, call.frontier, call.rng = {}, {}, {}, {}
     return out
+
+
+def autocast_state():  # (device type, enabled, dtype) per device, as torch.utils.checkpoint keeps
+    devices = ("cpu", "cuda")
+    return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices)
 
 
 @dataclass(eq=False)
@@ -408,10 +477,11 @@ class Packed:
 
     def kept(self):  # after autograd's own check that nothing changed it in place
         if (t := self.tensor)._version != self.version:
-            raise RuntimeError("one of the variables needed for gradient computation has been "
-                               f"modified by an inplace operation: shape {tuple(t.shape)}, "
-                               f"version {t._version}, expected {self.version} (autograd's "
-                               "check, kept)")  # fmt: skip
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: shape {tuple(t.shape)}, version {t._version}, expected "
+                f"{self.version} (autograd's check, kept)"
+            )
         return t
 
 
@@ -477,15 +547,18 @@ class LiveStorage:
 
     def check_inputs(self):
         if changed := [n for n, v in self.versions.items() if self.inputs[n]._version != v]:
-            raise RuntimeError(f"tensor_ckpt: '{changed[0].name}', read to recompute forgotten "
-                               f"'{self.unit.name}', was modified in place after forward; its "
-                               "gradient would be wrong. Do not modify it before "
-                               "backward.")  # fmt: skip
+            raise RuntimeError(
+                f"tensor_ckpt: '{changed[0].name}', read to recompute forgotten "
+                f"'{self.unit.name}', was modified in place after forward; its gradient would be "
+                "wrong. Do not modify it before backward."
+            )
 
     def check_layout(self, v):  # a recompute that ran otherwise than the forward did
         if (layout := (*layout_of(v), v.untyped_storage().nbytes())) != self.layout:
-            raise RuntimeError(f"tensor_ckpt: recomputed '{self.unit.name}' has layout {layout}, "
-                               f"forward had {self.layout}")  # fmt: skip
+            raise RuntimeError(
+                f"tensor_ckpt: recomputed '{self.unit.name}' has layout {layout}, forward had "
+                f"{self.layout}"
+            )
 
     def as_in_forward(self):  # no_grad, autocast as in forward (torch.utils.checkpoint does too)
         stack = contextlib.ExitStack()
@@ -521,78 +594,121 @@ class LiveStorage:
             self.value, self.pending = None, self.uses  # (a retained graph recomputes once more)
 
 
-# ---- 4. The module: one plan per train/eval mode, and data-parallel replicas --------------------
-class TensorCheckpoint(nn.Module):
-    """``module`` with its plan's tensors forgotten; one plan per ``fx_models.python_state``
-    (train/eval, frozen attributes, autocast), traced on the first call in that state (a stale
-    graph never runs). Without gradients the module runs."""
+# ---- 4. The module: one plan per frozen state, and data-parallel replicas ------------------------
+def frozen_values(module):
+    """What a trace may have frozen into the graph: the plain attributes of every submodule
+    (``training``, a dropout's ``p``) and of the objects they hold (a config)."""
+    plain = (bool, int, float, str, type(None), torch.dtype, torch.device)
 
-    def __init__(self, module, n_inputs, names, leaf_modules, trace_into, concrete_args):
+    def is_plain(v):
+        return isinstance(v, plain) or (isinstance(v, (tuple, list)) and all(map(is_plain, v)))
+
+    state, seen = [], set()
+    for name, m in module.named_modules():
+        held = [v for v in vars(m).values() if hasattr(v, "__dict__") and not callable(v)]
+        for obj in [m, *(v for v in held if not isinstance(v, (nn.Module, torch.Tensor)))]:
+            if id(obj) not in seen:
+                seen.add(id(obj))
+                state += [(name, k, repr(v)) for k, v in vars(obj).items() if is_plain(v)]
+    return tuple(state)
+
+
+NOT_FULLGRAPH = (
+    "tensor_ckpt looks up the plan for each call in Python, one graph break before the compiled "
+    "forgetting: compile it without fullgraph=True"
+)
+EAGER = {}  # function -> the same, run in Python (a graph break) under torch.compile
+
+
+def eagerly(fn):  # torch.compiler.disable loads Dynamo: made when first asked, not at import
+    if fn not in EAGER:
+        EAGER[fn] = torch.compiler.disable(fn, reason=NOT_FULLGRAPH)
+    return EAGER[fn]
+
+
+class TensorCheckpoint(nn.Module):
+    """``module`` with its plan's tensors forgotten; one plan per key (the values a trace may have
+    frozen, the autocast state, and the input shapes where the trace read them), traced on the
+    first call with that key, so a stale graph never runs. Without gradients the module runs."""
+
+    def __init__(self, module, arguments, names, leaf_modules, trace_into):
         super().__init__()
         self.module, self.recomputations = module, 0  # recompute subgraphs run, over all backwards
-        self.n_inputs, self.names, self.plans = n_inputs, names, {}  # python_state -> Plan
-        self.opaque, self.concrete_args = (leaf_modules, trace_into), concrete_args  # for trace()
+        self.arguments, self.names, self.plans = arguments, names, {}  # plan key -> Plan
+        self.opaque, self.knows_shapes = (leaf_modules, trace_into), False  # for trace()
 
-    def plan_for(self, inputs):  # self.plan: the plan of the latest call
-        if (state := fx_models.python_state(self.module)) not in self.plans:
-            gm = trace(self.module, *self.opaque, self.concrete_args, len(inputs))
+    def plan_key(self, inputs):
+        shapes = [(t.shape, t.dtype, t.device) for t in inputs] if self.knows_shapes else None
+        return frozen_values(self.module), autocast_state(), shapes and tuple(shapes)
+
+    def plan_for(self, args, kwargs):
+        """This call's plan (``self.plan``, traced now if none fits) and its traced tensors, one
+        per placeholder (fx_models: the arguments the trace took, the others as traced)."""
+        inputs = self.arguments.flatten(args, kwargs)
+        if (key := self.plan_key(inputs)) not in self.plans:
             buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
             try:
+                gm = trace(self.module, *self.opaque, self.arguments, inputs)
                 infos, saved_keys = profile(gm, tuple(inputs))
-            finally:  # the example run must not move BatchNorm's statistics
+            finally:  # the trace and the example run must not move BatchNorm's statistics
                 for b, copy in buffers:
                     b.detach().copy_(copy)
-            self.plans[state] = make_plan(gm, infos, saved_keys, self.names)
-        self.plan = self.plans[state]
-        return self.plan
+            self.knows_shapes |= gm.meta["shapes"]
+            self.plans[key := self.plan_key(inputs)] = make_plan(gm, infos, saved_keys, self.names)
+        self.plan = self.plans[key]
+        return self.plan, inputs
 
     gm = property(lambda self: self.plan.gm)
 
     def forward(self, *args, **kwargs):
         if not torch.is_grad_enabled():
             return self.module(*args, **kwargs)
-        inputs = args
-        if kwargs or self.concrete_args:  # split the call as the trace did
-            inputs = fx_models.bound_inputs(self.module, self.concrete_args, self.n_inputs, args,
-                                            kwargs)  # fmt: skip
-        if not self.plan_for(inputs).units:
+        lookup = TensorCheckpoint.plan_for  # Python: under torch.compile, one graph break
+        if torch.compiler.is_compiling():  # (so compile without fullgraph=True)
+            lookup = eagerly(lookup)
+        plan, inputs = lookup(self, args, kwargs)
+        if not plan.units:
             return self.module(*args, **kwargs)
-        check_arity(self.plan.placeholders, inputs)
-        return run_forgetting(self.plan, inputs, self)
+        if torch.compiler.is_compiling():  # the compiler frees and recomputes: hand it the plan
+            return compiled_forgetting(plan, inputs)
+        return run_forgetting(plan, inputs, self)
 
 
 def checkpoint_tensors(
     module, example_inputs, names=None, leaf_modules=(), trace_into=(), concrete_args=None
 ):
-    """Trace ``module`` on ``example_inputs`` (forward's first arguments); return it with its
-    marked tensors forgotten, or the FX nodes ``names`` (a model you cannot edit). ``leaf_modules``
-    run as one node, ``trace_into`` torch.nn classes are traced inside, ``concrete_args`` {name:
-    value} fixes other arguments for every call. ``.plan`` says what happens."""
-    concrete_args = dict(concrete_args or {})
-    if any(not isinstance(v, torch.Tensor) for v in example_inputs):
-        fx_models.refuse_examples(module, concrete_args, example_inputs)
-    ckpt = TensorCheckpoint(module, len(example_inputs), names, leaf_modules, trace_into,
-                            concrete_args)  # fmt: skip
-    ckpt.plan_for(tuple(example_inputs))
+    """Trace ``module`` on ``example_inputs``: forward's first arguments, or {argument name:
+    value}, each a tensor or a tuple, list or dict of tensors. Return it with its marked tensors
+    forgotten, or the FX nodes ``names`` (a model you cannot edit). ``leaf_modules`` run as one
+    node, ``trace_into`` torch.nn classes are traced inside, ``concrete_args`` {name: value} fixes
+    other arguments for every call. ``.plan`` says what happens."""
+    arguments = fx_models.Arguments(module, example_inputs, concrete_args)
+    ckpt = TensorCheckpoint(module, arguments, names, leaf_modules, trace_into)
+    by_name = isinstance(example_inputs, dict)
+    ckpt.plan_for(() if by_name else tuple(example_inputs), example_inputs if by_name else {})
+    eagerly(TensorCheckpoint.plan_for)  # made here, not inside a Dynamo trace, which skips it
     return ckpt
 
 
 def checkpoint_data_parallel(module, example_inputs, settings, group=None, **kwargs):
     """checkpoint_tensors on every rank, the agreement guard (``settings`` too; a refused rank
-    joins it with its error, so every rank raises it), then DDP when world > 1."""
-    ckpt, error, tensors = None, None, _tensors_in(example_inputs)
+    joins it with its error, so every rank raises it), then DDP when world > 1. Agreed once, here:
+    every later call checks only what is local (its arguments against the trace's)."""
+    ckpt, error, tensors = None, None, tensors_in(example_inputs)
     try:
         ckpt = checkpoint_tensors(module, example_inputs, **kwargs)
     except ValueError as err:
         error = str(err).removeprefix("tensor_ckpt: ")
-    launch.agree({
+    digest = launch.weights_digest(module.named_parameters())
+    agreed = {
         "example input shapes": [tuple(t.shape) for t in tensors],
         "example input dtypes": [str(t.dtype) for t in tensors],
-        "initial parameter values (sha256 of names, shapes, dtypes, bytes)":
-            launch.weights_digest(module.named_parameters()),
-        "train/eval mode": module.training, **settings,
+        "initial parameter values (sha256 of names, shapes, dtypes, bytes)": digest,
+        "train/eval mode": module.training,
+        **settings,
         "forgotten tensors": [u.name for u in ckpt.plan.units] if ckpt is not None else None,
-    }, error, group, who="tensor_ckpt")  # fmt: skip
+    }
+    launch.agree(agreed, error, group, who="tensor_ckpt")
     if dist.get_world_size(group) == 1:
         return ckpt
     device = tensors[0].device  # from the data, never from the backend's name
@@ -600,7 +716,92 @@ def checkpoint_data_parallel(module, example_inputs, settings, group=None, **kwa
     return nn.parallel.DistributedDataParallel(ckpt, device_ids=ids, process_group=group)
 
 
-# ---- 5. Demo: a transformer block stack with V4-style marks, trained data-parallel --------------
+# ---- 5. Under torch.compile: the plan as the compiler's recompute policy -------------------------
+def tagged_graph(gm, recomputed):
+    """A copy of ``gm`` whose ``recomputed`` nodes run under ``fx.traceback.annotate``: under
+    torch.compile the tag follows each of them to the aten ops it becomes."""
+    graph, env = fx.Graph(), {}
+    for n in gm.graph.nodes:
+        if n not in recomputed or n.op not in ("call_function", "call_method", "call_module"):
+            env[n] = graph.node_copy(n, env.__getitem__)
+            continue
+        args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
+        if n.op == "call_module":  # the module itself, read when the graph runs
+            args = (graph.get_attr(n.target), *args)
+        env[n] = graph.call_function(tagged(n.op, n.target), args, kwargs)
+    return fx.GraphModule(gm, graph, class_name=type(gm).__name__ + "Tagged")
+
+
+def tagged(op, target):  # one node's op, run under the tag recompute_policy reads
+    def tagged_op(*args, **kwargs):
+        with fx_traceback.annotate({"tensor_ckpt": "forget"}):
+            if op == "call_function":
+                return target(*args, **kwargs)
+            if op == "call_method":
+                return getattr(args[0], target)(*args[1:], **kwargs)
+            return args[0](*args[1:], **kwargs)  # call_module
+
+    return tagged_op
+
+
+def recompute_policy(ctx, op, *args, **kwargs):
+    """Selective checkpointing's choice per aten op: recompute what the plan forgets, save the
+    rest. The compiler replays a recomputed random op's generator state itself."""
+    tag = fx_traceback.current_meta.get("custom", {}).get("tensor_ckpt")
+    return CheckpointPolicy.MUST_RECOMPUTE if tag == "forget" else CheckpointPolicy.MUST_SAVE
+
+
+def compiled_forgetting(plan, inputs):
+    """The plan as torch.compile runs it: the traced graph in one non-reentrant checkpoint whose
+    policy marks the forgotten ops recompute; the partitioner then saves none of their storages
+    and reruns them in the compiled backward."""
+    policy = functools.partial(create_selective_checkpoint_contexts, recompute_policy)
+    return checkpoint(plan.tagged, *inputs, use_reentrant=False, context_fn=policy)
+
+
+# ---- 6. Reading a plan: print(model.plan) --------------------------------------------------------
+def plan_table(plan):
+    """The plan as a table: per forgotten storage, what is freed and what backward runs again."""
+    rng_mib, held_mib = mib_text(plan.rng_bytes), mib_text(plan.held_bytes)
+    snapshots = f", generator snapshots of {rng_mib} deducted" if plan.rng_bytes else ""
+    held = f"; {held_mib} held for recompute" if plan.held_bytes else ""
+    shapes = "; traced for these input shapes only" if plan.gm.meta.get("shapes") else ""
+    lines = [
+        f"tensor_ckpt plan: {len(plan.units)} forgotten storages, {mib_text(plan.bytes_freed)} "
+        f"freed per forward{snapshots}{held}; recomputed per backward: "
+        f"{flops_text(plan.recompute_flops)} in matmul/attention{shapes}",
+        f"  {'forgotten (aliases)':<30} {'shape':<16} {'freed':>10} {'matmul FLOP':>11}  "
+        "recompute ops <- from kept (* = forgotten, shared)",
+    ]
+    for u in plan.units:
+        aliases = ", ".join(m for m in u.members if m != u.name)
+        label = u.name + (f" ({aliases})" if aliases else "")
+        freed = mib_text(u.bytes_freed) if u.saved else "0 (unsaved)"
+        ops = ", ".join(
+            name + (f"[{flops_text(fl)}]" if fl else "")
+            for name, fl in u.op_flops
+            if not name.startswith("forget")
+        )
+        kept = ", ".join([f.name for f in u.frontier] + [d.name + "*" for d in u.deps])
+        replayed = f"  [generator replayed: {', '.join(u.random_nodes)}]" if u.random_nodes else ""
+        lines.append(
+            f"  {label[:30]:<30} {str(tuple(u.shape)):<16} {freed:>10} "
+            f"{flops_text(u.flops):>11}  {ops} <- {kept}{replayed}"
+        )
+    return "\n".join(lines)
+
+
+def flops_text(flops):  # a unit that keeps small counts visible (3.1 kFLOP, not 0.0 MFLOP)
+    scale, unit = next(p for p in ((1e9, "G"), (1e6, "M"), (1e3, "k"), (0, "")) if flops >= p[0])
+    return f"{flops / scale:.1f} {unit}FLOP" if scale else f"{flops:.0f} FLOP"
+
+
+def mib_text(nbytes):  # MiB, or KiB below one MiB
+    mib = nbytes >= 2**20 or nbytes == 0
+    return f"{nbytes / 2**20:.2f} MiB" if mib else f"{nbytes / 2**10:.1f} KiB"
+
+
+# ---- 7. Demo: a transformer block stack with V4-style marks, trained data-parallel ---------------
 class Block(nn.Module):
     """Pre-norm transformer layer, marked V4-style: forget what is large and cheap, keep matmuls."""
 
@@ -626,16 +827,22 @@ class Block(nn.Module):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    parser = argparse.ArgumentParser(
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description=__doc__.splitlines()[0] + " The plan, gradients against the plain model, data-"
-        "parallel training of a small LM. Measured: benchmarks/bench_tensor_ckpt.py")  # fmt: skip
+        "parallel training of a small LM. Measured: benchmarks/bench_tensor_ckpt.py",
+    )
     one = launch.at_least(1)
     for name, kind, default, what in (
-        ("steps", one, 30, "training steps"), ("batch", one, 8, "sequences per rank and step"),
-        ("seq", one, 64, "tokens per sequence"), ("heads", one, 4, "attention heads"),
+        ("steps", one, 30, "training steps"),
+        ("batch", one, 8, "sequences per rank and step"),
+        ("seq", one, 64, "tokens per sequence"),
+        ("heads", one, 4, "attention heads"),
         ("dim", one, 128, "model width, a multiple of --heads"),
-        ("layers", one, 4, "transformer layers"), ("vocab", launch.at_least(2), 64, "vocabulary"),
-        ("lr", launch.positive, 3e-3, "AdamW learning rate")):  # fmt: skip
+        ("layers", one, 4, "transformer layers"),
+        ("vocab", launch.at_least(2), 64, "vocabulary"),
+        ("lr", launch.positive, 3e-3, "AdamW learning rate"),
+    ):
         parser.add_argument(f"--{name}", type=kind, default=default, help=what)
     launch.add_launch_options(parser)
     args = parser.parse_args(argv)
@@ -646,8 +853,14 @@ def parse_args(argv=None):
 
 def demo(args, rank, world, device):
     blocks = nn.Sequential(*[Block(args.dim, args.heads) for _ in range(args.layers)])
-    model = nn.Sequential(OrderedDict(embed=nn.Embedding(args.vocab, args.dim), blocks=blocks,
-        norm=nn.LayerNorm(args.dim), head=nn.Linear(args.dim, args.vocab))).to(device)  # fmt: skip
+    model = nn.Sequential(
+        OrderedDict(
+            embed=nn.Embedding(args.vocab, args.dim),
+            blocks=blocks,
+            norm=nn.LayerNorm(args.dim),
+            head=nn.Linear(args.dim, args.vocab),
+        )
+    ).to(device)
     agreed = {k: vars(args)[k] for k in "steps batch seq dim heads layers vocab lr".split()}
     gen = torch.Generator().manual_seed(1 + rank)
 
@@ -668,9 +881,11 @@ def demo(args, rank, world, device):
             model.zero_grad(set_to_none=True)
             loss_of(fn).backward()
             grads.append([p.grad.clone() for p in model.parameters()])
-    launch.say("[exactness] gradients bitwise equal to the plain model: "
-               f"{all(torch.equal(a, b) for a, b in zip(*grads))}\n[memory] activation bytes saved "
-               f"per forward: {ckpt.plan.bytes_freed / 2**20:.2f} MiB")  # fmt: skip
+    launch.say(
+        "[exactness] gradients bitwise equal to the plain model: "
+        f"{all(torch.equal(a, b) for a, b in zip(*grads))}\n[memory] activation bytes saved "
+        f"per forward: {ckpt.plan.bytes_freed / 2**20:.2f} MiB"
+    )
     opt, start = torch.optim.AdamW(model.parameters(), lr=args.lr), time.perf_counter()
     for step in range(args.steps):
         opt.zero_grad(set_to_none=True)
@@ -678,9 +893,11 @@ def demo(args, rank, world, device):
         opt.step()
         if step % 10 == 0 or step == args.steps - 1:  # steps counted from 1, as everywhere
             launch.say(f"[train] step {step + 1:3d}  loss on rank 0's batch {loss.item():.4f}")
-    launch.say(f"[done] {args.steps} steps on {world} rank(s), {device.type}: "
-               f"{time.perf_counter() - start:.2f} s, {ckpt.recomputations} recompute subgraphs "
-               "run in backward")  # fmt: skip
+    launch.say(
+        f"[done] {args.steps} steps on {world} rank(s), {device.type}: "
+        f"{time.perf_counter() - start:.2f} s, {ckpt.recomputations} recompute subgraphs "
+        "run in backward"
+    )
     del train, ckpt, opt  # DDP holds gloo state: free it before the group goes
 
 

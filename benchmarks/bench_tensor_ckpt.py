@@ -50,17 +50,20 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 # the technique files at the root; appended, so a graded submission earlier on the path stays first
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tensor_ckpt as tc  # noqa: E402
-from benchmarks.ckpt_meters import Meter  # noqa: E402
+from benchmarks.ckpt_meters import Meter, saved_by_graph  # noqa: E402
 from memory.memory_timeline import MemoryTimeline  # noqa: E402
 
 MiB = 2**20
 aten = torch.ops.aten
 MATMULS = [
-    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+    aten.mm.default,
+    aten.addmm.default,
+    aten.bmm.default,
+    aten.baddbmm.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
     aten._scaled_dot_product_flash_attention.default,
     aten._scaled_dot_product_efficient_attention.default,
-]  # fmt: skip
+]
 START = time.perf_counter()
 
 
@@ -135,27 +138,6 @@ def backward_flops(fn, x, grad):
     return backward_work(fn, x, grad)[0]
 
 
-def saved_by_graph(out, exclude):
-    """Bytes of the storages autograd saved for backward in ``out``'s graph, ``exclude`` aside."""
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
-    seen, stack, storages = set(), [out.grad_fn], {}
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        found = list(getattr(node, "saved_tensors", ()))  # custom Functions (compiled graphs)
-        for name in dir(node):  # built-in nodes: _saved_self, _saved_result...
-            if name.startswith("_saved_"):
-                value = getattr(node, name)
-                found += value if isinstance(value, (tuple, list)) else [value]
-        for t in found:
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in skip:
-                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        stack += [f for f, _ in node.next_functions]
-    return sum(storages.values())
-
-
 class MinCut:
     """torch.compile with the min-cut partitioner at one activation budget; counts its backward."""
 
@@ -216,8 +198,11 @@ def matched_budget(stack, x, grad, target, iterations):
         mincut = MinCut(stack, mid)
         mincut.compile(x, grad)
         held = mincut.held(stack, x)
-        say("bisect", f"budget {mid:.4f}: activations {held / MiB:.2f} MiB "
-            f"(tensor_ckpt {target / MiB:.2f} MiB)")  # fmt: skip
+        say(
+            "bisect",
+            f"budget {mid:.4f}: activations {held / MiB:.2f} MiB "
+            f"(tensor_ckpt {target / MiB:.2f} MiB)",
+        )
         if held <= target:
             low, best = mid, (mid, held)
         else:
@@ -236,13 +221,21 @@ def parse_args():
     parser.add_argument("--quick", action="store_true", help="2 layers, C=64, T=64: a smoke test")
     parser.add_argument("--reps", type=int, default=15, help="timed repetitions per variant")
     parser.add_argument("--bisect", type=int, default=6, help="bisection steps for the budget")
-    parser.add_argument("--inductor", action="store_true",
-                        help="also time Inductor (its kernels) at the matched budget")  # fmt: skip
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                        help="device of model and data")  # fmt: skip
-    parser.add_argument("--backend", choices=["gloo", "nccl"], default=None,
-                        help="accepted for a uniform command line; this benchmark runs one "
-                        "process and uses no process group")  # fmt: skip
+    parser.add_argument(
+        "--inductor",
+        action="store_true",
+        help="also time Inductor (its kernels) at the matched budget",
+    )
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="device of model and data"
+    )
+    parser.add_argument(
+        "--backend",
+        choices=["gloo", "nccl"],
+        default=None,
+        help="accepted for a uniform command line; this benchmark runs one "
+        "process and uses no process group",
+    )
     args = parser.parse_args()
     if args.reps < 1 or args.bisect < 1:
         parser.error("--reps and --bisect must be >= 1")
@@ -261,8 +254,11 @@ def main():
     stack = nn.Sequential(*[tc.Block(dim, heads) for _ in range(layers)]).to(device)
     x = torch.randn(batch, seq, dim, device=device, requires_grad=True)
     grad = torch.randn(batch, seq, dim, device=device)
-    say("model", f"{layers} layers, C={dim}, {heads} heads, T={seq}, batch {batch}, fp32, "
-        f"{device.type}, {torch.get_num_threads()} threads, torch {torch.__version__}")  # fmt: skip
+    say(
+        "model",
+        f"{layers} layers, C={dim}, {heads} heads, T={seq}, batch {batch}, fp32, "
+        f"{device.type}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+    )
     fns = variants(stack, x)
     print(fns["tensor_ckpt"].plan)
 
@@ -272,8 +268,11 @@ def main():
         return max((a - b).abs().max().item() for a, b in zip(reference, grads(stack, fn, x, grad)))
 
     diff = {name: largest_difference(fn) for name, fn in fns.items()}
-    say("gradients", "max |difference| from the plain run: "
-        + ", ".join(f"{n} {d:.1e}" for n, d in diff.items()))  # fmt: skip
+    say(
+        "gradients",
+        "max |difference| from the plain run: "
+        + ", ".join(f"{n} {d:.1e}" for n, d in diff.items()),
+    )
 
     base = backward_work(stack, x, grad)
     rows = {}
@@ -285,8 +284,11 @@ def main():
     out = stack(x)
     walk = saved_by_graph(out, [x, *stack.parameters()]) + out.untyped_storage().nbytes()
     del out
-    say("check", f"graph walk on the plain model {walk / MiB:.2f} MiB, memory_timeline "
-        f"{rows['none']['held'] / MiB:.2f} MiB (the two meters must agree)")  # fmt: skip
+    say(
+        "check",
+        f"graph walk on the plain model {walk / MiB:.2f} MiB, memory_timeline "
+        f"{rows['none']['held'] / MiB:.2f} MiB (the two meters must agree)",
+    )
 
     default = MinCut(stack, 1.0)
     say("compile", f"min-cut b=1: {default.compile(x, grad):.1f} s to compile")
@@ -304,8 +306,14 @@ def main():
     for name, mincut in pairs:
         flops, ops, written = mincut.work(x, grad)
         diff[name] = largest_difference(mincut)
-        rows[name] = dict(held=mincut.held(stack, x), peak=None, flops=flops - base[0], fn=mincut,
-                          ops=ops - default_work[1], written=written - default_work[2])  # fmt: skip
+        rows[name] = dict(
+            held=mincut.held(stack, x),
+            peak=None,
+            flops=flops - base[0],
+            fn=mincut,
+            ops=ops - default_work[1],
+            written=written - default_work[2],
+        )
     if args.inductor:
         functorch_config.activation_memory_budget = budget
         inductor = torch.compile(stack)
@@ -313,8 +321,9 @@ def main():
         step(inductor, x, grad)
         say("compile", f"Inductor b={budget:.4f}: {time.perf_counter() - start:.1f} s to compile")
         diff["Inductor"] = largest_difference(inductor)
-        rows["Inductor"] = dict(held=None, peak=None, flops=None, ops=None, written=None,
-                                fn=inductor)  # fmt: skip
+        rows["Inductor"] = dict(
+            held=None, peak=None, flops=None, ops=None, written=None, fn=inductor
+        )
 
     for row in rows.values():
         row["times"], row["cpu"] = [], []
@@ -337,37 +346,47 @@ def main():
 
 def print_table(rows, diff, budget, reps, device):
     cpu_time = device.type == "cpu"  # on a GPU the host's CPU time says nothing: wall clock only
-    med = {n: (statistics.median(r["times"]), min(r["cpu"] if cpu_time else r["times"]))
-           for n, r in rows.items()}  # fmt: skip
+    med = {
+        n: (statistics.median(r["times"]), min(r["cpu"] if cpu_time else r["times"]))
+        for n, r in rows.items()
+    }
 
     def mib(v):
         return f"{v / MiB:>8.2f} MiB" if v is not None else f"{'-':>12}"
 
     print()
-    print(f"{'variant':<16} {'activations':>12} {'act+temp peak':>14} {'recompute':>12} "
-          f"{'re-run ops':>10} {'re-written':>12} {'wall (median)':>14} "
-          f"{'CPU (min)' if cpu_time else 'wall (min)':>11} {'vs none':>8} {'vs SAC':>7}  "
-          "grads vs none")  # fmt: skip
+    print(
+        f"{'variant':<16} {'activations':>12} {'act+temp peak':>14} {'recompute':>12} "
+        f"{'re-run ops':>10} {'re-written':>12} {'wall (median)':>14} "
+        f"{'CPU (min)' if cpu_time else 'wall (min)':>11} {'vs none':>8} {'vs SAC':>7}  "
+        "grads vs none"
+    )
     for name, r in rows.items():
         wall, best = med[name]
         flops = f"{r['flops'] / 1e9:>6.2f} GFLOP" if r["flops"] is not None else f"{'-':>12}"
         ops = f"{r['ops']:>10d}" if r["ops"] is not None else f"{'-':>10}"
         same = "bitwise" if diff[name] == 0 else f"{diff[name]:.1e}"
-        print(f"{name:<16} {mib(r['held'])} {mib(r['peak']):>14} {flops} {ops} "
-              f"{mib(r['written']):>12} {wall * 1e3:>11.1f} ms {best * 1e3:>8.1f} ms "
-              f"{best / med['none'][1]:>7.3f}x {best / med['SAC'][1]:>6.3f}x  {same}")  # fmt: skip
+        print(
+            f"{name:<16} {mib(r['held'])} {mib(r['peak']):>14} {flops} {ops} "
+            f"{mib(r['written']):>12} {wall * 1e3:>11.1f} ms {best * 1e3:>8.1f} ms "
+            f"{best / med['none'][1]:>7.3f}x {best / med['SAC'][1]:>6.3f}x  {same}"
+        )
     ours, sac = rows["tensor_ckpt"], rows["SAC"]
     matched = rows[[n for n in rows if n.startswith("min-cut b=")][-1]]
     ratio = med["tensor_ckpt"][1] / med["SAC"][1]
     print()
-    print(f"target: tensor_ckpt activations <= SAC's: {ours['held'] <= sac['held']} "
-          f"({ours['held'] / MiB:.2f} vs {sac['held'] / MiB:.2f} MiB); recompute FLOPs <= SAC's: "
-          f"{ours['flops'] <= sac['flops']} ({ours['flops']} vs {sac['flops']}); step time within "
-          f"5% of SAC's: {ratio <= 1.05} ({ratio:.3f}x, {reps} interleaved reps)")  # fmt: skip
-    print(f"at equal memory: min-cut with activation_memory_budget={budget:.4f} holds "
-          f"{matched['held'] / MiB:.2f} MiB (tensor_ckpt {ours['held'] / MiB:.2f} MiB) and "
-          f"recomputes {matched['flops'] / 1e9:.2f} GFLOP of matmul/attention per backward "
-          f"(tensor_ckpt {ours['flops'] / 1e9:.2f})")  # fmt: skip
+    print(
+        f"target: tensor_ckpt activations <= SAC's: {ours['held'] <= sac['held']} "
+        f"({ours['held'] / MiB:.2f} vs {sac['held'] / MiB:.2f} MiB); recompute FLOPs <= SAC's: "
+        f"{ours['flops'] <= sac['flops']} ({ours['flops']} vs {sac['flops']}); step time within "
+        f"5% of SAC's: {ratio <= 1.05} ({ratio:.3f}x, {reps} interleaved reps)"
+    )
+    print(
+        f"at equal memory: min-cut with activation_memory_budget={budget:.4f} holds "
+        f"{matched['held'] / MiB:.2f} MiB (tensor_ckpt {ours['held'] / MiB:.2f} MiB) and "
+        f"recomputes {matched['flops'] / 1e9:.2f} GFLOP of matmul/attention per backward "
+        f"(tensor_ckpt {ours['flops'] / 1e9:.2f})"
+    )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""Meters for tensor_ckpt's measurements: aten ops, bytes allocated, bytes left alive, FLOPs;
-and the plan's table (``print(model.plan)`` prints ``format_plan``).
+"""Meters for tensor_ckpt's measurements: aten ops, bytes allocated, bytes left alive, FLOPs, and
+the bytes a (compiled) autograd graph saved.
 
 The chapter plans from its own example run (FLOPs per op, storage sizes); what a forward leaves
 alive and what a backward costs is measured here: by bench_tensor_ckpt.py, the tests, notebook 04.
@@ -7,10 +7,10 @@ alive and what a backward costs is measured here: by bench_tensor_ckpt.py, the t
 
 import weakref
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from guards.tensor_ckpt_guard import flops_text
-from tensor_ckpt import _tensors_in, count_flops
+from tensor_ckpt import count_flops, tensors_in
 
 
 class Meter(TorchDispatchMode):
@@ -23,8 +23,8 @@ class Meter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        old = {t.untyped_storage().data_ptr() for t in _tensors_in((args, kwargs))}
-        new = [t.untyped_storage() for t in _tensors_in(out)]
+        old = {t.untyped_storage().data_ptr() for t in tensors_in((args, kwargs))}
+        new = [t.untyped_storage() for t in tensors_in(out)]
         new = [s for s in new if s.data_ptr() not in old]
         self.ops, self.bytes = self.ops + 1, self.bytes + sum(s.nbytes() for s in new)
         self.made += map(weakref.ref, new)
@@ -38,7 +38,7 @@ def activation_bytes(model, *inputs):
     """Bytes made by one forward and alive after it: what the autograd graph holds for backward."""
     with Meter() as meter:
         out = model(*inputs)
-    return meter.live_bytes() - sum(t.untyped_storage().nbytes() for t in _tensors_in(out)), out
+    return meter.live_bytes() - sum(t.untyped_storage().nbytes() for t in tensors_in(out)), out
 
 
 def backward_work(loss):
@@ -48,27 +48,23 @@ def backward_work(loss):
     return counter.get_total_flops(), meter.ops, meter.bytes
 
 
-def format_plan(plan):
-    """The plan as a table: per forgotten storage, what is freed and what backward runs again."""
-    rng = f", generator snapshots of {_mib(plan.rng_bytes)} deducted" if plan.rng_bytes else ""
-    held = f"; {_mib(plan.held_bytes)} held for recompute" if plan.held_bytes else ""
-    lines = [f"tensor_ckpt plan: {len(plan.units)} forgotten storages, {_mib(plan.bytes_freed)} "
-             f"freed per forward{rng}{held}; recomputed per backward: "
-             f"{flops_text(plan.recompute_flops)} in matmul/attention",
-             f"  {'forgotten (aliases)':<30} {'shape':<16} {'freed':>10} {'matmul FLOP':>11}  "
-             "recompute ops <- from kept (* = forgotten, shared)"]  # fmt: skip
-    for u in plan.units:
-        aliases = ", ".join(m for m in u.members if m != u.name)
-        label = u.name + (f" ({aliases})" if aliases else "")
-        freed = _mib(u.bytes_freed) if u.saved else "0 (unsaved)"
-        ops = ", ".join(name + (f"[{flops_text(fl)}]" if fl else "") for name, fl in u.op_flops
-                        if not name.startswith("forget"))  # fmt: skip
-        kept = ", ".join([f.name for f in u.frontier] + [d.name + "*" for d in u.deps])
-        rng = f"  [generator replayed: {', '.join(u.random_nodes)}]" if u.random_nodes else ""
-        lines.append(f"  {label[:30]:<30} {str(tuple(u.shape)):<16} {freed:>10} "
-                     f"{flops_text(u.flops):>11}  {ops} <- {kept}{rng}")  # fmt: skip
-    return "\n".join(lines)
-
-
-def _mib(b):
-    return f"{b / 2**20:.2f} MiB" if b >= 2**20 or b == 0 else f"{b / 2**10:.1f} KiB"
+def saved_by_graph(out, exclude):
+    """Bytes of the storages autograd saved for backward in ``out``'s graph, ``exclude`` aside.
+    Works where no dispatch mode may run (a compiled graph: Dynamo would fall back to eager)."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen, stack, storages = set(), [out.grad_fn], {}
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        found = list(getattr(node, "saved_tensors", ()))  # custom Functions (compiled graphs)
+        for name in dir(node):  # built-in nodes: _saved_self, _saved_result...
+            if name.startswith("_saved_"):
+                value = getattr(node, name)
+                found += value if isinstance(value, (tuple, list)) else [value]
+        for t in found:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in skip:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        stack += [f for f, _ in node.next_functions]
+    return sum(storages.values())

@@ -1,124 +1,277 @@
 """Tracing models nobody here wrote, for tensor_ckpt: forwards TorchFX cannot take as they are.
 
-FX turns every argument of forward into a proxy, so ``**kwargs``, a decorator, an optional
-argument steering an ``if`` (``mask=None``) break the trace. ``fixed_forward`` gives the trace a
-generated forward of the same class and attributes that takes only the traced arguments and
-passes ``concrete_args`` {name: value} by keyword; ``bound_inputs`` takes a later call apart the
-same way and refuses one whose fixed arguments are not as they were traced. The refusals for a
-non-tensor example input and for code FX cannot trace live here too, and ``python_state``: what
-a trace may have frozen into its graph, so tensor_ckpt keeps one plan per state.
+FX turns every argument of forward into a proxy, so ``**kwargs``, a decorator, an optional argument
+steering an ``if`` (``mask=None``) or a tuple of tensors (``position_embeddings=(cos, sin)``) break
+the trace, and so does Python arithmetic on a shape (``(*x.shape[:-1], -1)``). ``Arguments`` says
+which arguments a trace takes and gives it a generated forward of the same class that takes their
+tensors one by one and passes ``concrete_args`` {name: value} by keyword; it takes every later call
+apart the same way, refusing one whose fixed arguments are not as they were traced.
+``trace_knowing_shapes`` traces again with proxies that answer shape, dtype and device from the
+example inputs, as HF's old tracer did: the graph then holds for inputs shaped like the examples.
+The refusal for code FX cannot trace lives here too.
 """
 
 import inspect
+import sys
 
 import torch
-import torch.nn as nn
+import torch.fx as fx
+import torch.utils._pytree as pytree
 
 
-def traced_arguments(module, concrete_args, n_inputs=None):
-    """The names of forward's arguments a trace takes: the first ``n_inputs`` (default: those
-    without a default) not fixed by ``concrete_args``; the rest keep their defaults."""
-    params = [p for p in inspect.signature(module.forward).parameters.values()
-              if p.name not in concrete_args and p.kind in (p.POSITIONAL_ONLY,
-                                                            p.POSITIONAL_OR_KEYWORD)]  # fmt: skip
-    return [p.name for p in params if n_inputs is not None or p.default is p.empty][:n_inputs]
+class Arguments:
+    """Which of forward's arguments a trace takes (``names``), their example tensors flattened
+    (``examples``, one per placeholder) and structure (``spec``: a tensor each, or a tuple, list
+    or dict of tensors), and the ``concrete_args`` fixed for every call."""
+
+    def __init__(self, module, example_inputs, concrete_args=None):
+        compiled = sys.modules.get("torch._dynamo.eval_frame")  # loaded by torch.compile
+        if compiled is not None and isinstance(module, compiled.OptimizedModule):
+            raise ValueError(
+                "tensor_ckpt: the module is already compiled, and FX cannot trace a compiled "
+                "forward. Fix: checkpoint the plain module, then compile the result: "
+                "torch.compile(checkpoint_tensors(model, ...))."
+            )
+        self.module, self.fixed = module, dict(concrete_args or {})
+        self.signature = inspect.signature(module.forward)
+        params = self.signature.parameters.values()
+        positional = [
+            p.name
+            for p in params
+            if p.name not in self.fixed and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        if isinstance(example_inputs, dict):  # {argument name: value}, for arguments not first
+            named = dict(example_inputs)
+            if unknown := [n for n in named if n not in positional]:
+                raise ValueError(
+                    f"tensor_ckpt: example input {unknown[0]!r} is no argument of "
+                    f"{type(module).__name__}.forward that can be traced; pick from "
+                    f"{positional}."
+                )
+        elif len(example_inputs) > len(positional):
+            raise ValueError(
+                f"tensor_ckpt: expected {len(positional)} inputs ({positional}), got "
+                f"{len(example_inputs)}. Pass one value per argument of forward."
+            )
+        else:
+            named = dict(zip(positional, example_inputs))
+        for name, value in named.items():
+            refuse_non_tensor(name, value)
+        self.names = [n for n in positional if n in named]  # forward's order
+        self.examples, self.spec = pytree.tree_flatten(tuple(named[n] for n in self.names))
+        forward = type(module).forward
+        plain = not (forward.__code__.co_flags & (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS))
+        self.direct = (
+            plain
+            and not self.fixed
+            and not hasattr(forward, "__wrapped__")
+            and self.names == positional
+            and len(self.examples) == len(self.names)
+        )
+
+    def leaf_names(self):  # one per placeholder: `x`, or `position_embeddings_0`, `..._1`
+        values = pytree.tree_unflatten(list(self.examples), self.spec)  # one per name
+        return [
+            name if isinstance(v, torch.Tensor) else f"{name}_{i}"
+            for name, v in zip(self.names, values)
+            for i in range(len(pytree.tree_leaves(v)))
+        ]
+
+    def root(self):
+        """The module itself when FX can take its forward as it is; otherwise an object of a
+        subclass of its class, sharing its ``__dict__``, whose forward takes the leaf tensors."""
+        if self.direct:
+            return self.module
+        cls, params = type(self.module), self.leaf_names()
+        scope = {
+            "forward": cls.forward,
+            "fixed": self.fixed,
+            "names": self.names,
+            "spec": self.spec,
+            "unflatten": pytree.tree_unflatten,
+        }
+        exec(
+            f"def bound(self, {', '.join(params)}):\n"
+            f" values = unflatten([{', '.join(params)}], spec)\n"
+            " return forward(self, **dict(zip(names, values)), **fixed)",
+            scope,
+        )
+        root = object.__new__(type(cls.__name__, (cls,), {"forward": scope["bound"]}))
+        root.__dict__ = self.module.__dict__
+        return root
+
+    def flatten(self, args, kwargs):
+        """The traced values of a call, as the trace's placeholders take them; every other argument
+        must be as it was traced (by value: tensors, and tuples, lists and dicts of them)."""
+        if self.direct and not kwargs:
+            if len(args) != len(self.names):
+                raise ValueError(
+                    f"tensor_ckpt: expected {len(self.names)} inputs ({self.names}), "
+                    f"got {len(args)}. Pass one value per argument of forward."
+                )
+            return list(args)
+        try:
+            given = self.signature.bind(*args, **kwargs).arguments
+        except TypeError as err:
+            raise ValueError(f"tensor_ckpt: {err}; the trace takes {self.names}.") from None
+        for p in self.signature.parameters.values():
+            if p.kind is p.VAR_KEYWORD:
+                given.update(given.pop(p.name, {}))
+        if missing := [n for n in self.names if n not in given]:
+            raise ValueError(
+                f"tensor_ckpt: argument '{missing[0]}' was traced as an input; pass "
+                "it in every call."
+            )
+        values = tuple(given.pop(n) for n in self.names)
+        leaves, spec = pytree.tree_flatten(values)
+        if spec != self.spec:
+            as_traced = pytree.tree_unflatten(list(self.examples), self.spec)
+            raise ValueError(
+                f"tensor_ckpt: the traced arguments {self.names} came as {described(values)}; "
+                f"the trace took {described(as_traced)}. Pass them as traced."
+            )
+        for name, value in given.items():
+            p = self.signature.parameters.get(name)
+            traced = self.fixed.get(name, p.default if p is not None else "not passed")
+            if not same(value, traced):
+                raise ValueError(
+                    f"tensor_ckpt: argument '{name}' ({described(value)}) differs from the value "
+                    f"the trace fixed ({described(traced)}). Fix: pass it in concrete_args="
+                    f"{{'{name}': ...}} with this value, or trace it as an example input."
+                )
+        return leaves
+
+    def left_at_none(self):  # arguments neither traced nor fixed whose default is None
+        return [
+            p.name
+            for p in self.signature.parameters.values()
+            if p.default is None and p.name not in self.names and p.name not in self.fixed
+        ]
 
 
-def fixed_forward(module, concrete_args, n_inputs):
-    """An object of a subclass of ``module``'s class, sharing its ``__dict__`` (submodules,
-    parameters, buffers, names), whose forward takes only ``traced_arguments``."""
-    cls, forward = type(module), type(module).forward
-    names = traced_arguments(module, concrete_args, n_inputs)
-    scope, call = {"forward": forward, "fixed": concrete_args}, [f"{n}={n}" for n in names]
-    exec(f"def bound(self, {', '.join(names)}):\n return forward(self, {', '.join(call)}, **fixed)",
-         scope)  # fmt: skip
-    root = object.__new__(type(cls.__name__, (cls,), {"forward": scope["bound"]}))
-    root.__dict__ = module.__dict__
-    return root
+def same(a, b):
+    """Equal by value: tensors by dtype, shape and elements; tuples, lists, dicts item by item."""
+    if a is b:
+        return True
+    (left, a_spec), (right, b_spec) = pytree.tree_flatten(a), pytree.tree_flatten(b)
+    return a_spec == b_spec and all(map(_same_leaf, left, right))
 
 
-def _same(a, b):
+def _same_leaf(a, b):
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and a.device == b.device
+            and torch.equal(a, b)
+        )
     try:
-        return a is b or bool(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b)
-    except Exception:  # a tensor against a non-tensor, a value with no truth value for ==
+        return a is b or bool(a == b)
+    except Exception:  # a value with no truth value for ==
         return False
 
 
-def bound_inputs(module, concrete_args, n_inputs, args, kwargs):
-    """The traced arguments of a call, in order; every other one must be as it was traced."""
-    signature = inspect.signature(module.forward)
-    given = signature.bind(*args, **kwargs).arguments
-    for p in signature.parameters.values():
-        if p.kind is p.VAR_KEYWORD:
-            given.update(given.pop(p.name, {}))
-    traced = traced_arguments(module, concrete_args, n_inputs)
-    inputs = tuple(given.pop(name) for name in traced if name in given)
-    for name, value in given.items():
-        p = signature.parameters.get(name)
-        fixed = concrete_args.get(name, p.default if p is not None else "not passed")
-        if not _same(value, fixed):
-            raise ValueError(
-                f"tensor_ckpt: argument '{name}' is {type(value).__name__} {value!r:.60}, "
-                f"but the trace fixed it at {fixed!r:.60}. Fix: pass it in concrete_args="
-                f"{{'{name}': ...}} with this value, or trace it as an example input."
-            )
-    return inputs
+def described(value):  # a value in a line: tensors by dtype and shape
+    tensors = [v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
+    if not tensors:
+        return f"{type(value).__name__} {value!r:.60}"
+    return f"{type(value).__name__} of tensors " + ", ".join(
+        f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}" for t in tensors
+    )
 
 
-def refuse_examples(module, concrete_args, example_inputs):
-    """A non-tensor example input would become a proxy: it belongs in ``concrete_args``."""
-    names = [n for n in inspect.signature(module.forward).parameters if n not in concrete_args]
-    for name, v in zip(names, example_inputs):
-        if not isinstance(v, torch.Tensor):
-            raise ValueError(
-                f"tensor_ckpt: example input '{name}' is {v!r}, not a tensor: a traced argument "
-                f"becomes a proxy, so `if {name} is None` would take the wrong branch. "
-                f"Fix: concrete_args={{'{name}': {v!r}}}."
-            )
+def refuse_non_tensor(name, value):
+    """An example input is a tensor, or a tuple, list or dict of tensors; anything else would
+    become a proxy that Python code cannot branch on: it belongs in ``concrete_args``."""
+    leaves = pytree.tree_leaves(value)
+    if not leaves or not all(isinstance(v, torch.Tensor) for v in leaves):
+        raise ValueError(
+            f"tensor_ckpt: example input '{name}' is {value!r:.60}, not a tensor (or a tuple, list "
+            f"or dict of tensors): a traced argument becomes a proxy, so `if {name} is None` "
+            f"would take the wrong branch. Fix: concrete_args={{'{name}': {value!r:.60}}}."
+        )
 
 
-def untraceable(module, err):
-    """The refusal for code FX cannot trace, naming the innermost module it failed in."""
+class KnownProxy(fx.Proxy):
+    """A proxy that answers shape questions with the example run's value, as the forward sees
+    them when it runs: ``x.shape``, ``x.size()``, ``x.dim()``, ``x.ndim``, ``x.dtype``,
+    ``x.device``, ``len(x)``. A tensor's contents stay symbolic: ``if x.sum() > 0`` still fails."""
+
+    def _known(self, attr):  # the example value's attribute, or FX's symbolic one
+        value = self.tracer.values.get(self.node)
+        if isinstance(value, torch.Tensor):
+            return getattr(value, attr)
+        return fx.Proxy.__getattr__(self, attr)
+
+    shape = property(lambda self: self._known("shape"))
+    ndim = property(lambda self: self._known("ndim"))
+    dtype = property(lambda self: self._known("dtype"))
+    device = property(lambda self: self._known("device"))
+
+    def size(self, *dim):
+        return self._known("size")(*dim)
+
+    def dim(self):
+        return self._known("dim")()
+
+    def __len__(self):
+        value = self.tracer.values.get(self.node)
+        return len(value) if isinstance(value, torch.Tensor) else super().__len__()
+
+
+class _KnowsShapes:
+    """Mixed in before a tracer class: each node it creates also runs on the example values."""
+
+    def proxy(self, node):
+        return KnownProxy(node, self)
+
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        if kind != "output":
+            try:  # FX's patches of Module.__call__ lifted (its own private way): real modules run
+                with torch.no_grad(), fx._symbolic_trace._maybe_revert_all_patches():
+                    self.values[node] = self.interpreter.run_node(node)
+            except Exception:  # a value it cannot compute stays symbolic
+                pass
+        return node
+
+
+def trace_knowing_shapes(tracer, root, module, arguments, examples):
+    """A new ``tracer``'s trace of ``root``, its proxies knowing the shapes of ``examples`` (one
+    tensor per placeholder): it becomes a subclass that runs every node on the example values as
+    it records it (no gradients, generators forked, inputs copied). Raises ``untraceable``."""
+    tracer.__class__ = type("Knowing" + type(tracer).__name__, (_KnowsShapes, type(tracer)), {})
+    tracer.values, tracer.interpreter = {}, fx.Interpreter(root, graph=fx.Graph())
+    tracer.interpreter.env = tracer.values  # node -> its value in the example run
+    tracer.interpreter.args_iter = iter([t.detach().clone() for t in examples])
+    devices = [t.device for t in examples if t.device.type == "cuda"]
+    with torch.random.fork_rng(devices):
+        try:
+            return tracer.trace(root)
+        except Exception as err:
+            raise untraceable(module, err, arguments) from err
+
+
+def untraceable(module, err, arguments=None):
+    """The refusal for code FX cannot trace, naming the innermost module it failed in and the fix:
+    an argument left at None that the code reads, or control flow on a traced value."""
     path, cls = getattr(err, "inside", ("", type(module)))
     where = f"inside '{path}' ({cls.__name__})" if path else type(module).__name__
+    first = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    if "NoneType" in str(err) and arguments is not None and (nones := arguments.left_at_none()):
+        return ValueError(
+            f"tensor_ckpt: tracing {type(module).__name__} failed {where} with {first}, an "
+            f"argument left at None read as a value (left at None: {', '.join(nones)}). Fix: pass "
+            "the one it needs as an example input (a tensor, or a tuple, list or dict of "
+            f"tensors: example_inputs={{{arguments.names[0]!r}: ..., {nones[-1]!r}: ...}}) or in "
+            "concrete_args={name: value}."
+        )
     return ValueError(
-        f"tensor_ckpt: torch.fx cannot trace {where}: {str(err).splitlines()[0]}\n"
-        "Python control flow on a traced value (an `if`/`while` on a tensor, len() of a tensor) "
-        f"has no graph form. Fix: pass leaf_modules=({cls.__name__},) so it runs as one opaque "
-        "node (nothing inside it can then be forgotten), fix the arguments that steer it with "
-        "concrete_args={name: value}, or express the branch with tensor ops (torch.where)."
+        f"tensor_ckpt: torch.fx cannot trace {where}: {first}. Python control flow on a traced "
+        "value (an `if`/`while` on a tensor, len() of a tensor) has no graph form. Fix: pass "
+        f"leaf_modules=({cls.__name__},) so it runs as one opaque node (nothing inside it can then "
+        "be forgotten), fix the arguments that steer it with concrete_args={name: value}, or "
+        "express the branch with tensor ops (torch.where)."
     )
-
-
-def refuse_names(unknown, nodes, tensor_names):
-    """``names=`` that are no node of the graph; a torch.nn module is traced whole unless asked."""
-    leaves = [n.target for n in nodes if n.op == "call_module" and
-              any(u.startswith(n.target + ".") for u in unknown)]  # fmt: skip
-    inside = (f" '{unknown[0]}' is inside the leaf module '{leaves[0]}': FX keeps torch.nn "
-              "modules whole; pass its class in trace_into=(...) to trace inside it."
-              if leaves else "")  # fmt: skip
-    raise ValueError(
-        f"tensor_ckpt: no node named {unknown} in the traced graph.{inside} "
-        f"Pick from: {tensor_names}"
-    )
-
-
-def python_state(module):
-    """What a trace may have frozen into the graph: the plain attributes of every submodule
-    (``training``, a dropout's ``p``) and of the objects they hold (a config); autocast's state."""
-    plain = (bool, int, float, str, type(None), torch.dtype, torch.device)
-
-    def is_plain(v):
-        return isinstance(v, plain) or (isinstance(v, (tuple, list)) and all(map(is_plain, v)))
-
-    state, seen = [], set()
-    for name, m in module.named_modules():
-        held = [v for v in vars(m).values() if hasattr(v, "__dict__") and not callable(v)]
-        for obj in [m, *(v for v in held if not isinstance(v, (nn.Module, torch.Tensor)))]:
-            if id(obj) not in seen:
-                seen.add(id(obj))
-                state += [(name, k, repr(v)) for k, v in vars(obj).items() if is_plain(v)]
-    autocast = (
-        (d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
-    )
-    return tuple(state), tuple(autocast)
