@@ -581,9 +581,9 @@ class MuonZeRO(torch.optim.Optimizer):
         self.grad_sync, self.max_grad_norm, self.seed = grad_sync, max_grad_norm, seed
         self.params = [p for g in self.param_groups for p in g["params"]]
         # the door: every local check, then one agreement collective; all ranks raise alike
-        settings = dict(zero_width=zero_width, balance=balance, grad_sync=grad_sync, betas=betas)
-        settings["max_grad_norm"] = max_grad_norm
-        check(self.param_groups, process_group, settings, EXPERT_ROLES, plan_muon)
+        agreed = dict(zero_width=zero_width, balance=balance, grad_sync=grad_sync, betas=betas)
+        agreed["max_grad_norm"] = max_grad_norm
+        check(self.param_groups, process_group, agreed, EXPERT_ROLES, plan_muon)
         self.device = self.params[0].device
         self.built_for = [(tuple(p.shape), p.dtype, p.device) for p in self.params]
 
@@ -797,11 +797,11 @@ def load_state(opt, state_dict):
             return held[s.expert]
         return held.get(s.expert, held.get(str(s.expert)))  # its text after a JSON round trip
 
-    mine = [s for shards in opt.shards for run in shards.runs for s in run.slots]
-    momenta = [saved_momentum(s) for s in mine]
+    owned = [s for shards in opt.shards for run in shards.runs for s in run.slots]
+    momenta = [saved_momentum(s) for s in owned]
     missing = [
         f"parameter {s.param}" + ("" if s.expert is None else f" expert {s.expert}")
-        for s, m in zip(mine, momenta)
+        for s, m in zip(owned, momenta)
         if m is None
     ]
     has_momentum = any("momentum_buffer" in entry for entry in state.values())
@@ -826,7 +826,7 @@ def load_state(opt, state_dict):
     opt.momenta = None
     if has_momentum:  # new buffers, then copies: a DCP template's tensors are views of the old
         opt._new_momenta()
-        for s, momentum_buffer in zip(mine, momenta):
+        for s, momentum_buffer in zip(owned, momenta):
             held = opt.state[opt.params[s.param]]["momentum_buffer"]
             (held if s.expert is None else held[s.expert]).copy_(torch.as_tensor(momentum_buffer))
 
@@ -895,8 +895,8 @@ def train(args, rank, world, device):
     data = torch.Generator().manual_seed(1)
     for step in range(1, args.steps + 1):
         tokens, targets = demo_batch(args.batch, args.seq, 64, data)
-        mine = slice(rank * per_rank, (rank + 1) * per_rank)
-        x, y = tokens[mine].to(device), targets[mine].to(device)
+        rows = slice(rank * per_rank, (rank + 1) * per_rank)
+        x, y = tokens[rows].to(device), targets[rows].to(device)
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         opt.zero_grad()
         loss.backward()
