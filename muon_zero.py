@@ -12,12 +12,16 @@ The fix (V4 §3.4.1), in the order of this file:
   1. the optimizer math: Nesterov momentum, Newton-Schulz in BF16 on the Frobenius-normalised
      matrix, update RMS rescaling, decoupled weight decay; AdamW for embeddings, head, norms.
   2. the naive baseline (KellerJordan's muon.py): whole matrices dealt round-robin, then gathered.
-  3. V4's layout: dense matrices packed whole, largest first, into `zero_width` buckets padded to
-     the largest (a plain reduce-scatter); MoE experts flattened (all downs, ups, gates) into one
-     vector split over every rank without cutting a matrix; same-shape neighbours form one stacked
-     momentum and one batched Newton-Schulz call.
+  3. V4's layout: which tensors Muon updates (`muon_param_groups`); dense matrices packed whole,
+     largest first, into `zero_width` buckets padded to the largest (a plain reduce-scatter); MoE
+     experts flattened (all downs, ups, gates) into one vector split over every rank without
+     cutting a matrix; same-shape neighbours form one stacked momentum and one batched
+     Newton-Schulz call.
   4. the sharded step, `sharded_step`: pack -> reduce-scatter (bf16 stochastic rounding,
-     all-to-all, fp32 sum) -> clip the averaged gradient -> update owned matrices -> all-gather.
+     all-to-all, fp32 sum) -> clip the averaged gradient -> update owned matrices -> all-gather;
+     then `MuonZeRO`, the torch.optim.Optimizer around it.
+Below the fence: checkpoints (a rank's share, the gathered whole, torch.distributed.checkpoint at
+any world size) and the demo.
 
 Run it (set-up, the agreement guard and the launch options come from launch.py):
     OMP_NUM_THREADS=1 torchrun --nproc_per_node=4 muon_zero.py  # CPU/gloo: width 2, 2 replicas
@@ -36,13 +40,12 @@ from itertools import accumulate, groupby
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 
 import launch
-from guards.muon_zero_guard import agreed_grad_mask, check_and_agree  # checks before collectives
-from models.param_roles import EXPERT_ROLES, muon_param_groups  # which tensor gets Muon
+from guards.muon_zero_guard import check, check_group  # the checks before any collective
 from models.tiny_moe import TinyMoE, demo_batch  # the demo's model and data
-from optimizer_state import muon_zero_checkpoint as checkpoint  # saving and loading
 
 # ---- 1. The optimizer math (V4 Algorithm 1) ------------------------------------------------------
 
@@ -65,7 +68,8 @@ def newton_schulz(X, coefficients, dtype=torch.bfloat16, eps=1e-7):
         raise ValueError(f"newton_schulz takes [n, m] or [b, n, m], got shape {tuple(X.shape)}")
     # hint: work on a [b, n, m] stack in `dtype`, wide orientation, each matrix of norm 1
     ### BEGIN SOLUTION
-    Y = (X if X.ndim == 3 else X.unsqueeze(0)).float()  # [b, n, m]
+    Y = X if X.ndim == 3 else X.unsqueeze(0)  # [b, n, m]
+    Y = Y.to(torch.promote_types(Y.dtype, torch.float32))  # fp32 or wider: the scaling is exact
     _, exponent = torch.frexp(Y.abs().amax(dim=(-2, -1), keepdim=True))
     Y = torch.ldexp(Y, -exponent).to(dtype)  # largest entry in [0.5, 1): nothing underflows
     tall = Y.size(-2) > Y.size(-1)
@@ -82,10 +86,18 @@ def newton_schulz(X, coefficients, dtype=torch.bfloat16, eps=1e-7):
     ### END SOLUTION
 
 
-def muon_update(grad, momentum_buffer, *, momentum=0.95, nesterov=True,
-                coefficients=V4_NS_COEFFICIENTS, ns_dtype=torch.bfloat16,
-                update_rms=0.18):  # fmt: skip
-    """Advance the momentum in place, return the fp32 update O.  grad, buffer: [n, m] or [b, n, m].
+def muon_update(
+    grad,
+    momentum_buffer,
+    *,
+    momentum=0.95,
+    nesterov=True,
+    coefficients=V4_NS_COEFFICIENTS,
+    ns_dtype=torch.bfloat16,
+    update_rms=0.18,
+):
+    """Advance the momentum in place, return the update O in grad's dtype.  grad, buffer: [n, m]
+    or [b, n, m].
 
     V4 writes M <- mu·M + G and X = mu·M + G (Nesterov) or M. The buffer is torch.optim.Muon's
     average form M' = (1 - mu)·M: M' <- lerp(M', G, 1 - mu), X' = lerp(G, M', mu) = (1 - mu)·X,
@@ -95,8 +107,8 @@ def muon_update(grad, momentum_buffer, *, momentum=0.95, nesterov=True,
     ### BEGIN SOLUTION
     momentum_buffer.lerp_(grad, 1 - momentum)
     X = grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
-    n, m = X.shape[-2:]
-    return newton_schulz(X, coefficients, ns_dtype).float() * (update_rms * math.sqrt(max(n, m)))
+    scale = update_rms * math.sqrt(max(X.shape[-2:]))
+    return newton_schulz(X, coefficients, ns_dtype).to(X.dtype) * scale
     ### END SOLUTION
 
 
@@ -105,8 +117,9 @@ def apply_update(param, update, lr, weight_decay):
     param.mul_(1 - lr * weight_decay).add_(update, alpha=-lr)
 
 
-def adamw_update(param, grad, exp_avg, exp_avg_sq, step, *, lr, betas=(0.9, 0.95), eps=1e-8,
-                 weight_decay=0.1):  # fmt: skip
+def adamw_update(
+    param, grad, exp_avg, exp_avg_sq, step, *, lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1
+):
     """One AdamW step (V4 keeps it for embeddings, head, norms, biases).  In place; step from 1."""
     exp_avg.lerp_(grad, 1 - betas[0])
     exp_avg_sq.mul_(betas[1]).addcmul_(grad, grad, value=1 - betas[1])
@@ -150,6 +163,59 @@ def round_robin_step(params, momenta, process_group=None, lr=0.02, weight_decay=
 
 
 # ---- 3. V4's layout: who owns what (pure functions: usable at V4 scale without processes) --------
+
+# A param group's role: which rule updates its tensors, and how Muon cuts them into matrices.
+EXPERT_ROLES = ("expert_down", "expert_up", "expert_gate")  # V4's order of the flat expert vector
+ROLES = ("dense", *EXPERT_ROLES, "adamw")  # dense: a matrix [n, m]; experts: a stack [E, n, m]
+OUTPUT_HEAD_NAMES = ("head", "lm_head", "output", "output_layer")  # nanoGPT, HF, titan, Megatron
+
+
+def muon_param_groups(model, adamw_names=OUTPUT_HEAD_NAMES, expert_roles=None):
+    """Split `model`'s parameters into MuonZeRO param groups, one per role, by what each tensor is.
+
+    AdamW (V4): embeddings and what is tied to them; the output head (HF's
+    get_output_embeddings(), or a module in `adamw_names`: a dotted prefix such as "model.proj" or
+    a module name anywhere in the path); tensors declared non-Muon (a module's `no_muon` or
+    `_adamw_params` set of names, or `tensor.no_muon = True`); static biases (names starting
+    "bias", such as mHC's 2-D bias_res); tensors below 2-D. Muon: every other matrix. 3-D tensors
+    are expert stacks [E, n, m], their role from `expert_roles[name]` or a name token ("w_down",
+    "up_proj", "gate"), else a ValueError.
+    """
+    expert_roles, adamw_ids = dict(expert_roles or {}), set()
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            adamw_ids.add(id(module.weight))
+        declared = set(getattr(module, "no_muon", ())) | set(getattr(module, "_adamw_params", ()))
+        adamw_ids |= {id(p) for n, p in module.named_parameters(recurse=False) if n in declared}
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    if isinstance(head, nn.Module):
+        adamw_ids |= {id(p) for p in head.parameters()}
+    by_role = {role: [] for role in ROLES}
+    for name, p in model.named_parameters():
+        modules = name.split(".")[:-1]  # whole module names: "output" is not "output_gate"
+        named = any(name.startswith(a + ".") or a in modules for a in adamw_names)
+        bias = name.rsplit(".", 1)[-1].startswith("bias")
+        if id(p) in adamw_ids or getattr(p, "no_muon", False) or named or bias or p.ndim < 2:
+            by_role["adamw"].append(p)
+        elif p.ndim == 2:
+            by_role["dense"].append(p)
+        elif p.ndim == 3:
+            tokens = set(name.replace(".", "_").split("_"))
+            found = [r for r in EXPERT_ROLES if r.split("_")[1] in tokens]
+            role = expert_roles.get(name, found[0] if len(found) == 1 else None)
+            if role not in EXPERT_ROLES:
+                raise ValueError(
+                    f"expert stack {name!r} {tuple(p.shape)}: cannot tell a down, up "
+                    f"or gate projection (role {role!r}); pass expert_roles="
+                    f"{{{name!r}: 'expert_down'}} (or _up / _gate)"
+                )
+            by_role[role].append(p)
+        else:
+            raise ValueError(
+                f"parameter {name!r} has {p.ndim} dims; Muon handles matrices "
+                f"[n, m] and expert stacks [E, n, m] only"
+            )
+    return [{"params": ps, "role": role} for role, ps in by_role.items() if ps]
 
 
 def ns_cost(shape):
@@ -240,8 +306,10 @@ def plan_muon(dense_shapes, expert_shapes, world_size, zero_width=None, balance=
     zero_width = world_size if zero_width is None else zero_width
     if not isinstance(zero_width, int) or zero_width < 1 or world_size % zero_width:
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise ValueError(f"zero_width={zero_width} must divide the data-parallel size "
-                         f"{world_size} (replica groups): pick one of {divisors}")  # fmt: skip
+        raise ValueError(
+            f"zero_width={zero_width} must divide the data-parallel size "
+            f"{world_size} (replica groups): pick one of {divisors}"
+        )
     dense, experts = [tuple(s) for s in dense_shapes], [tuple(s) for s in expert_shapes]
     buckets = pack_dense(dense, zero_width, balance)
     ranges = split_experts([math.prod(s) for s in experts], world_size)
@@ -308,33 +376,58 @@ def make_shards(matrix_lists, mine, process_group, peers, **kw):
 # ---- 4. The sharded step: pack -> reduce-scatter -> clip -> update mine -> all-gather ------------
 
 
+def agreed_grad_mask(grads, process_group, device):
+    """Which parameters have a gradient on some rank, in one all-reduce (MAX) of flags.  grads:
+    per parameter, None where this rank has none. Part of the algorithm, not a check: a gradient
+    on any rank means the parameter steps (zero where a rank has None), none anywhere means it is
+    left alone (as torch's optimizers leave it), and every rank must decide alike."""
+    mask = torch.tensor([g is not None for g in grads], dtype=torch.int32, device=device)
+    if process_group is not None and dist.get_world_size(process_group) > 1:
+        dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=process_group)
+    return mask.bool().tolist()
+
+
 @torch.no_grad()
-def sharded_step(kinds, grads, params, momenta, settings, has_grad, world_size, grad_sync, gen,
-                 max_norm=None, replicated_sq=0.0, process_group=None):  # fmt: skip
+def sharded_step(
+    kinds,
+    grads,
+    params,
+    momenta,
+    settings,
+    has_grad,
+    *,
+    world_size,
+    grad_sync,
+    generator=None,
+    max_norm=None,
+    replicated_sq=0.0,
+    process_group=None,
+):
     """V4's sharded Muon step for every kind of matrices; every rank ends with the same params.
 
     kinds: Shards (dense buckets, the expert vector); grads, params: per-parameter lists (a grad
     may be None: zero here); momenta: per kind, a stacked buffer [count, n, m] per run of mine;
-    settings: a MuonSettings per param group; has_grad: per parameter, agreed by every rank;
-    world_size: ranks of process_group, whose gradients are averaged; gen: the rounding noise;
-    max_norm: clip the averaged gradient to this norm over the whole model (None: don't);
-    replicated_sq: squared norm of the gradients every rank holds whole (AdamW's).
-    Returns the clip factor (1 without clipping), for the AdamW gradients.
+    settings: a MuonSettings per param group; has_grad: per parameter, agreed by every rank.
+    world_size: ranks of process_group, whose gradients are averaged; grad_sync: "bf16_sr" rounds
+    what is sent with `generator`'s noise, else it travels exact; max_norm: clip the averaged
+    gradient to this norm over the whole model (None: don't); replicated_sq: squared norm of the
+    gradients every rank holds whole (AdamW's). Returns the clip factor (1 without clipping), for
+    the AdamW gradients. Buffers take the parameters' dtype.
     """
     # hint: per kind: pack, reduce_scatter_sum (+ replicas), mean; clip; update_run per run; gather
     ### BEGIN SOLUTION
-    device, means = params[0].device, []
+    like, means = params[0], []
     for shards in kinds:
         # 1. pack: my gradients as one zero-padded chunk per peer, chunk q = what peer q owns
-        chunks = pack(shards.chunks, shards.chunk_numel, grads, device)  # [P, S]
+        packed = pack(shards.chunks, shards.chunk_numel, grads, like)  # [P, S]
         # 2. reduce-scatter: chunk q of every peer lands on peer q and is summed there (V4's MoE
         #    recipe: bf16 stochastic rounding, all-to-all, fp32 sum); then across the replicas
-        mine = reduce_scatter_sum(chunks, shards.group, grad_sync, gen)  # [S]
+        summed = reduce_scatter_sum(packed, shards.group, grad_sync, generator)  # [S]
         if shards.replica_group is not None:
-            dist.all_reduce(mine, group=shards.replica_group)
-        means.append(mine.div_(world_size))
+            dist.all_reduce(summed, group=shards.replica_group)
+        means.append(summed.div_(world_size))
     # 3. clip the averaged gradient: one norm over the whole model, each matrix counted once
-    scale = torch.ones((), device=device)
+    scale = like.new_ones(())
     if max_norm is not None:
         sq = sum((m.square().sum() for m, s in zip(means, kinds) if s.counted), 0 * scale)
         if world_size > 1:
@@ -344,21 +437,22 @@ def sharded_step(kinds, grads, params, momenta, settings, has_grad, world_size, 
             mean_grad.mul_(scale)
     for shards, mean_grad, buffers in zip(kinds, means, momenta):
         # 4. update the matrices I own: one batched Newton-Schulz call per same-shape run
-        values = pack([shards.chunks[shards.mine]], shards.chunk_numel, params, device)[0]  # [S]
+        values = pack([shards.chunks[shards.mine]], shards.chunk_numel, params, like)[0]  # [S]
         for run, M in zip(shards.runs, buffers):
             span = slice(run.offset, run.offset + M.numel())
-            update_run(mean_grad[span].view_as(M), values[span].view_as(M), M,
-                       [settings[s.param_group] for s in run.slots],
-                       [has_grad[s.param] for s in run.slots])  # fmt: skip
+            run_settings = [settings[s.param_group] for s in run.slots]
+            active = [has_grad[s.param] for s in run.slots]
+            update_run(mean_grad[span].view_as(M), values[span].view_as(M), M, run_settings, active)
         # 5. all-gather every peer's updated chunk and unpack it into the parameters, everywhere
         unpack(all_gather_chunks(values, shards.group, shards.peers), shards.chunks, params)
     return scale
     ### END SOLUTION
 
 
-def pack(chunks, numel, tensors, device):
-    """Copy each slot's matrix from tensors[slot.param] into a zero-padded [len(chunks), numel]."""
-    out = torch.zeros(len(chunks), numel, device=device)
+def pack(chunks, numel, tensors, like):
+    """Copy each slot's matrix from tensors[slot.param] into a zero-padded [len(chunks), numel]
+    of `like`'s dtype and device."""
+    out = like.new_zeros(len(chunks), numel)
     for q, slots in enumerate(chunks):
         for s in slots:
             if tensors[s.param] is not None:  # no gradient here: stays zero
@@ -373,15 +467,16 @@ def unpack(flat, chunks, tensors):
             s.of(tensors).copy_(flat[q, s.offset : s.offset + math.prod(s.shape)].view(s.shape))
 
 
-def reduce_scatter_sum(chunks, group, grad_sync, generator):
-    """chunks [P, S] fp32 (chunk q goes to peer q) -> [S] fp32: every peer's chunk for me, summed.
-    All-to-all, then an fp32 sum: each gradient rounded once (a bf16 ring rounds at every hop)."""
-    if chunks.size(0) == 1:
-        return chunks[0]
-    payload = stochastic_round_to_bf16(chunks, generator) if grad_sync == "bf16_sr" else chunks
+def reduce_scatter_sum(packed, group, grad_sync, generator):
+    """packed [P, S] (chunk q goes to peer q) -> [S]: every peer's chunk for me, summed in
+    packed's dtype. All-to-all, then the sum: each gradient rounded once (a bf16 ring rounds at
+    every hop)."""
+    if packed.size(0) == 1:
+        return packed[0]
+    payload = stochastic_round_to_bf16(packed, generator) if grad_sync == "bf16_sr" else packed
     received = torch.empty_like(payload)
     dist.all_to_all_single(received, payload, group=group)
-    return received.float().sum(0)
+    return received.to(packed.dtype).sum(0)
 
 
 def all_gather_chunks(chunk, group, size):
@@ -400,9 +495,15 @@ def update_run(G, W, M, settings, active):
     saved, start = (M[idle].clone(), W[idle].clone()), 0
     for s, members in groupby(settings):
         end = start + len(list(members))
-        update = muon_update(G[start:end], M[start:end], momentum=s.momentum,
-                             nesterov=s.nesterov, coefficients=s.ns_coefficients,
-                             ns_dtype=s.ns_dtype, update_rms=s.update_rms)  # fmt: skip
+        update = muon_update(
+            G[start:end],
+            M[start:end],
+            momentum=s.momentum,
+            nesterov=s.nesterov,
+            coefficients=s.ns_coefficients,
+            ns_dtype=s.ns_dtype,
+            update_rms=s.update_rms,
+        )
         apply_update(W[start:end], update, s.lr, s.weight_decay)
         start = end
     M[idle], W[idle] = saved
@@ -424,23 +525,53 @@ def build_groups(process_group, world_size, zero_width):
     return shard, new_group(range(rank % Z, world_size, Z))
 
 
+def rounding_seed(seed, rank, steps):
+    """The seed of the rounding noise of step `steps` on `rank`: a stream per rank and step, so
+    a resumed run (any layout) draws what it would have drawn, from the step count alone."""
+    return seed * 65537 + rank + steps * 2**32
+
+
 class MuonZeRO(torch.optim.Optimizer):
     """Muon for matrices and expert stacks, AdamW for the rest, ZeRO-sharded the way V4 does it.
 
     Param groups carry a `role` (see muon_param_groups). Each rank runs backward() on its own
     micro-batch; step() (a collective, like the constructor) averages the gradients, updates the
     matrices this rank owns and gathers them: every rank ends identical. Hyperparameters as
-    torch.optim.Muon and AdamW; zero_width: ranks sharing the dense matrices (divides the group);
-    grad_sync: "bf16_sr" (V4's) or "fp32"; max_grad_norm: clip the averaged gradient, in step().
+    torch.optim.Muon and AdamW, except that a group's `momentum` is the gradient's moving-average
+    coefficient in either rule (Muon's mu; AdamW's beta1: the same lerp) and `beta2` AdamW's
+    second: torch's schedulers cycle one key per optimizer (OneCycleLR and CyclicLR: "momentum",
+    unless the defaults hold "betas"), so Muon's momentum and AdamW's beta1 cycle together, as
+    they do for torch.optim.Muon and AdamW. betas: the AdamW groups' default (momentum, beta2).
+    zero_width: ranks sharing the dense matrices (divides the group); grad_sync: "bf16_sr" (V4's)
+    or "exact" ("fp32", its old name; float64 parameters need it: every buffer takes the
+    parameters' dtype); max_grad_norm: clip the averaged gradient, in step(); seed: the rounding
+    noise's. Checkpoints: state_dict(), gather_state_dict() and torch.distributed.checkpoint
+    (see the appendix).
     """
 
-    def __init__(self, params, lr=0.02, momentum=0.95, weight_decay=0.1, nesterov=True,
-                 ns_coefficients=V4_NS_COEFFICIENTS, ns_dtype=torch.bfloat16, update_rms=0.18,
-                 betas=(0.9, 0.95), eps=1e-8, zero_width=None, grad_sync="bf16_sr",
-                 process_group=None, balance="both", seed=0, max_grad_norm=None):  # fmt: skip
-        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov,
-                        ns_coefficients=ns_coefficients, ns_dtype=ns_dtype, update_rms=update_rms,
-                        betas=betas, eps=eps, role="dense")  # fmt: skip
+    def __init__(
+        self,
+        params,
+        lr=0.02,
+        momentum=0.95,
+        weight_decay=0.1,
+        nesterov=True,
+        ns_coefficients=V4_NS_COEFFICIENTS,
+        ns_dtype=torch.bfloat16,
+        update_rms=0.18,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        zero_width=None,
+        grad_sync="bf16_sr",
+        process_group=None,
+        balance="both",
+        seed=0,
+        max_grad_norm=None,
+    ):
+        ns = dict(ns_coefficients=ns_coefficients, ns_dtype=ns_dtype, update_rms=update_rms)
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, **ns)
+        defaults.update(nesterov=nesterov, eps=eps, role="dense")
+        self.adamw_betas = betas  # the AdamW groups' defaults (see add_param_group)
         super().__init__(params, defaults)
         if process_group is None and dist.is_initialized():
             process_group = dist.group.WORLD
@@ -449,118 +580,269 @@ class MuonZeRO(torch.optim.Optimizer):
         self.rank = dist.get_rank(process_group) if process_group is not None else 0
         self.grad_sync, self.max_grad_norm, self.seed = grad_sync, max_grad_norm, seed
         self.params = [p for g in self.param_groups for p in g["params"]]
-        check_and_agree(self, zero_width, balance, plan_muon)  # the same ValueError everywhere
+        # the door: every local check, then one agreement collective; all ranks raise alike
+        agreed = dict(zero_width=zero_width, balance=balance, grad_sync=grad_sync, betas=betas)
+        agreed["max_grad_norm"] = max_grad_norm
+        check(self.param_groups, process_group, agreed, EXPERT_ROLES, plan_muon)
         self.device = self.params[0].device
-        self._built_for = [(tuple(p.shape), p.dtype, p.device) for p in self.params]  # re-checked
+        self.built_for = [(tuple(p.shape), p.dtype, p.device) for p in self.params]
 
         # V4's matrices: dense in parameter order; experts flattened, all downs, then ups, gates.
-        self.dense_matrices = [Slot(i, None, k, tuple(p.shape))
-                               for i, p, k in self._params_of(("dense",))]  # fmt: skip
-        self.expert_matrices = [Slot(i, e, k, tuple(p.shape[1:])) for role in EXPERT_ROLES
-                                for i, p, k in self._params_of((role,))
-                                for e in range(p.size(0))]  # fmt: skip
-        self.plan = plan_muon([s.shape for s in self.dense_matrices],
-                              [s.shape for s in self.expert_matrices],
-                              self.world_size, zero_width, balance)  # fmt: skip
+        self.dense_matrices = [
+            Slot(i, None, k, tuple(p.shape)) for i, p, k in self._params_of(("dense",))
+        ]
+        self.expert_matrices = [
+            Slot(i, e, k, tuple(p.shape[1:]))
+            for role in EXPERT_ROLES
+            for i, p, k in self._params_of((role,))
+            for e in range(p.size(0))
+        ]
+        shapes = [s.shape for s in self.dense_matrices], [s.shape for s in self.expert_matrices]
+        self.plan = plan_muon(*shapes, self.world_size, zero_width, balance)
         self.zero_width = Z = self.plan.zero_width
         shard_group, replica_group = build_groups(process_group, self.world_size, Z)
         self.shards = []  # the same kinds on every rank: one owning none still joins
         if self.dense_matrices:  # reduce-scatter over my replica, all-reduce across replicas
             buckets = [[self.dense_matrices[i] for i in b] for b in self.plan.dense_buckets]
-            self.shards.append(make_shards(buckets, self.rank % Z, shard_group, Z,
-                                           replica_group=replica_group,
-                                           counted=self.rank < Z))  # fmt: skip
+            replicas = dict(replica_group=replica_group, counted=self.rank < Z)
+            self.shards.append(make_shards(buckets, self.rank % Z, shard_group, Z, **replicas))
         if self.expert_matrices:  # reduce-scatter over every rank
             pieces = [self.expert_matrices[a:b] for a, b in self.plan.expert_ranges]
             self.shards.append(make_shards(pieces, self.rank, process_group, self.world_size))
-        self._momentum = None  # per kind, a stacked buffer per run; created in the first step
+        self.momenta = None  # per kind, a stacked buffer per run; created in the first step
         self.steps = 0
-        self._sr_generator = torch.Generator(device=self.device)
-        self._sr_generator.manual_seed(rounding_seed(seed, self.rank, 0))
-
-    def _params_of(self, roles):
-        """(index into self.params, parameter, param-group index) of the groups with these roles."""
-        index = {id(p): i for i, p in enumerate(self.params)}
-        return [(index[id(p)], p, k) for k, g in enumerate(self.param_groups)
-                if g["role"] in roles for p in g["params"]]  # fmt: skip
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None if closure is None else torch.enable_grad()(closure)()
-        has_grad = agreed_grad_mask(self)  # one small all-reduce; re-checks settings across ranks
-        if not any(has_grad):
-            return loss
-        if self._momentum is None:
-            self._momentum = [[torch.zeros(len(r.slots), *r.shape, device=self.device)
-                               for r in shards.runs] for shards in self.shards]  # fmt: skip
-        # AdamW is element-wise, so plain data parallelism is exact: one all-reduce, all step
-        adamw = [(p, self.param_groups[k]) for i, p, k in self._params_of(("adamw",))
-                 if has_grad[i]]  # fmt: skip
-        flat = torch.cat([torch.zeros(0, device=self.device)] + [torch.zeros_like(p).flatten()
-                          if p.grad is None else p.grad.flatten() for p, _ in adamw])  # fmt: skip
-        if self.world_size > 1 and adamw:
-            dist.all_reduce(flat, group=self.process_group)
-        flat /= self.world_size
-        settings = [MuonSettings(*(g[k] for k in MuonSettings._fields)) for g in self.param_groups]
-        scale = sharded_step(self.shards, [p.grad for p in self.params],
-                             [p.detach() for p in self.params], self._momentum, settings,
-                             has_grad, self.world_size, self.grad_sync, self._sr_generator,
-                             self.max_grad_norm, flat.square().sum(),
-                             self.process_group)  # fmt: skip
-        for (p, g), grad in zip(adamw, flat.mul_(scale).split([p.numel() for p, _ in adamw])):
-            state = self.state[p]
-            if not state:
-                state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
-            state["step"] += 1
-            adamw_update(p.detach(), grad.view_as(p), state["exp_avg"], state["exp_avg_sq"],
-                         state["step"], lr=g["lr"], betas=g["betas"], eps=g["eps"],
-                         weight_decay=g["weight_decay"])  # fmt: skip
-        self.steps += 1
-        return loss
 
     def add_param_group(self, param_group):
         if getattr(self, "plan", None) is not None:
             raise ValueError("MuonZeRO plans ownership at construction: pass every param group")
+        if param_group.get("role") == "adamw":  # AdamW's own defaults, from betas
+            beta1, beta2 = self.adamw_betas
+            param_group = {"momentum": beta1, "beta2": beta2, **param_group}
         super().add_param_group(param_group)
 
-    def state_dict(self):  # this rank's share: no collective, resumes at the same layout
-        return checkpoint.save(self, gather=False)
+    def _params_of(self, roles):
+        """(index into self.params, parameter, param-group index) of the groups with these roles."""
+        index = {id(p): i for i, p in enumerate(self.params)}
+        return [
+            (index[id(p)], p, k)
+            for k, g in enumerate(self.param_groups)
+            if g["role"] in roles
+            for p in g["params"]
+        ]
 
-    def gather_state_dict(self):  # a collective: the whole state, loads at any world size
-        return checkpoint.save(self, gather=True)
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None if closure is None else torch.enable_grad()(closure)()
+        for i, (p, built) in enumerate(zip(self.params, self.built_for)):  # local: agreed once
+            if (now := (tuple(p.shape), p.dtype, p.device)) != built:
+                raise ValueError(
+                    f"parameter {i} is now {now}, but MuonZeRO was built for {built}: build the "
+                    f"optimizer after moving or converting the model"
+                )
+        has_grad = agreed_grad_mask([p.grad for p in self.params], self.process_group, self.device)
+        if not any(has_grad):
+            return loss
+        if self.momenta is None:
+            self._new_momenta()
+        # AdamW is element-wise, so plain data parallelism is exact: one all-reduce, all step
+        adamw = [(p, k) for i, p, k in self._params_of(("adamw",)) if has_grad[i]]
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p, _ in adamw]
+        flat = torch.cat([self.params[0].new_zeros(0), *(g.flatten() for g in grads)])
+        if self.world_size > 1 and adamw:
+            dist.all_reduce(flat, group=self.process_group)
+        flat /= self.world_size
+        settings = [MuonSettings(*(g[k] for k in MuonSettings._fields)) for g in self.param_groups]
+        noise = torch.Generator(self.device)
+        noise.manual_seed(rounding_seed(self.seed, self.rank, self.steps))
+        scale = sharded_step(
+            self.shards,
+            [p.grad for p in self.params],
+            [p.detach() for p in self.params],
+            self.momenta,
+            settings,
+            has_grad,
+            world_size=self.world_size,
+            grad_sync=self.grad_sync,
+            generator=noise,
+            max_norm=self.max_grad_norm,
+            replicated_sq=flat.square().sum(),
+            process_group=self.process_group,
+        )
+        for (p, k), grad in zip(adamw, flat.mul_(scale).split([p.numel() for p, _ in adamw])):
+            g, state = self.param_groups[k], self.state[p]
+            if not state:
+                state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+            state["step"] += 1
+            hyper = dict(lr=g["lr"], betas=(g["momentum"], g["beta2"]), eps=g["eps"])
+            moments = state["exp_avg"], state["exp_avg_sq"], state["step"]
+            adamw_update(
+                p.detach(), grad.view_as(p), *moments, weight_decay=g["weight_decay"], **hyper
+            )
+        self.steps += 1
+        return loss
 
-    def load_state_dict(self, state_dict):  # either of the two; resuming is exact
-        checkpoint.load(self, state_dict)
+    def _new_momenta(self):
+        """Zero momentum: a stacked buffer [count, n, m] per run of mine. self.state shows each
+        parameter's view of it (a matrix's [n, m]; a stack's {expert: [n, m]}), empty for what
+        another rank owns: every rank's state is non-empty after a step, as torch's is (DCP's
+        get_optimizer_state_dict steps, a collective here, an optimizer whose state is empty)."""
+        self.momenta = [
+            [self.params[0].new_zeros(len(r.slots), *r.shape) for r in shards.runs]
+            for shards in self.shards
+        ]
+        for _, p, _ in self._params_of(("dense", *EXPERT_ROLES)):
+            self.state.setdefault(p, {})
+        for shards, buffers in zip(self.shards, self.momenta):
+            for run, M in zip(shards.runs, buffers):
+                for s, matrix in zip(run.slots, M):
+                    state = self.state[self.params[s.param]]
+                    if s.expert is None:
+                        state["momentum_buffer"] = matrix
+                    else:
+                        state.setdefault("momentum_buffer", {})[s.expert] = matrix
+
+    def state_dict(self):  # this rank's share, no collective (see the appendix)
+        return state_of(self, gather=False)
+
+    def gather_state_dict(self):  # a collective: the whole state, on every rank
+        return state_of(self, gather=True)
+
+    def load_state_dict(self, state_dict):  # a share, a gathered dict, or a DCP template
+        load_state(self, state_dict)
 
     def local_state_tensors(self):
         """The state tensors this rank holds: its stacked Muon momenta and the AdamW moments."""
-        muon = [M for buffers in self._momentum or [] for M in buffers]
-        return muon + [t for s in self.state.values() for t in s.values() if torch.is_tensor(t)]
+        moments = [s[k] for s in self.state.values() for k in ("exp_avg", "exp_avg_sq") if k in s]
+        return [M for buffers in self.momenta or [] for M in buffers] + moments
 
     def state_bytes(self):
         return sum(t.numel() * t.element_size() for t in self.local_state_tensors())
 
 
-def rounding_seed(seed, rank, steps):
-    """The rounding generator's seed: a stream per rank, and per step count after a reseed."""
-    return seed * 65537 + rank + steps * 2**32
+# ==== appendix: checkpoints, then the demo (TinyMoE, models/tiny_moe.py) ==========================
+#
+# A state dict, by parameter index: AdamW's {"step", "exp_avg", "exp_avg_sq"}, whole on every rank;
+# Muon's {"momentum_buffer"}: a matrix's momentum, or an expert stack's, whole [E, n, m] when
+# gathered, else {expert: [n, m]} for the experts this rank owns; {} for what a rank lacks. Each
+# param group carries "steps", the rounding noise's counter. torch.distributed.checkpoint needs
+# nothing more: get_optimizer_state_dict(model, opt) names each rank's share by parameter names,
+# dcp.save writes each key once, from a rank holding it (a matrix's owner; replicas and AdamW's
+# copies deduplicated), and at any world size and zero width the new owners' template, filled by
+# dcp.load key by key, goes to set_optimizer_state_dict: whole matrices move to their new owners.
 
 
-# ==== appendix, the demo: TinyMoE (models/tiny_moe.py) trained on every rank's slice of the batch
+def state_of(opt, gather):
+    """The state dict above: this rank's share (the live tensors, as torch's state_dict() gives:
+    no copy, no collective), or with gather a copy of the whole state (a collective)."""
+    state = {i: {} for i in range(len(opt.params))}
+    for i, p in enumerate(opt.params):
+        for key, value in opt.state.get(p, {}).items():
+            value = dict(value) if isinstance(value, dict) else value  # a stack's {expert: [n, m]}
+            state[i][key] = value.clone() if gather and torch.is_tensor(value) else value
+    for shards, buffers in zip(opt.shards, opt.momenta if gather and opt.momenta else []):
+        values = opt.params[0].new_zeros(shards.chunk_numel)  # my momenta, laid out as in the step
+        for run, M in zip(shards.runs, buffers):
+            values[run.offset : run.offset + M.numel()] = M.flatten()
+        whole = {s.param: torch.zeros_like(opt.params[s.param]) for c in shards.chunks for s in c}
+        unpack(all_gather_chunks(values, shards.group, shards.peers), shards.chunks, whole)
+        for i, momentum_buffer in whole.items():
+            state[i]["momentum_buffer"] = momentum_buffer
+    groups, start = [], 0
+    for g in opt.param_groups:
+        indices = list(range(start, start + len(g["params"])))
+        groups.append({**g, "params": indices, "steps": opt.steps})
+        start += len(g["params"])
+    return {"state": state, "param_groups": groups}
+
+
+def _as_group_value(key, value):
+    """Undo what a text round trip does to a hyperparameter (lists for tuples, dtype names)."""
+    if key == "ns_dtype" and isinstance(value, str):
+        return getattr(torch, value.replace("torch.", ""))
+    if key == "ns_coefficients" and isinstance(value, list):
+        return tuple(tuple(v) if isinstance(v, list) else v for v in value)
+    return value
+
+
+def load_state(opt, state_dict):
+    """Load a share saved at this layout, a gathered dict (any layout) or a template dcp.load
+    filled. State keys: indices, their text, or the names in param_groups' "params" (DCP's).
+    Momentum this rank owns but the dict lacks raises rather than start from zero."""
+    saved = state_dict["param_groups"]
+    if [len(g["params"]) for g in saved] != [len(g["params"]) for g in opt.param_groups]:
+        raise ValueError("state_dict has a different number of param groups or parameters")
+    index = {}
+    for i, key in enumerate(key for g in saved for key in g["params"]):
+        index[key] = index[str(key)] = i
+    unknown = [key for key in state_dict["state"] if key not in index]
+    if unknown:
+        raise ValueError(f"state_dict keys {unknown[:4]} name no parameter of its param_groups")
+    state = {index[key]: entry for key, entry in state_dict["state"].items()}
+    settings = [
+        {key: _as_group_value(key, v) for key, v in s.items() if key not in ("params", "steps")}
+        for s in saved
+    ]
+    for k, (g, s) in enumerate(zip(opt.param_groups, settings)):
+        if g["role"] != s["role"]:
+            raise ValueError(
+                f"state_dict param group {k} role {s['role']!r} does not match {g['role']!r}"
+            )
+        check_group(k, {**g, **s}, EXPERT_ROLES)
+
+    def saved_momentum(s):  # slot s's momentum in the dict, or None
+        held = state.get(s.param, {}).get("momentum_buffer")
+        if s.expert is None or held is None:
+            return held
+        if torch.is_tensor(held):  # a whole stack
+            return held[s.expert]
+        return held.get(s.expert, held.get(str(s.expert)))  # its text after a JSON round trip
+
+    owned = [s for shards in opt.shards for run in shards.runs for s in run.slots]
+    momenta = [saved_momentum(s) for s in owned]
+    missing = [
+        f"parameter {s.param}" + ("" if s.expert is None else f" expert {s.expert}")
+        for s, m in zip(owned, momenta)
+        if m is None
+    ]
+    has_momentum = any("momentum_buffer" in entry for entry in state.values())
+    if has_momentum and missing:
+        raise ValueError(
+            f"state_dict holds no momentum for {len(missing)} matrices this rank "
+            f"owns ({', '.join(missing[:4])}): a state_dict() is one rank's share; "
+            f"to resume at another world size or zero width save gather_state_dict(), "
+            f"or use torch.distributed.checkpoint (get_optimizer_state_dict, "
+            f"dcp.save, dcp.load, set_optimizer_state_dict)"
+        )
+    for g, s in zip(opt.param_groups, settings):
+        g.update(s)
+    opt.steps = max((g.get("steps", 0) for g in saved), default=0)
+    opt.state.clear()
+    for i, p in enumerate(opt.params):
+        if "exp_avg" in state.get(i, {}):
+            opt.state[p] = {
+                k: v if k == "step" else torch.as_tensor(v).to(p).clone()
+                for k, v in state[i].items()
+            }
+    opt.momenta = None
+    if has_momentum:  # new buffers, then copies: a DCP template's tensors are views of the old
+        opt._new_momenta()
+        for s, momentum_buffer in zip(owned, momenta):
+            held = opt.state[opt.params[s.param]]["momentum_buffer"]
+            (held if s.expert is None else held[s.expert]).copy_(torch.as_tensor(momentum_buffer))
 
 
 def format_plan(plan):
     """One line per rank: matrices, elements and padding (matrix entries), NS cost, NS calls."""
-    rows = [("rank", "replica", "pos", "dense mats", "expert mats", "elements owned",
-             "dense pad elems", "expert pad elems", "NS MACs/iter", "NS calls")]  # fmt: skip
+    rows = [("rank", "replica", "pos", "dense mats", "expert mats", "elements owned")]
+    rows[0] += ("dense pad elems", "expert pad elems", "NS MACs/iter", "NS calls")
     for r in range(plan.world_size):
         dense, experts = plan.owned(r)
         shapes = [plan.dense_shapes[i] for i in dense] + [plan.expert_shapes[i] for i in experts]
         d, e = sum(map(math.prod, shapes[: len(dense)])), sum(map(math.prod, shapes[len(dense) :]))
-        rows.append((r, r // plan.zero_width, r % plan.zero_width, len(dense), len(experts),
-                     f"{d + e:,}", f"{plan.dense_bucket_numel - d:,}",
-                     f"{plan.expert_chunk_numel - e:,}", f"{sum(map(ns_cost, shapes)):.3g}",
-                     len([k for k, _ in groupby(shapes)])))  # fmt: skip
+        pads = plan.dense_bucket_numel - d, plan.expert_chunk_numel - e
+        owner = r, r // plan.zero_width, r % plan.zero_width, len(dense), len(experts)
+        cost = f"{sum(map(ns_cost, shapes)):.3g}", len([k for k, _ in groupby(shapes)])
+        rows.append((*owner, *(f"{n:,}" for n in (d + e, *pads)), *cost))
     widths = [max(len(h), 6) for h in rows[0]]
     return "\n".join(" ".join(str(c).rjust(w) for c, w in zip(row, widths)) for row in rows)
 
@@ -571,30 +853,33 @@ MAX_DEMO_SEQ = 4096  # the demo's attention costs seq² per sequence and step
 def parse_args(argv=None):
     """The demo's options, each checked before any work (a one-line usage error)."""
     world, count = int(os.environ.get("WORLD_SIZE", "1")), launch.at_least(1)
-    parser = launch.add_launch_options(argparse.ArgumentParser(
-        description="Train a small MoE with MuonZeRO on every rank (V4 §3.4.1)."))  # fmt: skip
+    about = "Train a small MoE with MuonZeRO on every rank (V4 §3.4.1)."
+    parser = launch.add_launch_options(argparse.ArgumentParser(description=about))
     add = parser.add_argument
     add("--steps", type=count, default=40, help="optimizer steps (default: %(default)s)")
-    add("--batch", type=count, default=-(-24 // world) * world, help="global batch in sequences "
-        "(default: 24, rounded up to a multiple of the ranks)")  # fmt: skip
-    add("--seq", type=count, default=16, help=f"tokens per sequence, at most {MAX_DEMO_SEQ} "
-        "(default: %(default)s)")  # fmt: skip
-    add("--zero-width", type=count, default=world // 2 if world % 2 == 0 and world > 2 else world,
-        help="ranks sharing the dense matrices (default: N/2 for even N > 2, else N)")  # fmt: skip
-    add("--grad-sync", choices=("bf16_sr", "fp32"), default="bf16_sr", help="gradient exchange: "
-        "V4's bf16 stochastic rounding, or exact fp32 (default: %(default)s)")  # fmt: skip
-    add("--lr", type=launch.positive, default=0.02, help="Muon's learning rate; AdamW's is 3e-3 "
-        "(default: %(default)s)")  # fmt: skip
-    add("--max-grad-norm", type=launch.positive, help="clip the averaged gradient to this norm "
-        "(default: no clipping)")  # fmt: skip
+    batch = "global batch in sequences (default: 24, rounded up to a multiple of the ranks)"
+    add("--batch", type=count, default=-(-24 // world) * world, help=batch)
+    seq = f"tokens per sequence, at most {MAX_DEMO_SEQ} (default: %(default)s)"
+    add("--seq", type=count, default=16, help=seq)
+    width = "ranks sharing the dense matrices (default: N/2 for even N > 2, else N)"
+    half = world // 2 if world % 2 == 0 and world > 2 else world
+    add("--zero-width", type=count, default=half, help=width)
+    sync = "gradient exchange: V4's bf16 stochastic rounding, or exact (default: %(default)s)"
+    add("--grad-sync", choices=("bf16_sr", "exact", "fp32"), default="bf16_sr", help=sync)
+    lr = "Muon's learning rate; AdamW's is 3e-3 (default: %(default)s)"
+    add("--lr", type=launch.positive, default=0.02, help=lr)
+    clip = "clip the averaged gradient to this norm (default: no clipping)"
+    add("--max-grad-norm", type=launch.positive, help=clip)
     args = launch.check_launch_options(parser, parser.parse_args(argv))
-    for bad, why in ((args.seq > MAX_DEMO_SEQ, f"--seq {args.seq}: pass at most {MAX_DEMO_SEQ}"),
-                     (args.batch % world, f"--batch {args.batch} does not split evenly over "
-                      f"{world} ranks; pass a multiple of {world}"),
-                     (world % args.zero_width, f"--zero-width {args.zero_width} must divide the "
-                      f"{world} ranks")):  # fmt: skip
-        if bad:
-            parser.error(why)
+    if args.seq > MAX_DEMO_SEQ:
+        parser.error(f"--seq {args.seq}: pass at most {MAX_DEMO_SEQ}")
+    if args.batch % world:
+        parser.error(
+            f"--batch {args.batch} does not split evenly over {world} ranks; pass a "
+            f"multiple of {world}"
+        )
+    if world % args.zero_width:
+        parser.error(f"--zero-width {args.zero_width} must divide the {world} ranks")
     return args
 
 
@@ -602,29 +887,32 @@ def train(args, rank, world, device):
     start, per_rank = time.perf_counter(), args.batch // world
     model = TinyMoE().to(device)  # launch.setup seeded every rank alike: the same initial model
     groups = [{**g, "lr": 3e-3} if g["role"] == "adamw" else g for g in muon_param_groups(model)]
-    opt = MuonZeRO(groups, lr=args.lr, zero_width=args.zero_width, grad_sync=args.grad_sync,
-                   max_grad_norm=args.max_grad_norm)  # fmt: skip
+    sync = dict(zero_width=args.zero_width, grad_sync=args.grad_sync)
+    opt = MuonZeRO(groups, lr=args.lr, max_grad_norm=args.max_grad_norm, **sync)
     Z = opt.zero_width
     launch.say(f"{world} rank(s) = {world // Z} replica(s) x zero width {Z}; the plan (elements):")
     launch.say(format_plan(opt.plan))
     data = torch.Generator().manual_seed(1)
     for step in range(1, args.steps + 1):
-        x, y = (t[rank * per_rank : (rank + 1) * per_rank].to(device)
-                for t in demo_batch(args.batch, args.seq, 64, data))  # fmt: skip
+        tokens, targets = demo_batch(args.batch, args.seq, 64, data)
+        rows = slice(rank * per_rank, (rank + 1) * per_rank)
+        x, y = tokens[rows].to(device), targets[rows].to(device)
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         opt.zero_grad()
         loss.backward()
         opt.step()
         dist.all_reduce(mean_loss := loss.detach() / world)
         if step % 5 == 1 or step == args.steps:
-            launch.say(f"step {step:3d}  loss {mean_loss.item():.4f}  "
-                       f"({time.perf_counter() - start:.1f} s)")  # fmt: skip
+            took = time.perf_counter() - start
+            launch.say(f"step {step:3d}  loss {mean_loss.item():.4f}  ({took:.1f} s)")
     n_adamw = sum(p.numel() for g in opt.param_groups if g["role"] == "adamw" for p in g["params"])
     muon, adam = 4 * (sum(p.numel() for p in opt.params) - n_adamw), 8 * n_adamw  # fp32 buffers
     held = all_gather_chunks(torch.tensor([float(opt.state_bytes())], device=device), None, world)
-    launch.say(f"optimizer state held per rank (bytes): {held.long().flatten().tolist()}  vs "
-               f"unsharded {muon + adam:,} (Muon momentum {muon:,} + AdamW moments "
-               f"{adam:,})")  # fmt: skip
+    unsharded = f"{muon + adam:,} (Muon momentum {muon:,} + AdamW moments {adam:,})"
+    launch.say(
+        f"optimizer state held per rank (bytes): {held.long().flatten().tolist()}  vs "
+        f"unsharded {unsharded}"
+    )
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
     same = all(torch.equal(flat, other) for other in all_gather_chunks(flat, None, world))
     launch.say(f"parameters bitwise identical on all {world} ranks: {same}")

@@ -1,2 +1,1 @@
-"""Models the chapters' demos train (tiny_moe: muon_zero.py's) and how MuonZeRO routes their
-tensors (param_roles)."""
+"""Models the chapters' demos train (tiny_moe: muon_zero.py's)."""

@@ -983,12 +983,7 @@ def check_mismatch(rank, world, field):
     if field == "adamw_lr" and odd:
         gs[-1]["lr"] = 0.5
     try:
-        opt = mz.MuonZeRO(gs, **kw)
-        if field == "lr_later":  # agreed at construction, then one rank changes it before a step
-            if odd:
-                opt.param_groups[0]["lr"] = 0.5
-            forward_loss(L, *batch(0)).backward()
-            opt.step()
+        mz.MuonZeRO(gs, **kw)
     except ValueError as e:
         return str(e)
     return None
@@ -1003,7 +998,6 @@ def check_mismatch(rank, world, field):
         ("init", "initial values"),
         ("shape", "shape"),
         ("dtype", "float32"),
-        ("lr_later", "lr"),
     ],
 )
 def test_every_rank_refuses_a_mismatch(field, words, world):
@@ -1284,8 +1278,7 @@ def check_resume(rank, world):
         torch.equal(full["state"][i][k], again["state"][i][k])
         for i in full["state"] for k in full["state"][i] if torch.is_tensor(full["state"][i][k])
     )  # fmt: skip
-    expect = torch.Generator().manual_seed(mz.rounding_seed(0, rank, 3)).get_state()
-    out["reshard reseeded"] = world == 1 or torch.equal(other._sr_generator.get_state(), expect)
+    out["reshard keeps the step count"] = other.steps == 3  # the rounding noise's seed
     x, y = batch(3)
     forward_loss(L, x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]).backward()
     other.step()

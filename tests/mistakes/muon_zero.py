@@ -45,14 +45,14 @@ return [sorted(b, key=lambda i: (tuple(shapes[i]), i)) for b in buckets]
 
 SHARDED_BODY = """
 ### BEGIN SOLUTION
-device, means = params[0].device, []
+like, means = params[0], []
 for shards in kinds:
-    chunks = pack(shards.chunks, shards.chunk_numel, grads, device)
-    mine = reduce_scatter_sum(chunks, shards.group, grad_sync, gen)
+    packed = pack(shards.chunks, shards.chunk_numel, grads, like)
+    summed = reduce_scatter_sum(packed, shards.group, grad_sync, generator)
     if shards.replica_group is not None:
-        dist.all_reduce(mine, group=shards.replica_group)
-    means.append(mine.div_(world_size))
-scale = torch.ones((), device=device)
+        dist.all_reduce(summed, group=shards.replica_group)
+    means.append(summed.div_(world_size))
+scale = like.new_ones(())
 if max_norm is not None:
     sq = sum((m.square().sum() for m, s in zip(means, kinds) if s.counted), 0 * scale)
     if world_size > 1:
@@ -61,12 +61,12 @@ if max_norm is not None:
     for mean_grad in means:
         mean_grad.mul_(scale)
 for shards, mean_grad, buffers in zip(kinds, means, momenta):
-    values = pack([shards.chunks[shards.mine]], shards.chunk_numel, params, device)[0]
+    values = pack([shards.chunks[shards.mine]], shards.chunk_numel, params, like)[0]
     for run, M in zip(shards.runs, buffers):
         span = slice(run.offset, run.offset + M.numel())
-        update_run(mean_grad[span].view_as(M), values[span].view_as(M), M,
-                   [settings[s.param_group] for s in run.slots],
-                   [has_grad[s.param] for s in run.slots])
+        run_settings = [settings[s.param_group] for s in run.slots]
+        active = [has_grad[s.param] for s in run.slots]
+        update_run(mean_grad[span].view_as(M), values[span].view_as(M), M, run_settings, active)
     unpack(all_gather_chunks(values, shards.group, shards.peers), shards.chunks, params)
 return scale
 ### END SOLUTION
@@ -142,8 +142,8 @@ Y = Y / Y.norm(dim=(-2, -1), keepdim=True).clamp_min(eps)
 ### BEGIN SOLUTION
 momentum_buffer.lerp_(grad, 1 - momentum)
 X = momentum_buffer
-n, m = X.shape[-2:]
-return newton_schulz(X, coefficients, ns_dtype).float() * (update_rms * math.sqrt(max(n, m)))
+scale = update_rms * math.sqrt(max(X.shape[-2:]))
+return newton_schulz(X, coefficients, ns_dtype).to(X.dtype) * scale
 ### END SOLUTION
 """,
     ),
@@ -155,8 +155,8 @@ return newton_schulz(X, coefficients, ns_dtype).float() * (update_rms * math.sqr
 ### BEGIN SOLUTION
 momentum_buffer.mul_(momentum).add_(grad)
 X = grad + momentum * momentum_buffer if nesterov else momentum_buffer
-n, m = X.shape[-2:]
-return newton_schulz(X, coefficients, ns_dtype).float() * (update_rms * math.sqrt(max(n, m)))
+scale = update_rms * math.sqrt(max(X.shape[-2:]))
+return newton_schulz(X, coefficients, ns_dtype).to(X.dtype) * scale
 ### END SOLUTION
 """,
     ),
@@ -168,8 +168,8 @@ return newton_schulz(X, coefficients, ns_dtype).float() * (update_rms * math.sqr
 ### BEGIN SOLUTION
 momentum_buffer.lerp_(grad, 1 - momentum)
 X = grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
-n, m = X.shape[-2:]
-return newton_schulz(X, coefficients, ns_dtype).float() * (update_rms * math.sqrt(min(n, m)))
+scale = update_rms * math.sqrt(min(X.shape[-2:]))
+return newton_schulz(X, coefficients, ns_dtype).to(X.dtype) * scale
 ### END SOLUTION
 """,
     ),
@@ -264,7 +264,7 @@ return [(cuts[k], cuts[k + 1]) for k in range(world_size)]
         message="summed across the replicas",
         body=_swap(
             SHARDED_BODY,
-            "        dist.all_reduce(mine, group=shards.replica_group)\n",
+            "        dist.all_reduce(summed, group=shards.replica_group)\n",
             "        pass\n",
         ),
     ),

@@ -1,1 +1,0 @@
-"""Optimizer state that outlives a run: MuonZeRO's checkpoints (muon_zero_checkpoint)."""
