@@ -3,21 +3,28 @@ backend and device choice (with a one-line reason), set-up and teardown, the agr
 every rank must hold alike, compared exactly before the first collective, so bad input raises the
 same ValueError on every rank), the launch options, printing on rank 0. Nothing technique-specific.
 One timeout rule for every file: a collective waits `--timeout` seconds ($PG_TIMEOUT_S, else 60)
-for a silent peer, then every waiting rank stops with one line saying so (see `run`)."""
+for a silent peer, then every waiting rank stops with one line saying so (see `run`). Every group
+made after the world keeps the world's timeout: make groups with `new_group`,
+`new_subgroups_by_enumeration` and `device_mesh` below (torch's own give a new group torch's
+default, 30 minutes for gloo, whatever the world was given)."""
 
 import argparse
+import contextlib
 import datetime
 import gc
 import hashlib
 import math
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 DEFAULT_TIMEOUT_S = 60.0
 TIMEOUT_ENV = "PG_TIMEOUT_S"
+STOP_GRACE_S = 5.0  # stop_together, after a timeout: no rank coming for this long ends the wait
 
 
 def choose_backend(backend=None, device=None):
@@ -89,13 +96,89 @@ def run(demo, args):
     try:
         demo(args, rank, world, device)
     except (RuntimeError, dist.DistError) as err:
-        if "timed out" not in str(err).lower() and "timeout" not in str(err).lower():
+        if not timed_out(err):
             raise
+        if world > 1 and not isinstance(err, Stopped):  # so that every rank can say it too
+            with contextlib.suppress(Stopped):
+                stop_together(err, "the run")
         sys.exit(f"rank {rank}: a peer did not answer within the {timeout_seconds(args.timeout):g} "
                  f"s process-group timeout (it crashed, hangs or was stopped); set --timeout or "
                  f"${TIMEOUT_ENV} to wait longer")  # fmt: skip
     finally:
         teardown()
+
+
+def timed_out(err):
+    """Whether an error (or its text) is a collective that waited out its timeout."""
+    return "timed out" in str(err).lower() or "timeout" in str(err).lower()
+
+
+# ---- groups: every one made after the world keeps the world's timeout ----------------------------
+
+
+def group_timeout():
+    """The world group's timeout (launch's --timeout, or what a test harness gave its world)."""
+    world = dist.group.WORLD
+    device = torch.device("cuda" if dist.get_backend(world) == "nccl" else "cpu")
+    return world._get_backend(device).options._timeout  # torch has no public getter for it
+
+
+def new_group(ranks=None, **kwargs):
+    """torch.distributed.new_group with the world's timeout; the same arguments otherwise."""
+    return dist.new_group(ranks, timeout=group_timeout(), **kwargs)
+
+
+def new_subgroups_by_enumeration(ranks_per_subgroup):
+    """torch's new_subgroups_by_enumeration with the world's timeout: (this rank's group, all)."""
+    return dist.new_subgroups_by_enumeration(ranks_per_subgroup, timeout=group_timeout())
+
+
+def device_mesh(device_type, shape, names):
+    """torch's init_device_mesh, each dimension's groups with the world's timeout."""
+    if dist.get_backend() == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = group_timeout()  # DeviceMesh reads a timeout only from the options
+    else:
+        options = dist.ProcessGroupGloo.Options(dist.get_backend(), group_timeout())
+    override = {name: options for name in names}
+    return init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=override)
+
+
+class Stopped(RuntimeError):
+    """What every rank raises after stop_together: the first failure, the same text everywhere."""
+
+
+def stop_together(err, what):
+    """For a rank that fails mid-run: every rank ends with one error, "{what} stopped on every
+    rank: rank R raised ...", R the first to fail; none is left waiting on another.
+
+    Each rank that fails comes here and the first's error goes to the store. A gloo peer blocked
+    on a rank that failed fails when that rank exits (its links close) or at its own timeout.
+    Under torchrun, which ends every rank once one exits, all stay until every rank has come, at
+    most the timeout, so each can say why; after a timeout only until none has come for
+    STOP_GRACE_S (a stopped peer never comes). Elsewhere the store lives on rank 0: it stays
+    until every rank has read it, and the others leave at once."""
+    if not dist.is_initialized():
+        raise err
+    rank, world, timeout = dist.get_rank(), dist.get_world_size(), group_timeout().total_seconds()
+    store = dist.group.WORLD.get_group_store()
+    mine = f"rank {rank} raised {type(err).__name__}: {err}"
+    first = store.compare_set("launch/failed", "", mine).decode()
+    if first == mine:
+        for group in list(dist.distributed_c10d._world.pg_map):  # torch lists them nowhere public
+            group.abort()  # NCCL's peers fail at once; gloo's when this process exits
+        dist.destroy_process_group()
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent holds it
+        stays, grace = True, min(timeout, STOP_GRACE_S) if timed_out(first) else timeout
+    else:
+        stays, grace = rank == 0, timeout
+    arrived = store.add("launch/stopped", 1)
+    began = last = time.monotonic()
+    while stays and arrived < world and time.monotonic() < min(began + timeout, last + grace):
+        time.sleep(0.05)
+        if (count := store.add("launch/stopped", 0)) > arrived:  # one more came: wait on
+            arrived, last = count, time.monotonic()
+    raise Stopped(f"{what} stopped on every rank: {first}") from err
 
 
 def say(*args, **kwargs):

@@ -450,7 +450,7 @@ class PipelineStats:  # what one stage measured in one pipeline_step
 def pipeline_groups():
     """One group per direction over all ranks (see StageLinks), made once, on every rank."""
     if dist.group.WORLD not in _GROUPS:
-        _GROUPS[dist.group.WORLD] = {"forward": dist.new_group(), "backward": dist.new_group()}
+        _GROUPS[dist.group.WORLD] = {"forward": launch.new_group(), "backward": launch.new_group()}
     return _GROUPS[dist.group.WORLD]
 
 
