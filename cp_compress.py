@@ -26,6 +26,7 @@ Run:
 import argparse
 import math
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,7 @@ import torch.nn.functional as F
 import launch
 
 RMS_EPS = 1e-6  # V4's rms_norm_eps (F.rms_norm's default, the dtype's machine eps, differs)
+_AGREED = weakref.WeakKeyDictionary()  # layer -> {(group, entry): the layout its ranks agreed on}
 
 
 # ---- The compressor (V4 §2.3): softmax pooling of m raw rows, one document at a time -------------
@@ -497,8 +499,10 @@ def validate_layout(seq_per_rank, cu_seqlens, cp_size, ratio, overlap, top_k, wi
 
 
 def check_inputs(layer, x, cu_seqlens, group=None, entry="context_parallel"):
-    """Validate this rank's input, then the agreement guard: every rank raises or none does. The
-    verdict travels as one more field, so a refusal is reported beside the field that caused it."""
+    """Validate this rank's input on every call (local: shapes, dtypes, the layout). Agree across
+    ranks only when the layer first runs on a group or its layout changes (a new packing): the
+    settings, the layout and, the first time, each weight's digest; the verdict travels as one
+    more field, so a refusal is reported beside the field that caused it, on every rank."""
     dim, error = layer.wq.shape[0], None
     try:
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != dim:
@@ -512,15 +516,19 @@ def check_inputs(layer, x, cu_seqlens, group=None, entry="context_parallel"):
         error = str(err)
     try:  # any input, even one validation refused; one too odd to describe joins with its error
         cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens
-        fields = {"entry point": entry, "tokens per rank": x.shape[0] if x.dim() else None}
-        fields |= {"x features": tuple(x.shape[1:]), "x dtype": str(x.dtype), "cu_seqlens": cu}
+        layout = {"entry point": entry, "tokens per rank": x.shape[0] if x.dim() else None}
+        layout |= {"x features": tuple(x.shape[1:]), "x dtype": str(x.dtype), "cu_seqlens": cu}
         settings = "kind ratio window top_k heads head_dim index_heads index_dim".split()
-        fields |= {"dim": dim} | {name: getattr(layer, name) for name in settings}
-        for n, p in layer.named_parameters():  # each weight by its digest: compared exactly
-            fields[f"weight {n}"] = launch.weights_digest([(n, p)])
+        layout |= {"dim": dim} | {name: getattr(layer, name) for name in settings}
     except Exception as err:
-        fields, error = {"entry point": entry}, error or f"unreadable input: {err!r}"
-    launch.agree({**fields, "validation": error or "passed"}, group=group, who="cp_compress")
+        layout, error = {"entry point": entry}, error or f"unreadable input: {err!r}"
+    agreed = _AGREED.setdefault(layer, {})
+    if agreed.get((group, entry)) != layout:  # a new layer, group or layout: every rank compares
+        fields = dict(layout)
+        for n, p in [] if agreed else layer.named_parameters():  # the first time, the weights:
+            fields[f"weight {n}"] = launch.weights_digest([(n, p)])  # each digest, exactly
+        launch.agree({**fields, "validation": error or "passed"}, group=group, who="cp_compress")
+        agreed[(group, entry)] = layout
     if error:  # the same on every rank: the fields agreed
         raise ValueError(f"cp_compress: {error}")
 

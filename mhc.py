@@ -43,7 +43,7 @@ import launch
 EPS = 1e-6  # V4's hc_eps and rms_norm_eps: in the norm, in A, and in every Sinkhorn sum
 VARIANTS = ("naive", "fused", "optimised")  # the mHC variants (Transformer.run_layers)
 _GROUPS = weakref.WeakKeyDictionary()  # default group -> pipeline_groups()
-_GUARDED = weakref.WeakSet()  # models whose initial parameters check_pipeline_step has compared
+_AGREED = weakref.WeakKeyDictionary()  # model -> {group: the settings its stages agreed on}
 
 
 @dataclass
@@ -692,23 +692,31 @@ def validate_pipeline_inputs(model, idx, targets, n_micro, variant, block, group
 
 
 def check_pipeline_step(model, idx, targets, n_micro, variant, block, overlap, group):
-    """This rank's validation, then launch.agree on what the stages share: the batch's digest and,
-    on a model's first step, its initial parameters (every stage builds the model from one seed)."""
+    """This rank's validation on every step (local: shapes, dtypes). launch.agree on what the
+    stages share only when the model first runs on a group, or its settings change: the config,
+    the settings, the batch's digest and, the first time, the initial parameters (every stage
+    builds the model and draws the data from one seed). Later steps compare nothing across
+    ranks: that would cost a collective, and on a GPU a device-to-host copy, every step."""
     error = None
     try:
         validate_pipeline_inputs(model, idx, targets, n_micro, variant, block, group)
     except ValueError as e:
         error = str(e)
-    batch = launch.weights_digest([("i", idx), ("t", targets)])
-    fields = {"config": asdict(model.cfg), "hyper": model.hyper,
-              "parameter dtype": str(model.embed.weight.dtype), "idx shape": tuple(idx.shape),
-              "targets shape": tuple(targets.shape), "batch (sha256 of idx, targets)": batch,
-              "n_micro": n_micro, "variant": variant, "block (L_r)": block,
-              "overlap": bool(overlap)}  # fmt: skip
-    if model not in _GUARDED:
-        fields["initial parameters (sha256)"] = launch.weights_digest(model.named_parameters())
-    launch.agree(fields, error, group)
-    _GUARDED.add(model)
+    settings = {"config": asdict(model.cfg), "hyper": model.hyper,
+                "parameter dtype": str(model.embed.weight.dtype), "idx shape": tuple(idx.shape),
+                "targets shape": tuple(targets.shape), "token dtypes": (idx.dtype, targets.dtype),
+                "n_micro": n_micro, "variant": variant, "block (L_r)": block,
+                "overlap": bool(overlap)}  # fmt: skip
+    agreed = _AGREED.setdefault(model, {})
+    if agreed.get(group) != settings:  # a new model, group or settings: every stage compares
+        batch = launch.weights_digest([("i", idx), ("t", targets)])
+        fields = {**settings, "batch (sha256 of idx, targets)": batch}
+        if not agreed:
+            fields["initial parameters (sha256)"] = launch.weights_digest(model.named_parameters())
+        launch.agree(fields, error, group)
+        agreed[group] = settings
+    elif error:
+        raise ValueError(error)
 
 
 def saved_activation_bytes(model, run):

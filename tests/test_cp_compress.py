@@ -838,6 +838,24 @@ def test_fault_matrix_different_input_fails_every_rank(world_size, case):
         assert "ValueError" in text and GUARD_CASES[case] in text, text
 
 
+def _agreements_over_calls(rank, world_size):
+    """How often context_parallel compares across ranks: once per layer and layout."""
+    calls = []
+    agree = cpc.launch.agree
+    cpc.launch.agree = lambda *a, **k: calls.append(1) or agree(*a, **k)
+    layer, x, cu = _guard_inputs(rank, world_size, "none")
+    for _ in range(3):
+        layer.context_parallel(x, cu)
+    layer.context_parallel(x, torch.tensor([0, 4, 8, 12, cu[-1]]))  # a new packing: compared
+    return len(calls)
+
+
+def test_ranks_agree_once_per_layout_not_every_call():
+    """compose calls context_parallel once per sequence row: agreement (weights' digests and an
+    all_gather_object) is for a new layer or layout, the calls in between check locally."""
+    assert run_ranks(_agreements_over_calls, 2, timeout=60) == [2, 2]
+
+
 def _raise_mid_step(rank, world_size):
     layer, x, cu = _guard_inputs(rank, world_size, "none")
     if rank == world_size - 1:
