@@ -353,8 +353,18 @@ class CompressedAttention(nn.Module):
     [sets, C], C = D (+ the indexer's Di for CSA: per-channel pooling lets one compressor carry
     both, normalised apart). ratio: m, by default V4's (4 for CSA, 128 for HCA)."""
 
-    def __init__(self, kind="csa", dim=64, heads=4, head_dim=32, ratio=None, window=16,
-                 top_k=16, index_heads=4, index_dim=16):  # fmt: skip
+    def __init__(
+        self,
+        kind="csa",
+        dim=64,
+        heads=4,
+        head_dim=32,
+        ratio=None,
+        window=16,
+        top_k=16,
+        index_heads=4,
+        index_dim=16,
+    ):
         super().__init__()
         if kind not in ("csa", "hca"):
             raise ValueError(f"kind must be 'csa' or 'hca', got {kind!r}")
@@ -593,8 +603,15 @@ def compare_with_reference(layer, x_full, cu_seqlens):
 def demo(args, rank, cp, device):
     """Both layers on a packed batch; rank 0 prints each rank's bytes sent, entries and errors."""
     s, window = args.seq_per_rank, args.window
-    labels = ("rank", "halo sent B", "window halo sent B", "all-gather sent B", "entries computed",
-              "out rel err", "grad rel err")  # fmt: skip
+    labels = (
+        "rank",
+        "halo sent B",
+        "window halo sent B",
+        "all-gather sent B",
+        "entries computed",
+        "out rel err",
+        "grad rel err",
+    )
     torch.manual_seed(args.seed)  # same weights and inputs on every rank
     csa = CompressedAttention("csa", ratio=args.m_csa, top_k=args.top_k, window=window)
     hca = CompressedAttention("hca", ratio=args.m_hca, window=window)
@@ -636,8 +653,9 @@ def parse_args(argv=None):
         ("--window", 32, 1, "sliding-window length in tokens, the query's own included"),
         ("--seed", 0, 0, "seed of weights and inputs"),
     ):
-        parser.add_argument(flag, type=launch.at_least(low), default=default, help=f"{text} "
-                            f"(default {default})")  # fmt: skip
+        parser.add_argument(
+            flag, type=launch.at_least(low), default=default, help=f"{text} (default {default})"
+        )
     args = launch.check_launch_options(parser, launch.add_launch_options(parser).parse_args(argv))
     s, world = args.seq_per_rank, int(os.environ.get("WORLD_SIZE", "1"))
     for m, overlap in ((args.m_csa, True), (args.m_hca, False)):

@@ -33,24 +33,28 @@ def choose_backend(backend=None, device=None):
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device not in (None, "cpu", "cuda") or backend not in (None, "gloo", "nccl"):
-        raise ValueError(f"--backend takes gloo or nccl and --device cpu or cuda, got "
-                         f"{backend!r} and {device!r}")  # fmt: skip
+        raise ValueError(
+            f"--backend takes gloo or nccl and --device cpu or cuda, got {backend!r} and {device!r}"
+        )
     if device is not None:
         why = f"--device {device}"
     elif backend != "gloo" and 0 < local_ranks <= gpus:
         device, why = "cuda", f"{gpus} GPU(s) for {local_ranks} local rank(s)"
     else:
         device = "cpu"
-        why = "--backend gloo" if backend == "gloo" else "no GPU visible" if gpus == 0 else (
-            f"{gpus} GPU(s) are too few for {local_ranks} local ranks")  # fmt: skip
+        why = f"{gpus} GPU(s) are too few for {local_ranks} local ranks"
+        if backend == "gloo" or gpus == 0:
+            why = "--backend gloo" if backend == "gloo" else "no GPU visible"
     if device == "cuda" and gpus == 0:
         raise ValueError("--device cuda: no CUDA GPU is visible; pass --device cpu")
     backend = backend or ("nccl" if device == "cuda" else "gloo")
     if backend == "nccl" and device != "cuda":
         raise ValueError("--backend nccl moves only CUDA tensors: pass --device cuda, or gloo")
     if backend == "nccl" and local_ranks > gpus:
-        raise ValueError(f"NCCL needs one GPU per local rank: {local_ranks} ranks, {gpus} GPU(s);"
-                         " launch fewer ranks, or pass --backend gloo to share GPUs")  # fmt: skip
+        raise ValueError(
+            f"NCCL needs one GPU per local rank: {local_ranks} ranks, {gpus} GPU(s);"
+            " launch fewer ranks, or pass --backend gloo to share GPUs"
+        )
     return backend, device, f"backend {backend}, device {device} ({why})"
 
 
@@ -101,9 +105,11 @@ def run(demo, args):
         if world > 1 and not isinstance(err, Stopped):  # so that every rank can say it too
             with contextlib.suppress(Stopped):
                 stop_together(err, "the run")
-        sys.exit(f"rank {rank}: a peer did not answer within the {timeout_seconds(args.timeout):g} "
-                 f"s process-group timeout (it crashed, hangs or was stopped); set --timeout or "
-                 f"${TIMEOUT_ENV} to wait longer")  # fmt: skip
+        sys.exit(
+            f"rank {rank}: a peer did not answer within the {timeout_seconds(args.timeout):g} "
+            f"s process-group timeout (it crashed, hangs or was stopped); set --timeout or "
+            f"${TIMEOUT_ENV} to wait longer"
+        )
     finally:
         teardown()
 
@@ -260,12 +266,22 @@ positive = at_least(0.0, float, above=True)  # an argparse type: a finite float 
 
 def add_launch_options(parser):  # the same --backend, --device and --timeout in every file
     add = parser.add_argument
-    add("--backend", choices=("gloo", "nccl"), help="collective backend (default: nccl when "
-        "every rank has a GPU, else gloo)")  # fmt: skip
-    add("--device", choices=("cpu", "cuda"), help="where tensors live (default: cuda with nccl, "
-        "else cpu)")  # fmt: skip
-    add("--timeout", type=positive, help="seconds a collective waits for a silent peer before "
-        f"every rank stops (default: ${TIMEOUT_ENV} or {DEFAULT_TIMEOUT_S:g})")  # fmt: skip
+    add(
+        "--backend",
+        choices=("gloo", "nccl"),
+        help="collective backend (default: nccl when every rank has a GPU, else gloo)",
+    )
+    add(
+        "--device",
+        choices=("cpu", "cuda"),
+        help="where tensors live (default: cuda with nccl, else cpu)",
+    )
+    add(
+        "--timeout",
+        type=positive,
+        help="seconds a collective waits for a silent peer before "
+        f"every rank stops (default: ${TIMEOUT_ENV} or {DEFAULT_TIMEOUT_S:g})",
+    )
     return parser
 
 
