@@ -285,6 +285,23 @@ def add_launch_options(parser):  # the same --backend, --device and --timeout in
     return parser
 
 
+def check_fits(parser, args, need_bytes, what):
+    """A run that cannot fit is a one-line usage error before any work: need_bytes, a lower bound
+    of one rank's peak memory, times the ranks sharing this machine's memory (or one GPU's)."""
+    _, device, _ = choose_backend(args.backend, args.device)
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if device == "cuda":
+        gpus = torch.cuda.device_count()
+        have, sharing = torch.cuda.get_device_properties(0).total_memory, -(-ranks // gpus)
+    else:
+        have, sharing = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), ranks
+    if need_bytes * sharing > have:
+        parser.error(
+            f"{what}: the run needs at least {need_bytes / 2**30:.1f} GiB per rank, and "
+            f"{sharing} rank(s) share this {device}'s {have / 2**30:.1f} GiB; choose smaller sizes"
+        )
+
+
 def check_launch_options(parser, args):
     """A launch that cannot work is a one-line usage error, before any process group exists."""
     try:

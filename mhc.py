@@ -827,6 +827,11 @@ def parse_args(argv=None):
         parser.error(f"--micro {args.micro} must be at least the {world} ranks (1F1B)")
     if args.batch % args.micro:
         parser.error(f"--batch {args.batch} must split into --micro {args.micro} equal parts")
+    cfg = Config(seq_len=args.seq_len, dim=args.dim, n_layers=args.layers, n_heads=args.heads)
+    weights = cfg.n_layers * cfg.dim**2 + 2 * cfg.vocab_size * cfg.dim  # a sublayer: d x d at least
+    stream = args.batch // args.micro * cfg.seq_len * cfg.n_hc * cfg.dim  # one layer's input
+    least = 4 * (weights + stream * cfg.n_layers // world) + 8 * args.batch * (cfg.seq_len + 1)
+    launch.check_fits(parser, args, least, "--dim, --layers, --seq-len, --batch")
     return args
 
 

@@ -867,6 +867,7 @@ def test_demo_arguments_are_checked_before_any_work(monkeypatch, capsys):
            (["--dim", "30", "--heads", "4"], "--heads"), (["--micro", "2"], "--micro")]  # fmt: skip
     bad += [(["--heads", "0"], "--heads"), (["--micro", "0"], "--micro"),
             (["--dim", "x"], "--dim"), (["--timeout", "0"], "--timeout")]  # fmt: skip
+    bad += [(["--seq-len", "100000000"], "smaller sizes"), (["--dim", "1000000"], "smaller sizes")]
     if not torch.cuda.is_available():
         bad.append((["--device", "cuda"], "no CUDA GPU"))
     for argv, word in bad:
