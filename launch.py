@@ -122,11 +122,15 @@ def timed_out(err):
 # ---- groups: every one made after the world keeps the world's timeout ----------------------------
 
 
+def world_options():
+    """The world group's backend options, its timeout among them (torch keeps both private)."""
+    world = dist.group.WORLD
+    return world._get_backend(world._device_types[0]).options
+
+
 def group_timeout():
     """The world group's timeout (launch's --timeout, or what a test harness gave its world)."""
-    world = dist.group.WORLD
-    device = torch.device("cuda" if dist.get_backend(world) == "nccl" else "cpu")
-    return world._get_backend(device).options._timeout  # torch has no public getter for it
+    return world_options()._timeout
 
 
 def new_group(ranks=None, **kwargs):
@@ -140,13 +144,13 @@ def new_subgroups_by_enumeration(ranks_per_subgroup):
 
 
 def device_mesh(device_type, shape, names):
-    """torch's init_device_mesh, each dimension's groups with the world's timeout."""
-    if dist.get_backend() == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = group_timeout()  # DeviceMesh reads a timeout only from the options
-    else:
-        options = dist.ProcessGroupGloo.Options(dist.get_backend(), group_timeout())
-    override = {name: options for name in names}
+    """torch's init_device_mesh, each dimension's groups with the world's timeout. DeviceMesh
+    reads a timeout only from backend options: each dimension gets fresh ones of the world
+    backend's kind (making a group writes into them), with the world's timeout."""
+    kind, timeout = type(world_options()), group_timeout()
+    override = {name: kind() for name in names}
+    for options in override.values():
+        options._timeout = timeout
     return init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=override)
 
 

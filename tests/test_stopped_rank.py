@@ -19,8 +19,8 @@ from harness import ROOT, free_port, kill_tree
 import launch
 
 TIMEOUT_S = 4
-# compose waits STOP_GRACE_S for live peers after a timeout (launch.stop_together); the rest is
-# for a loaded machine (the others reach the call the stopped rank never makes, then wait)
+# after its timeout a rank waits for the ranks still answering until none has come for
+# STOP_GRACE_S (launch.stop_together); the rest is for a loaded machine
 MARGIN_S = launch.STOP_GRACE_S + 12
 SMALL = {
     "mhc.py": ["--steps", "2", "--layers", "4", "--dim", "32", "--seq-len", "8"],
