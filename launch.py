@@ -1,12 +1,13 @@
 """The launch plumbing the four chapters share, as picotron's process-group manager is theirs:
 backend and device choice (with a one-line reason), set-up and teardown, the agreement guard (what
 every rank must hold alike, compared exactly before the first collective, so bad input raises the
-same ValueError on every rank), the launch options, printing on rank 0. Nothing technique-specific.
+same ValueError on every rank), the launch options and the check that a run fits in memory,
+printing on rank 0. Nothing technique-specific.
 One timeout rule for every file: a collective waits `--timeout` seconds ($PG_TIMEOUT_S, else 60)
-for a silent peer, then every waiting rank stops with one line saying so (see `run`). Every group
-made after the world keeps the world's timeout: make groups with `new_group`,
-`new_subgroups_by_enumeration` and `device_mesh` below (torch's own give a new group torch's
-default, 30 minutes for gloo, whatever the world was given)."""
+for a silent peer, then every rank still answering stops with one line saying so (`run`,
+`stop_together`). Every group made after the world keeps the world's timeout: make groups with
+`new_group`, `new_subgroups_by_enumeration` and `device_mesh` below (torch's own give a new group
+torch's default, 30 minutes for gloo, whatever the world was given)."""
 
 import argparse
 import contextlib
@@ -176,7 +177,7 @@ def stop_together(err, what):
     first = store.compare_set("launch/failed", "", mine).decode()
     if first == mine:
         for group in list(dist.distributed_c10d._world.pg_map):  # torch lists them nowhere public
-            group.abort()  # NCCL's peers fail at once; gloo's when this process exits
+            group.abort()  # where a backend closes links on abort, peers blocked on them fail now
         dist.destroy_process_group()
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent holds it
         stays, grace = True, min(timeout, STOP_GRACE_S) if timed_out(first) else timeout
