@@ -295,9 +295,10 @@ def check_fits(parser, args, need_bytes, what):
     of one rank's peak memory, times the ranks sharing this machine's memory (or one GPU's)."""
     _, device, _ = choose_backend(args.backend, args.device)
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if device == "cuda":
-        gpus = torch.cuda.device_count()
-        have, sharing = torch.cuda.get_device_properties(0).total_memory, -(-ranks // gpus)
+    if device == "cuda":  # this rank's GPU, as setup will pick it
+        gpus, local_rank = torch.cuda.device_count(), int(os.environ.get("LOCAL_RANK", "0"))
+        have = torch.cuda.get_device_properties(local_rank % gpus).total_memory
+        sharing = -(-ranks // gpus)
     else:
         have, sharing = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), ranks
     if need_bytes * sharing > have:

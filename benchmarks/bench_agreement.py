@@ -58,28 +58,46 @@ def agreeing_every_call():
 
 
 @contextlib.contextmanager
-def counting_agreements(counts):
-    agree = launch.agree
+def measuring_checks(counts, spent):
+    """Count launch.agree's calls and time the two checks, into the last entry of each list."""
+    agree, check_inputs, check_step = (
+        launch.agree,
+        cp_compress.check_inputs,
+        mhc.check_pipeline_step,
+    )
 
     def counted(*args, **kwargs):
         counts[-1] += 1
         return agree(*args, **kwargs)
 
+    def timed(check):
+        def call(*args, **kwargs):
+            began = time.perf_counter()
+            try:
+                return check(*args, **kwargs)
+            finally:
+                spent[-1] += time.perf_counter() - began
+
+        return call
+
     launch.agree = counted
+    cp_compress.check_inputs, mhc.check_pipeline_step = timed(check_inputs), timed(check_step)
     try:
         yield
     finally:
         launch.agree = agree
+        cp_compress.check_inputs, mhc.check_pipeline_step = check_inputs, check_step
 
 
 def step_times(layout, steps, every_call):
-    """compose's steps on the layout: (seconds of each step after the first, agreements per step),
-    the slowest rank's."""
+    """compose's steps on the layout, each after the first: (seconds per step, seconds in the
+    checks per step), the slowest rank's, and the agreements per step."""
     cfg, train = compose.ComposeConfig(), compose.Training(steps)
-    seconds, counts = [], [0]  # counts: the set-up's agreements, then each step's
+    seconds, counts, spent = [], [0], [0.0]  # counts, spent: the set-up's, then each step's
 
     def on_step(step, layout_, model, opt, run):
         counts.append(0)
+        spent.append(0.0)
         dist.barrier()
         began = time.perf_counter()
         out = run()
@@ -87,32 +105,34 @@ def step_times(layout, steps, every_call):
         return out
 
     with agreeing_every_call() if every_call else contextlib.nullcontext():
-        with counting_agreements(counts):
+        with measuring_checks(counts, spent):
             compose.run_layout(cfg, train, *layout, on_step=on_step)
-    slowest = torch.tensor(seconds[1:], dtype=torch.float64)
+    slowest = torch.tensor([seconds[1:], spent[2:]], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return slowest.tolist(), counts[2:]
+    return *slowest.tolist(), counts[2:]
 
 
 def demo(args, rank, world, device):
     launch.say(
-        f"compose's step, {world} ranks, {args.steps - 1} timed steps per run, "
-        f"{args.repeats} runs each way, interleaved"
+        f"compose's step on {world} ranks: the slowest rank's median over {args.steps - 1} steps "
+        f"x {args.repeats} runs each way, interleaved; checks = time inside check_inputs and "
+        "check_pipeline_step"
     )
-    header = (
-        f"{'layout':>7} {'agreements/step':>16} {'every call ms':>14} {'once ms':>8} {'ratio':>6}"
-    )
-    launch.say(header)
+    columns = ("layout", 7), ("agreements/step", 16), ("checks ms/step", 15)
+    columns += ("step ms: every call", 20), ("once", 6), ("ratio", 6)
+    launch.say(" ".join(f"{name:>{width}}" for name, width in columns))
     for layout in ((1, 2, 1), (2, 1, 1)):
-        times, agreements = {True: [], False: []}, {}
+        steps, checks, agreements = {True: [], False: []}, {True: [], False: []}, {}
         for _ in range(args.repeats):
             for every_call in (True, False):
-                seconds, counts = step_times(layout, args.steps, every_call)
-                times[every_call] += seconds
+                seconds, spent, counts = step_times(layout, args.steps, every_call)
+                steps[every_call] += seconds
+                checks[every_call] += spent
                 agreements[every_call] = max(counts)
-        old, new = (1e3 * statistics.median(times[k]) for k in (True, False))
+        old, new = (1e3 * statistics.median(steps[k]) for k in (True, False))
+        spent = " -> ".join(f"{1e3 * statistics.median(checks[k]):.0f}" for k in (True, False))
         name, counts = "x".join(map(str, layout)), f"{agreements[True]} -> {agreements[False]}"
-        launch.say(f"{name:>7} {counts:>16} {old:>14.0f} {new:>8.0f} {old / new:>6.2f}")
+        launch.say(f"{name:>7} {counts:>16} {spent:>15} {old:>20.0f} {new:>6.0f} {old / new:>6.2f}")
 
 
 def parse_args(argv=None):
