@@ -912,7 +912,12 @@ def _one_token_per_rank(rank, world_size):
     return errors
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "world_size", [pytest.param(1, marks=SLOW), 2, pytest.param(3, marks=SLOW)]
+)
 def test_one_token_per_rank_matches_the_reference(world_size):
     """The sink's gradient comes back from autograd as a strided view, which gloo's in-place
     all-reduce sums wrongly: the comparison must reduce a contiguous copy (fp32: 1e-5)."""
