@@ -31,14 +31,12 @@ import functools
 import json
 import math
 import os
-import time
 from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 
 import cp_compress
 import launch
@@ -244,13 +242,14 @@ def layout_groups(pp, cp, dp, device_type="cpu"):
     """The process groups of the layout pp x cp x dp, from torch's device mesh (dp innermost:
     global rank = (p * cp + c) * dp + d). -> Layout."""
     # hint: the pipeline's second link must be a group of its own even where the mesh hands back
-    # the world; the stage's ranks are the mesh's ("cp", "dp") dimensions flattened into one
+    # the world; the stage's ranks are the mesh's ("cp", "dp") dimensions flattened into one; make
+    # every group with launch's constructors (they keep the world's timeout)
     ### BEGIN SOLUTION
-    mesh = init_device_mesh(device_type, (pp, cp, dp), mesh_dim_names=("pp", "cp", "dp"))
+    mesh = launch.device_mesh(device_type, (pp, cp, dp), ("pp", "cp", "dp"))
     pipelines = mesh.mesh.permute(1, 2, 0).reshape(-1, pp).tolist()  # each (c, d)'s stages
-    backward, _ = dist.new_subgroups_by_enumeration(pipelines)
+    backward, _ = launch.new_subgroups_by_enumeration(pipelines)
     pipeline = {"forward": mesh["pp"].get_group(), "backward": backward}
-    stage = mesh["cp", "dp"]._flatten().get_group()
+    stage, _ = launch.new_subgroups_by_enumeration(mesh.mesh.flatten(1).tolist())  # p's C x D
     return Layout(pp, cp, dp, tuple(mesh.get_coordinate()), pipeline, mesh["cp"].get_group(),
                   stage)  # fmt: skip
     ### END SOLUTION
@@ -419,7 +418,7 @@ def run_layout(cfg, train, pp, cp, dp, device=torch.device("cpu"), on_step=None)
         try:
             loss, _ = on_step(step, layout, model, opt, run) if on_step else run()
         except Exception as err:
-            stop_together(err, step + 1)
+            launch.stop_together(err, f"compose: step {step + 1}")
         losses.append(loss)
     held, _ = stage_parameters(model, layout)
     names = {id(p): n for n, p in model.named_parameters()}
@@ -952,27 +951,6 @@ def count_sent_bytes(sent, where):
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
-
-
-def stop_together(err, step):
-    """A rank that raises mid-step: the first error goes to the store, its rank aborts its links
-    (every peer blocked on it fails, and exits, in turn), and every rank raises that one error.
-    The first rank and rank 0 (the store's host) wait until every rank has read it."""
-    if not dist.is_initialized():
-        raise err
-    store, world = dist.distributed_c10d._get_default_store(), dist.get_world_size()
-    mine = f"rank {dist.get_rank()} raised {type(err).__name__}: {err}"
-    first = store.compare_set("compose/failed", "", mine).decode()
-    if first == mine:
-        for group in list(dist.distributed_c10d._world.pg_map):  # peers see the links close
-            group.abort()
-        dist.destroy_process_group()
-    store.add("compose/stopped", 1)
-    deadline = time.monotonic() + launch.timeout_seconds()
-    while (first == mine or dist.is_initialized() and dist.get_rank() == 0) and time.monotonic(
-    ) < deadline and store.add("compose/stopped", 0) < world:  # fmt: skip
-        time.sleep(0.05)
-    raise RuntimeError(f"compose: step {step} stopped on every rank: {first}") from err
 
 
 def check_layout(cfg, pp, cp, dp, world):

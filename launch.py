@@ -1,23 +1,31 @@
 """The launch plumbing the four chapters share, as picotron's process-group manager is theirs:
 backend and device choice (with a one-line reason), set-up and teardown, the agreement guard (what
 every rank must hold alike, compared exactly before the first collective, so bad input raises the
-same ValueError on every rank), the launch options, printing on rank 0. Nothing technique-specific.
+same ValueError on every rank), the launch options and the check that a run fits in memory,
+printing on rank 0. Nothing technique-specific.
 One timeout rule for every file: a collective waits `--timeout` seconds ($PG_TIMEOUT_S, else 60)
-for a silent peer, then every waiting rank stops with one line saying so (see `run`)."""
+for a silent peer, then every rank still answering stops with one line saying so (`run`,
+`stop_together`). Every group made after the world keeps the world's timeout: make groups with
+`new_group`, `new_subgroups_by_enumeration` and `device_mesh` below (torch's own give a new group
+torch's default, 30 minutes for gloo, whatever the world was given)."""
 
 import argparse
+import contextlib
 import datetime
 import gc
 import hashlib
 import math
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 DEFAULT_TIMEOUT_S = 60.0
 TIMEOUT_ENV = "PG_TIMEOUT_S"
+STOP_GRACE_S = 5.0  # stop_together, after a timeout: no rank coming for this long ends the wait
 
 
 def choose_backend(backend=None, device=None):
@@ -26,24 +34,28 @@ def choose_backend(backend=None, device=None):
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device not in (None, "cpu", "cuda") or backend not in (None, "gloo", "nccl"):
-        raise ValueError(f"--backend takes gloo or nccl and --device cpu or cuda, got "
-                         f"{backend!r} and {device!r}")  # fmt: skip
+        raise ValueError(
+            f"--backend takes gloo or nccl and --device cpu or cuda, got {backend!r} and {device!r}"
+        )
     if device is not None:
         why = f"--device {device}"
     elif backend != "gloo" and 0 < local_ranks <= gpus:
         device, why = "cuda", f"{gpus} GPU(s) for {local_ranks} local rank(s)"
     else:
         device = "cpu"
-        why = "--backend gloo" if backend == "gloo" else "no GPU visible" if gpus == 0 else (
-            f"{gpus} GPU(s) are too few for {local_ranks} local ranks")  # fmt: skip
+        why = f"{gpus} GPU(s) are too few for {local_ranks} local ranks"
+        if backend == "gloo" or gpus == 0:
+            why = "--backend gloo" if backend == "gloo" else "no GPU visible"
     if device == "cuda" and gpus == 0:
         raise ValueError("--device cuda: no CUDA GPU is visible; pass --device cpu")
     backend = backend or ("nccl" if device == "cuda" else "gloo")
     if backend == "nccl" and device != "cuda":
         raise ValueError("--backend nccl moves only CUDA tensors: pass --device cuda, or gloo")
     if backend == "nccl" and local_ranks > gpus:
-        raise ValueError(f"NCCL needs one GPU per local rank: {local_ranks} ranks, {gpus} GPU(s);"
-                         " launch fewer ranks, or pass --backend gloo to share GPUs")  # fmt: skip
+        raise ValueError(
+            f"NCCL needs one GPU per local rank: {local_ranks} ranks, {gpus} GPU(s);"
+            " launch fewer ranks, or pass --backend gloo to share GPUs"
+        )
     return backend, device, f"backend {backend}, device {device} ({why})"
 
 
@@ -89,13 +101,95 @@ def run(demo, args):
     try:
         demo(args, rank, world, device)
     except (RuntimeError, dist.DistError) as err:
-        if "timed out" not in str(err).lower() and "timeout" not in str(err).lower():
+        if not timed_out(err):
             raise
-        sys.exit(f"rank {rank}: a peer did not answer within the {timeout_seconds(args.timeout):g} "
-                 f"s process-group timeout (it crashed, hangs or was stopped); set --timeout or "
-                 f"${TIMEOUT_ENV} to wait longer")  # fmt: skip
+        if world > 1 and not isinstance(err, Stopped):  # so that every rank can say it too
+            with contextlib.suppress(Stopped):
+                stop_together(err, "the run")
+        sys.exit(
+            f"rank {rank}: a peer did not answer within the {timeout_seconds(args.timeout):g} "
+            f"s process-group timeout (it crashed, hangs or was stopped); set --timeout or "
+            f"${TIMEOUT_ENV} to wait longer"
+        )
     finally:
         teardown()
+
+
+def timed_out(err):
+    """Whether an error (or its text) is a collective that waited out its timeout."""
+    return "timed out" in str(err).lower() or "timeout" in str(err).lower()
+
+
+# ---- groups: every one made after the world keeps the world's timeout ----------------------------
+
+
+def world_options():
+    """The world group's backend options, its timeout among them (torch keeps both private)."""
+    world = dist.group.WORLD
+    return world._get_backend(world._device_types[0]).options
+
+
+def group_timeout():
+    """The world group's timeout (launch's --timeout, or what a test harness gave its world)."""
+    return world_options()._timeout
+
+
+def new_group(ranks=None, **kwargs):
+    """torch.distributed.new_group with the world's timeout; the same arguments otherwise."""
+    return dist.new_group(ranks, timeout=group_timeout(), **kwargs)
+
+
+def new_subgroups_by_enumeration(ranks_per_subgroup):
+    """torch's new_subgroups_by_enumeration with the world's timeout: (this rank's group, all)."""
+    return dist.new_subgroups_by_enumeration(ranks_per_subgroup, timeout=group_timeout())
+
+
+def device_mesh(device_type, shape, names):
+    """torch's init_device_mesh, each dimension's groups with the world's timeout. DeviceMesh
+    reads a timeout only from backend options: each dimension gets fresh ones of the world
+    backend's kind (making a group writes into them), with the world's timeout."""
+    kind, timeout = type(world_options()), group_timeout()
+    override = {name: kind() for name in names}
+    for options in override.values():
+        options._timeout = timeout
+    return init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=override)
+
+
+class Stopped(RuntimeError):
+    """What every rank raises after stop_together: the first failure, the same text everywhere."""
+
+
+def stop_together(err, what):
+    """For a rank that fails mid-run: every rank ends with one error, "{what} stopped on every
+    rank: rank R raised ...", R the first to fail; none is left waiting on another.
+
+    Each rank that fails comes here and the first's error goes to the store. A gloo peer blocked
+    on a rank that failed fails when that rank exits (its links close) or at its own timeout.
+    Under torchrun, which ends every rank once one exits, all stay until every rank has come, at
+    most the timeout, so each can say why; after a timeout only until none has come for
+    STOP_GRACE_S (a stopped peer never comes). Elsewhere the store lives on rank 0: it stays
+    until every rank has read it, and the others leave at once."""
+    if not dist.is_initialized():
+        raise err
+    rank, world, timeout = dist.get_rank(), dist.get_world_size(), group_timeout().total_seconds()
+    store = dist.group.WORLD.get_group_store()
+    mine = f"rank {rank} raised {type(err).__name__}: {err}"
+    first = store.compare_set("launch/failed", "", mine).decode()
+    if first == mine:
+        for group in list(dist.distributed_c10d._world.pg_map):  # torch lists them nowhere public
+            group.abort()  # where a backend closes links on abort, peers blocked on them fail now
+        dist.destroy_process_group()
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent holds it
+        stays, grace = True, min(timeout, STOP_GRACE_S) if timed_out(first) else timeout
+    else:
+        stays, grace = rank == 0, timeout
+    arrived = store.add("launch/stopped", 1)
+    began = last = time.monotonic()
+    while stays and arrived < world and time.monotonic() < min(began + timeout, last + grace):
+        time.sleep(0.05)
+        if (count := store.add("launch/stopped", 0)) > arrived:  # one more came: wait on
+            arrived, last = count, time.monotonic()
+    raise Stopped(f"{what} stopped on every rank: {first}") from err
 
 
 def say(*args, **kwargs):
@@ -177,13 +271,41 @@ positive = at_least(0.0, float, above=True)  # an argparse type: a finite float 
 
 def add_launch_options(parser):  # the same --backend, --device and --timeout in every file
     add = parser.add_argument
-    add("--backend", choices=("gloo", "nccl"), help="collective backend (default: nccl when "
-        "every rank has a GPU, else gloo)")  # fmt: skip
-    add("--device", choices=("cpu", "cuda"), help="where tensors live (default: cuda with nccl, "
-        "else cpu)")  # fmt: skip
-    add("--timeout", type=positive, help="seconds a collective waits for a silent peer before "
-        f"every rank stops (default: ${TIMEOUT_ENV} or {DEFAULT_TIMEOUT_S:g})")  # fmt: skip
+    add(
+        "--backend",
+        choices=("gloo", "nccl"),
+        help="collective backend (default: nccl when every rank has a GPU, else gloo)",
+    )
+    add(
+        "--device",
+        choices=("cpu", "cuda"),
+        help="where tensors live (default: cuda with nccl, else cpu)",
+    )
+    add(
+        "--timeout",
+        type=positive,
+        help="seconds a collective waits for a silent peer before "
+        f"every rank stops (default: ${TIMEOUT_ENV} or {DEFAULT_TIMEOUT_S:g})",
+    )
     return parser
+
+
+def check_fits(parser, args, need_bytes, what):
+    """A run that cannot fit is a one-line usage error before any work: need_bytes, a lower bound
+    of one rank's peak memory, times the ranks sharing this machine's memory (or one GPU's)."""
+    _, device, _ = choose_backend(args.backend, args.device)
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if device == "cuda":  # this rank's GPU, as setup will pick it
+        gpus, local_rank = torch.cuda.device_count(), int(os.environ.get("LOCAL_RANK", "0"))
+        have = torch.cuda.get_device_properties(local_rank % gpus).total_memory
+        sharing = -(-ranks // gpus)
+    else:
+        have, sharing = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), ranks
+    if need_bytes * sharing > have:
+        parser.error(
+            f"{what}: the run needs at least {need_bytes / 2**30:.1f} GiB per rank, and "
+            f"{sharing} rank(s) share this {device}'s {have / 2**30:.1f} GiB; choose smaller sizes"
+        )
 
 
 def check_launch_options(parser, args):

@@ -1,14 +1,14 @@
 """mHC made affordable: manifold-constrained hyper-connections and three things that pay for them.
 DeepSeek-V4 §3.4.2 (the layer: V4 §2.2; the mHC paper, arXiv 2512.24880, §4).
 
-What the standard tool assumes. The residual stream is one vector of C numbers per token,
-x' = x + F(x): checkpointing keeps or drops whole modules, a pipeline stage sends C per token.
+What the standard tool assumes. The residual stream is one vector of d numbers per token,
+x' = x + F(x): checkpointing keeps or drops whole modules, a pipeline stage sends d per token.
 
-What V4 violates. Hyper-connections widen the stream to n_hc lanes, X in R^{n x C}, mixed by
+What V4 violates. Hyper-connections widen the stream to n_hc lanes, X in R^{n x d}, mixed by
 three small per-token matrices computed from the stream itself:
     X' = B X + C F(A X),   A = sigmoid(.) in R^{1 x n},  C = 2 sigmoid(.) in R^{n x 1},
     B = Sinkhorn-Knopp(exp(.)) in R^{n x n}, doubly stochastic (the "manifold constraint").
-Every layer's input is now n*C per token: n times the activation memory and the pipeline
+Every layer's input is now n*d per token: n times the activation memory and the pipeline
 traffic, and eager autograd runs the memory-bound mixing as small ops that each keep their output.
 
 The fix, three reductions, each checked against the plain autograd layer:
@@ -36,21 +36,22 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
+from torch.nn.functional import cross_entropy, gelu, scaled_dot_product_attention
 
 import launch
 
 EPS = 1e-6  # V4's hc_eps and rms_norm_eps: in the norm, in A, and in every Sinkhorn sum
 VARIANTS = ("naive", "fused", "optimised")  # the mHC variants (Transformer.run_layers)
+KEPT_PER_LAYER = 5  # the tensors mix_in keeps per layer for backward: A, B, C, x W, 1/rms
 _GROUPS = weakref.WeakKeyDictionary()  # default group -> pipeline_groups()
-_GUARDED = weakref.WeakSet()  # models whose initial parameters check_pipeline_step has compared
+_AGREED = weakref.WeakKeyDictionary()  # model -> {group: the settings its stages agreed on}
 
 
 @dataclass
 class Config:
     vocab_size: int = 256
     seq_len: int = 64
-    dim: int = 128  # C, the width of one lane
+    dim: int = 128  # d, the width of one lane
     n_heads: int = 4
     n_layers: int = 12  # attention and MLP sublayers alternate, each with its own HC (as in V4)
     n_hc: int = 4  # lanes in the widened residual stream
@@ -91,7 +92,7 @@ def lane_init_bias(n):
 
 
 class HyperConnection(nn.Module):
-    """One layer's A [..., n], B [..., n, n], C [..., n] from X [..., n, C]: biases S plus gated
+    """One layer's A [..., n], B [..., n, n], C [..., n] from X [..., n, d]: biases S plus gated
     alpha * (x_hat W). proj's columns are [W_pre | W_post | W_res], W_res row-major as B."""
 
     def __init__(self, n, dim, gate_init=0.01):
@@ -107,20 +108,22 @@ class HyperConnection(nn.Module):
 
     def check_stream(self, stream):
         if stream.dim() < 2 or stream.shape[-2] != self.n or stream.shape[-1] != self.dim:
-            raise ValueError(f"mHC stream must have shape [..., n_hc={self.n}, dim={self.dim}], "
-                             f"got {tuple(stream.shape)}: expand the embedding into n_hc lanes "
-                             "once (Transformer.embed_stream)")  # fmt: skip
+            raise ValueError(
+                f"mHC stream must have shape [..., n_hc={self.n}, dim={self.dim}], "
+                f"got {tuple(stream.shape)}: expand the embedding into n_hc lanes "
+                "once (Transformer.embed_stream)"
+            )
 
 
 def mhc_coefficients(stream, hc, iters=20):
-    """stream [..., n, C] -> (A [..., n], B [..., n, n], C [..., n]) in mixing_dtype, by autograd:
+    """stream [..., n, d] -> (A [..., n], B [..., n, n], C [..., n]) in mixing_dtype, by autograd:
     [pre | post | res] = RMSNorm(vec X) W; A = sigmoid(a_pre pre + S_pre) + eps,
     C = 2 sigmoid(a_post post + S_post), B = sinkhorn_knopp(a_res res (n x n) + S_res)."""
     n = hc.n
     # hint: x_hat = RMSNorm(vec(X)); one projection; split n, n, n*n; A gets + EPS (as V4)
     ### BEGIN SOLUTION
     dtype = mixing_dtype(stream.dtype)
-    flat = stream.flatten(-2).to(dtype)  # [..., nC]
+    flat = stream.flatten(-2).to(dtype)  # [..., n*d]
     proj, gate = hc.proj.to(dtype), hc.gate.to(dtype)
     logits = (flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + EPS)) @ proj
     pre, post, res = logits.split([n, n, n * n], dim=-1)
@@ -132,7 +135,7 @@ def mhc_coefficients(stream, hc, iters=20):
 
 
 def mhc_layer_reference(stream, sublayer, hc, iters=20):
-    """The plain autograd mHC layer, X [..., n, C] -> B X + C F(A X): every other path is tested
+    """The plain autograd mHC layer, X [..., n, d] -> B X + C F(A X): every other path is tested
     against it. Pre-mix in fp32, post-mix in the stream's dtype, as V4."""
     hc.check_stream(stream)
     a, b, c = mhc_coefficients(stream, hc, iters)
@@ -142,7 +145,7 @@ def mhc_layer_reference(stream, sublayer, hc, iters=20):
 
 
 class HyperHead(nn.Module):
-    """V4's HyperHead: X [..., n, C] -> sum_i w_i X_i, w = sigmoid(alpha x_hat W + S) + eps."""
+    """V4's HyperHead: X [..., n, d] -> sum_i w_i X_i, w = sigmoid(alpha x_hat W + S) + eps."""
 
     def __init__(self, n, dim, gate_init=0.01):
         super().__init__()
@@ -153,7 +156,7 @@ class HyperHead(nn.Module):
 
     def forward(self, stream):
         dtype = mixing_dtype(stream.dtype)
-        flat = stream.flatten(-2).to(dtype)  # [..., nC]
+        flat = stream.flatten(-2).to(dtype)  # [..., n*d]
         x_hat = flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + EPS)
         z = x_hat @ self.proj.to(dtype) * self.gate.to(dtype) + self.bias.to(dtype)
         return ((torch.sigmoid(z) + EPS).unsqueeze(-1) * stream.to(dtype)).sum(-2).to(stream.dtype)
@@ -199,34 +202,34 @@ def sinkhorn_backward(logits, grad, iters=20, eps=EPS):
 
 
 def pre_mix(a, stream):
-    """h = A X: A [..., n], X [..., n, C] -> [..., C]. Reads X once, writes C."""
+    """h = A X: A [..., n], X [..., n, d] -> [..., d]. Reads X once, writes d."""
     return lanes_matmul(a.unsqueeze(-2), stream).squeeze(-2)
 
 
 def pre_mix_backward(grad_h, a, stream):
-    """-> (dA [..., n] = <X_i, dh>, dX [..., n, C] = A_i dh)."""
+    """-> (dA [..., n] = <X_i, dh>, dX [..., n, d] = A_i dh)."""
     return (stream * grad_h.unsqueeze(-2)).sum(-1), a.unsqueeze(-1) * grad_h.unsqueeze(-2)
 
 
 def post_mix(b, stream, c, f):
-    """X' = B X + C f [..., n, C] in one output, no B X or C f temporaries (mHC paper §4)."""
+    """X' = B X + C f [..., n, d] in one output, no B X or C f temporaries (mHC paper §4)."""
     return lanes_matmul(b, stream).addcmul_(c.unsqueeze(-1), f.unsqueeze(-2))
 
 
 def post_mix_backward(grad_out, b, stream, c, f):
-    """Gradients of X' = B X + C f for dX' [..., n, C] -> (dB, dX, dC, df), shaped as b, X, c, f."""
+    """Gradients of X' = B X + C f for dX' [..., n, d] -> (dB, dX, dC, df), shaped as b, X, c, f."""
     # hint: X' = B X + C f is linear in each input; write each gradient as one lanes_matmul
     ### BEGIN SOLUTION
     grad_b = lanes_matmul(grad_out, stream.transpose(-1, -2))  # [..., n, n]
-    grad_stream = lanes_matmul(b.transpose(-1, -2), grad_out)  # [..., n, C]
+    grad_stream = lanes_matmul(b.transpose(-1, -2), grad_out)  # [..., n, d]
     grad_c = lanes_matmul(grad_out, f.unsqueeze(-1)).squeeze(-1)  # [..., n]
-    grad_f = lanes_matmul(c.unsqueeze(-2), grad_out).squeeze(-2)  # [..., C]
+    grad_f = lanes_matmul(c.unsqueeze(-2), grad_out).squeeze(-2)  # [..., d]
     return grad_b, grad_stream, grad_c, grad_f
     ### END SOLUTION
 
 
 def mix_in(stream, params, iters):
-    """mhc_coefficients and the pre-mix, forward only: X [..., n, C] -> (h = A X, kept). params:
+    """mhc_coefficients and the pre-mix, forward only: X [..., n, d] -> (h = A X, kept). params:
     hc_params(hc). kept = (A, B, C, x W, 1/rms): all backward needs besides X, per token."""
     proj, gate, bias_pre, bias_post, bias_res = (p.to(mixing_dtype(stream.dtype)) for p in params)
     n, x = stream.shape[-2], stream.to(proj.dtype)
@@ -239,7 +242,7 @@ def mix_in(stream, params, iters):
 
 
 def mix_out(stream, kept, f):
-    """Post-mix + merge in X's dtype (B, C cast to it, as V4): X [..., n, C], f [..., C] -> X'."""
+    """Post-mix + merge in X's dtype (B, C cast to it, as V4): X [..., n, d], f [..., d] -> X'."""
     return post_mix(kept[1].to(stream.dtype), stream, kept[2].to(stream.dtype), f)
 
 
@@ -251,7 +254,7 @@ def mix_out_backward(grad_out, stream, kept, f):
 
 
 def mix_in_backward(grad_h, grad_b, grad_c, grad_x_post, stream, kept, params, iters):
-    """Backward of mix_in plus the post-mix's dX -> (dX [..., n, C], grads of params)."""
+    """Backward of mix_in plus the post-mix's dX -> (dX [..., n, d], grads of params)."""
     a, b, c, projected, inv_rms = kept
     proj, gate, _, _, bias_res = (p.to(a.dtype) for p in params)
     n, x = stream.shape[-2], stream.to(a.dtype)
@@ -262,8 +265,9 @@ def mix_in_backward(grad_h, grad_b, grad_c, grad_x_post, stream, kept, params, i
     grad_post = grad_c * c * (1 - c / 2)  # (2 sigmoid)' = C (1 - C/2)
     grad_res = sinkhorn_backward(gate[2] * res + bias_res, grad_b, iters)
     grad_z = [grad_pre * gate[0], grad_post * gate[1], (grad_res * gate[2]).flatten(-2)]
-    grad_flat, grad_proj = norm_then_project_backward(torch.cat(grad_z, -1), x.flatten(-2), proj,
-                                                      projected, inv_rms)  # fmt: skip
+    grad_flat, grad_proj = norm_then_project_backward(
+        torch.cat(grad_z, -1), x.flatten(-2), proj, projected, inv_rms
+    )
     grad_x = grad_x + grad_flat.unflatten(-1, (n, -1)) + grad_x_post
     tokens = tuple(range(a.dim() - 1))
     pairs = ((grad_pre, pre), (grad_post, post), (grad_res, res))
@@ -273,7 +277,7 @@ def mix_in_backward(grad_h, grad_b, grad_c, grad_x_post, stream, kept, params, i
 
 
 def collapse(stream, params):
-    """HyperHead's forward alone: X [..., n, C] -> (x [..., C], kept = (w, x W, 1/rms))."""
+    """HyperHead's forward alone: X [..., n, d] -> (x [..., d], kept = (w, x W, 1/rms))."""
     proj, gate, bias = (p.to(mixing_dtype(stream.dtype)) for p in params)
     x = stream.to(proj.dtype)
     projected, inv_rms = norm_then_project(x.flatten(-2), proj)
@@ -282,14 +286,15 @@ def collapse(stream, params):
 
 
 def collapse_backward(grad_out, stream, kept, params):
-    """Gradients of collapse for dx [..., C] -> (dX [..., n, C], dW, dgate, dbias)."""
+    """Gradients of collapse for dx [..., d] -> (dX [..., n, d], dW, dgate, dbias)."""
     weights, projected, inv_rms = kept
     proj, gate, _ = (p.to(weights.dtype) for p in params)
     x = stream.to(proj.dtype)
     grad_w, grad_x = pre_mix_backward(grad_out.to(proj.dtype), weights, x)
     grad_z = grad_w * (weights - EPS) * (1 - (weights - EPS))  # sigmoid' = s (1 - s)
-    grad_flat, grad_proj = norm_then_project_backward(grad_z * gate, x.flatten(-2), proj,
-                                                      projected, inv_rms)  # fmt: skip
+    grad_flat, grad_proj = norm_then_project_backward(
+        grad_z * gate, x.flatten(-2), proj, projected, inv_rms
+    )
     grad_gate = (grad_z * projected * inv_rms).sum().reshape(gate.shape)
     grad_bias = grad_z.reshape(-1, grad_z.shape[-1]).sum(0)
     grad_x = grad_x + grad_flat.unflatten(-1, grad_x.shape[-2:])
@@ -301,12 +306,12 @@ def collapse_backward(grad_out, stream, kept, params):
 
 
 class RecomputedBlock(torch.autograd.Function):
-    """Run layers X_0 -> X_L keeping only X_0 [..., n, C], each F output f [..., C] and each
+    """Run layers X_0 -> X_L keeping only X_0 [..., n, d], each F output f [..., d] and each
     layer's coefficients (mix_in's kept). Forward: the mixing without autograd (kernels: this
     module's, or compiled ones); each F once, with grad, on a detached leaf input, so F's graph
     stays. Backward: rebuild X_1..X_{L-1} with the post-mix alone, then per layer: post-mix
     backward, F's kept graph (its .grad filled directly: use loss.backward()), mix_in's backward.
-    head (the last block's HyperHead): return its collapse [..., C], rebuild X_L too."""
+    head (the last block's HyperHead): return its collapse [..., d], rebuild X_L too."""
 
     @staticmethod
     def forward(ctx, stream_in, layers, iters, kernels, head, *params):
@@ -337,14 +342,16 @@ class RecomputedBlock(torch.autograd.Function):
         kernels, n_layers, head = ctx.kernels, len(ctx.layers), ctx.head
         saved = ctx.saved_tensors
         fs, kept = saved[1 : 1 + n_layers], saved[1 + n_layers :]
-        coefficients = [kept[5 * i : 5 * i + 5] for i in range(n_layers)]
+        coefficients = [
+            kept[KEPT_PER_LAYER * i : KEPT_PER_LAYER * (i + 1)] for i in range(n_layers)
+        ]
         states = [saved[0]]  # X_0; then the lane states rebuilt by the post-mix alone
         for i in range(n_layers if head is not None else n_layers - 1):
             states.append(kernels.mix_out(states[-1], coefficients[i], fs[i]))
         head_grads = []
         if head is not None:
             grad_stream, *head_grads = kernels.collapse_backward(
-                grad_stream, states.pop(), kept[5 * n_layers :], head_params(head)
+                grad_stream, states.pop(), kept[KEPT_PER_LAYER * n_layers :], head_params(head)
             )
         grads = []
         for i in reversed(range(n_layers)):
@@ -372,7 +379,7 @@ def head_params(head):  # the HyperHead's, in the order collapse and its backwar
 
 
 def run_recomputed_block(stream, layers, iters=20, kernels=None, head=None):
-    """[(sublayer, hc), ...] on X [..., n, C] by RecomputedBlock (-> [..., C] with a head)."""
+    """[(sublayer, hc), ...] on X [..., n, d] by RecomputedBlock (-> [..., d] with a head)."""
     kernels = kernels or sys.modules[__name__]
     for _, hc in layers:
         hc.check_stream(stream)
@@ -396,8 +403,8 @@ def recompute_blocks(start, end, block):
 
 
 def default_recompute_block(n, n_layers):
-    """L_r ~ sqrt(n L / (n + 2)) (mHC paper §4), at least 1: the block inputs kept cost nC L / L_r,
-    rebuilding one block holds ~(n + 2) C L_r; their sum is smallest there."""
+    """L_r ~ sqrt(n L / (n + 2)) (mHC paper §4), at least 1: the block inputs kept cost n d L / L_r,
+    rebuilding one block holds ~(n + 2) d L_r; their sum is smallest there."""
     return max(1, round(math.sqrt(n * n_layers / (n + 2))))
 
 
@@ -416,8 +423,10 @@ def run_recomputed_layers(stream, layers, block, iters=20, kernels=None, head=No
 def stage_layers(n_layers, n_stages, stage):
     """Layers [first, stop) held by `stage` of `n_stages`: an equal contiguous share."""
     if n_stages < 1 or n_stages > n_layers or n_layers % n_stages:
-        raise ValueError(f"{n_stages} pipeline stages cannot split {n_layers} layers evenly: use "
-                         "a stage count that divides n_layers and is at most n_layers")  # fmt: skip
+        raise ValueError(
+            f"{n_stages} pipeline stages cannot split {n_layers} layers evenly: use "
+            "a stage count that divides n_layers and is at most n_layers"
+        )
     return stage * (n_layers // n_stages), (stage + 1) * (n_layers // n_stages)
 
 
@@ -427,8 +436,10 @@ def one_f_one_b(n_stages, stage, n_micro):
     and one backward; the cool-down drains the rest. A stage holds at most n_stages - stage
     micro-batches' activations (GPipe would hold all n_micro)."""
     if n_micro < n_stages:
-        raise ValueError(f"1F1B needs at least as many micro-batches as stages: n_micro={n_micro}"
-                         f" < n_stages={n_stages}; raise n_micro or use fewer stages")  # fmt: skip
+        raise ValueError(
+            f"1F1B needs at least as many micro-batches as stages: n_micro={n_micro}"
+            f" < n_stages={n_stages}; raise n_micro or use fewer stages"
+        )
     # hint: how many forwards must a stage run before its first backward can arrive?
     ### BEGIN SOLUTION
     warmup = min(n_stages - stage - 1, n_micro)
@@ -450,7 +461,7 @@ class PipelineStats:  # what one stage measured in one pipeline_step
 def pipeline_groups():
     """One group per direction over all ranks (see StageLinks), made once, on every rank."""
     if dist.group.WORLD not in _GROUPS:
-        _GROUPS[dist.group.WORLD] = {"forward": dist.new_group(), "backward": dist.new_group()}
+        _GROUPS[dist.group.WORLD] = {"forward": launch.new_group(), "backward": launch.new_group()}
     return _GROUPS[dist.group.WORLD]
 
 
@@ -466,15 +477,15 @@ def clock(device):
 
 
 class StageLinks:
-    """One stage's sends and receives of streams [B/n_micro, T, (n,) C]. NCCL runs a rank pair's
+    """One stage's sends and receives of streams [batch/n_micro, T, (n,) d]. NCCL runs a rank pair's
     transfers in issue order and does not buffer sends, so activations and gradients each get a
     group, groups = {"forward": g, "backward": g} (group ranks = stages; default: the world): each
     link carries data one way in micro-batch order, and no issue order can deadlock."""
 
     def __init__(self, stage, world, n_micro, shape, like, overlap, groups=None):
         self.groups = groups or (pipeline_groups() if world > 1 else {})
-        self.stage, self.n_micro, self.shape, self.like, self.overlap = (
-            stage, n_micro, shape, like, overlap)  # fmt: skip
+        self.stage, self.n_micro, self.shape = stage, n_micro, shape
+        self.like, self.overlap = like, overlap
         self.pending, self.sends, self.stats = {}, [], PipelineStats()
         if overlap and stage > 0:  # overlap: each receive posted one micro-batch ahead
             self.post_recv("forward", 0)
@@ -517,7 +528,7 @@ class StageLinks:
 def pipeline_step(
     model, idx, targets, n_micro, variant="fused", block=None, overlap=True, groups=None
 ):
-    """One training step's forward and backward over the pipeline stages. idx, targets [B, T]:
+    """One training step's forward and backward over the pipeline stages. idx, targets [batch, T]:
     the same on every rank; variant, block: as Transformer.run_layers. Fills this stage's .grad for
     the batch's mean loss; -> (loss on the last stage else None, PipelineStats). overlap=False
     posts each receive only when needed. groups: StageLinks' (a device mesh's pipeline links)."""
@@ -571,7 +582,7 @@ class RMSNorm(nn.RMSNorm):  # torch's, with V4's eps
         super().__init__(dim, eps=EPS)
 
 
-class Attention(nn.Module):  # F of an attention layer: causal self-attention, [B, T, C] -> same
+class Attention(nn.Module):  # F of an attention layer: causal self-attention, [batch, T, d] -> same
     def __init__(self, cfg):
         super().__init__()
         self.n_heads, self.norm = cfg.n_heads, RMSNorm(cfg.dim)
@@ -580,12 +591,12 @@ class Attention(nn.Module):  # F of an attention layer: causal self-attention, [
 
     def forward(self, x):
         q, k, v = self.qkv(self.norm(x)).unflatten(-1, (3, self.n_heads, -1)).unbind(-3)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, nh, T, hs)
+        y = scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.out(y.transpose(1, 2).flatten(-2))
 
 
-class MLP(nn.Module):  # F of an MLP layer: a 4x GELU MLP, [B, T, C] -> same
+class MLP(nn.Module):  # F of an MLP layer: a 4x GELU MLP, [batch, T, d] -> same
     def __init__(self, cfg):
         super().__init__()
         self.norm = RMSNorm(cfg.dim)
@@ -593,7 +604,7 @@ class MLP(nn.Module):  # F of an MLP layer: a 4x GELU MLP, [B, T, C] -> same
         self.down = nn.Linear(4 * cfg.dim, cfg.dim, bias=False)
 
     def forward(self, x):
-        return self.down(F.gelu(self.up(self.norm(x))))
+        return self.down(gelu(self.up(self.norm(x))))
 
 
 class Transformer(nn.Module):
@@ -616,18 +627,18 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
     def stream_shape(self, batch):
-        """What flows between layers and stages: [B, T, n, C], or [B, T, C] for the residual."""
+        """What flows between layers and stages: [batch, T, n, d] ([batch, T, d]: residual)."""
         return (batch, self.cfg.seq_len, *((self.cfg.n_hc,) if self.hyper else ()), self.cfg.dim)
 
     def embed_stream(self, idx):
-        """idx [B, T] -> [B, T, n, C], n stride-0 copies (a first block keeps C, not nC)."""
-        x = self.embed(idx)  # (B, T, C)
+        """idx [batch, T] -> [batch, T, n, d], n stride-0 copies (a first block keeps d, not nd)."""
+        x = self.embed(idx)  # (batch, T, d)
         return x.unsqueeze(-2).expand(*x.shape[:-1], self.cfg.n_hc, -1) if self.hyper else x
 
     def run_layers(self, stream, start, end, variant="naive", block=None, final=False):
         """Layers [start, end) as one of VARIANTS: "naive" the plain autograd layer, "fused" each
         layer one RecomputedBlock, "optimised" blocks of `block` = L_r (default_recompute_block).
-        final (the last stage): end with the lanes collapsed by hyper_head -> [B, T, C]."""
+        final (the last stage): end with the lanes collapsed by hyper_head -> [batch, T, d]."""
         check_variant(variant, block)
         if not self.hyper:
             for sublayer in self.sublayers[start:end]:
@@ -645,7 +656,7 @@ class Transformer(nn.Module):
     def head_loss(self, stream, targets):
         """The HyperHead (unless run_layers(final=True) ran it), norm, LM head, cross-entropy."""
         x = self.hyper_head(stream) if self.hyper and stream.dim() == 4 else stream
-        return F.cross_entropy(self.lm_head(self.norm(x)).flatten(0, -2), targets.flatten())
+        return cross_entropy(self.lm_head(self.norm(x)).flatten(0, -2), targets.flatten())
 
     def forward(self, idx, targets, variant="naive", block=None):
         x = self.run_layers(self.embed_stream(idx), 0, self.cfg.n_layers, variant, block, True)
@@ -670,8 +681,10 @@ def check_variant(variant, block):
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     if block is not None and (variant != "optimised" or not isinstance(block, int) or block < 1):
-        raise ValueError(f"recompute block L_r must be an int >= 1 with variant 'optimised' (or "
-                         f"None), got block={block!r} with variant {variant!r}")  # fmt: skip
+        raise ValueError(
+            f"recompute block L_r must be an int >= 1 with variant 'optimised' (or "
+            f"None), got block={block!r} with variant {variant!r}"
+        )
 
 
 def validate_pipeline_inputs(model, idx, targets, n_micro, variant, block, group):
@@ -684,31 +697,47 @@ def validate_pipeline_inputs(model, idx, targets, n_micro, variant, block, group
     if idx.device != device:
         raise ValueError(f"idx is on {idx.device} but the model on {device}")
     if not isinstance(n_micro, int) or n_micro < 1 or idx.shape[0] % n_micro:
-        raise ValueError(f"batch {idx.shape[0]} does not split into n_micro={n_micro} equal "
-                         "micro-batches")  # fmt: skip
+        raise ValueError(
+            f"batch {idx.shape[0]} does not split into n_micro={n_micro} equal micro-batches"
+        )
     check_variant(variant, block)
     stage_layers(cfg.n_layers, world, stage)
     one_f_one_b(world, stage, n_micro)
 
 
 def check_pipeline_step(model, idx, targets, n_micro, variant, block, overlap, group):
-    """This rank's validation, then launch.agree on what the stages share: the batch's digest and,
-    on a model's first step, its initial parameters (every stage builds the model from one seed)."""
+    """This rank's validation on every step (local: shapes, dtypes). launch.agree on what the
+    stages share only when the model first runs on a group, or its settings change: the config,
+    the settings, the batch's digest and, the first time, the initial parameters (every stage
+    builds the model and draws the data from one seed). Later steps compare nothing across
+    ranks: that would cost a collective, and on a GPU a device-to-host copy, every step."""
     error = None
     try:
         validate_pipeline_inputs(model, idx, targets, n_micro, variant, block, group)
     except ValueError as e:
         error = str(e)
-    batch = launch.weights_digest([("i", idx), ("t", targets)])
-    fields = {"config": asdict(model.cfg), "hyper": model.hyper,
-              "parameter dtype": str(model.embed.weight.dtype), "idx shape": tuple(idx.shape),
-              "targets shape": tuple(targets.shape), "batch (sha256 of idx, targets)": batch,
-              "n_micro": n_micro, "variant": variant, "block (L_r)": block,
-              "overlap": bool(overlap)}  # fmt: skip
-    if model not in _GUARDED:
-        fields["initial parameters (sha256)"] = launch.weights_digest(model.named_parameters())
-    launch.agree(fields, error, group)
-    _GUARDED.add(model)
+    settings = {
+        "config": asdict(model.cfg),
+        "hyper": model.hyper,
+        "parameter dtype": str(model.embed.weight.dtype),
+        "idx shape": tuple(idx.shape),
+        "targets shape": tuple(targets.shape),
+        "token dtypes": (idx.dtype, targets.dtype),
+        "n_micro": n_micro,
+        "variant": variant,
+        "block (L_r)": block,
+        "overlap": bool(overlap),
+    }
+    agreed = _AGREED.setdefault(model, {})
+    if agreed.get(group) != settings:  # a new model, group or settings: every stage compares
+        batch = launch.weights_digest([("i", idx), ("t", targets)])
+        fields = {**settings, "batch (sha256 of idx, targets)": batch}
+        if not agreed:
+            fields["initial parameters (sha256)"] = launch.weights_digest(model.named_parameters())
+        launch.agree(fields, error, group)
+        agreed[group] = settings
+    elif error:
+        raise ValueError(error)
 
 
 def saved_activation_bytes(model, run):
@@ -735,10 +764,12 @@ def demo(args, rank, world, device):
     """Residual, naive and optimised mHC, one seed, each a 1F1B pipeline over the ranks."""
     cfg = Config(seq_len=args.seq_len, dim=args.dim, n_layers=args.layers, n_heads=args.heads)
     l_r, base = default_recompute_block(cfg.n_hc, cfg.n_layers // world), None
-    launch.say(f"mHC demo: {cfg.n_layers} layers, C={cfg.dim}, n_hc={cfg.n_hc}, T={cfg.seq_len}, "
-               f"{args.steps} steps, optimised = fused mixing + recomputation (L_r = {l_r})\npipe"
-               f"line: {world} stage(s), 1F1B over {args.micro} micro-batches of "
-               f"{args.batch // args.micro}, receives posted ahead")  # fmt: skip
+    launch.say(
+        f"mHC demo: {cfg.n_layers} layers, d={cfg.dim}, n_hc={cfg.n_hc}, T={cfg.seq_len}, "
+        f"{args.steps} steps, optimised = fused mixing + recomputation (L_r = {l_r})\n"
+        f"pipeline: {world} stage(s), 1F1B over {args.micro} micro-batches of "
+        f"{args.batch // args.micro}, receives posted ahead"
+    )
     for name, block in (("residual", None), ("naive", None), ("optimised", l_r)):
         variant = "optimised" if block else "naive"
         torch.manual_seed(args.seed)
@@ -756,15 +787,19 @@ def demo(args, rank, world, device):
         ms = 1e3 * (time.perf_counter() - began) / args.steps
         base = base or ms
         if rank == world - 1:
-            row = (f"  {name:<9} loss {losses[0].item():.4f} -> {losses[-1].item():.4f} (last "
-                   f"stage), {ms:.0f} ms per step (x{ms / base:.2f})")  # fmt: skip
+            row = (
+                f"  {name:<9} loss {losses[0].item():.4f} -> {losses[-1].item():.4f} (last "
+                f"stage), {ms:.0f} ms per step (x{ms / base:.2f})"
+            )
             if world == 1:  # the whole model in this process: what autograd keeps for backward
                 kept = saved_activation_bytes(model, lambda: model(idx, targets, variant, block))[1]
                 row += f", {kept / 2**20:.2f} MiB saved for backward"
             else:
-                row += (f"\n  {name:<9} sent per step across each stage boundary: "
-                        f"{stats.bytes_sent_backward / 2**20:.3f} MiB each way; the last stage "
-                        f"waited on receives {1e3 * waited / args.steps:.1f} ms")  # fmt: skip
+                row += (
+                    f"\n  {name:<9} sent per step across each stage boundary: "
+                    f"{stats.bytes_sent_backward / 2**20:.3f} MiB each way; the last stage "
+                    f"waited on receives {1e3 * waited / args.steps:.1f} ms"
+                )
             print(row, flush=True)
         dist.barrier()  # each row before what rank 0 prints next
     launch.say("\nmixing bytes: benchmarks/bench_mhc.py --accounting; blocking receives: table 2")
@@ -774,7 +809,7 @@ def parse_args(argv=None):
     world, count = int(os.environ.get("WORLD_SIZE", "1")), launch.at_least(1)
     parser = argparse.ArgumentParser(description="mHC: residual vs naive vs optimised, in 1F1B")
     add = parser.add_argument
-    add("--dim", type=count, default=128, help="C, the width of one lane (128)")
+    add("--dim", type=count, default=128, help="d, the width of one lane (128)")
     add("--layers", type=count, default=12, help="sublayers; a multiple of the ranks (12)")
     add("--heads", type=count, help="attention heads; must divide --dim (default dim // 32)")
     add("--seq-len", type=count, default=32, help="tokens per sequence, T (32)")
@@ -792,6 +827,11 @@ def parse_args(argv=None):
         parser.error(f"--micro {args.micro} must be at least the {world} ranks (1F1B)")
     if args.batch % args.micro:
         parser.error(f"--batch {args.batch} must split into --micro {args.micro} equal parts")
+    cfg = Config(seq_len=args.seq_len, dim=args.dim, n_layers=args.layers, n_heads=args.heads)
+    weights = cfg.n_layers * cfg.dim**2 + 2 * cfg.vocab_size * cfg.dim  # a sublayer: d x d at least
+    stream = args.batch // args.micro * cfg.seq_len * cfg.n_hc * cfg.dim  # one layer's input
+    least = 4 * (weights + stream * cfg.n_layers // world) + 8 * args.batch * (cfg.seq_len + 1)
+    launch.check_fits(parser, args, least, "--dim, --layers, --seq-len, --batch")
     return args
 
 

@@ -518,7 +518,7 @@ def build_groups(process_group, world_size, zero_width):
 
     def new_group(ranks):
         members = [dist.get_global_rank(process_group, r) for r in ranks]
-        return dist.new_group(members, use_local_synchronization=True)
+        return launch.new_group(members, use_local_synchronization=True)  # the launch's timeout
 
     start = rank // Z * Z
     shard = new_group(range(start, start + Z)) if Z > 1 else None

@@ -838,6 +838,24 @@ def test_fault_matrix_different_input_fails_every_rank(world_size, case):
         assert "ValueError" in text and GUARD_CASES[case] in text, text
 
 
+def _agreements_over_calls(rank, world_size):
+    """How often context_parallel compares across ranks: once per layer and layout."""
+    calls = []
+    agree = cpc.launch.agree
+    cpc.launch.agree = lambda *a, **k: calls.append(1) or agree(*a, **k)
+    layer, x, cu = _guard_inputs(rank, world_size, "none")
+    for _ in range(3):
+        layer.context_parallel(x, cu)
+    layer.context_parallel(x, torch.tensor([0, 4, 8, 12, cu[-1]]))  # a new packing: compared
+    return len(calls)
+
+
+def test_ranks_agree_once_per_layout_not_every_call():
+    """compose calls context_parallel once per sequence row: agreement (weights' digests and an
+    all_gather_object) is for a new layer or layout, the calls in between check locally."""
+    assert run_ranks(_agreements_over_calls, 2, timeout=60) == [2, 2]
+
+
 def _raise_mid_step(rank, world_size):
     layer, x, cu = _guard_inputs(rank, world_size, "none")
     if rank == world_size - 1:
@@ -881,6 +899,31 @@ def _top_k_beyond_entries(rank, world_size):
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_top_k_larger_than_entries_pads_with_minus_one(world_size):
     run_ranks(_top_k_beyond_entries, world_size, timeout=60)
+
+
+def _one_token_per_rank(rank, world_size):
+    """compare_with_reference at s = m = window = top-k = 1, as the demo runs it."""
+    torch.manual_seed(0)
+    errors = {}
+    for kind in ("csa", "hca"):
+        layer = cpc.CompressedAttention(kind, ratio=1, top_k=1, window=1)
+        x, cu = torch.randn(world_size, 64), cpc.packed_boundaries(world_size, 1, 1)
+        errors[kind] = cpc.compare_with_reference(layer, x, cu)[:2]
+    return errors
+
+
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "world_size", [pytest.param(1, marks=SLOW), 2, pytest.param(3, marks=SLOW)]
+)
+def test_one_token_per_rank_matches_the_reference(world_size):
+    """The sink's gradient comes back from autograd as a strided view, which gloo's in-place
+    all-reduce sums wrongly: the comparison must reduce a contiguous copy (fp32: 1e-5)."""
+    for rank, errors in enumerate(run_ranks(_one_token_per_rank, world_size, timeout=60)):
+        for kind, (out_err, grad_err) in errors.items():
+            assert out_err < 1e-5 and grad_err < 1e-5, (rank, kind, out_err, grad_err)
 
 
 def test_demo_hca_compares_entries_at_three_ranks():
@@ -976,6 +1019,7 @@ def test_command_line_checks_arguments_before_any_work(capsys, monkeypatch):
         (["--window", "0"], "must be int >= 1"),
         (["--seq-per-rank", "128", "--m-hca", "128"], "an entry for m=128"),
         (["--seq-per-rank", "4", "--m-hca", "4"], "halo must come from one rank"),
+        (["--seq-per-rank", "100000000"], "choose smaller sizes"),  # T x T: never fits
     ):
         with pytest.raises(SystemExit) as info:
             cpc.parse_args(argv)

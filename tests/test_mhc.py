@@ -813,6 +813,24 @@ def test_fault_matrix_different_input_on_one_rank(world_size, what):
     assert FIELDS[what] in messages[0] and "rank 1 has" in messages[0], messages[0]
 
 
+def _agreements_over_steps(rank, world_size):
+    """How often the stages compare across ranks over four steps: once, then on a new setting."""
+    calls = []
+    agree = mhc.launch.agree
+    mhc.launch.agree = lambda *a, **k: calls.append(1) or agree(*a, **k)
+    model = build(n_layers=4)
+    for step in range(3):
+        mhc.pipeline_step(model, *batch(step, size=8), n_micro=4)
+    mhc.pipeline_step(model, *batch(3, size=8), n_micro=2)  # new settings: compared again
+    return len(calls)
+
+
+def test_stages_agree_once_not_every_step():
+    """Agreement (an all_gather_object, a device-to-host digest) is for the first step and for a
+    change of settings; a step like the last is checked locally."""
+    assert run_ranks(_agreements_over_steps, 2, timeout=60) == [2, 2]
+
+
 class Boom(RuntimeError):
     pass
 
@@ -849,6 +867,7 @@ def test_demo_arguments_are_checked_before_any_work(monkeypatch, capsys):
            (["--dim", "30", "--heads", "4"], "--heads"), (["--micro", "2"], "--micro")]  # fmt: skip
     bad += [(["--heads", "0"], "--heads"), (["--micro", "0"], "--micro"),
             (["--dim", "x"], "--dim"), (["--timeout", "0"], "--timeout")]  # fmt: skip
+    bad += [(["--seq-len", "100000000"], "smaller sizes"), (["--dim", "1000000"], "smaller sizes")]
     if not torch.cuda.is_available():
         bad.append((["--device", "cuda"], "no CUDA GPU"))
     for argv, word in bad:

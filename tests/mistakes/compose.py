@@ -9,9 +9,9 @@ MISTAKES = [
         message="MuonZeRO's group must hold every rank of the stage",
         body="""
 ### BEGIN SOLUTION
-mesh = init_device_mesh(device_type, (pp, cp, dp), mesh_dim_names=("pp", "cp", "dp"))
+mesh = launch.device_mesh(device_type, (pp, cp, dp), ("pp", "cp", "dp"))
 pipelines = mesh.mesh.permute(1, 2, 0).reshape(-1, pp).tolist()
-backward, _ = dist.new_subgroups_by_enumeration(pipelines)
+backward, _ = launch.new_subgroups_by_enumeration(pipelines)
 pipeline = {"forward": mesh["pp"].get_group(), "backward": backward}
 stage = mesh["dp"].get_group()
 return Layout(pp, cp, dp, tuple(mesh.get_coordinate()), pipeline, mesh["cp"].get_group(),
@@ -25,9 +25,9 @@ return Layout(pp, cp, dp, tuple(mesh.get_coordinate()), pipeline, mesh["cp"].get
         message="the pipeline needs two process groups",
         body="""
 ### BEGIN SOLUTION
-mesh = init_device_mesh(device_type, (pp, cp, dp), mesh_dim_names=("pp", "cp", "dp"))
+mesh = launch.device_mesh(device_type, (pp, cp, dp), ("pp", "cp", "dp"))
 pipeline = {"forward": mesh["pp"].get_group(), "backward": mesh["pp"].get_group()}
-stage = mesh["cp", "dp"]._flatten().get_group()
+stage, _ = launch.new_subgroups_by_enumeration(mesh.mesh.flatten(1).tolist())
 return Layout(pp, cp, dp, tuple(mesh.get_coordinate()), pipeline, mesh["cp"].get_group(),
               stage)
 ### END SOLUTION
@@ -39,11 +39,11 @@ return Layout(pp, cp, dp, tuple(mesh.get_coordinate()), pipeline, mesh["cp"].get
         message="dp innermost",
         body="""
 ### BEGIN SOLUTION
-mesh = init_device_mesh(device_type, (dp, cp, pp), mesh_dim_names=("dp", "cp", "pp"))
+mesh = launch.device_mesh(device_type, (dp, cp, pp), ("dp", "cp", "pp"))
 pipelines = mesh.mesh.reshape(-1, pp).tolist()
-backward, _ = dist.new_subgroups_by_enumeration(pipelines)
+backward, _ = launch.new_subgroups_by_enumeration(pipelines)
 pipeline = {"forward": mesh["pp"].get_group(), "backward": backward}
-stage = mesh["dp", "cp"]._flatten().get_group()
+stage, _ = launch.new_subgroups_by_enumeration(mesh.mesh.permute(2, 0, 1).flatten(1).tolist())
 d, c, p = mesh.get_coordinate()
 return Layout(pp, cp, dp, (p, c, d), pipeline, mesh["cp"].get_group(), stage)
 ### END SOLUTION

@@ -171,14 +171,16 @@ return grad_b, grad_stream, grad_c, grad_f
 kernels, n_layers, head = ctx.kernels, len(ctx.layers), ctx.head
 saved = ctx.saved_tensors
 fs, kept = saved[1 : 1 + n_layers], saved[1 + n_layers :]
-coefficients = [kept[5 * i : 5 * i + 5] for i in range(n_layers)]
+coefficients = [
+    kept[KEPT_PER_LAYER * i : KEPT_PER_LAYER * (i + 1)] for i in range(n_layers)
+]
 states = [saved[0]]
 for i in range(n_layers):
     states.append(kernels.mix_out(states[-1], coefficients[i], fs[i]))
 head_grads = []
 if head is not None:
     grad_stream, *head_grads = kernels.collapse_backward(
-        grad_stream, states[-1], kept[5 * n_layers :], head_params(head)
+        grad_stream, states[-1], kept[KEPT_PER_LAYER * n_layers :], head_params(head)
     )
 grads = []
 for i in reversed(range(n_layers)):
@@ -204,14 +206,16 @@ return grad_stream, None, None, None, None, *grads, *head_grads
 kernels, n_layers, head = ctx.kernels, len(ctx.layers), ctx.head
 saved = ctx.saved_tensors
 fs, kept = saved[1 : 1 + n_layers], saved[1 + n_layers :]
-coefficients = [kept[5 * i : 5 * i + 5] for i in range(n_layers)]
+coefficients = [
+    kept[KEPT_PER_LAYER * i : KEPT_PER_LAYER * (i + 1)] for i in range(n_layers)
+]
 states = [saved[0]]
 for i in range(n_layers if head is not None else n_layers - 1):
     states.append(kernels.mix_out(states[-1], coefficients[i], fs[i]))
 head_grads = []
 if head is not None:
     grad_stream, *head_grads = kernels.collapse_backward(
-        grad_stream, states.pop(), kept[5 * n_layers :], head_params(head)
+        grad_stream, states.pop(), kept[KEPT_PER_LAYER * n_layers :], head_params(head)
     )
 grads = []
 for i in reversed(range(n_layers)):
@@ -240,14 +244,16 @@ return grad_stream, None, None, None, None, *grads, *head_grads
 kernels, n_layers, head = ctx.kernels, len(ctx.layers), ctx.head
 saved = ctx.saved_tensors
 fs, kept = saved[1 : 1 + n_layers], saved[1 + n_layers :]
-coefficients = [kept[5 * i : 5 * i + 5] for i in range(n_layers)]
+coefficients = [
+    kept[KEPT_PER_LAYER * i : KEPT_PER_LAYER * (i + 1)] for i in range(n_layers)
+]
 states = [saved[0]]
 for i in range(n_layers if head is not None else n_layers - 1):
     states.append(kernels.mix_out(states[-1], coefficients[i], fs[i]))
 head_grads = []
 if head is not None:
     grad_stream, *head_grads = kernels.collapse_backward(
-        grad_stream, states.pop(), kept[5 * n_layers :], head_params(head)
+        grad_stream, states.pop(), kept[KEPT_PER_LAYER * n_layers :], head_params(head)
     )
 grads = []
 for i in reversed(range(n_layers)):
