@@ -22,7 +22,8 @@ parameters; gradients (ends up as a `.grad`); optimizer_state (in `optimizer.sta
 temporaries (anything else made inside a phase); other (made outside any phase: input batches).
 The "reserved" line is a MODEL of PyTorch's CUDA caching allocator (memory/allocator_model.py);
 `limit_bytes` makes it raise `SimulatedOutOfMemoryError` as a GPU raises `torch.OutOfMemoryError`.
-Never time a recorded step (Python runs per op). Run: `python -m memory.memory_timeline --help`."""
+Never time a recorded step (Python runs per op). Run: `python -m memory.memory_timeline --help`;
+`python -m memory.plots FILE.png` runs the same demo and draws it."""
 
 import argparse
 import contextlib
@@ -542,11 +543,6 @@ def main(argv=None):
         choices=["cpu", "cuda"],
         help="where the model runs (default: cuda when a GPU is visible, else cpu)",
     )
-    add(
-        "--plot",
-        metavar="FILE.png",
-        help="also save the timeline plot to this PNG file (needs matplotlib)",
-    )
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error(f"--steps must be at least 2 to compare step 2 with step 1, got {args.steps}")
@@ -554,8 +550,6 @@ def main(argv=None):
         parser.error(f"--batch must be positive, got {args.batch}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA GPU is visible; pass --device cpu")
-    if args.plot is not None and not args.plot.endswith(".png"):
-        parser.error(f"--plot takes a .png file name, got {args.plot!r}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     why = "a GPU is visible" if device == "cuda" else "no GPU visible"
     why = f"--device {device}" if args.device else f"automatic: {why}"
@@ -589,11 +583,7 @@ def main(argv=None):
             f"  note: step 1 peaks in its {peak_phase} phase, not in backward, so the jump is not "
             "the whole state (activations are too small next to the weights: raise --batch)"
         )
-    if args.plot:
-        from memory.plots import save_png
-
-        save_png(tl, args.plot)
-        print(f"\nplot saved to {args.plot}")
+    return tl
 
 
 if __name__ == "__main__":

@@ -1,7 +1,13 @@
-"""Plots of memory timelines: stacked categories, phase bands, the reserved line and the limit."""
+"""Plots of memory timelines: stacked categories, phase bands, the reserved line and the limit.
+
+python -m memory.plots timeline.png [--steps 3 --batch 2048]  # memory_timeline's demo, drawn
+"""
+
+import sys
 
 import numpy as np
 
+from memory import memory_timeline
 from memory.memory_timeline import CATEGORIES, COLORS, PHASE_COLORS, MiB
 
 EVENTS_XLABEL = "allocation events (one per allocation or free, evenly spaced)"
@@ -184,10 +190,24 @@ def plot_timelines(
 
 
 def save_png(tl, path, dpi=120):
-    """Draws `tl` with plot_timeline into the PNG file `path`, without a display (for --plot)."""
+    """Draws `tl` with plot_timeline into the PNG file `path`, without a display."""
     import matplotlib
 
     matplotlib.use("Agg")
     ax = plot_timeline(tl)
     ax.figure.tight_layout()
     ax.figure.savefig(path, dpi=dpi)
+
+
+def main(argv=None):
+    """Runs memory_timeline's demo with the options after FILE.png, then saves its plot there."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or not argv[0].endswith(".png"):
+        sys.exit("usage: python -m memory.plots FILE.png [--steps N --batch N --device D]")
+    tl = memory_timeline.main(argv[1:])
+    save_png(tl, argv[0])
+    print(f"\nplot saved to {argv[0]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -465,13 +465,12 @@ def test_command_line_checks_arguments_first_and_runs_the_demo(capsys):
     with pytest.raises(SystemExit):
         memory_timeline.main(["--help"])
     help_text = capsys.readouterr().out
-    for option in ("--steps", "--batch", "--device", "--plot"):
+    for option in ("--steps", "--batch", "--device"):
         assert option in help_text
     for bad, message in (
         (["--steps", "1"], "--steps must be at least 2"),
         (["--batch", "0"], "--batch must be positive"),
         (["--device", "cuda"], "no CUDA GPU is visible"),  # the suite hides CUDA
-        (["--plot", "x.pdf"], "--plot takes a .png"),
     ):
         with pytest.raises(SystemExit):
             memory_timeline.main(bad)
