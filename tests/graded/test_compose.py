@@ -78,9 +78,9 @@ def test_layout_groups_follow_the_mesh(world):
 
 @pytest.mark.grade(points=3, solution="compose.layout_groups")
 def test_layout_groups_of_larger_meshes_rank_by_rank():
-    """The meshes of 4 and 8 ranks, where the order of the mesh's dimensions shows (2 x 2 x 2
-    sorts every rank differently under each order), every rank's view in turn on torch's fake
-    process group (groups are bookkeeping there: one process, nothing sent)."""
+    """The meshes of 4 and 8 ranks, where the order of the mesh's dimensions shows (at 2 ranks
+    only one dimension exceeds 1), every rank's view in turn on torch's fake process group
+    (groups are bookkeeping there: one process, nothing sent)."""
     for world, shapes in ((4, shapes_of(4)), (8, [(2, 2, 2), (2, 1, 4), (4, 2, 1)])):
         views = call("compose:layouts_on_a_fake_world", world, shapes, timeout=120)
         for rank in range(world):
