@@ -90,6 +90,12 @@ def test_total_under_torchrun():
 
 def test_not_graded():
     assert call("fake:helper") == 1
+
+
+@pytest.mark.grade(points=5, solution="fake.double")
+@pytest.mark.parametrize("x", [pytest.param(4, marks=pytest.mark.ungraded)])
+def test_beyond_the_container(x):
+    assert call("fake:double", x) == 8
 """
 
 FAKE_PROBES = """\
@@ -280,7 +286,7 @@ def test_grader_on_a_fake_repository(tmp_path):
     assert code == 0, out
     results = json.loads((tmp_path / "repo" / "build" / "results.json").read_text())
     assert results["score"] == results["max_score"] == 6, out
-    assert len(results["tests"]) == 3  # the ungraded test is not run
+    assert len(results["tests"]) == 3  # neither the test without a grade nor an ungraded case
     for t in results["tests"]:
         assert set(t) >= {"name", "score", "max_score", "output", "visibility"}
     assert "fake.py" in out and "6/6" in out

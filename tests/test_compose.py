@@ -20,7 +20,6 @@ import functools
 
 import pytest
 import torch
-import torch.distributed as dist
 from harness import RankFailure, RankTimeout, run_ranks
 
 import compose
@@ -70,51 +69,6 @@ def compare(layout, grad_sync="fp32", ns_dtype=torch.float32):
 
 def _ids(layouts):
     return [f"pp{p}_cp{c}_dp{d}" for p, c, d in layouts]
-
-
-def _groups_of_every_layout(rank, world):
-    def ranks(group):
-        return dist.get_process_group_ranks(group)
-
-    out = {}
-    for pp, cp, dp in (layout for layout in LAYOUTS if layout[0] * layout[1] * layout[2] == world):
-        g = compose.layout_groups(pp, cp, dp)
-        links = g.pipeline["forward"], g.pipeline["backward"]
-        out[pp, cp, dp] = dict(coords=tuple(g.coords), links=[ranks(x) for x in links],
-                               two=links[0] is not links[1], cp=ranks(g.cp_group),
-                               stage=ranks(g.stage_group))  # fmt: skip
-        dist.barrier()  # no rank leaves while a peer is still connecting that layout's groups
-    return out
-
-
-@pytest.mark.grade(points=3, solution="compose.layout_groups")
-@pytest.mark.parametrize("world", [2, 4])
-def test_layout_groups_follow_the_mesh(world):
-    """Every layout of the world: each rank's coordinates (dp innermost) and the ranks of its
-    pipeline links, CP group and stage group, against the rank arithmetic written out here."""
-    for rank, got in enumerate(run_ranks(_groups_of_every_layout, world, timeout=120)):
-        for (pp, cp, dp), g in got.items():
-            where = f"layout pp={pp} cp={cp} dp={dp}, rank {rank}"
-            p, c, d = rank // (cp * dp), rank // dp % cp, rank % dp
-            assert g["coords"] == (p, c, d), (
-                f"{where} sits at (p, c, d) = {g['coords']}; with dp innermost, global rank = "
-                f"(p * cp + c) * dp + d puts it at {(p, c, d)}"
-            )
-            stages = [(q * cp + c) * dp + d for q in range(pp)]
-            assert g["links"] == [stages, stages], f"{where}: its pipeline is ranks {stages}"
-            assert g["two"], (
-                f"{where}: the pipeline needs two process groups, one per direction (activations "
-                f"forward, gradients backward), so no issue order can deadlock under NCCL"
-            )
-            group = [(p * cp + k) * dp + d for k in range(cp)]
-            assert g["cp"] == group, (
-                f"{where}: its CP group is {group} (dp innermost), got {g['cp']}"
-            )
-            stage = [(p * cp + k) * dp + e for k in range(cp) for e in range(dp)]
-            assert g["stage"] == stage, (
-                f"{where}: MuonZeRO's group must hold every rank of the stage, cp x dp = {stage}, "
-                f"got {g['stage']}"
-            )
 
 
 @pytest.mark.parametrize("layout", DEFAULT, ids=_ids(DEFAULT))

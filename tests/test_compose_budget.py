@@ -27,7 +27,6 @@ ODD = dataclasses.replace(
     CFG, dim=32, n_hc=3, heads=2, head_dim=8, index_heads=2, index_dim=8, n_experts=3,
     expert_hidden=48, vocab=100, window=8, top_k=8,
 )  # fmt: skip
-LINK_NEEDS = ("cp_compress.halo_rows", "muon_zero.pack_dense", "muon_zero.split_experts")
 
 
 # ---- the model, built from the chapters' modules -------------------------------------------------
@@ -360,101 +359,3 @@ def test_bad_input_raises_a_clear_error():
         args = dict(world=4, device_bytes=2**30, intra_bw=1e10, inter_bw=1e9, ranks_per_node=4)
         with pytest.raises(ValueError, match=word):
             compose.budget_table(CFG, **{**args, **kwargs})
-
-
-# ---- graded: link_bytes, what each link carries per step -----------------------------------------
-
-
-def links_of(cfg, pp, cp, dp, p, c, d):
-    """link_bytes for one rank, called through the one narrow interface the assignment names."""
-    tensors = compose.stage_tensors(cfg, pp, p)
-    plan = compose.muon_plan(tensors, cp * dp)
-    return compose.link_bytes(cfg, compose.Rank(p, c, d, pp, cp, dp), plan, tensors)
-
-
-@pytest.mark.grade(points=2, solution="compose.link_bytes", needs=LINK_NEEDS)
-def test_graded_pp_send_counts_both_directions():
-    cfg = CFG
-    stream = torch.empty(cfg.batch // cfg.n_micro, cfg.seq_len, cfg.n_hc, cfg.dim).nbytes
-    for p in (1, 2):
-        got = links_of(cfg, 4, 1, 1, p, 0, 0)["pp_send"]
-        assert got == 2 * cfg.n_micro * stream, (
-            f"pp_send: an interior stage sends n_micro streams forward and n_micro gradients "
-            f"backward: got {got} bytes at stage {p} of 4, expected 2 x {cfg.n_micro} x {stream}"
-        )
-    stream = torch.empty(cfg.batch // cfg.n_micro, cfg.seq_len // 2, cfg.n_hc, cfg.dim).nbytes
-    for p in (0, 1):
-        got = links_of(cfg, 2, 2, 1, p, 1, 0)["pp_send"]
-        assert got == cfg.n_micro * stream, (
-            f"pp_send: an end stage sends n_micro streams [B/n_micro, T/cp, n_hc, C] in one "
-            f"direction: got {got} bytes, expected {cfg.n_micro} x {stream}"
-        )
-    assert links_of(cfg, 1, 1, 4, 0, 0, 0)["pp_send"] == 0, "pp_send: one stage sends nothing"
-
-
-@pytest.mark.grade(points=2, solution="compose.link_bytes", needs=LINK_NEEDS)
-@pytest.mark.parametrize("cfg", [CFG, ODD], ids=["default", "odd-sizes"])
-def test_graded_cp_halo_is_the_chapters_halo(cfg):
-    for cp in (2, 4):
-        s = cfg.seq_len // cp
-        for c in range(cp):
-            layers = cp_layers(cfg, 0, cfg.n_layers)
-            want = cfg.batch * sum(
-                cpc.stage_bytes(a, s, cp, c)["stage1_halo"] + cpc.stage_bytes(a, s, cp, c)[
-                    "window_halo"] + cpc.stage_bytes(a, s, cp, cp - 1 - c)["stage1_halo"]
-                + cpc.stage_bytes(a, s, cp, cp - 1 - c)["window_halo"] for a in layers
-            )  # fmt: skip
-            got = links_of(cfg, 1, cp, 1, 0, c, 0)["cp_halo"]
-            assert got == want, (
-                f"cp_halo: per attention layer and sequence the halo is cp_compress.halo_rows "
-                f"raw rows of kv and gate plus window - 1 K/V rows, sent forward by every CP "
-                f"rank but the last and back by every one but the first: got {got} bytes at "
-                f"CP rank {c} of {cp}, expected {want}"
-            )
-    assert links_of(cfg, 1, 1, 1, 0, 0, 0)["cp_halo"] == 0, "cp_halo: cp = 1 sends no halo"
-
-
-@pytest.mark.grade(points=2, solution="compose.link_bytes", needs=LINK_NEEDS)
-def test_graded_cp_gather_is_the_buffer_to_every_peer():
-    cfg = ODD
-    for cp in (2, 4):
-        s = cfg.seq_len // cp
-        want = cfg.batch * sum(
-            2 * cpc.stage_bytes(a, s, cp, 0)["stage2_allgather"]
-            for a in cp_layers(cfg, 0, cfg.n_layers)
-        )
-        got = links_of(cfg, 1, cp, 1, 0, 1, 0)["cp_gather"]
-        assert got == want, (
-            f"cp_gather: each rank sends its s/m + 1 entry buffer to the cp - 1 others (the "
-            f"all-gather) and as much in backward (its reduce-scatter): got {got} bytes at "
-            f"cp = {cp}, expected {want}"
-        )
-
-
-@pytest.mark.grade(points=2, solution="compose.link_bytes", needs=LINK_NEEDS)
-def test_graded_gradients_travel_in_bf16_parameters_in_fp32():
-    cfg, model = CFG, make_model(CFG)
-    for pp, cp, dp in ((1, 1, 4), (2, 2, 1), (1, 2, 2)):
-        G = cp * dp
-        groups = {g["role"]: g["params"] for g in optimizer_groups(held_modules(model, pp, 0))}
-        plan = mz.plan_muon(
-            [tuple(p.shape) for p in groups["dense"]],
-            [tuple(p.shape[1:]) for r in mz.EXPERT_ROLES for p in groups[r]
-             for _ in range(p.shape[0])], G,
-        )  # fmt: skip
-        moved = (G - 1) * (plan.dense_bucket_numel + plan.expert_chunk_numel)
-        adamw = sum(p.numel() for p in groups["adamw"])
-        sent = links_of(cfg, pp, cp, dp, 0, 0, 0)
-        want = 2 * moved + 2 * (G - 1) * adamw * 4 // G
-        assert sent["grad_reduce_scatter"] == want, (
-            f"grad_reduce_scatter: MuonZeRO sends each of the G - 1 peers its padded chunk in "
-            f"bf16 (grad_sync bf16_sr: 2 bytes) and all-reduces AdamW's fp32 gradients (a ring: "
-            f"2 (G-1)/G of their bytes): got {sent['grad_reduce_scatter']}, expected {want} at "
-            f"G = {G}"
-        )
-        assert sent["param_all_gather"] == 4 * moved, (
-            f"param_all_gather: every updated chunk goes to the G - 1 peers in fp32: got "
-            f"{sent['param_all_gather']}, expected {4 * moved} at G = {G}"
-        )
-    assert sum(links_of(cfg, 4, 1, 1, 1, 0, 0)[k] for k in ("grad_reduce_scatter",
-               "param_all_gather")) == 0, "a group of one rank sends no gradient"  # fmt: skip

@@ -1,0 +1,245 @@
+"""Graded tests of compose.py: layout_groups (the mesh's process groups) and link_bytes (what each
+link carries per step). The probes (tests/graded/probes/compose.py) run the student's code in a
+worker and hand back group ranks and byte counts; every expected value is worked out here: the
+mesh's groups by enumerating its coordinates, the bytes from the tensors' shapes.
+
+layout_groups runs on 2 real gloo ranks (4 in the ungraded tier) and, for the meshes of 4 and 8
+ranks whose dimensions' order shows, rank by rank on torch's fake process group in one process.
+link_bytes is arithmetic: no rank runs.
+"""
+
+import itertools
+import math
+
+import pytest
+from sandbox import call, on_ranks
+
+FP32, BF16 = 4, 2
+# link_bytes calls cp_compress.halo_rows wherever cp > 1
+LINK_NEEDS = ("cp_compress.halo_rows",)
+
+
+# ---- layout_groups ----------------------------------------------------------------------------
+
+
+def shapes_of(world):
+    """Every (pp, cp, dp) with pp * cp * dp = world."""
+    return [s for s in itertools.product(range(1, world + 1), repeat=3) if math.prod(s) == world]
+
+
+def expected_view(shape, rank):
+    """Rank `rank`'s coordinates and groups, from the mesh's coordinates listed dp innermost."""
+    at = list(itertools.product(*(range(n) for n in shape)))  # at[rank] = (p, c, d)
+    p, c, d = at[rank]
+    return {
+        "coords": (p, c, d),
+        "pipeline": [r for r, (_, c2, d2) in enumerate(at) if (c2, d2) == (c, d)],
+        "cp": [r for r, (p2, _, d2) in enumerate(at) if (p2, d2) == (p, d)],
+        "stage": [r for r, (p2, _, _) in enumerate(at) if p2 == p],
+    }
+
+
+def check_view(shape, rank, got):
+    pp, cp, dp = shape
+    want, where = expected_view(shape, rank), f"layout pp={pp} cp={cp} dp={dp}, rank {rank}"
+    assert got["coords"] == want["coords"], (
+        f"{where} sits at (p, c, d) = {got['coords']}; with dp innermost, global rank = "
+        f"(p * cp + c) * dp + d puts it at {want['coords']}"
+    )
+    for link in ("forward", "backward"):
+        assert got[link] == want["pipeline"], (
+            f"{where}: its pipeline is ranks {want['pipeline']} (the stages holding its (c, d)), "
+            f"got {got[link]} for the {link} link"
+        )
+    assert not got["one_group"], (
+        f"{where}: the pipeline needs two process groups, one per direction (activations "
+        "forward, gradients backward), so no issue order can deadlock under NCCL"
+    )
+    assert got["cp"] == want["cp"], (
+        f"{where}: its CP group is {want['cp']} (dp innermost), got {got['cp']}"
+    )
+    assert got["stage"] == want["stage"], (
+        f"{where}: MuonZeRO's group must hold every rank of the stage, cp x dp = "
+        f"{want['stage']}, got {got['stage']}"
+    )
+
+
+@pytest.mark.grade(points=3, solution="compose.layout_groups")
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.ungraded)])
+def test_layout_groups_follow_the_mesh(world):
+    """Every layout of the world on real gloo ranks: each rank's coordinates and the ranks of its
+    pipeline links, CP group and stage group. At 2 ranks every layout has groups of one rank
+    beside groups of the world (pp=2: CP and stage groups of one rank; cp=2: one-rank pipelines)."""
+    shapes = shapes_of(world)
+    for rank, views in enumerate(on_ranks("compose:layouts", world, shapes, timeout=120)):
+        for shape, got in zip(shapes, views, strict=True):
+            check_view(shape, rank, got)
+
+
+@pytest.mark.grade(points=3, solution="compose.layout_groups")
+def test_layout_groups_of_larger_meshes_rank_by_rank():
+    """The meshes of 4 and 8 ranks, where the order of the mesh's dimensions shows (at 2 ranks
+    only one dimension exceeds 1), every rank's view in turn on torch's fake process group
+    (groups are bookkeeping there: one process, nothing sent)."""
+    for world, shapes in ((4, shapes_of(4)), (8, [(2, 2, 2), (2, 1, 4), (4, 2, 1)])):
+        views = call("compose:layouts_on_a_fake_world", world, shapes, timeout=120)
+        for rank in range(world):
+            for shape, got in zip(shapes, views[rank], strict=True):
+                check_view(shape, rank, got)
+
+
+# ---- link_bytes -------------------------------------------------------------------------------
+
+CFG = dict(dim=64, n_layers=12, seq_len=256, batch=4, n_micro=4, n_hc=4, heads=4, head_dim=16,
+           csa_ratio=4, hca_ratio=16, window=16, index_dim=16)  # fmt: skip
+ODD = CFG | dict(dim=32, n_hc=3, heads=2, head_dim=8, index_dim=8, window=8, seq_len=192,
+                 batch=6, n_micro=3)  # fmt: skip
+# MuonZeRO's plan as link_bytes reads it (compose.PlanSizes), for a group of G ranks
+PLAN = dict(dense_bucket_numel=12_345, expert_chunk_numel=6_789)
+TENSORS = [("sublayers.0.norm.weight", (64,), "adamw", True),
+           ("hcs.0.bias_res", (4, 4), "adamw", True),
+           ("sublayers.0.core.attention.norm_index", (16,), "adamw", False),
+           ("sublayers.0.wo", (64, 64), "dense", True),
+           ("sublayers.1.w_up", (4, 128, 64), "expert_up", True)]  # fmt: skip
+ADAMW_TRAINED = 64 + 16  # the trained AdamW tensors' elements
+
+
+def query(cfg, layout, p, c, grad_sync="bf16_sr"):
+    """One link_bytes call at rank (p, c, 0) of layout (pp, cp, dp)."""
+    pp, cp, dp = layout
+    plan = dict(PLAN, zero_width=cp * dp)
+    return cfg, (p, c, 0, pp, cp, dp), plan, TENSORS, grad_sync
+
+
+def link_bytes(*queries):
+    return call("compose:link_bytes", list(queries), timeout=60)
+
+
+def stage_kinds(cfg, pp, p):
+    """The sublayer kinds stage p of pp holds: an equal contiguous share of the layers, CSA at
+    i % 4 == 0, HCA at i % 4 == 2, MoE at odd i (compose.sublayer_kind)."""
+    share = cfg["n_layers"] // pp
+    return ["moe" if i % 2 else "csa" if i % 4 == 0 else "hca"
+            for i in range(p * share, (p + 1) * share)]  # fmt: skip
+
+
+def needed_raw_rows(m, overlap):
+    """Raw rows before a CP rank's first token that the entries ending on that rank pool, over
+    every block alignment (packed documents start anywhere): a block of m rows ending at or after
+    the first token, and under overlap the block before it too."""
+    rows = 0
+    for start in range(-2 * m, 1):  # a block's first row, the rank's first token at 0
+        if start + m - 1 >= 0:  # it ends on this rank
+            rows = max(rows, -(start - m if overlap else start))
+    return rows
+
+
+def channels(cfg, kind):
+    """(sets, channels) of the compressor's kv and gate logits: CSA pools two overlapping sets of
+    head_dim + index_dim channels, HCA one set of head_dim."""
+    if kind == "csa":
+        return 2, cfg["head_dim"] + cfg["index_dim"]
+    return 1, cfg["head_dim"]
+
+
+def halo_per_direction(cfg, kind):
+    """One attention layer's halo for one sequence: raw kv and gate rows [rows, 2, sets, ch] and
+    the window's window - 1 raw K/V rows [head_dim], fp32."""
+    m = cfg["csa_ratio"] if kind == "csa" else cfg["hca_ratio"]
+    sets, ch = channels(cfg, kind)
+    compressor = needed_raw_rows(m, kind == "csa") * 2 * sets * ch
+    return FP32 * (compressor + (cfg["window"] - 1) * cfg["head_dim"])
+
+
+@pytest.mark.grade(points=2, solution="compose.link_bytes", needs=LINK_NEEDS)
+def test_graded_pp_send_counts_both_directions():
+    cfg = CFG
+    micro = cfg["batch"] // cfg["n_micro"]
+    cases = [((4, 1, 1), p, 0) for p in range(4)] + [((2, 2, 1), p, 1) for p in (0, 1)]
+    cases.append(((1, 1, 4), 0, 0))
+    got = link_bytes(*(query(cfg, layout, p, c) for layout, p, c in cases))
+    for (layout, p, c), sent in zip(cases, got, strict=True):
+        pp, cp, _ = layout
+        stream = FP32 * micro * (cfg["seq_len"] // cp) * cfg["n_hc"] * cfg["dim"]
+        neighbours = (p > 0) + (p < pp - 1)
+        want = neighbours * cfg["n_micro"] * stream
+        if pp == 1:
+            assert sent["pp_send"] == 0, f"pp_send: one stage sends nothing, got {sent['pp_send']}"
+        elif neighbours == 2:
+            assert sent["pp_send"] == want, (
+                f"pp_send: an interior stage sends n_micro streams forward and n_micro gradients "
+                f"backward: got {sent['pp_send']} bytes at stage {p} of {pp}, expected 2 x "
+                f"{cfg['n_micro']} x {stream}"
+            )
+        else:
+            assert sent["pp_send"] == want, (
+                f"pp_send: an end stage sends n_micro streams [B/n_micro, T/cp, n_hc, C] in one "
+                f"direction: got {sent['pp_send']} bytes at stage {p} of {pp} (cp = {cp}), "
+                f"expected {cfg['n_micro']} x {stream}"
+            )
+
+
+@pytest.mark.grade(points=2, solution="compose.link_bytes", needs=LINK_NEEDS)
+@pytest.mark.parametrize("cfg", [CFG, ODD], ids=["default", "odd-sizes"])
+def test_graded_cp_halo_is_the_chapters_halo(cfg):
+    cases = [((1, cp, 1), 0, c) for cp in (2, 4) for c in range(cp)]
+    cases += [((2, 2, 1), 1, c) for c in (0, 1)] + [((1, 1, 1), 0, 0)]
+    got = link_bytes(*(query(cfg, layout, p, c) for layout, p, c in cases))
+    for (layout, p, c), sent in zip(cases, got, strict=True):
+        pp, cp, _ = layout
+        if cp == 1:
+            assert sent["cp_halo"] == 0, f"cp_halo: cp = 1 sends no halo, got {sent['cp_halo']}"
+            continue
+        directions = (c < cp - 1) + (c > 0)  # forward to c + 1, its gradient back to c - 1
+        layers = [k for k in stage_kinds(cfg, pp, p) if k != "moe"]
+        per_sequence = sum(halo_per_direction(cfg, k) for k in layers)
+        want = cfg["batch"] * directions * per_sequence
+        assert sent["cp_halo"] == want, (
+            f"cp_halo: per attention layer and sequence the halo is cp_compress.halo_rows raw "
+            f"rows of kv and gate plus window - 1 K/V rows, sent forward by every CP rank but the "
+            f"last and back by every one but the first: got {sent['cp_halo']} bytes at CP rank "
+            f"{c} of {cp}, stage {p} of {pp}, expected {want}"
+        )
+
+
+@pytest.mark.grade(points=2, solution="compose.link_bytes", needs=LINK_NEEDS)
+def test_graded_cp_gather_is_the_buffer_to_every_peer():
+    cfg = ODD
+    cases = [((1, cp, 1), 0, c) for cp in (2, 4) for c in (0, cp - 1)] + [((1, 1, 1), 0, 0)]
+    got = link_bytes(*(query(cfg, layout, p, c) for layout, p, c in cases))
+    for (layout, p, c), sent in zip(cases, got, strict=True):
+        pp, cp, _ = layout
+        buffers = 0  # one sequence's stage-2 buffers, s/m + 1 entries of every attention layer
+        for kind in (k for k in stage_kinds(cfg, pp, p) if k != "moe"):
+            m = cfg["csa_ratio"] if kind == "csa" else cfg["hca_ratio"]
+            ch = cfg["head_dim"] + (cfg["index_dim"] if kind == "csa" else 0)
+            buffers += (cfg["seq_len"] // cp // m + 1) * ch * FP32
+        want = cfg["batch"] * 2 * (cp - 1) * buffers  # the all-gather, then its reduce-scatter
+        assert sent["cp_gather"] == want, (
+            f"cp_gather: each rank sends its s/m + 1 entry buffer to the cp - 1 others (the "
+            f"all-gather) and as much in backward (its reduce-scatter): got {sent['cp_gather']} "
+            f"bytes at CP rank {c} of {cp}, expected {want}"
+        )
+
+
+@pytest.mark.grade(points=2, solution="compose.link_bytes", needs=LINK_NEEDS)
+def test_graded_gradients_travel_in_bf16_parameters_in_fp32():
+    cases = [((1, 1, 4), "bf16_sr"), ((2, 2, 1), "bf16_sr"), ((1, 2, 2), "bf16_sr"),
+             ((1, 2, 2), "fp32"), ((4, 1, 1), "bf16_sr")]  # fmt: skip
+    got = link_bytes(*(query(CFG, layout, 0, 0, sync) for layout, sync in cases))
+    for (layout, sync), sent in zip(cases, got, strict=True):
+        G = layout[1] * layout[2]
+        chunk = PLAN["dense_bucket_numel"] + PLAN["expert_chunk_numel"]  # one peer's share
+        item = BF16 if sync == "bf16_sr" else FP32
+        ring = 2 * (G - 1) * ADAMW_TRAINED * FP32 // G  # a ring all-reduce sends 2 (G-1)/G
+        want = (G - 1) * chunk * item + ring
+        assert sent["grad_reduce_scatter"] == want, (
+            f"grad_reduce_scatter: MuonZeRO sends each of the G - 1 peers its padded chunk in "
+            f"bf16 under grad_sync bf16_sr (2 bytes; fp32 under fp32) and all-reduces AdamW's "
+            f"trained fp32 gradients (a ring: 2 (G-1)/G of their bytes): got "
+            f"{sent['grad_reduce_scatter']}, expected {want} at G = {G}, grad_sync {sync}"
+        )
+        assert sent["param_all_gather"] == (G - 1) * chunk * FP32, (
+            f"param_all_gather: every updated chunk goes to the G - 1 peers in fp32: got "
+            f"{sent['param_all_gather']}, expected {(G - 1) * chunk * FP32} at G = {G}"
+        )
