@@ -82,6 +82,8 @@ class Training:
     grad_sync: str = "fp32"  # V4: "bf16_sr"
     ns_dtype: torch.dtype = torch.float32  # V4: bf16
     seed: int = 0
+    dtype: torch.dtype = torch.float32  # the parameters'; float64 (grad_sync "exact"): the proof
+    allow_nonfinite: bool = False  # else a non-finite loss or gradient stops the run (Refused)
 
 
 # ---- 1. The model: F alternates compressed attention and a routed MoE, each inside mHC -------
@@ -289,8 +291,9 @@ def plan_forgetting(model, layout, cfg):
     """tensor_ckpt's FX plan for each F of this stage, traced once on a micro-batch's shape (the
     trace runs F once: every CP rank of the stage does it together)."""
     _, (first, stop) = stage_parameters(model, layout)
+    w = model.embed.weight
     example = torch.randn(cfg.batch // cfg.n_micro, cfg.seq_len // layout.cp, cfg.dim,
-                          device=model.embed.weight.device)  # fmt: skip
+                          device=w.device, dtype=w.dtype)  # fmt: skip
     for i in range(first, stop):
         model.forgetting[i] = tensor_ckpt.checkpoint_tensors(
             model.sublayers[i], (example,), leaf_modules=(Compressed,)
@@ -309,21 +312,79 @@ def local_batch(tokens, cfg, layout):
     return idx.contiguous(), targets.contiguous()
 
 
-def train_step(model, opt, tokens, cfg, layout, phase=lambda name: contextlib.nullcontext()):
+class Refused(ValueError):
+    """A run every rank stops with the same one line (a batch that differs where it must agree, a
+    loss or gradient that is not finite): each rank decides it from the same gathered numbers."""
+
+
+def replica_digest(tokens, cfg, layout):
+    """48 bits of sha256 over this replica's rows [batch, T + 1]: the same on every stage and CP
+    shard of a replica (exact in a float64)."""
+    d = layout.coords[2]
+    rows = tokens[d * cfg.batch : (d + 1) * cfg.batch].contiguous()
+    return float(int(launch.weights_digest([("rows", rows)])[:12], 16))
+
+
+def first_nonfinite(model, device):
+    """The position in model.named_parameters() of the first parameter this rank holds whose
+    gradient is not finite, else inf: one tensor, no host copy."""
+    flags = [(i, p.grad) for i, (_, p) in enumerate(model.named_parameters()) if p.grad is not None]
+    if not flags:
+        return torch.tensor(math.inf, device=device, dtype=torch.float64)
+    finite = torch.stack([g.isfinite().all() for _, g in flags])
+    where = torch.tensor([i for i, _ in flags], device=device, dtype=torch.float64)
+    return torch.where(finite, math.inf, where).min()
+
+
+def check_step(step, gathered, cfg, layout, model, allow_nonfinite):
+    """Every rank's (replica digest, loss, first non-finite gradient), gathered: the same verdict
+    on every rank. -> the loss summed over the ranks, or Refused."""
+    digest, loss, bad = gathered.T.tolist()
+    for d in range(layout.dp):  # rank (p * cp + c) * dp + d: stages and CP shards of replica d
+        ranks = list(range(d, len(digest), layout.dp))
+        values = {digest[r] for r in ranks}
+        if len(values) > 1:
+            held = ", ".join(f"rank {r} {int(digest[r]):012x}" for r in ranks)
+            raise Refused(
+                f"compose: step {step}: the stages and CP shards of replica d={d} hold different "
+                f"batches ({held}); every rank of a replica must draw the same rows"
+            )
+    total = sum(loss)
+    if allow_nonfinite:
+        return total
+    if not math.isfinite(total):
+        raise Refused(f"compose: step {step}: the loss is {total} (not finite); "
+                      f"--allow-nonfinite keeps going")  # fmt: skip
+    if math.isfinite(first := min(bad)):
+        name = next(n for i, (n, _) in enumerate(model.named_parameters()) if i == first)
+        rank = bad.index(first)
+        raise Refused(f"compose: step {step}: the gradient of {name} is not finite (rank {rank}); "
+                      f"--allow-nonfinite keeps going")  # fmt: skip
+    return total
+
+
+def train_step(model, opt, tokens, cfg, layout, phase=lambda name: contextlib.nullcontext(),
+               step=1, allow_nonfinite=False):  # fmt: skip
     """1F1B over the stages (CP inside every attention F), then MuonZeRO over the stage group.
     Every rank's loss is its tokens' mean; the optimizer averages over the C x D ranks of equal
-    token counts: the mean over the whole batch, as one process. -> (that mean, PipelineStats)."""
+    token counts: the mean over the whole batch, as one process. Before the update, one all-gather
+    of three numbers per rank checks that every rank of a replica trained on the same rows and
+    that the loss and gradients are finite (Refused). -> (that mean, PipelineStats)."""
     device = model.embed.weight.device
     idx, targets = (t.to(device) for t in local_batch(tokens, cfg, layout))
     with phase("forward"):  # 1F1B interleaves forwards and backwards: one phase
         loss, stats = mhc.pipeline_step(model, idx, targets, cfg.n_micro, "optimised",
                                         groups=layout.pipeline)  # fmt: skip
+    mine = loss.detach() if loss is not None else torch.zeros((), device=device)
+    digest = torch.tensor(replica_digest(tokens, cfg, layout), device=device, dtype=torch.float64)
+    numbers = torch.stack([digest, mine.double(), first_nonfinite(model, device)])
+    gathered = [torch.empty_like(numbers) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, numbers)  # only the last stage's C x D ranks add a loss
+    total = check_step(step, torch.stack(gathered).cpu(), cfg, layout, model, allow_nonfinite)
     with phase("optimizer"):
         opt.step()
         opt.zero_grad(set_to_none=True)
-    mine = loss.detach() if loss is not None else torch.zeros((), device=device)
-    dist.all_reduce(mine)  # only the last stage's C x D ranks add a loss
-    return mine.item() / (layout.cp * layout.dp), stats
+    return total / (layout.cp * layout.dp), stats
 
 
 # ---- 4. The reference: one process, none of the four techniques --------------------------------
@@ -382,7 +443,7 @@ def newton_schulz_in(dtype):
 def reference_training(cfg, dp, train, device="cpu"):
     """K steps on one process of the whole batch (dp replicas' rows): plain mHC layers, attention
     over the whole sequence, the MoE as written, nothing forgotten. -> (losses, parameters)."""
-    model = make_model(cfg, 1, train.seed).to(device)
+    model = make_model(cfg, 1, train.seed).to(device, train.dtype)
     model.attend(documents(cfg).to(device))
     opts, experts = reference_optimizers(model, train)
     losses = []
@@ -407,16 +468,19 @@ def run_layout(cfg, train, pp, cp, dp, device=torch.device("cpu"), on_step=None)
     (step, layout, run) wraps each step (run(phase) trains it). -> (global losses, this stage's
     parameters {name: tensor}, layout, model, optimizer)."""
     layout = layout_groups(pp, cp, dp, device.type)
-    model = make_model(cfg, cp, train.seed).to(device)
+    model = make_model(cfg, cp, train.seed).to(device, train.dtype)
     model.attend(documents(cfg).to(device), layout.cp_group)
     plan_forgetting(model, layout, cfg)
     opt = build_optimizer(model, layout, train)
     losses = []
     for step in range(train.steps):
         tokens = batch_tokens(cfg, cfg.batch * dp, step, train.seed)
-        run = functools.partial(train_step, model, opt, tokens, cfg, layout)
+        run = functools.partial(train_step, model, opt, tokens, cfg, layout, step=step + 1,
+                                allow_nonfinite=train.allow_nonfinite)  # fmt: skip
         try:
             loss, _ = on_step(step, layout, model, opt, run) if on_step else run()
+        except Refused:  # every rank decided it from the same numbers: none is left waiting
+            raise
         except Exception as err:
             launch.stop_together(err, f"compose: step {step + 1}")
         losses.append(loss)
@@ -1054,6 +1118,11 @@ def parse_args(argv=None):
     add("--seq-len", type=count, default=None, help="tokens per sequence T (256; 192 at cp=3)")
     add("--v4", action="store_true", help="V4's numerics: bf16 stochastic-rounding gradient sync "
         "and bf16 Newton-Schulz (default: fp32, the exact proof)")  # fmt: skip
+    add("--float64", action="store_true", help="float64 parameters, exact gradient sync and "
+        "float64 Newton-Schulz: --check then agrees to rounding (~1e-12), not fp32's amplified "
+        "noise")  # fmt: skip
+    add("--allow-nonfinite", action="store_true", help="keep training when a loss or gradient "
+        "is not finite (default: every rank stops, naming the step and where)")  # fmt: skip
     add("--check", action="store_true", help="also train the one-process reference on rank 0 and "
         "print the largest difference")  # fmt: skip
     add("--json", metavar="PATH", help="write every rank's record here (rank 0)")
@@ -1068,24 +1137,50 @@ def parse_args(argv=None):
     args.intra_bw, args.inter_bw = args.intra_bw * 1e9, args.inter_bw * 1e9  # bytes per second
     args.seq_len = args.seq_len or (192 if args.cp == 3 else 256)  # whole blocks per rank
     args.cfg = ComposeConfig(n_layers=args.layers, seq_len=args.seq_len)
+    if args.v4 and args.float64:
+        parser.error("--v4 (bf16 numerics) and --float64 exclude each other")
     try:
         check_layout(args.cfg, args.pp, args.cp, args.dp, world)
     except ValueError as err:
         parser.error(str(err))
+    check_outputs(parser, args, world)
     return args
+
+
+def check_outputs(parser, args, world):
+    """What would fail late, as one-line usage errors before any work: a --json folder that is
+    missing or not writable, and a layout whose predicted peak (budget_table's) cannot fit."""
+    if args.json:
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            parser.error(f"--json {args.json}: the folder {folder} is missing or not writable")
+    grad_sync = "bf16_sr" if args.v4 else "fp32"
+    budget = layout_budget(args.cfg, args.pp, args.cp, args.dp, args.device_bytes, args.intra_bw,
+                           args.inter_bw, world, grad_sync)  # fmt: skip
+    scale = 2 if args.float64 else 1  # every tensor the budget counts doubles in float64
+    where = f"compose at {args.pp}x{args.cp}x{args.dp}, T={args.cfg.seq_len}"
+    launch.check_fits(parser, args, scale * budget.peak_bytes, where)
+
+
+def training(args):
+    """The Training the options ask for: V4's bf16 numerics, fp32 (default) or float64."""
+    sync, ns = ("bf16_sr", torch.bfloat16) if args.v4 else ("fp32", torch.float32)
+    sync = "exact" if args.float64 else sync  # "fp32" is MuonZeRO's old name of "exact"
+    dtype = torch.float64 if args.float64 else torch.float32
+    return Training(args.steps, grad_sync=sync, ns_dtype=torch.float64 if args.float64 else ns,
+                    seed=args.seed, dtype=dtype, allow_nonfinite=args.allow_nonfinite)  # fmt: skip
 
 
 def demo(args, rank, world, device):
     cfg = args.cfg
-    train = Training(args.steps, grad_sync="bf16_sr" if args.v4 else "fp32", seed=args.seed,
-                     ns_dtype=torch.bfloat16 if args.v4 else torch.float32)  # fmt: skip
+    train = training(args)
     launch.say(f"layout pp={args.pp} x cp={args.cp} x dp={args.dp}: {cfg.n_layers} layers "
                f"(CSA, MoE, HCA, MoE, ...), C={cfg.dim}, n_hc={cfg.n_hc}, T={cfg.seq_len} "
                f"({cfg.seq_len // args.cp} per CP rank), {cfg.batch} sequences per replica in "
                f"{cfg.n_micro} micro-batches; gradient sync {train.grad_sync}")  # fmt: skip
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     rows = budget_table(cfg, world, args.device_bytes, args.intra_bw, args.inter_bw,
-                        ranks_per_node, train.grad_sync)  # fmt: skip
+                        ranks_per_node, "bf16_sr" if args.v4 else "fp32")  # fmt: skip
     launch.say(format_budget(rows))
     recorder = StepRecorder(min(args.record, args.steps), device)
     losses, params, layout, *_ = run_layout(cfg, train, args.pp, args.cp, args.dp, device,
@@ -1121,10 +1216,14 @@ def demo(args, rank, world, device):
             ref_losses, ref = reference_training(cfg, args.dp, train)
             got = {n: t for g in gathered for n, t in g.items()}
             diff = max((got[n] - ref[n]).abs().max().item() for n in got)
-            loss = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+            start = dict(make_model(cfg, 1, train.seed).to(dtype=train.dtype).named_parameters())
+            change = sum(((got[n] - ref[n]) ** 2).sum() for n in got) ** 0.5 / sum(
+                ((ref[n] - start[n].detach()) ** 2).sum() for n in got) ** 0.5  # fmt: skip
+            loss = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses[-len(losses) :]))
             print(
                 f"\nagainst the one-process reference: losses within {loss:.1e} (relative), "
-                f"parameters within {diff:.1e} (largest absolute difference)",
+                f"parameters within {diff:.1e} (largest absolute difference), their change "
+                f"within {change:.1e} of its norm",
                 flush=True,
             )
     if rank == 0 and args.json:
@@ -1140,4 +1239,7 @@ def demo(args, rank, world, device):
 
 
 if __name__ == "__main__":
-    launch.run(demo, parse_args())
+    try:
+        launch.run(demo, parse_args())
+    except (Refused, launch.Stopped) as err:  # the same line on every rank, no traceback
+        raise SystemExit(str(err)) from None
