@@ -22,6 +22,8 @@ link; the demo prints it beside what it measures.
     python compose.py                                                  # one process
     torchrun --nproc_per_node=4 compose.py --pp 2 --cp 2 --dp 1        # any P*C*D = world
     torchrun --nproc_per_node=4 compose.py --steps 3 --json out.json   # per-rank records
+    torchrun --nproc_per_node=2 compose.py --pp 2 --steps 2 --save ckpt  # a checkpoint ...
+    python compose.py --steps 4 --resume ckpt --check                  # ... resumed anywhere
     python compose.py --help
 """
 
@@ -1248,7 +1250,7 @@ def parse_args(argv=None):
     add("--layers", type=count, default=12, help="sublayers L; pp must divide it (12)")
     add("--seq-len", type=count, default=None, help="tokens per sequence T (256; 192 at cp=3)")
     add("--v4", action="store_true", help="V4's numerics: bf16 stochastic-rounding gradient sync "
-        "and bf16 Newton-Schulz (default: fp32, the exact proof)")  # fmt: skip
+        "and bf16 Newton-Schulz (default: fp32)")  # fmt: skip
     add("--float64", action="store_true", help="float64 parameters, exact gradient sync and "
         "float64 Newton-Schulz: --check then agrees to rounding (~1e-12), not fp32's amplified "
         "noise")  # fmt: skip
