@@ -1045,16 +1045,18 @@ def resume_config(saved, cfg, train, pp, cp, dp):
     return replace(cfg, batch=batch, n_micro=micro[0]), step
 
 
-def checkpoint_state(model, layout, opt):
-    """What dcp.save writes from this rank and dcp.load fills: this stage's parameters under the
-    model's names, MuonZeRO's state (a collective: on a fresh optimizer torch takes one empty
+def checkpoint_state(model, layout, opt, whole=False):
+    """What dcp.save writes from this rank and dcp.load fills: this stage's parameters (whole:
+    every parameter, as every rank builds the whole model and the pipeline compares it) under
+    the model's names, MuonZeRO's state (a collective: on a fresh optimizer torch takes one empty
     step), torch's generator."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     held, _ = stage_parameters(model, layout)
     names = {id(p): n for n, p in model.named_parameters()}
+    params = model.parameters() if whole else held.parameters()
     return {
-        "model": {names[id(p)]: p.detach() for p in held.parameters()},
+        "model": {names[id(p)]: p.detach() for p in params},
         "optim": get_optimizer_state_dict(model, opt, options=checkpoint_options()),
         "rng": torch.get_rng_state(),
     }
@@ -1093,7 +1095,7 @@ def load_checkpoint(path, model, opt, layout):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    state = checkpoint_state(model, layout, opt)
+    state = checkpoint_state(model, layout, opt, whole=True)
     dcp.load(state, checkpoint_id=path)  # the parameters in place; the optimizer's template
     set_optimizer_state_dict(model, opt, state["optim"], options=checkpoint_options())
     torch.set_rng_state(state["rng"])
