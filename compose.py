@@ -22,6 +22,8 @@ link; the demo prints it beside what it measures.
     python compose.py                                                  # one process
     torchrun --nproc_per_node=4 compose.py --pp 2 --cp 2 --dp 1        # any P*C*D = world
     torchrun --nproc_per_node=4 compose.py --steps 3 --json out.json   # per-rank records
+    torchrun --nproc_per_node=2 compose.py --pp 2 --steps 2 --save ckpt  # a checkpoint ...
+    python compose.py --steps 4 --resume ckpt --check                  # ... resumed anywhere
     python compose.py --help
 """
 
@@ -82,6 +84,8 @@ class Training:
     grad_sync: str = "fp32"  # V4: "bf16_sr"
     ns_dtype: torch.dtype = torch.float32  # V4: bf16
     seed: int = 0
+    dtype: torch.dtype = torch.float32  # the parameters'; float64 (grad_sync "exact"): the proof
+    allow_nonfinite: bool = False  # else a non-finite loss or gradient stops the run (Refused)
 
 
 # ---- 1. The model: F alternates compressed attention and a routed MoE, each inside mHC -------
@@ -289,8 +293,9 @@ def plan_forgetting(model, layout, cfg):
     """tensor_ckpt's FX plan for each F of this stage, traced once on a micro-batch's shape (the
     trace runs F once: every CP rank of the stage does it together)."""
     _, (first, stop) = stage_parameters(model, layout)
+    w = model.embed.weight
     example = torch.randn(cfg.batch // cfg.n_micro, cfg.seq_len // layout.cp, cfg.dim,
-                          device=model.embed.weight.device)  # fmt: skip
+                          device=w.device, dtype=w.dtype)  # fmt: skip
     for i in range(first, stop):
         model.forgetting[i] = tensor_ckpt.checkpoint_tensors(
             model.sublayers[i], (example,), leaf_modules=(Compressed,)
@@ -309,21 +314,79 @@ def local_batch(tokens, cfg, layout):
     return idx.contiguous(), targets.contiguous()
 
 
-def train_step(model, opt, tokens, cfg, layout, phase=lambda name: contextlib.nullcontext()):
+class Refused(ValueError):
+    """A run every rank stops with the same one line (a batch that differs where it must agree, a
+    loss or gradient that is not finite): each rank decides it from the same gathered numbers."""
+
+
+def replica_digest(tokens, cfg, layout):
+    """48 bits of sha256 over this replica's rows [batch, T + 1]: the same on every stage and CP
+    shard of a replica (exact in a float64)."""
+    d = layout.coords[2]
+    rows = tokens[d * cfg.batch : (d + 1) * cfg.batch].contiguous()
+    return float(int(launch.weights_digest([("rows", rows)])[:12], 16))
+
+
+def first_nonfinite(model, device):
+    """The position in model.named_parameters() of the first parameter this rank holds whose
+    gradient is not finite, else inf: one tensor, no host copy."""
+    flags = [(i, p.grad) for i, (_, p) in enumerate(model.named_parameters()) if p.grad is not None]
+    if not flags:
+        return torch.tensor(math.inf, device=device, dtype=torch.float64)
+    finite = torch.stack([g.isfinite().all() for _, g in flags])
+    where = torch.tensor([i for i, _ in flags], device=device, dtype=torch.float64)
+    return torch.where(finite, math.inf, where).min()
+
+
+def check_step(step, gathered, cfg, layout, model, allow_nonfinite):
+    """Every rank's (replica digest, loss, first non-finite gradient), gathered: the same verdict
+    on every rank. -> the loss summed over the ranks, or Refused."""
+    digest, loss, bad = gathered.T.tolist()
+    for d in range(layout.dp):  # rank (p * cp + c) * dp + d: stages and CP shards of replica d
+        ranks = list(range(d, len(digest), layout.dp))
+        values = {digest[r] for r in ranks}
+        if len(values) > 1:
+            held = ", ".join(f"rank {r} {int(digest[r]):012x}" for r in ranks)
+            raise Refused(
+                f"compose: step {step}: the stages and CP shards of replica d={d} hold different "
+                f"batches ({held}); every rank of a replica must draw the same rows"
+            )
+    total = sum(loss)
+    if allow_nonfinite:
+        return total
+    if not math.isfinite(total):
+        raise Refused(f"compose: step {step}: the loss is {total} (not finite); "
+                      f"--allow-nonfinite keeps going")  # fmt: skip
+    if math.isfinite(first := min(bad)):
+        name = next(n for i, (n, _) in enumerate(model.named_parameters()) if i == first)
+        rank = bad.index(first)
+        raise Refused(f"compose: step {step}: the gradient of {name} is not finite (rank {rank}); "
+                      f"--allow-nonfinite keeps going")  # fmt: skip
+    return total
+
+
+def train_step(model, opt, tokens, cfg, layout, phase=lambda name: contextlib.nullcontext(),
+               step=1, allow_nonfinite=False):  # fmt: skip
     """1F1B over the stages (CP inside every attention F), then MuonZeRO over the stage group.
     Every rank's loss is its tokens' mean; the optimizer averages over the C x D ranks of equal
-    token counts: the mean over the whole batch, as one process. -> (that mean, PipelineStats)."""
+    token counts: the mean over the whole batch, as one process. Before the update, one all-gather
+    of three numbers per rank checks that every rank of a replica trained on the same rows and
+    that the loss and gradients are finite (Refused). -> (that mean, PipelineStats)."""
     device = model.embed.weight.device
     idx, targets = (t.to(device) for t in local_batch(tokens, cfg, layout))
     with phase("forward"):  # 1F1B interleaves forwards and backwards: one phase
         loss, stats = mhc.pipeline_step(model, idx, targets, cfg.n_micro, "optimised",
                                         groups=layout.pipeline)  # fmt: skip
+    mine = loss.detach() if loss is not None else torch.zeros((), device=device)
+    digest = torch.tensor(replica_digest(tokens, cfg, layout), device=device, dtype=torch.float64)
+    numbers = torch.stack([digest, mine.double(), first_nonfinite(model, device)])
+    gathered = [torch.empty_like(numbers) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, numbers)  # only the last stage's C x D ranks add a loss
+    total = check_step(step, torch.stack(gathered).cpu(), cfg, layout, model, allow_nonfinite)
     with phase("optimizer"):
         opt.step()
         opt.zero_grad(set_to_none=True)
-    mine = loss.detach() if loss is not None else torch.zeros((), device=device)
-    dist.all_reduce(mine)  # only the last stage's C x D ranks add a loss
-    return mine.item() / (layout.cp * layout.dp), stats
+    return total / (layout.cp * layout.dp), stats
 
 
 # ---- 4. The reference: one process, none of the four techniques --------------------------------
@@ -382,7 +445,7 @@ def newton_schulz_in(dtype):
 def reference_training(cfg, dp, train, device="cpu"):
     """K steps on one process of the whole batch (dp replicas' rows): plain mHC layers, attention
     over the whole sequence, the MoE as written, nothing forgotten. -> (losses, parameters)."""
-    model = make_model(cfg, 1, train.seed).to(device)
+    model = make_model(cfg, 1, train.seed).to(device, train.dtype)
     model.attend(documents(cfg).to(device))
     opts, experts = reference_optimizers(model, train)
     losses = []
@@ -402,21 +465,36 @@ def reference_training(cfg, dp, train, device="cpu"):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def run_layout(cfg, train, pp, cp, dp, device=torch.device("cpu"), on_step=None):
-    """K training steps on the layout, inside a process group of pp * cp * dp ranks. on_step
-    (step, layout, run) wraps each step (run(phase) trains it). -> (global losses, this stage's
-    parameters {name: tensor}, layout, model, optimizer)."""
+def run_layout(cfg, train, pp, cp, dp, device=torch.device("cpu"), on_step=None, save=None,
+               save_every=0, resume=None):  # fmt: skip
+    """Training steps up to train.steps on the layout, inside a process group of pp * cp * dp
+    ranks. on_step(step, layout, model, opt, run) wraps each step (run(phase) trains it). save:
+    a folder for checkpoints, written every save_every steps (0: never) and after the last;
+    resume: one whose newest checkpoint this run continues (cfg's batch then follows the saved
+    global batch). -> (the global losses of the steps run, this stage's parameters {name:
+    tensor}, layout, model, optimizer)."""
+    start, checkpoint = 0, None
+    if resume:
+        start, checkpoint, saved = latest_checkpoint(resume)
+        cfg, start = resume_config(saved, cfg, train, pp, cp, dp)
     layout = layout_groups(pp, cp, dp, device.type)
-    model = make_model(cfg, cp, train.seed).to(device)
+    model = make_model(cfg, cp, train.seed).to(device, train.dtype)
     model.attend(documents(cfg).to(device), layout.cp_group)
     plan_forgetting(model, layout, cfg)
     opt = build_optimizer(model, layout, train)
+    if checkpoint:
+        load_checkpoint(checkpoint, model, opt, layout)
     losses = []
-    for step in range(train.steps):
+    for step in range(start, train.steps):
         tokens = batch_tokens(cfg, cfg.batch * dp, step, train.seed)
-        run = functools.partial(train_step, model, opt, tokens, cfg, layout)
+        run = functools.partial(train_step, model, opt, tokens, cfg, layout, step=step + 1,
+                                allow_nonfinite=train.allow_nonfinite)  # fmt: skip
         try:
             loss, _ = on_step(step, layout, model, opt, run) if on_step else run()
+            if save and (step + 1 == train.steps or save_every and (step + 1) % save_every == 0):
+                save_checkpoint(save, step + 1, model, opt, cfg, train, layout)
+        except Refused:  # every rank decided it from the same numbers: none is left waiting
+            raise
         except Exception as err:
             launch.stop_together(err, f"compose: step {step + 1}")
         losses.append(loss)
@@ -904,6 +982,125 @@ def format_budget(rows):
     )
 
 
+# ---- appendix: checkpoints, saved at one layout and resumed at any other -------------------------
+# torch.distributed.checkpoint, torchtitan's recipe: every rank hands dcp.save what it holds, under
+# names that do not depend on the layout (the model's own: "sublayers.3.w_up", never a stage's),
+# and MuonZeRO's state through get_optimizer_state_dict (each matrix's momentum from its owner);
+# dcp.load fills whatever the new layout holds. Beside it, compose.json: the step (the data
+# position: batch_tokens draws step k's rows from (seed, k) alone), the layout, the global batch
+# and the settings a resume must match. A checkpoint is DIR/step-<k>: written as step-<k>.tmp and
+# renamed by rank 0 once every rank has written its share, so it is complete or absent.
+
+RESUMED_FIELDS = ("seed", "dtype", "grad_sync", "ns_dtype", "lr_muon", "lr_adamw", "weight_decay")
+OPTIM = None  # StateDictOptions, made on first use: param groups keyed by parameter name
+
+
+def checkpoint_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    global OPTIM
+    OPTIM = OPTIM or StateDictOptions(flatten_optimizer_state_dict=True)
+    return OPTIM
+
+
+def latest_checkpoint(root):
+    """-> (step, path, compose.json's record) of the newest complete checkpoint in root, or
+    ValueError. A step-<k>.tmp (a save that did not finish) is never read."""
+    steps = [int(n[5:]) for n in os.listdir(root) if n.startswith("step-") and n[5:].isdigit()] \
+        if os.path.isdir(root) else []  # fmt: skip
+    if not steps:
+        raise ValueError(f"--resume {root}: no complete checkpoint (a step-<k> folder) there")
+    path = os.path.join(root, f"step-{max(steps)}")
+    with open(os.path.join(path, "compose.json")) as f:
+        return max(steps), path, json.load(f)
+
+
+def _setting(value):
+    return str(value) if isinstance(value, torch.dtype) else value
+
+
+def resume_config(saved, cfg, train, pp, cp, dp):
+    """The configuration that continues `saved` (compose.json) on pp x cp x dp: the model's fields
+    and train's settings must match (ValueError naming the first that differs); the global batch
+    stays the checkpoint's, each of the dp replicas taking its share. -> (cfg, start step)."""
+    mine = {**asdict(cfg), **{k: _setting(getattr(train, k)) for k in RESUMED_FIELDS}}
+    theirs = {**saved["config"], **saved["training"]}
+    for field, value in mine.items():
+        if field not in ("batch", "n_micro") and theirs.get(field) != value:
+            raise ValueError(f"--resume: the checkpoint has {field}={theirs.get(field)!r}, this "
+                             f"run {value!r}; resume with the model and settings it was saved "
+                             f"with")  # fmt: skip
+    rows, step = saved["global_batch"], saved["step"]
+    if rows % dp:
+        raise ValueError(f"--resume: the checkpoint's global batch of {rows} sequences does not "
+                         f"split over dp={dp} replicas")  # fmt: skip
+    batch = rows // dp
+    micro = [m for m in range(min(cfg.n_micro, batch), 0, -1) if batch % m == 0 and m >= pp]
+    if not micro:
+        raise ValueError(f"--resume: {batch} sequences per replica cannot fill pp={pp} stages' "
+                         f"micro-batches (1F1B needs at least pp)")  # fmt: skip
+    if step >= train.steps:
+        raise ValueError(f"--resume: the checkpoint is at step {step} already; --steps "
+                         f"{train.steps} asks for no more")  # fmt: skip
+    return replace(cfg, batch=batch, n_micro=micro[0]), step
+
+
+def checkpoint_state(model, layout, opt, whole=False):
+    """What dcp.save writes from this rank and dcp.load fills: this stage's parameters (whole:
+    every parameter, as every rank builds the whole model and the pipeline compares it) under
+    the model's names, MuonZeRO's state (a collective: on a fresh optimizer torch takes one empty
+    step), torch's generator."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    held, _ = stage_parameters(model, layout)
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = model.parameters() if whole else held.parameters()
+    return {
+        "model": {names[id(p)]: p.detach() for p in params},
+        "optim": get_optimizer_state_dict(model, opt, options=checkpoint_options()),
+        "rng": torch.get_rng_state(),
+    }
+
+
+def save_checkpoint(root, step, model, opt, cfg, train, layout):
+    """DIR/step-<step>, complete or absent; the older ones are removed once it is visible."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    rank, final = dist.get_rank(), os.path.join(root, f"step-{step}")
+    tmp = final + ".tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # an earlier save that stopped half-way
+        os.makedirs(tmp)
+        settings = {k: _setting(getattr(train, k)) for k in RESUMED_FIELDS}
+        record = dict(step=step, layout=[layout.pp, layout.cp, layout.dp], config=asdict(cfg),
+                      global_batch=cfg.batch * layout.dp, training=settings)  # fmt: skip
+        with open(os.path.join(tmp, "compose.json"), "w") as f:
+            json.dump(record, f)
+    dist.barrier()
+    dcp.save(checkpoint_state(model, layout, opt), checkpoint_id=tmp)
+    dist.barrier()  # every rank's share is on disk
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for name in os.listdir(root):
+            if name.startswith("step-") and name[5:].isdigit() and int(name[5:]) != step:
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    dist.barrier()
+
+
+def load_checkpoint(path, model, opt, layout):
+    """Fill this rank's stage and optimizer from the checkpoint at path, whatever its layout."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    state = checkpoint_state(model, layout, opt, whole=True)
+    dcp.load(state, checkpoint_id=path)  # the parameters in place; the optimizer's template
+    set_optimizer_state_dict(model, opt, state["optim"], options=checkpoint_options())
+    torch.set_rng_state(state["rng"])
+
+
 # ---- appendix: counted bytes, validation, the demo ----------------------------------------------
 
 LINKS = ("pp_send", "cp_halo", "cp_gather", "grad_reduce_scatter", "param_all_gather", "control")
@@ -975,8 +1172,9 @@ def check_layout(cfg, pp, cp, dp, world):
 
 
 class StepRecorder:
-    """on_step for run_layout: the first `record` steps under memory_timeline's recorder (peaks,
-    categories), the others timed; every step's sent bytes counted per link."""
+    """on_step for run_layout: the first `record` steps it runs (after a resume, too) under
+    memory_timeline's recorder (peaks, categories), the others timed; every step's sent bytes
+    counted per link."""
 
     def __init__(self, record, device):
         from memory.memory_timeline import MemoryTimeline
@@ -990,11 +1188,12 @@ class StepRecorder:
         @contextlib.contextmanager
         def phase(name):  # what the meter is counting, and the recorder's phase
             where[0] = name
-            with self.timeline.phase(name, step + 1) if recording else contextlib.nullcontext():
+            with self.timeline.phase(name, ran + 1) if recording else contextlib.nullcontext():
                 yield
             where[0] = "control"
 
-        recording = step < self.record
+        ran = len(self.step_s)  # steps this run has taken: a resumed run starts at its own 1
+        recording = ran < self.record
         if recording and self.timeline is None:  # this stage's weights; others' not counted
             held, _ = stage_parameters(model, layout)
             self.timeline = self.make(held, opt, self.device)
@@ -1007,7 +1206,7 @@ class StepRecorder:
         self.step_s.append(None if recording else took)  # the recorder runs Python per op
         if recording:
             self.timeline.tag(opt.local_state_tensors(), "optimizer_state")  # momenta too
-            if step + 1 == self.record:
+            if ran + 1 == self.record:
                 self.recording.__exit__(None, None, None)
         stats = out[1]  # StageLinks counts the pipeline's sends itself
         sent["pp_send"] = stats.bytes_sent_forward + stats.bytes_sent_backward
@@ -1053,10 +1252,21 @@ def parse_args(argv=None):
     add("--layers", type=count, default=12, help="sublayers L; pp must divide it (12)")
     add("--seq-len", type=count, default=None, help="tokens per sequence T (256; 192 at cp=3)")
     add("--v4", action="store_true", help="V4's numerics: bf16 stochastic-rounding gradient sync "
-        "and bf16 Newton-Schulz (default: fp32, the exact proof)")  # fmt: skip
+        "and bf16 Newton-Schulz (default: fp32)")  # fmt: skip
+    add("--float64", action="store_true", help="float64 parameters, exact gradient sync and "
+        "float64 Newton-Schulz: --check then agrees to rounding (~1e-12), not fp32's amplified "
+        "noise")  # fmt: skip
+    add("--allow-nonfinite", action="store_true", help="keep training when a loss or gradient "
+        "is not finite (default: every rank stops, naming the step and where)")  # fmt: skip
     add("--check", action="store_true", help="also train the one-process reference on rank 0 and "
         "print the largest difference")  # fmt: skip
     add("--json", metavar="PATH", help="write every rank's record here (rank 0)")
+    add("--save", metavar="DIR", help="write a checkpoint into DIR after the last step (and every "
+        "--save-every steps), resumable at any layout")  # fmt: skip
+    add("--save-every", type=count, default=None, metavar="K", help="with --save: also every K "
+        "steps")  # fmt: skip
+    add("--resume", metavar="DIR", help="continue DIR's newest checkpoint up to --steps in all, "
+        "on this layout; the global batch stays the checkpoint's")  # fmt: skip
     add("--seed", type=int, default=0, help="seed of weights and data (0)")
     add("--device-memory", type=launch.positive, default=80.0, help="GiB per device, for the "
         "budget table (80)")  # fmt: skip
@@ -1068,32 +1278,70 @@ def parse_args(argv=None):
     args.intra_bw, args.inter_bw = args.intra_bw * 1e9, args.inter_bw * 1e9  # bytes per second
     args.seq_len = args.seq_len or (192 if args.cp == 3 else 256)  # whole blocks per rank
     args.cfg = ComposeConfig(n_layers=args.layers, seq_len=args.seq_len)
+    if args.v4 and args.float64:
+        parser.error("--v4 (bf16 numerics) and --float64 exclude each other")
+    if args.save_every and not args.save:
+        parser.error("--save-every K needs --save DIR")
+    args.start = 0
     try:
+        if args.resume:
+            args.start, _, saved = latest_checkpoint(args.resume)
+            args.cfg, _ = resume_config(saved, args.cfg, training(args), args.pp, args.cp, args.dp)
         check_layout(args.cfg, args.pp, args.cp, args.dp, world)
     except ValueError as err:
         parser.error(str(err))
+    check_outputs(parser, args, world)
+    if args.resume and int(os.environ.get("RANK", "0")) == 0:  # the run's first line
+        pp, cp, dp = saved["layout"]
+        print(f"resumed step {args.start} saved at {pp}x{cp}x{dp}, now "
+              f"{args.pp}x{args.cp}x{args.dp}", flush=True)  # fmt: skip
     return args
+
+
+def check_outputs(parser, args, world):
+    """What would fail late, as one-line usage errors before any work: a --json or --save folder
+    that is missing or not writable, and a layout whose predicted peak (budget_table's) cannot
+    fit."""
+    for option, path in (("--json", args.json), ("--save", args.save)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if path and (not os.path.isdir(folder) or not os.access(folder, os.W_OK)):
+            parser.error(f"{option} {path}: the folder {folder} is missing or not writable")
+    grad_sync = "bf16_sr" if args.v4 else "fp32"
+    budget = layout_budget(args.cfg, args.pp, args.cp, args.dp, args.device_bytes, args.intra_bw,
+                           args.inter_bw, world, grad_sync)  # fmt: skip
+    scale = 2 if args.float64 else 1  # every tensor the budget counts doubles in float64
+    where = f"compose at {args.pp}x{args.cp}x{args.dp}, T={args.cfg.seq_len}"
+    launch.check_fits(parser, args, scale * budget.peak_bytes, where)
+
+
+def training(args):
+    """The Training the options ask for: V4's bf16 numerics, fp32 (default) or float64."""
+    sync, ns = ("bf16_sr", torch.bfloat16) if args.v4 else ("fp32", torch.float32)
+    sync = "exact" if args.float64 else sync  # "fp32" is MuonZeRO's old name of "exact"
+    dtype = torch.float64 if args.float64 else torch.float32
+    return Training(args.steps, grad_sync=sync, ns_dtype=torch.float64 if args.float64 else ns,
+                    seed=args.seed, dtype=dtype, allow_nonfinite=args.allow_nonfinite)  # fmt: skip
 
 
 def demo(args, rank, world, device):
     cfg = args.cfg
-    train = Training(args.steps, grad_sync="bf16_sr" if args.v4 else "fp32", seed=args.seed,
-                     ns_dtype=torch.bfloat16 if args.v4 else torch.float32)  # fmt: skip
+    train = training(args)
     launch.say(f"layout pp={args.pp} x cp={args.cp} x dp={args.dp}: {cfg.n_layers} layers "
                f"(CSA, MoE, HCA, MoE, ...), C={cfg.dim}, n_hc={cfg.n_hc}, T={cfg.seq_len} "
                f"({cfg.seq_len // args.cp} per CP rank), {cfg.batch} sequences per replica in "
                f"{cfg.n_micro} micro-batches; gradient sync {train.grad_sync}")  # fmt: skip
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     rows = budget_table(cfg, world, args.device_bytes, args.intra_bw, args.inter_bw,
-                        ranks_per_node, train.grad_sync)  # fmt: skip
+                        ranks_per_node, "bf16_sr" if args.v4 else "fp32")  # fmt: skip
     launch.say(format_budget(rows))
-    recorder = StepRecorder(min(args.record, args.steps), device)
+    recorder = StepRecorder(min(args.record, args.steps - args.start), device)
     losses, params, layout, *_ = run_layout(cfg, train, args.pp, args.cp, args.dp, device,
-                                            recorder)  # fmt: skip
-    for step, loss in enumerate(losses):
-        took = recorder.step_s[step]
+                                            recorder, args.save, args.save_every or 0,
+                                            args.resume)  # fmt: skip
+    for ran, loss in enumerate(losses):
+        took = recorder.step_s[ran]
         launch.say(
-            f"step {step + 1}: loss {loss:.4f}, "
+            f"step {args.start + ran + 1}: loss {loss:.4f}, "
             + ("memory recorded (not timed)" if took is None else f"{1e3 * took:.0f} ms")
         )
     mine = recorder.summary(rank, layout.coords, losses)
@@ -1121,10 +1369,14 @@ def demo(args, rank, world, device):
             ref_losses, ref = reference_training(cfg, args.dp, train)
             got = {n: t for g in gathered for n, t in g.items()}
             diff = max((got[n] - ref[n]).abs().max().item() for n in got)
-            loss = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+            start = dict(make_model(cfg, 1, train.seed).to(dtype=train.dtype).named_parameters())
+            change = sum(((got[n] - ref[n]) ** 2).sum() for n in got) ** 0.5 / sum(
+                ((ref[n] - start[n].detach()) ** 2).sum() for n in got) ** 0.5  # fmt: skip
+            loss = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses[-len(losses) :]))
             print(
                 f"\nagainst the one-process reference: losses within {loss:.1e} (relative), "
-                f"parameters within {diff:.1e} (largest absolute difference)",
+                f"parameters within {diff:.1e} (largest absolute difference), their change "
+                f"within {change:.1e} of its norm",
                 flush=True,
             )
     if rank == 0 and args.json:
@@ -1140,4 +1392,7 @@ def demo(args, rank, world, device):
 
 
 if __name__ == "__main__":
-    launch.run(demo, parse_args())
+    try:
+        launch.run(demo, parse_args())
+    except (Refused, launch.Stopped) as err:  # the same line on every rank, no traceback
+        raise SystemExit(str(err)) from None

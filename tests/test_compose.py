@@ -2,6 +2,13 @@
 compose.reference_training, one process with none of the four techniques (plain mHC layers,
 attention over the whole sequence, nothing forgotten, torch.optim.Muon + torch.optim.AdamW).
 
+The proof that can fail runs in float64 (float64 parameters, exact gradient sync, float64
+Newton-Schulz on both sides): the parameters' change from the initial weights,
+||delta - delta_ref|| / ||delta_ref|| over the whole model, within 1e-6. float64 reassociation is
+~1e-16 per op; through 3 steps of Muon's polar factor and AdamW's division the measured error is
+~1e-12 (the gradients that vanish in exact arithmetic, below, get 1e-17 of noise: AdamW's eps
+and Newton-Schulz's bounded slope keep it there). A learning rate 1% off is ~3e-3 away: it fails.
+
 Tolerances, fp32 (fp32 gradient sync, fp32 Newton-Schulz on both sides):
 - losses: 1e-5 relative. They differ only by summation order (per-rank partial sums, CP's
   reduce-scatter of the entries' gradients, 1F1B's micro-batch sums): fp32 reassociation, ~1e-7.
@@ -16,7 +23,8 @@ Tolerances, fp32 (fp32 gradient sync, fp32 Newton-Schulz on both sides):
   torch.optim.Muon: losses within 1e-2 relative (bf16 keeps 8 mantissa bits).
 """
 
-import functools
+import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -33,30 +41,39 @@ LAYOUTS = [(p, c, w // (p * c)) for w in (1, 2, 3, 4) for p in range(1, w + 1)
 DEFAULT = [(1, 2, 1), (2, 2, 1), (1, 2, 2)]  # the slow tier has the rest
 
 
+FP64 = dict(grad_sync="exact", ns_dtype=torch.float64, dtype=torch.float64)
+FP64_TOL = 1e-6
+
+
 def config(pp, cp):
     return compose.ComposeConfig(**FAST | {"n_layers": 6 if pp == 3 else 4,
                                            "seq_len": 96 if cp == 3 else 64})  # fmt: skip
 
 
-def train_on_layout(rank, world, pp, cp, dp, grad_sync, ns_dtype):
-    cfg, train = config(pp, cp), compose.Training(STEPS, grad_sync=grad_sync, ns_dtype=ns_dtype)
-    losses, params, *_ = compose.run_layout(cfg, train, pp, cp, dp)
+def train_on_layout(rank, world, pp, cp, dp, train):
+    losses, params, *_ = compose.run_layout(config(pp, cp), train, pp, cp, dp)
     return losses, {n: p.clone() for n, p in params.items()}
 
 
-@functools.cache
-def reference(pp, cp, dp, ns_dtype):
-    train = compose.Training(STEPS, ns_dtype=ns_dtype)
-    return compose.reference_training(config(pp, cp), dp, train)
+REFERENCES = {}
 
 
-def compare(layout, grad_sync="fp32", ns_dtype=torch.float32):
-    """-> (max relative loss error, relative parameter-change error), over every rank."""
+def reference(pp, cp, dp, train):
+    """The one-process run with train's numerics at the default learning rates (cached)."""
+    right = replace(train, lr_muon=compose.Training.lr_muon, lr_adamw=compose.Training.lr_adamw)
+    key = (config(pp, cp).seq_len, config(pp, cp).n_layers, dp, repr(right))
+    if key not in REFERENCES:
+        REFERENCES[key] = compose.reference_training(config(pp, cp), dp, right)
+    return REFERENCES[key]
+
+
+def compare(layout, train=compose.Training(STEPS)):
+    """-> (max relative loss error, relative parameter-change error), over every rank, against
+    the reference with the same numerics and the default learning rates."""
     pp, cp, dp = layout
-    results = run_ranks(train_on_layout, pp * cp * dp, args=(*layout, grad_sync, ns_dtype),
-                        timeout=300)  # fmt: skip
-    ref_losses, ref_params = reference(pp, cp, dp, ns_dtype)
-    start = dict(compose.make_model(config(pp, cp)).named_parameters())
+    results = run_ranks(train_on_layout, pp * cp * dp, args=(*layout, train), timeout=300)
+    ref_losses, ref_params = reference(pp, cp, dp, train)
+    start = dict(compose.make_model(config(pp, cp)).to(dtype=train.dtype).named_parameters())
     loss_err = max(abs(a - b) / abs(b) for losses, _ in results for a, b in zip(losses, ref_losses))
     got = {n: t for _, params in results for n, t in params.items()}  # each stage's own
     trained = [n for n, p in start.items() if p.requires_grad]
@@ -73,6 +90,15 @@ def _ids(layouts):
 
 @pytest.mark.parametrize("layout", DEFAULT, ids=_ids(DEFAULT))
 def test_layout_equals_one_process(layout):
+    loss_err, param_err = compare(layout, compose.Training(STEPS, **FP64))
+    assert param_err < FP64_TOL, (
+        f"{layout}: parameters differ from one process by {param_err:.2e} of their change (float64)"
+    )
+    assert loss_err < FP64_TOL, f"{layout}: losses differ from one process by {loss_err:.2e}"
+
+
+def test_layout_equals_one_process_in_fp32():
+    layout = (2, 2, 1)
     loss_err, param_err = compare(layout)
     assert loss_err < 1e-5, f"{layout}: losses differ from one process by {loss_err:.2e} (fp32)"
     assert param_err < 1e-2, f"{layout}: parameters differ from one process by {param_err:.2e}"
@@ -80,14 +106,99 @@ def test_layout_equals_one_process(layout):
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=_ids(LAYOUTS))
 def test_every_layout_equals_one_process(layout):
+    loss_err, param_err = compare(layout, compose.Training(STEPS, **FP64))
+    assert param_err < FP64_TOL, f"{layout}: parameters {param_err:.2e} off (float64)"
     loss_err, param_err = compare(layout)
     assert loss_err < 1e-5, f"{layout}: losses differ from one process by {loss_err:.2e} (fp32)"
     assert param_err < 1e-2, f"{layout}: parameters differ from one process by {param_err:.2e}"
 
 
+@pytest.mark.parametrize("wrong", [dict(lr_adamw=3e-3 * 1.01), dict(lr_muon=0.02 * 1.01)],
+                         ids=["adamw_lr", "muon_lr"])  # fmt: skip
+def test_float64_check_fails_a_learning_rate_one_percent_off(wrong):
+    """The float64 comparison can fail: a learning rate 1% off, on one process."""
+    _, param_err = compare((1, 1, 1), compose.Training(STEPS, **FP64, **wrong))
+    assert param_err > 100 * FP64_TOL, (
+        f"a learning rate 1% off ({wrong}) passes as {param_err:.2e}: the check is blind"
+    )
+
+
 def test_v4_numerics_within_bf16():
-    loss_err, _ = compare((1, 2, 2), "bf16_sr", torch.bfloat16)
+    v4 = compose.Training(STEPS, grad_sync="bf16_sr", ns_dtype=torch.bfloat16)
+    loss_err, _ = compare((1, 2, 2), v4)
     assert loss_err < 1e-2, f"bf16_sr sync + bf16 NS: losses {loss_err:.2e} from bf16 torch Muon"
+
+
+def _other_batch_on_rank_1(rank, world, pp, cp, dp, at_step):
+    """Rank 1 draws another seed's rows from step `at_step` on. -> ("refused", line) or losses."""
+    draw = compose.batch_tokens
+
+    def batch(cfg, rows, step, seed=0):
+        return draw(cfg, rows, step, seed + (rank == 1 and step >= at_step))
+
+    compose.batch_tokens = batch
+    try:
+        return compose.run_layout(config(pp, cp), compose.Training(2), pp, cp, dp)[0]
+    except compose.Refused as err:
+        return ("refused", str(err))
+
+
+@pytest.mark.parametrize("layout", [(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["pp", "cp", "dp"])
+def test_a_rank_with_another_batch(layout):
+    """Along the pipeline and CP every rank of a replica holds the same rows: one that differs is
+    refused (at step 2, after the pipeline's own first-step check), with the same line on every
+    rank. Along dp, replicas hold different rows by design: ordinary data parallelism."""
+    out = run_ranks(_other_batch_on_rank_1, 2, args=(*layout, 1), timeout=120)
+    if layout[2] == 2:
+        assert all(isinstance(o, list) and len(o) == 2 for o in out), (
+            f"dp=2 with different rows per replica is ordinary data parallelism, got {out}"
+        )
+        return
+    said = "compose: step 2: the stages and CP shards of replica d=0 hold different batches"
+    for rank, o in enumerate(out):
+        assert isinstance(o, tuple) and o[1].startswith(said), f"rank {rank} trained on: {o}"
+        assert "\n" not in o[1], f"rank {rank}: the refusal is not one line: {o[1]!r}"
+
+
+def _non_finite(rank, world, where, allow):
+    """1x2x1; at step 2 rank 1 poisons its loss (a NaN weight in the LM head of every rank) or one
+    gradient (+inf in sublayers.1.router's)."""
+    cfg, train = config(1, 2), compose.Training(2, allow_nonfinite=allow)
+
+    def on_step(step, layout, model, opt, run):
+        if step == 1 and where == "loss":
+            with torch.no_grad():
+                model.lm_head.weight[0, 0] = float("nan")
+        if step == 1 and where == "gradient" and rank == 1:
+            model.sublayers[1].router.register_hook(lambda g: g + float("inf"))
+        return run()
+
+    try:
+        return compose.run_layout(cfg, train, 1, 2, 1, on_step=on_step)[0]
+    except compose.Refused as err:
+        return ("refused", str(err))
+
+
+@pytest.mark.parametrize("where", ["loss", "gradient"])
+def test_non_finite_stops_every_rank_naming_the_step_and_where(where):
+    said = {
+        "loss": "compose: step 2: the loss is nan (not finite)",
+        "gradient": "compose: step 2: the gradient of sublayers.1.router is not finite (rank 1)",
+    }[where]
+    for rank, o in enumerate(run_ranks(_non_finite, 2, args=(where, False), timeout=120)):
+        assert isinstance(o, tuple) and o[1].startswith(said), f"rank {rank}: {o}, not {said!r}"
+    if where == "loss":  # on purpose: the run goes on and says what it got
+        for rank, o in enumerate(run_ranks(_non_finite, 2, args=(where, True), timeout=120)):
+            assert isinstance(o, list) and math.isnan(o[1]), f"rank {rank}: {o}"
+
+
+@pytest.mark.parametrize("argv", [["--seq-len", "100000000"], ["--json", "/missing/dir/o.json"]])
+def test_options_that_would_fail_late_are_refused_first(argv, capsys):
+    with pytest.raises(SystemExit) as stop:
+        compose.parse_args(argv)
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stop.value.code == 2 and "error:" in err, f"exit {stop.value.code}: {err}"
+    assert argv[1] in err, f"the error does not name {argv[1]}: {err}"
 
 
 class Boom(RuntimeError):

@@ -1,0 +1,185 @@
+"""compose.py saves at one layout and resumes at another, through torch.distributed.checkpoint.
+
+The proof: 2 steps at 2x1x1 saved, then the 2 more steps to 4 at 1x1x2, on one process and at
+2x1x1 again (the pipeline compares every rank's whole model on its first step), each
+against the uninterrupted 4-step compose.reference_training (one process, none of the four
+techniques, torch.optim.Muon + AdamW) in float64, at test_compose's tolerance for an uninterrupted
+run: the parameters' change within 1e-6 of its norm (measured ~1.5e-12), the resumed steps' losses
+within 1e-6 relative. The check can fail: a resume that drops the optimizer's state (momenta, AdamW
+moments, step counts) is far outside it. Around it: a different model or setting refuses with one
+line naming the field; a save killed half-way leaves the previous checkpoint the newest loadable
+one; an incomplete step-<k>.tmp is never read; the resumed run's first line says what it resumed.
+The slow tier (tests/conftest.py) saves at 4 ranks: the CLI at 2x2x1, resumed on one process with
+--check, and 2x2x1 resumed at 1x1x4.
+"""
+
+import os
+import shutil
+
+import pytest
+import torch
+from harness import RankFailure, run_ranks, run_torchrun
+
+import compose
+
+# CLI-expressible (--layers 4 --seq-len 128): every sublayer kind, whole HCA entries per document
+CFG = compose.ComposeConfig(n_layers=4, seq_len=128)
+FP64 = dict(grad_sync="exact", ns_dtype=torch.float64, dtype=torch.float64)
+SAVED, TOTAL, TOL = 2, 4, 1e-6
+CLI = ["--layers", "4", "--seq-len", "128", "--float64"]
+
+
+def _train(rank, world, layout, steps, save=None, resume=None):
+    train = compose.Training(steps, **FP64)
+    losses, params, *_ = compose.run_layout(CFG, train, *layout, save=save, resume=resume)
+    return losses, {n: p.clone() for n, p in params.items()}
+
+
+def _resume_without_optimizer_state(rank, world, resume):
+    """A resume that loads the parameters and the step but keeps a fresh optimizer."""
+    from torch.distributed.checkpoint import state_dict
+
+    state_dict.set_optimizer_state_dict = lambda *args, **kwargs: None
+    return _train(rank, world, (1, 1, 1), TOTAL, resume=resume)
+
+
+def _stopped_while_saving(rank, world, root, how):
+    """Resume root's step 2 at 2x1x1 and save at step 3; rank 1 raises (or dies) in the save."""
+    import torch.distributed.checkpoint as dcp
+
+    save = dcp.save
+
+    def failing(*args, **kwargs):
+        if rank == 1 and how == "dies":
+            os._exit(9)
+        if rank == 1:
+            raise OSError("no space left on device")
+        return save(*args, **kwargs)
+
+    dcp.save = failing
+    return _train(rank, world, (2, 1, 1), SAVED + 1, save=root, resume=root)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """SAVED steps at 2x1x1 into a folder that also holds an incomplete save (step-9.tmp)."""
+    root = str(tmp_path_factory.mktemp("compose_ckpt") / "run")
+    run_ranks(_train, 2, args=((2, 1, 1), SAVED, root), timeout=240)
+    os.makedirs(os.path.join(root, "step-9.tmp"))  # a save that never finished: never read
+    with open(os.path.join(root, "step-9.tmp", "compose.json"), "w") as f:
+        f.write("{not json")
+    return root
+
+
+@pytest.fixture(scope="module")
+def reference():
+    losses, params = compose.reference_training(CFG, 1, compose.Training(TOTAL, **FP64))
+    start = dict(compose.make_model(CFG).to(dtype=torch.float64).named_parameters())
+    return losses, params, start
+
+
+def errors(results, reference):
+    """-> (relative loss error of the resumed steps, parameter-change error) over every rank."""
+    ref_losses, ref, start = reference
+    got = {n: t for _, params in results for n, t in params.items()}
+    trained = [n for n, p in start.items() if p.requires_grad]
+    assert not set(trained) - set(got), f"no rank holds {sorted(set(trained) - set(got))}"
+    num = sum(((got[n] - ref[n]) ** 2).sum() for n in trained)
+    den = sum(((ref[n] - start[n].detach()) ** 2).sum() for n in trained)
+    loss = max(
+        abs(a - b) / abs(b) for losses, _ in results for a, b in zip(losses, ref_losses[SAVED:])
+    )
+    return loss, (num / den).sqrt().item()
+
+
+@pytest.mark.parametrize("layout", [(1, 1, 2), (1, 1, 1), (2, 1, 1)],
+                         ids=["1x1x2", "one_process", "2x1x1"])  # fmt: skip
+def test_resumed_run_equals_the_uninterrupted_reference(saved, reference, layout):
+    world = layout[0] * layout[1] * layout[2]
+    results = run_ranks(_train, world, args=(layout, TOTAL, None, saved), timeout=240)
+    assert all(len(losses) == TOTAL - SAVED for losses, _ in results), (
+        f"saved at step {SAVED}, a resume to {TOTAL} must take {TOTAL - SAVED} steps: "
+        f"{[losses for losses, _ in results]}"
+    )
+    loss_err, param_err = errors(results, reference)
+    assert param_err < TOL, (
+        f"saved at 2x1x1, resumed at {layout}: the parameters are {param_err:.2e} of their change "
+        f"from the uninterrupted 4-step reference (float64)"
+    )
+    assert loss_err < TOL, f"resumed at {layout}: the losses of steps 3-4 are {loss_err:.2e} off"
+
+
+def test_a_resume_without_the_optimizer_state_fails_the_check(saved, reference):
+    results = run_ranks(_resume_without_optimizer_state, 1, args=(saved,), timeout=240)
+    _, param_err = errors(results, reference)
+    assert param_err > 100 * TOL, (
+        f"a resume with a fresh optimizer passes as {param_err:.2e}: the check is blind"
+    )
+
+
+@pytest.mark.parametrize("how", ["raises", "dies"])
+def test_a_save_stopped_half_way_leaves_the_previous_checkpoint(saved, tmp_path, how):
+    """A rank that raises in its save (every rank stops) or dies there (its peer waits out the
+    process-group timeout: the slow tier): step-3.tmp stays incomplete, step-2 the newest."""
+    root = str(tmp_path / "run")
+    shutil.copytree(saved, root)
+    with pytest.raises(RankFailure):
+        run_ranks(_stopped_while_saving, 2, args=(root, how), timeout=20)
+    assert f"step-{SAVED + 1}.tmp" in os.listdir(root), "the stopped save never began"
+    step, path, record = compose.latest_checkpoint(root)
+    assert (step, record["step"]) == (SAVED, SAVED), (
+        f"after a save stopped at step {SAVED + 1}, the newest complete checkpoint is {path}"
+    )
+    results = run_ranks(_train, 1, args=((1, 1, 1), SAVED + 1, None, root), timeout=120)
+    assert len(results[0][0]) == 1, "the previous checkpoint did not resume"
+
+
+def test_a_different_model_or_setting_refuses_naming_the_field(saved, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    cases = [
+        (["--layers", "8", "--seq-len", "128", "--float64"], "n_layers=4"),
+        (["--layers", "4", "--seq-len", "256", "--float64"], "seq_len=128"),
+        (["--layers", "4", "--seq-len", "128"], "dtype='torch.float64'"),
+        (CLI + ["--seed", "1"], "seed=0"),
+        (CLI + ["--steps", "2"], "at step 2 already"),
+    ]
+    for argv, said in cases:
+        with pytest.raises(SystemExit):
+            compose.parse_args(argv + ["--resume", saved])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert said in err[-1] and "error:" in err[-1], f"{argv}: {err[-1]!r} does not name {said}"
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(SystemExit):
+        compose.parse_args(CLI + ["--dp", "3", "--resume", saved])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "global batch of 4 sequences does not split over dp=3" in err, err
+
+
+def test_the_first_line_says_what_was_resumed(saved, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = compose.parse_args(CLI + ["--dp", "2", "--resume", saved])
+    assert (args.start, args.cfg.batch, args.cfg.n_micro) == (SAVED, 2, 2), vars(args)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "resumed step 2 saved at 2x1x1, now 1x1x2", out
+    with pytest.raises(ValueError, match="no complete checkpoint"):
+        compose.latest_checkpoint(os.path.join(saved, "step-9.tmp"))
+
+
+def test_cli_saves_at_four_ranks_and_resumes_on_one_with_check(tmp_path):
+    """torchrun at 2x2x1 --save, then `python compose.py --resume --check` on one process."""
+    root = str(tmp_path / "run")
+    run_torchrun("compose.py", 4, CLI + ["--pp", "2", "--cp", "2", "--steps", "2", "--save", root,
+                                         "--record", "0"])  # fmt: skip
+    out = run_torchrun("compose.py", 1, CLI + ["--steps", "4", "--resume", root, "--check",
+                                               "--record", "0"]).stdout  # fmt: skip
+    assert out.splitlines()[0] == "resumed step 2 saved at 2x2x1, now 1x1x1", out
+    change = float(out.split("their change within ")[1].split()[0])
+    assert change < TOL, f"resumed on one process: {change:.2e} of the change off (float64)"
+
+
+def test_saved_at_2x2x1_resumed_at_1x1x4(tmp_path, reference):
+    root = str(tmp_path / "run")
+    run_ranks(_train, 4, args=((2, 2, 1), SAVED, root), timeout=300)
+    results = run_ranks(_train, 4, args=((1, 1, 4), TOTAL, None, root), timeout=300)
+    _, param_err = errors(results, reference)
+    assert param_err < TOL, f"2x2x1 -> 1x1x4: {param_err:.2e} of the change off (float64)"
