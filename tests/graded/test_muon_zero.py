@@ -334,10 +334,15 @@ def assert_reading(reading, P0, x, y, max_norm, what):
         want = min(1.0, max_norm / (total + 1e-6))  # clip_grad_norm_'s factor
         assert want < 0.5, f"clipping never bit: the full-batch gradient norm is {total:.3g}"
     got = reading["scale"]
+    shown = "None" if got is None else f"{got:.6g}"
     assert got is not None and abs(got / want - 1) < GRAD_TOL, (
-        f"{what}: sharded_step returned the clip factor {got:.6g}, clip_grad_norm_ on the full "
+        f"{what}: sharded_step returned the clip factor {shown}, clip_grad_norm_ on the full "
         f"batch gives {want:.6g}"
-        + (f" (a gradient norm of {max_norm / got:.4g}, not {max_norm / want:.4g})" if got else "")
+        + (
+            f" (a gradient norm of {max_norm / got:.4g}, not {max_norm / want:.4g})"
+            if got and max_norm
+            else ""
+        )
         + ": the norm is over the averaged gradient of the whole model, each matrix counted once "
         "(replica buckets once, AdamW's gradients too)"
     )
