@@ -231,7 +231,7 @@ def assert_world(results, world, P0, torch_ref, fp32_ref, split_grads, A, B, G):
             f"no weight decay)"
         )
         for z in widths:  # the full width first: no replica groups involved
-            err, same = rel_change_error(P0, r[f"fp32_width{z}"], fp32_ref), True
+            err = rel_change_error(P0, r[f"fp32_width{z}"], fp32_ref)
             same = replicas_equal(results, f"fp32_width{z}")
             replicas = f"; with {world // z} replica groups each dense bucket must also be summed"
             gather = "; ranks end with different parameters: is every updated chunk all-gathered?"

@@ -80,7 +80,7 @@ def check_world(rank, world, P0, batches, split_grads, A, B, G):
         )
     width = max(z for z in (1, 2, 3) if world % z == 0 and (z < world or world == 1))
     out["bf16_sr"], opt = train(P0, batches, rank, world, grad_sync="bf16_sr", zero_width=width)
-    out["bf16_sr_width"], out["state_bytes"] = width, opt.state_bytes()
+    out["state_bytes"] = opt.state_bytes()
     for ns_dtype in (torch.float32, torch.bfloat16):  # one step on the given per-rank gradients
         L = leaves(P0)
         opt = mz.MuonZeRO(groups(L), lr=LR_MUON, grad_sync="bf16_sr", ns_dtype=ns_dtype)
