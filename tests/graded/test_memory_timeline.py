@@ -77,10 +77,8 @@ def test_activations_are_exactly_the_tensors_saved_for_backward():
     extra = got["step1"] - saved
     assert extra == 0, (
         f"step 1's activations peak at {got['step1']:,} bytes, the tensors held for backward "
-        f"(and the loss) are {saved:,}: {extra:+,} bytes"
-        + (" (the batch's size)" if extra == got["batch_bytes"] else "")
-        + "; activations are the storages a forward phase allocated and still alive as it "
-        "ends, not every live storage"
+        f"(and the loss) are {saved:,}: {extra:+,} bytes; activations are the storages a "
+        f"forward phase allocated and still alive as it ends, not every live storage"
     )
     # later steps briefly hold the previous step's 4-byte loss too, until `loss` is rebound
     assert got["run"] == saved + 4, (

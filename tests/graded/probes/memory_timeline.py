@@ -45,7 +45,6 @@ def activations(steps=3):
         "step1": int(tl.peak("activations", step=1)),
         "run": int(tl.peak("activations")),
         "after_backward": ends,
-        "batch_bytes": x.numel() * x.element_size(),
     }
 
 
