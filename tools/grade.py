@@ -743,7 +743,8 @@ def check_mistakes(root, which, per_test_s, overall_s):
             continue
         with tempfile.TemporaryDirectory() as staged:
             write_student(staged, root, only=set())  # every file, every region filled
-            path = os.path.join(staged, region.file)
+            paths = {os.path.basename(f): f for f in assignment_files(root)}  # memory/...
+            path = os.path.join(staged, paths.get(region.file, region.file))
             with open(path) as f:
                 text = splice(f.read(), region, m.body)
             with open(path, "w") as f:

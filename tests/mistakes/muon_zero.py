@@ -286,4 +286,57 @@ return [(cuts[k], cuts[k + 1]) for k in range(world_size)]
             SHARDED_BODY, "[has_grad[s.param] for s in run.slots]", "[True] * len(run.slots)"
         ),
     ),
+    Mistake(
+        region="muon_zero.sharded_step",
+        name="the replicas' sum averaged, then divided by world_size again",
+        message="the reduced gradient of",
+        body=_swap(
+            SHARDED_BODY,
+            "        dist.all_reduce(summed, group=shards.replica_group)\n",
+            "        dist.all_reduce(summed, group=shards.replica_group)\n"
+            "        summed.div_(dist.get_world_size(shards.replica_group))\n",
+        ),
+    ),
+    Mistake(
+        region="muon_zero.sharded_step",
+        name="the squared gradient norm averaged over the ranks, not summed",
+        message="the clip factor",
+        body=_swap(
+            SHARDED_BODY,
+            "        dist.all_reduce(sq, group=process_group)\n",
+            "        dist.all_reduce(sq, group=process_group)\n        sq = sq / world_size\n",
+        ),
+    ),
+    Mistake(
+        region="muon_zero.sharded_step",
+        name="replica buckets counted once per replica in the clip norm",
+        message="the clip factor",
+        body=_swap(SHARDED_BODY, "zip(means, kinds) if s.counted)", "zip(means, kinds))"),
+    ),
+    Mistake(
+        region="muon_zero.sharded_step",
+        name="replica buckets left out of the clip norm",
+        message="the clip factor",
+        body=_swap(
+            SHARDED_BODY,
+            "zip(means, kinds) if s.counted)",
+            "zip(means, kinds) if s.replica_group is None)",
+        ),
+    ),
+    Mistake(
+        region="muon_zero.sharded_step",
+        name="AdamW's gradients left out of the clip norm",
+        message="the clip factor",
+        body=_swap(SHARDED_BODY, "(sq + replicated_sq).sqrt()", "sq.sqrt()"),
+    ),
+    Mistake(
+        region="muon_zero.sharded_step",
+        name="the norm's all-reduce over the whole world, not process_group",
+        message="collectives must stay inside process_group",
+        body=_swap(
+            SHARDED_BODY,
+            "    if world_size > 1:\n        dist.all_reduce(sq, group=process_group)\n",
+            "    dist.all_reduce(sq)\n",
+        ),
+    ),
 ]
