@@ -14,8 +14,8 @@ from notebooks.checks import RIGHT, TODO, WRONG
 
 ANSWERS = {  # notebook -> {variable: (reference answer, a wrong answer)}, as Python source
     "00_first_step_anomaly": {
-        "answer_sgd_jump": ("5_847_040", "11_694_196"),  # 4N; AdamW's 8N + 4T is wrong
-        "answer_sgd_limit_mib": ("78", "88"),  # under 88 MiB both SGD steps fit
+        "answer_rmsprop_jump": ("5_847_156", "5_847_040"),  # 4N + 4T; 4N forgets the counters
+        "answer_sgd_limit_mib": ("79", "88"),  # step 1 reserves 78 MiB; under 88 both steps fit
         "answer_segments_mib": ("[2, 20, 14]", "[2, 20, 12.3]"),  # 12.3 MiB rounds up to 14
         "answer_amsgrad_jump": ("17_541_236", "17_541_120"),  # 12N + 4T; 12N forgets counters
     },
@@ -23,13 +23,14 @@ ANSWERS = {  # notebook -> {variable: (reference answer, a wrong answer)}, as Py
         "answer_matrices_per_rank": ("[1, 2, 2, 2]", "[2, 2, 2, 1]"),  # the 64x64 fills rank 0
         "answer_padding_elements": ("2048", "0"),  # padded to the largest bucket, not matrix
         "answer_momentum_gib": ("4.76", "4.12"),  # dense / 32 + experts / 256; all / 256 is wrong
-        "answer_fraction_up": ("0.3", "0.0"),  # unbiased: up with the distance; 0 is nearest
+        "answer_widest_under_10": ("96", "64"),  # padding is not monotonic in the width
+        "answer_fraction_up": ("0.64", "0.36"),  # 0.01 / 2^-6 above 3; 0.36 is the way down
     },
     "02_mhc": {
-        "answer_gain": ("1.0", "8.5"),  # doubly stochastic: gain 1 at any depth; 8.5 is HC's
+        "answer_total": ("4.0", "16.0"),  # n columns, each summing to 1 at any depth
         "answer_kept_numbers": ("161", "129"),  # 2n^2 + 4n + 1; 129 forgets the projection's n^2
         "answer_block": ("5", "4"),  # sqrt(128/6) = 4.62: 5 costs 55.6 lanes, 4 costs 56
-        "answer_traffic_mib": ("0.5", "0.125"),  # n lanes x C x 4 B x 256 tokens; 0.125 forgets n
+        "answer_traffic_mib": ("0.75", "0.125"),  # 6 lanes x d x 4 B x 256 tokens; 0.125 forgets n
     },
     "03_cp_compress": {
         "answer_halo": ("(8, 15)", "(8, 8)"),  # 2m - 1 under packing; m is the unpacked case
