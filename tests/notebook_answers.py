@@ -28,19 +28,22 @@ ANSWERS = {  # notebook -> {variable: (reference answer, a wrong answer)}, as Py
     },
     "02_mhc": {
         "answer_total": ("4.0", "16.0"),  # n columns, each summing to 1 at any depth
+        "answer_rounds": ("56", "20"),  # std 1.5 needs far more than V4's 20
         "answer_kept_numbers": ("161", "129"),  # 2n^2 + 4n + 1; 129 forgets the projection's n^2
         "answer_block": ("5", "4"),  # sqrt(128/6) = 4.62: 5 costs 55.6 lanes, 4 costs 56
         "answer_traffic_mib": ("0.75", "0.125"),  # 6 lanes x d x 4 B x 256 tokens; 0.125 forgets n
     },
     "03_cp_compress": {
-        "answer_halo": ("(8, 15)", "(8, 8)"),  # 2m - 1 under packing; m is the unpacked case
+        "answer_rows_used": ("5", "7"),  # rows 11-15; 7 is the whole halo, not what is pooled
         "answer_entries": ("[3, 4]", "[4, 4]"),  # ends 3, 8, 12 | 16, 23, 27, 31; not s/m each
-        "answer_slots": ("257", "256"),  # s/m + 1; s/m is the most that end on a rank
+        "answer_empty_rank": ("[0, 16, 19, 22, 25, 28, 31, 48]", "[0, 9, 29, 31, 48]"),  # < m each
+        "answer_allgather_bytes": ("473_088", "462_848"),  # 7 x 33 x 512 x 4; 32 slots forget +1
     },
     "04_tensor_ckpt": {
         "answer_qkv_bytes": ("786_432", "0"),  # SDPA saves q, k, v: views of qkv
         "answer_fc2_bytes": ("0", "262_144"),  # nothing saves a sum's inputs; its size is wrong
-        "answer_warned": ('["add", "reshape"]', '["fc1", "qkv"]'),  # a named matmul does not warn
+        "answer_warned": ('["permute"]', '["proj"]'),  # a view of qkv; a named matmul does not warn
+        "answer_batch": ("7", "8"),  # 0.57 MiB per sequence: 8 keeps 4.5 MiB
         "answer_lowest_peak": ('"module"', '"tensor_ckpt"'),  # keeps only each layer's input
     },
     "05_compose": {
