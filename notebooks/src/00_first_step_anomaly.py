@@ -17,7 +17,7 @@
 # used here are also defined in the [README's glossary](../README.md#glossary). Steps are numbered
 # from 1 throughout.
 #
-# [a1]: ../ASSIGNMENTS.md#1-memory_timelinepy-where-a-training-steps-memory-goes
+# [a1]: ../ASSIGNMENTS.md#1-memorymemory_timelinepy-where-a-training-steps-memory-goes
 
 # %%
 import time

@@ -18,7 +18,7 @@
 #
 # Course syllabus: topic **05, activation checkpointing** (selective recomputation), topic **08,
 # pipeline parallelism** (1F1B, what crosses a stage boundary) and topic **01, the training
-# memory budget**. The graded exercise is [assignment 4 in ASSIGNMENTS.md][a4]: you write
+# memory budget**. The graded exercise is [assignment 3 in ASSIGNMENTS.md][a3]: you write
 # Sinkhorn-Knopp, the mixing coefficients, the post-mix's backward, the recomputed block's
 # backward, the 1F1B schedule and the pipeline step of `mhc.py`. Terms in bold are defined where
 # they first appear and in the [README's glossary](../README.md#glossary). "V4 §3.4.2" is a
@@ -26,7 +26,7 @@
 # training-infrastructure section; §2.2 defines mHC). Training steps are numbered from 1; lanes,
 # stages and micro-batches are indices, numbered from 0 as the code numbers them.
 #
-# [a4]: ../ASSIGNMENTS.md#4-mhcpy-manifold-constrained-hyper-connections-made-affordable-v4-342
+# [a3]: ../ASSIGNMENTS.md#3-mhcpy-manifold-constrained-hyper-connections-made-affordable-v4-342
 
 # %%
 import json

@@ -13,14 +13,14 @@
 #
 # Course syllabus: topic **10, composing a parallelism layout** (context parallelism splits the
 # sequence dimension) and topic **06, ring all-reduce and collective costs** (what each collective
-# moves). The graded exercise is [assignment 5 in ASSIGNMENTS.md][a5]: you write the halo count
+# moves). The graded exercise is [assignment 4 in ASSIGNMENTS.md][a4]: you write the halo count
 # and exchange, local compression, select-and-pad, the visibility rule and the protocol of
 # `cp_compress.py`. Terms in bold are defined where they first appear and in the [README's
 # glossary](../README.md#glossary); "V4 §3.4.3" is a section of the DeepSeek-V4 technical report.
 # Ranks, documents, entries and steps are numbered as the code numbers them: ranks and entries
 # from 0 (they are indices), the training step from 1.
 #
-# [a5]: ../ASSIGNMENTS.md#5-cp_compresspy-context-parallelism-with-compressed-attention-v4-343
+# [a4]: ../ASSIGNMENTS.md#4-cp_compresspy-context-parallelism-with-compressed-attention-v4-343
 
 # %%
 import time
