@@ -443,27 +443,23 @@ stage("both layouts ran")
 
 # %% [markdown]
 # **Reading a pipeline's timeline.** The recorder of notebook 00 files a tensor as an
-# *activation* when it is made in a forward phase and still alive as that phase ends, and as a
-# *temporary* when it is freed inside its phase. `compose.py` marks the whole 1F1B step as one
-# forward phase (forwards and backwards interleave in it), so by the end of that phase every
-# micro-batch's saved tensors have been used by its backward and freed, and the recorder would
-# call them all temporaries. So the figures below draw the two together, in red, as what they
-# are under 1F1B: the **activations in flight** (what each micro-batch keeps until its backward,
-# with the working tensors of the op running at that moment). This is also what the budget's
-# activation column predicts.
+# *activation* when a forward pass made it and it is still alive when the backward that needs it
+# begins, and as a *temporary* when it is freed before. `compose.py` marks the whole 1F1B step as
+# one forward phase, forwards and backwards interleaved; inside it the recorder notices each time
+# autograd's backward starts (the next micro-batch's backward), and files what the forwards so far
+# left alive as activations, just as at the end of a plain forward phase. So the red band below
+# is what 1F1B keeps **in flight**: the saved tensors of the micro-batches whose backward has not
+# run yet. Purple is what the ops of a forward or backward free again at once.
 
 # %%
 TIMELINES = {}
 for (pp, cp, dp), run in RUNS.items():
     timelines = [torch.load(r["timeline"], weights_only=False) for r in run["ranks"]]
-    for tl in timelines:  # one band: what 1F1B keeps in flight, with the op's working tensors
-        tl.bytes["activations"] = tl.bytes["activations"] + tl.bytes["temporaries"]
-        tl.bytes["temporaries"] = np.zeros_like(tl.bytes["temporaries"])
     TIMELINES[(pp, cp, dp)] = timelines
     titles = [f"rank {r['rank']} (p, c, d) = {tuple(r['coords'])}" for r in run["ranks"]]
     fig = plot_timelines(timelines, titles, ncols=2, width=5.5, height=3.2)
     fig.suptitle(f"layout {pp} x {cp} x {dp}: memory per rank, steps 1 and 2 (red: activations "
-                 "in flight)", y=1.02)  # fmt: skip
+                 "in flight; the grey phase is the whole 1F1B step)", y=1.02)  # fmt: skip
     plt.show()
 
 # %% [markdown]
@@ -472,7 +468,7 @@ for (pp, cp, dp), run in RUNS.items():
 # forward with one backward, one hump per micro-batch; stage 0 runs two forwards before its first
 # backward (the warm-up that keeps two micro-batches in flight), so its first two merge, and it
 # peaks higher. In 1 x 2 x 2 the four ranks hold the whole model and look alike. The thin green
-# optimizer band is born at the end of step 1 and stays; the next figure measures what it adds.
+# optimizer band is born at the end of step 1 and stays; section 6 measures what it adds.
 
 
 # %%
