@@ -17,6 +17,7 @@ ANSWERS = {  # notebook -> {variable: (reference answer, a wrong answer)}, as Py
         "answer_rmsprop_jump": ("5_847_156", "5_847_040"),  # 4N + 4T; 4N forgets the counters
         "answer_sgd_limit_mib": ("79", "88"),  # step 1 reserves 78 MiB; under 88 both steps fit
         "answer_segments_mib": ("[2, 20, 14]", "[2, 20, 12.3]"),  # 12.3 MiB rounds up to 14
+        "answer_micro_batches": ("8", "4"),  # 4 peaks at 38.6 MiB allocated, yet needs a segment
         "answer_amsgrad_jump": ("17_541_236", "17_541_120"),  # 12N + 4T; 12N forgets counters
     },
     "01_muon_zero": {

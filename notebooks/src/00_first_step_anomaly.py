@@ -753,3 +753,41 @@ check(
         "how many, how big, and on which device?",
     ),
 )
+
+# %% [markdown]
+# ### Exercise 5 (change the code, run, observe): micro-batches under a tighter limit
+# Two micro-batches brought AdamW under 88 MiB. Now the (modelled) limit is **50 MiB**. Edit
+# `micro_batches` in the cell below (1, 2, 4 or 8: it must divide the batch of 8 sequences) and
+# run it, to find the fewest micro-batches with which two AdamW steps complete. Compare each
+# run's allocated peak with the limit before you conclude.
+
+# %%
+micro_batches = 2  # edit, run, repeat
+_, tight = record(adamw, 2, limit_bytes=50 * MiB, micro_batches=micro_batches)
+failed = tight.out_of_memory
+print(
+    f"{micro_batches} micro-batches: "
+    + (f"out of memory in step {failed.step}'s {failed.phase}" if failed else "both steps fit")
+    + f"; peak allocated {tight.peak() / MiB:.1f} MiB (until it stopped)"
+)
+
+# %%
+answer_micro_batches = None  # the fewest micro-batches that fit under 50 MiB (an int)
+
+
+# %%
+# check: answer_micro_batches
+def fits_under_50(micro):
+    return record(adamw, 2, limit_bytes=50 * MiB, micro_batches=micro)[1].out_of_memory is None
+
+
+check(
+    "answer_micro_batches",
+    answer_micro_batches,
+    number(
+        min(m for m in (1, 2, 4, 8) if fits_under_50(m)),
+        unit="micro-batches",
+        hint="An allocated peak under the limit is not enough: reserved memory grows in whole "
+        "segments, and a fresh segment must fit too.",
+    ),
+)
