@@ -72,6 +72,7 @@ class _StorageWatcher(TorchDispatchMode):
         kwargs = kwargs or {}
         # frees since the last op have been released by now: their device samples can be taken
         self.timeline._settle_device_samples()
+        self.timeline._follow_autograd()
         out = func(*args, **kwargs)
         inputs = []  # filled lazily: only an output storage we have never seen needs the check
 
@@ -160,6 +161,7 @@ class MemoryTimeline:
         self._next_id = itertools.count()
         self._recording = self._done = False
         self._current_phase = self._current_step = self._t0 = None
+        self._in_backward = False  # inside autograd's backward during a "forward" phase (1F1B)
         self._pending_tags = []
         self.out_of_memory = None  # an OutOfMemoryPoint when limit_bytes was exceeded
         self.cuda_snapshot = None  # the allocator history, when record(cuda_history=True) on CUDA
@@ -207,16 +209,30 @@ class MemoryTimeline:
                 f"phase {name!r} opened inside phase {self._current_phase!r}; phases do not nest"
             )
         self._current_phase, self._current_step = name, step
+        self._in_backward = False
         start, t0 = len(self._events), self._now()
         try:
             yield
         finally:
             self._current_phase = self._current_step = None
+            self._in_backward = False
             self._scan_known_tensors()
             self._settle_device_samples()
             if name == "forward":
                 self._alive_after_forward.update(self._held_for_backward())
             self.phases.append((name, step, start, len(self._events), t0, self._now()))
+
+    def _follow_autograd(self):
+        """A pipeline schedule runs several micro-batches' forwards and backwards inside one
+        "forward" phase. Each time autograd's backward starts there, what that phase's forward ops
+        made and is still alive is held for backward: an activation, as at a forward phase's end.
+        What backward makes meanwhile is a temporary (its origin is "backward")."""
+        if self._current_phase != "forward":
+            return
+        in_backward = torch._C._current_graph_task_id() != -1
+        if in_backward and not self._in_backward:
+            self._alive_after_forward.update(self._held_for_backward())
+        self._in_backward = in_backward
 
     def _held_for_backward(self):
         """Ids of the storages allocated in a forward phase and still alive as it ends.
@@ -279,7 +295,7 @@ class MemoryTimeline:
         sid = next(self._next_id)
         self._ids[st] = sid
         self._refs[sid] = weakref.ref(st, lambda _, sid=sid: self._on_collect(sid))
-        self._origin[sid] = self._current_phase
+        self._origin[sid] = "backward" if self._in_backward else self._current_phase
         self._alloc(sid, nbytes)
         return sid
 

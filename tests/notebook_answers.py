@@ -14,38 +14,44 @@ from notebooks.checks import RIGHT, TODO, WRONG
 
 ANSWERS = {  # notebook -> {variable: (reference answer, a wrong answer)}, as Python source
     "00_first_step_anomaly": {
-        "answer_sgd_jump": ("5_847_040", "11_694_196"),  # 4N; AdamW's 8N + 4T is wrong
-        "answer_sgd_limit_mib": ("78", "88"),  # under 88 MiB both SGD steps fit
+        "answer_rmsprop_jump": ("5_847_156", "5_847_040"),  # 4N + 4T; 4N forgets the counters
+        "answer_sgd_limit_mib": ("79", "88"),  # step 1 reserves 78 MiB; under 88 both steps fit
         "answer_segments_mib": ("[2, 20, 14]", "[2, 20, 12.3]"),  # 12.3 MiB rounds up to 14
+        "answer_micro_batches": ("8", "4"),  # 4 peaks at 38.6 MiB allocated, yet needs a segment
         "answer_amsgrad_jump": ("17_541_236", "17_541_120"),  # 12N + 4T; 12N forgets counters
     },
     "01_muon_zero": {
         "answer_matrices_per_rank": ("[1, 2, 2, 2]", "[2, 2, 2, 1]"),  # the 64x64 fills rank 0
         "answer_padding_elements": ("2048", "0"),  # padded to the largest bucket, not matrix
         "answer_momentum_gib": ("4.76", "4.12"),  # dense / 32 + experts / 256; all / 256 is wrong
-        "answer_fraction_up": ("0.3", "0.0"),  # unbiased: up with the distance; 0 is nearest
+        "answer_widest_under_10": ("96", "64"),  # padding is not monotonic in the width
+        "answer_fraction_up": ("0.64", "0.36"),  # 0.01 / 2^-6 above 3; 0.36 is the way down
     },
     "02_mhc": {
-        "answer_gain": ("1.0", "8.5"),  # doubly stochastic: gain 1 at any depth; 8.5 is HC's
+        "answer_total": ("4.0", "16.0"),  # n columns, each summing to 1 at any depth
+        "answer_rounds": ("56", "20"),  # std 1.5 needs far more than V4's 20
         "answer_kept_numbers": ("161", "129"),  # 2n^2 + 4n + 1; 129 forgets the projection's n^2
         "answer_block": ("5", "4"),  # sqrt(128/6) = 4.62: 5 costs 55.6 lanes, 4 costs 56
-        "answer_traffic_mib": ("0.5", "0.125"),  # n lanes x C x 4 B x 256 tokens; 0.125 forgets n
+        "answer_traffic_mib": ("0.75", "0.125"),  # 6 lanes x d x 4 B x 256 tokens; 0.125 forgets n
     },
     "03_cp_compress": {
-        "answer_halo": ("(8, 15)", "(8, 8)"),  # 2m - 1 under packing; m is the unpacked case
+        "answer_rows_used": ("5", "7"),  # rows 11-15; 7 is the whole halo, not what is pooled
         "answer_entries": ("[3, 4]", "[4, 4]"),  # ends 3, 8, 12 | 16, 23, 27, 31; not s/m each
-        "answer_slots": ("257", "256"),  # s/m + 1; s/m is the most that end on a rank
+        "answer_empty_rank": ("[0, 16, 19, 22, 25, 28, 31, 48]", "[0, 9, 29, 31, 48]"),  # < m each
+        "answer_allgather_bytes": ("473_088", "462_848"),  # 7 x 33 x 512 x 4; 32 slots forget +1
     },
     "04_tensor_ckpt": {
         "answer_qkv_bytes": ("786_432", "0"),  # SDPA saves q, k, v: views of qkv
         "answer_fc2_bytes": ("0", "262_144"),  # nothing saves a sum's inputs; its size is wrong
-        "answer_warned": ('["add", "reshape"]', '["fc1", "qkv"]'),  # a named matmul does not warn
+        "answer_warned": ('["permute"]', '["proj"]'),  # a view of qkv; a named matmul does not warn
+        "answer_batch": ("7", "8"),  # 0.57 MiB per sequence: 8 keeps 4.5 MiB
         "answer_lowest_peak": ('"module"', '"tensor_ckpt"'),  # keeps only each layer's input
     },
     "05_compose": {
         "answer_layouts_12": ("18", "9"),  # ordered triples; 9 counts some orders once
-        "answer_stage1_bytes": ("2_097_152", "1_048_576"),  # both directions; one is half
-        "answer_smallest_peak": ('"1x4x1"', '"4x1x1"'),  # cp divides the activations
+        "answer_stage1_bytes": ("1_048_576", "2_097_152"),  # 4x1x1's, halved by cp = 2
+        "answer_peak_1x8x1": ("9.35", "6.17"),  # activations and state halve; 6.17 halves all
+        "answer_one_node_factor": ("9.95", "2.0"),  # every byte crossed nodes: the bandwidth ratio
         "answer_v4_pp": ("44", "8"),  # 8 bytes x 297.6 B / pp < 80 GB first at 44
     },
 }

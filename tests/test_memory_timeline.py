@@ -344,3 +344,30 @@ def test_command_line_checks_arguments_first_and_runs_the_demo(capsys):
     memory_timeline.main(["--steps", "2"])
     out = capsys.readouterr().out
     assert "device: cpu" in out and "optimizer_state" in out and "off by +0 B" in out
+
+
+def test_a_pipeline_step_in_one_forward_phase_keeps_its_activations():
+    """1F1B runs forwards and backwards inside one "forward" phase: what a micro-batch's forward
+    leaves for its backward is an activation (its bytes counted exactly), not a temporary."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
+    xs = [torch.randn(64, 256) for _ in range(3)]
+    tl = MemoryTimeline(model)
+    with tl.record():
+        with tl.phase("forward", 1):  # F0 F1 B0 F2 B1 B2: two micro-batches in flight at most
+            losses = [model(xs[0]).square().mean(), model(xs[1]).square().mean()]
+            losses.pop(0).backward()
+            losses.append(model(xs[2]).square().mean())
+            losses.pop(0).backward()
+            losses.pop(0).backward()
+    # per micro-batch: Linear1's output and GELU's (saved), Linear2's output (saved by square),
+    # and the loss, alive until its backward
+    per_micro = (64 * 1024 * 2 + 64 * 256) * 4 + 4
+    seed = 4  # backward()'s implicit gradient of the loss, made just before autograd starts
+    assert tl.peak("activations") == 2 * per_micro + seed, (
+        f"activations peak {tl.peak('activations')} B, expected two micro-batches' "
+        f"{2 * per_micro} B and the 4-byte gradient seed"
+    )
+    assert tl.series("activations")[-1] == 0, (
+        "every micro-batch's activations freed by its backward"
+    )

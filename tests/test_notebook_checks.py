@@ -95,3 +95,58 @@ def test_answers_are_filled_in_and_a_wrong_reference_is_caught():
         assert_verdicts(verdicts)
     with pytest.raises(AssertionError, match="add answer_q's answers"):
         fill_in_answers(notebook(), "fake", {})
+
+
+def _renderings(reference):
+    """The ways a page could print a reference answer (Python source): digits with and without
+    thousands separators, a float at 1 to 3 decimals, a percentage, a sequence as written."""
+    value = eval(reference)  # our own answers file, not student input
+    if isinstance(value, str):
+        return set()  # a choice: its options are named on the page by design
+    if isinstance(value, (list, tuple)):
+        return {str(list(value)), str(tuple(value))}
+    forms = {f"{value:,}", str(value)} if isinstance(value, int) else {repr(value)}
+    if isinstance(value, float):
+        forms |= {f"{value:.{d}f}" for d in (1, 2, 3)}
+        if 0 < value < 1:
+            forms.add(f"{value:.0%}")
+    return {f for f in forms if len(f.strip("0.")) > 1}  # a single digit is everywhere on a page
+
+
+def _shown(cell):
+    """What a reader sees of a cell: a markdown cell's text, a code cell's printed outputs."""
+    if cell.cell_type == "markdown":
+        return cell.source
+    texts = [o.get("text", "") for o in cell.get("outputs", [])]
+    texts += [o.get("data", {}).get("text/plain", "") for o in cell.get("outputs", [])]
+    return "\n".join(texts)
+
+
+LISTED = {  # exercises that ask to choose among options the page lists, by design
+    ("05_compose", "answer_v4_pp"): "the pipeline depths that divide the 88 sublayers",
+}
+
+
+@pytest.mark.parametrize("name", [os.path.splitext(os.path.basename(p))[0] for p in sources()])
+def test_no_answer_is_on_the_page_before_its_check(name):
+    """An exercise asks for what the page has not said: its reference answer appears in no
+    markdown or output above its check cell, nor in the two cells after it (what a reader of the
+    executed notebook sees before answering)."""
+    import nbformat
+
+    nb = nbformat.read(os.path.join(ROOT, "notebooks", name + ".ipynb"), as_version=4)
+    for i, cell in enumerate(nb.cells):
+        head = re.match(r"# check: (answer_\w+)", cell.source)
+        if cell.cell_type != "code" or not head:
+            continue
+        var = head.group(1)
+        if (name, var) in LISTED:
+            continue
+        for form in _renderings(ANSWERS[name][var][0]):
+            pattern = r"(?<![\w.,])" + re.escape(form) + r"(?![\w]|[.,]\d)"
+            for j, seen in enumerate(nb.cells[: i + 3]):
+                if j != i and re.search(pattern, _shown(seen)):
+                    raise AssertionError(
+                        f"{name}: {var}'s answer {form!r} is on the page in cell {j}, which a "
+                        f"reader sees before answering at check cell {i}"
+                    )

@@ -2,8 +2,9 @@
 # # The first-step anomaly: why step 2 needs more memory than step 1
 #
 # **What you will be able to do** after this notebook:
-# 1. Name the four things a training step keeps in memory (parameters, gradients, optimizer state,
-#    activations) and find each one on a recorded memory timeline.
+# 1. Name what a training step keeps in memory (parameters, gradients, optimizer state,
+#    activations, and the short-lived temporaries that often make up a third of its peak) and find
+#    each one on a recorded memory timeline.
 # 2. Predict, from a model's size alone and before anything runs, how much higher step 2 peaks
 #    than step 1: the optimizer state, created inside step 1, for AdamW, SGD with momentum and Muon.
 # 3. Explain why a run can fit step 1 and run out of memory in step 2, including the part the
@@ -16,7 +17,7 @@
 # used here are also defined in the [README's glossary](../README.md#glossary). Steps are numbered
 # from 1 throughout.
 #
-# [a1]: ../ASSIGNMENTS.md#1-memory_timelinepy-where-a-training-steps-memory-goes
+# [a1]: ../ASSIGNMENTS.md#1-memorymemory_timelinepy-where-a-training-steps-memory-goes
 
 # %%
 import time
@@ -58,7 +59,12 @@ print("device:", DEVICE, "(a GPU is visible)" if DEVICE == "cuda" else "(no GPU 
 # computes one **gradient** per parameter and releases the activations as it goes. The
 # **optimizer** step uses every gradient at once to update the **parameters**, and keeps its own
 # running statistics, the **optimizer state** (AdamW keeps two numbers per parameter). The
-# parameters stay throughout. The sketch below is drawn by hand, not measured.
+# parameters stay throughout. Every phase also makes **temporaries**: working tensors an op needs
+# only briefly and frees before its phase ends, such as the gradient of the logits at the start of
+# backward. They are not kept, but they count at the moment they exist, and the peak is such a
+# moment. A sixth category, **other**, holds what is made outside any phase (here the input
+# batch). The sketch below is drawn by hand, not measured; each bar is its phase at its fullest
+# moment, which for backward is its start, before any gradient exists.
 
 # %%
 # a hand-drawn cartoon in made-up units: each bar is one phase at its fullest
@@ -66,8 +72,9 @@ phases = ["forward", "backward", "optimizer"] * 2
 sketch = {  # category: its height in each of the six phases
     "parameters": [1, 1, 1, 1, 1, 1],
     "optimizer_state": [0, 0, 1.5, 1.5, 1.5, 1.5],  # born in step 1's optimizer phase, never freed
-    "gradients": [0, 1, 1, 0, 1, 1],
-    "activations": [3, 1, 0, 3, 1, 0],  # made in forward, released during backward
+    "gradients": [0, 0, 1, 0, 0, 1],  # none yet at backward's fullest moment, its start
+    "activations": [3, 3, 0, 3, 3, 0],  # made in forward, released during backward
+    "temporaries": [0.3, 1.2, 0.3, 0.3, 1.2, 0.3],  # e.g. the logits' gradient
 }
 x = np.arange(6) + np.array([0, 0, 0, 0.6, 0.6, 0.6])  # a gap between the two steps
 fig, ax = plt.subplots(figsize=(10, 4))
@@ -78,32 +85,32 @@ for category, heights in sketch.items():
 for k, name in enumerate(phases):
     ax.text(x[k], -0.35, name, ha="center", va="top", fontsize=10)
 for k in (0, 3):
-    ax.text(x[k + 1], 7.1, f"step {k // 3 + 1}", ha="center", fontsize=11, fontweight="bold")
+    ax.text(x[k + 1], 8.0, f"step {k // 3 + 1}", ha="center", fontsize=11, fontweight="bold")
 for k in (0, 3):
     ax.annotate(
         f"step {k // 3 + 1} peak",
-        (x[k], base[k]),
+        (x[k + 1], base[k + 1]),
         xytext=(0, 6),
         textcoords="offset points",
         ha="center",
     )
 ax.annotate(
     "",
-    xy=(x[3] - 0.5, base[3]),
-    xytext=(x[3] - 0.5, base[0]),
+    xy=(x[4] - 0.5, base[4]),
+    xytext=(x[4] - 0.5, base[1]),
     arrowprops=dict(arrowstyle="<->", color="darkgreen", lw=2),
 )
-ax.hlines(base[0], x[0] + 0.4, x[3] - 0.4, color="0.4", ls="--", lw=1)
+ax.hlines(base[1], x[1] + 0.4, x[4] - 0.4, color="0.4", ls="--", lw=1)
 ax.text(
-    x[3] - 0.6,
-    (base[0] + base[3]) / 2 + 0.1,
+    x[4] - 0.6,
+    (base[1] + base[4]) / 2 + 0.1,
     "higher by the\noptimizer state",
     ha="right",
     va="bottom",
     color="darkgreen",
 )
 ax.set_xlim(-0.6, x[-1] + 0.6)
-ax.set_ylim(-1.1, 7.8)
+ax.set_ylim(-1.1, 8.7)
 ax.set_xticks([])
 ax.set_yticks([])
 ax.set_ylabel("memory in use")
@@ -117,9 +124,11 @@ plt.show()
 # %% [markdown]
 # **What to look at:** the green band. It does not exist during step 1's forward and backward
 # passes, appears in step 1's optimizer phase and never leaves, so every later step stands on it.
-# That is the **first-step anomaly**: step 1 is the odd one out, and a memory budget that step 1
-# fits can still be too small for step 2. PyTorch optimizers create their state lazily, inside
-# the first `step()` call, which is why the band is born there.
+# Each step peaks at the start of its backward pass, where the activations are still all there and
+# backward's first temporaries (purple) join them. That is the **first-step anomaly**: step 1 is
+# the odd one out, and a memory budget that step 1 fits can still be too small for step 2. PyTorch
+# optimizers create their state lazily, inside the first `step()` call, which is why the band is
+# born there.
 #
 # ## A small transformer, recorded
 # Two pre-norm transformer blocks (causal attention + MLP) and a 4096-token vocabulary, in fp32.
@@ -209,8 +218,8 @@ def sgd_momentum(model):
 # `fused` or `capturable`, so on a GPU the state in GPU memory is 8N, on a CPU 8N + 4T.
 # `predicted_optimizer_state_bytes(optimizer, device)` applies that rule before the state exists.
 # Step 1 starts with no state; from step 2 on the state is there throughout, so **the step-2 peak
-# is the step-1 peak plus the optimizer state**, as long as step 1 peaks in its backward pass
-# (activations + gradients), not in the optimizer step itself.
+# is the step-1 peak plus the optimizer state**, as long as step 1 peaks before its optimizer step
+# (here at the start of backward: activations and the loss's temporaries), not inside it.
 
 # %%
 model, idx, targets = make_run()
@@ -307,7 +316,8 @@ plt.show()
 
 # %% [markdown]
 # **What to look at:** the green optimizer-state band. In step 1 the forward pass stacks
-# activations (red) on the parameters (blue) and the peak comes at the start of backward; the
+# activations (red) on the parameters (blue) and the peak comes at the start of backward, when
+# backward's first temporaries (purple) join them; the
 # backward pass turns activations into gradients (orange); the optimizer phase creates AdamW's
 # state (green) and it never leaves. Steps 2-4 repeat step 1's forward and backward on top of the
 # green band: the same shape, raised by exactly the state's bytes (the green arrow).
@@ -515,12 +525,15 @@ plt.show()
 # matrices only, so the embedding, positional table, norms, biases and head stay with AdamW (V4
 # §2.4, the DeepSeek-V4 report's section 2.4). `torch.optim.Muon` is PyTorch's single-device Muon.
 #
-# ### Exercise 1 (predict, then run): SGD with momentum's step-2 jump
-# Before running the comparison, predict how many **bytes** higher step 2 peaks than step 1 with
-# `torch.optim.SGD(..., momentum=0.9)` on this model. Use N and T printed above.
+# ### Exercise 1 (predict, then run): RMSprop's step-2 jump
+# A fourth optimizer, not in the comparison below: `torch.optim.RMSprop` (without momentum) keeps,
+# for each parameter tensor, one running average of the squared gradient shaped like the tensor
+# (`square_avg`, fp32) and, like AdamW, one `step` counter. Apply the rule of "Predict before
+# running" to it: how many **bytes** higher does step 2 peak than step 1 on this CPU? Use N and T
+# printed above.
 
 # %%
-answer_sgd_jump = None  # your prediction, in bytes (an int)
+answer_rmsprop_jump = None  # your prediction, in bytes (an int)
 
 
 # %%
@@ -543,18 +556,24 @@ runs = {"AdamW": adamw_tl}
 for kind in ("SGD + momentum", "Muon + AdamW"):
     stage(f"recording {kind} ...")
     runs[kind] = record(OPTIMIZERS[kind], 4, name=kind)[1]
-sgd_jump = runs["SGD + momentum"].peak(step=2) - runs["SGD + momentum"].peak(step=1)
+
 
 # %%
-# check: answer_sgd_jump
+# check: answer_rmsprop_jump
+def rmsprop(model):
+    return [torch.optim.RMSprop(model.parameters(), lr=1e-3, foreach=False)]
+
+
+stage("recording RMSprop ...")
+rmsprop_tl = record(rmsprop, 2, name="RMSprop")[1]
 check(
-    "answer_sgd_jump",
-    answer_sgd_jump,
+    "answer_rmsprop_jump",
+    answer_rmsprop_jump,
     number(
-        sgd_jump,
+        rmsprop_tl.peak(step=2) - rmsprop_tl.peak(step=1),
         unit="B",
-        hint="How many buffers shaped like each parameter does SGD with momentum keep, at how "
-        "many bytes per fp32 value? Does it keep a step counter?",
+        hint="How many buffers shaped like each parameter does RMSprop keep, at how many bytes "
+        "per fp32 value? And how many counters, at how many bytes each?",
     ),
 )
 
@@ -732,5 +751,43 @@ check(
         unit="B",
         hint="Count the buffers shaped like each parameter (with amsgrad), then the step counters: "
         "how many, how big, and on which device?",
+    ),
+)
+
+# %% [markdown]
+# ### Exercise 5 (change the code, run, observe): micro-batches under a tighter limit
+# Two micro-batches brought AdamW under 88 MiB. Now the (modelled) limit is **50 MiB**. Edit
+# `micro_batches` in the cell below (1, 2, 4 or 8: it must divide the batch of 8 sequences) and
+# run it, to find the fewest micro-batches with which two AdamW steps complete. Compare each
+# run's allocated peak with the limit before you conclude.
+
+# %%
+micro_batches = 2  # edit, run, repeat
+_, tight = record(adamw, 2, limit_bytes=50 * MiB, micro_batches=micro_batches)
+failed = tight.out_of_memory
+print(
+    f"{micro_batches} micro-batches: "
+    + (f"out of memory in step {failed.step}'s {failed.phase}" if failed else "both steps fit")
+    + f"; peak allocated {tight.peak() / MiB:.1f} MiB (until it stopped)"
+)
+
+# %%
+answer_micro_batches = None  # the fewest micro-batches that fit under 50 MiB (an int)
+
+
+# %%
+# check: answer_micro_batches
+def fits_under_50(micro):
+    return record(adamw, 2, limit_bytes=50 * MiB, micro_batches=micro)[1].out_of_memory is None
+
+
+check(
+    "answer_micro_batches",
+    answer_micro_batches,
+    number(
+        min(m for m in (1, 2, 4, 8) if fits_under_50(m)),
+        unit="micro-batches",
+        hint="An allocated peak under the limit is not enough: reserved memory grows in whole "
+        "segments, and a fresh segment must fit too.",
     ),
 )

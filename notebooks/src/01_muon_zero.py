@@ -125,7 +125,8 @@ print(f"{total} elements on {ranks} ranks: ZeRO gives each rank {total / ranks:g
 dense, experts, _ = bench.v4_flash_inventory(layers=range(8, 14))
 plan = mz.plan_muon(dense, experts, world_size=16, zero_width=16)
 shapes = sorted(set(dense), key=lambda s: -s[0] * s[1])
-colors = dict(zip(shapes, plt.cm.tab20(np.linspace(0, 1, len(shapes)))))
+# one distinct hue per shape: tab10's ten, then black and yellow (tab20 pairs near-twins)
+colors = dict(zip(shapes, list(plt.cm.tab10.colors) + ["#000000", "#f0e442"]))
 fig, ax = plt.subplots(figsize=(10, 5))
 for q, bucket in enumerate(plan.dense_buckets):
     left = 0
@@ -138,10 +139,10 @@ for q, bucket in enumerate(plan.dense_buckets):
 for s in shapes:
     ax.barh(0, 0, color=colors[s], label=f"{s[0]}x{s[1]}")
 ax.barh(0, 0, color="none", edgecolor="grey", hatch="///", label="padding")
-ax.axvline(plan.dense_bucket_numel / 1e6, color="k", lw=1, ls=":")
+ax.axvline(plan.dense_bucket_numel / 1e6, color="k", lw=1.5, ls=":")
 ax.set(xlabel="elements in the rank's dense bucket (millions; dotted: the largest bucket)",
        ylabel="rank", title="Dense buckets of one V4-Flash stage over 16 ranks",
-       ylim=(15.6, -0.6))  # fmt: skip
+       ylim=(15.6, -0.6), xlim=(0, 1.06 * plan.dense_bucket_numel / 1e6))  # fmt: skip
 ax.set_yticks(range(16))
 ax.legend(ncol=1, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="matrix shape")
 fig.tight_layout()
@@ -160,8 +161,10 @@ print(
 # %% [markdown]
 # **What to look at:** the bars end at different lengths and the hatching fills each up to the
 # dotted line, the largest bucket. The table below gives the same plan per rank (`format_plan`):
-# matrices, elements, padding, NS multiply-adds per iteration, and NS calls (matrices of the same
-# shape on a rank share one stacked momentum and one batched NS call).
+# its `replica` and `pos` columns say which **replica group** the rank is in and its position
+# there (section 3 explains groups; here all 16 ranks form one group, so `replica` is 0 and `pos`
+# is the rank), then matrices, elements, padding, NS multiply-adds per iteration, and NS calls
+# (matrices of the same shape on a rank share one stacked momentum and one batched NS call).
 
 # %%
 print(mz.format_plan(plan))
@@ -262,22 +265,50 @@ for w, r in zip(widths, summaries["both"]):
           f"{100 * r['dense_padding']:.0f}%")  # fmt: skip
 
 # %% [markdown]
-# **What to look at:** the bars for `"both"` (green) stay low on both panels up to width 64, then
-# padding jumps. Cost-only packing balances compute and wastes memory; element-only packing does
-# the reverse. The lines printed last say why the jump comes: as the width grows, a rank holds
-# fewer matrices on average and each is a larger piece of its fair share, so whole pieces can no
-# longer fill equal buckets evenly; at the widest setting the largest matrix alone exceeds a fair
-# share. That is why V4 caps the ZeRO width. V4 reports "at most 5 matrices per rank, under 10%
-# padding"; with our reconstruction of the Flash shapes (`bench_muon_zero.py`, tables 1 and 1b)
-# padding stays near 10% only with ten or more matrices per rank on average, so V4's real shapes,
-# grouping of parameters or packing must differ from this sketch somewhere.
+# **What to look at:** the bars for `"both"` (green) stay low on both panels up to width 32, sit
+# just above the 10% line at 64, then padding jumps. Cost-only packing balances compute and
+# wastes memory; element-only packing does the reverse. The lines printed last say why the jump
+# comes: as the width grows, a rank holds fewer matrices on average and each is a larger piece of
+# its fair share, so whole pieces can no longer fill equal buckets evenly; at the widest setting the
+# largest matrix alone exceeds a fair share. That is why V4 caps the ZeRO width. V4 reports "at most
+# 5 matrices per rank, under 10% padding"; with our reconstruction of the Flash shapes
+# (`bench_muon_zero.py`, tables 1 and 1b) padding stays near 10% only with ten or more matrices per
+# rank on average, so V4's real shapes, grouping of parameters or packing must differ from this
+# sketch somewhere.
 #
+# ### Exercise 3 (change the code, run, observe): a width between the bars
+# The figure shows widths 8 to 256 in powers of two only. Edit `try_widths` in the cell below to
+# the widths you want to test (any multiples of 8 from 72 to 120), run it, and find the
+# **largest** ZeRO width up to 128 at which `"both"` pads the whole model's dense matrices by
+# under 10%. Padding need not grow steadily with the width: look before you conclude.
+
+# %%
+try_widths = [72]  # edit: the widths to try
+for w in try_widths:
+    r = bench.plan_summary(mz.plan_muon(full_dense, [], w, w, balance="both"))
+    print(f"width {w}: padding {100 * r['dense_padding']:.1f}%")
+
+# %%
+answer_widest_under_10 = None  # the largest width up to 128 with padding under 10% (an int)
+
+# %%
+# check: answer_widest_under_10
+padding = {w: bench.plan_summary(mz.plan_muon(full_dense, [], w, w))["dense_padding"]
+           for w in range(8, 129, 8)}  # fmt: skip
+under = [w for w, p in padding.items() if p < 0.10]
+check(
+    "answer_widest_under_10",
+    answer_widest_under_10,
+    number(max(under), hint="Try every multiple of 8 between 64 and 128, not only the first."),
+)
+
+# %% [markdown]
 # **Wider than the cap.** With more data-parallel ranks than `zero_width`, the ranks form
 # world_size / zero_width **replica groups** of `zero_width` ranks; each group holds the dense
 # buckets once, and ranks at the same position in different groups compute the same dense updates.
 # The experts are still split over *every* rank.
 #
-# ### Exercise 3 (predict, then run): optimizer state per rank at V4 scale
+# ### Exercise 4 (predict, then run): optimizer state per rank at V4 scale
 # Muon keeps one fp32 momentum (4 bytes) per matrix element. Take the whole V4-Flash-like model on
 # 256 data-parallel ranks with `zero_width = 32`. Predict the GiB (2³⁰ bytes) of Muon momentum one
 # rank holds, ignoring padding. You need two numbers, printed by the cell below.
@@ -315,7 +346,9 @@ print(f"replicated Muon: {4 * (dense_total + expert_total) / 2**30:,.0f} GiB of 
 # A small mixture-of-experts transformer (`muon_zero.TinyMoE`) trained two steps (1 and 2),
 # recorded storage by storage with `memory/memory_timeline.py` (notebook 00 explains the
 # recorder and why the optimizer state appears inside step 1). Four runs: AdamW; replicated Muon
-# (MuonZeRO on one rank); and ranks 0 and 1 of MuonZeRO on 4 gloo ranks with `zero_width = 2`.
+# (MuonZeRO on one rank); and ranks 0 and 1 of MuonZeRO on 4 ranks with `zero_width = 2`, each
+# rank a real process talking through **gloo** (PyTorch's CPU backend for collectives; on GPUs
+# NCCL plays that part).
 # For each, three peaks: the optimizer state, the **temporaries** (tensors made and freed inside
 # a phase: here the optimizer step's flat gradient and parameter buffers that the collectives
 # move, and NS's work arrays), and the total.
@@ -358,7 +391,7 @@ print(f"MuonZeRO rank 0 keeps {(state[a] - state[r0]) / MiB:.2f} MiB less optimi
 # because the purple temporaries of Muon's optimizer step are larger than the state it saves *at
 # this toy size* (the line printed under the figure gives the difference).
 # The state is a fixed number of bytes per parameter, forever; the temporaries live only during
-# the optimizer step. At V4 scale (exercise 3) the state is gigabytes per rank; whether the
+# the optimizer step. At V4 scale (exercise 4) the state is gigabytes per rank; whether the
 # temporaries stay small there is not measured in this notebook.
 #
 # ## 5. Stochastic rounding, and why V4 sums in fp32 after an all-to-all
@@ -373,27 +406,35 @@ print(f"MuonZeRO rank 0 keeps {(state[a] - state[r0]) / MiB:.2f} MiB less optimi
 # gradient once (stochastically), sends it with one **all-to-all** (every rank sends each other
 # rank the piece that rank owns), and sums in fp32.
 #
-# ### Exercise 4 (predict, then run): how often does stochastic rounding round up?
-# x = 1 + 0.3 ulp is rounded stochastically to bf16 4096 times. Predict the fraction of roundings
-# that go *up* (a number between 0 and 1).
+# ### Exercise 5 (predict, then run): how often does stochastic rounding round up?
+# x = 3.01 (an fp32 number) is rounded stochastically to bf16 4096 times. Predict the fraction of
+# roundings that go *up* (a number between 0 and 1). bf16 keeps 8 significant bits at every
+# magnitude: find the two bf16 numbers around 3.01 first.
 
 # %%
 answer_fraction_up = None  # a float in [0, 1]
 
 # %%
 # check: answer_fraction_up
-x0 = 1.0 + 0.3 * 2**-7
-samples = torch.full((4096,), x0)
-sr = mz.stochastic_round_to_bf16(samples, generator=torch.Generator().manual_seed(0)).double()
-up = (sr > x0).double().mean().item()
+x3 = torch.full((4096,), 3.01)
+sr3 = mz.stochastic_round_to_bf16(x3, generator=torch.Generator().manual_seed(0)).double()
+up = (sr3 > x3.double()).double().mean().item()
 check(
     "answer_fraction_up",
     answer_fraction_up,
-    number(up, rel=0.1, hint="Unbiased means the expected rounded value equals x itself."),
+    number(
+        up,
+        rel=0.1,
+        hint="Unbiased means the expected rounded value equals x itself; between 2 and 4 the gap "
+        "between bf16 numbers is not the one between 1 and 2.",
+    ),
 )
 
 # %%
 stage("rounding and summing")
+x0 = 1.0 + 0.3 * 2**-7  # the section's example, 0.3 ulp above 1
+samples = torch.full((4096,), x0)
+sr = mz.stochastic_round_to_bf16(samples, generator=torch.Generator().manual_seed(0)).double()
 running = torch.cumsum(sr, 0) / torch.arange(1, 4097)
 rne = samples.to(torch.bfloat16).double()[0].item()
 ranks = [2, 4, 8, 16, 32, 64]

@@ -12,13 +12,13 @@
 #    mixing**, **selective recomputation** (and how to choose its block L_r), and **overlapping
 #    the pipeline traffic** in a 1F1B (one-forward-one-backward) pipeline schedule. You will read
 #    it from one table measured on this CPU: memory first, time second.
-# 3. Read the time overhead honestly: the mixing's work grows like n·C per token, F's like C², so
-#    the overhead falls as the hidden size C grows; V4's 6.7% was measured on GPUs with
+# 3. Read the time overhead honestly: the mixing's work grows like n·d per token, F's like d², so
+#    the overhead falls as the hidden size d grows; V4's 6.7% was measured on GPUs with
 #    hand-written kernels, and this CPU does not reproduce it.
 #
 # Course syllabus: topic **05, activation checkpointing** (selective recomputation), topic **08,
 # pipeline parallelism** (1F1B, what crosses a stage boundary) and topic **01, the training
-# memory budget**. The graded exercise is [assignment 4 in ASSIGNMENTS.md][a4]: you write
+# memory budget**. The graded exercise is [assignment 3 in ASSIGNMENTS.md][a3]: you write
 # Sinkhorn-Knopp, the mixing coefficients, the post-mix's backward, the recomputed block's
 # backward, the 1F1B schedule and the pipeline step of `mhc.py`. Terms in bold are defined where
 # they first appear and in the [README's glossary](../README.md#glossary). "V4 §3.4.2" is a
@@ -26,7 +26,7 @@
 # training-infrastructure section; §2.2 defines mHC). Training steps are numbered from 1; lanes,
 # stages and micro-batches are indices, numbered from 0 as the code numbers them.
 #
-# [a4]: ../ASSIGNMENTS.md#4-mhcpy-manifold-constrained-hyper-connections-made-affordable-v4-342
+# [a3]: ../ASSIGNMENTS.md#3-mhcpy-manifold-constrained-hyper-connections-made-affordable-v4-342
 
 # %%
 import json
@@ -59,17 +59,17 @@ def stage(what):
 # %% [markdown]
 # ## 1. The picture first: n lanes, read by A, written by C, mixed by B
 # A transformer layer normally adds its sublayer's output to one **residual stream**:
-# `x' = x + F(x)`, where F is the attention or MLP block and x holds C numbers per token (C is the
+# `x' = x + F(x)`, where F is the attention or MLP block and x holds d numbers per token (d is the
 # **hidden size**). **Hyper-connections** widen that stream to n parallel copies, the **lanes**
-# (n = 4 in V4), so X holds n × C numbers per token. Each layer then does three small things
+# (n = 4 in V4), so X holds n × d numbers per token. Each layer then does three small things
 # around F, with weights computed from X itself, per token:
-# - **A** (n weights) reads: F's input is the weighted sum of the lanes, `A·X` (C numbers);
+# - **A** (n weights) reads: F's input is the weighted sum of the lanes, `A·X` (d numbers);
 # - **C** (n weights) writes: F's output goes back into every lane, lane i getting `C_i · F(A·X)`;
 # - **B** (an n × n matrix) mixes the lanes with each other: lane i of the output starts from
 #   `Σ_j B_ij · X_j`.
 #
-# Together: `X' = B·X + C·F(A·X)`. (The paper uses the letter C for the write weights and for the
-# hidden size; "C numbers" is always the size.) The sketch shows one token of one layer.
+# Together: `X' = B·X + C·F(A·X)`. (The paper writes the hidden size as C too; here it is d, as in
+# `mhc.py`, so C always means the write weights.) The sketch shows one token of one layer.
 
 # %%
 n_sketch = 4
@@ -100,11 +100,11 @@ ax.text(7.7, 4.75, "C (n weights): write\nF's output into every lane", color="ta
 ax.set(xlim=(-0.2, 9.8), ylim=(-0.2, 5.3), xticks=[], yticks=[])
 for side in ax.spines.values():
     side.set_visible(False)
-ax.set_title(f"One mHC layer for one token: X' = B·X + C·F(A·X), n = {n_sketch} lanes of C numbers")
+ax.set_title(f"One mHC layer for one token: X' = B·X + C·F(A·X), n = {n_sketch} lanes of d numbers")
 plt.show()
 
 # %% [markdown]
-# **What to look at:** F still sees one C-sized input and makes one C-sized output, so its cost
+# **What to look at:** F still sees one d-sized input and makes one d-sized output, so its cost
 # is unchanged; what grows is the stream around it, n lanes instead of one. The grey criss-cross
 # is B. **mHC** (manifold-constrained hyper-connections, V4 §2.2 and arXiv 2512.24880) is
 # hyper-connections with B kept on one set of matrices (the "manifold"): the **doubly
@@ -153,25 +153,28 @@ def free_b(gen, spread, tokens=256):  # HC: the identity plus a small learned de
 DEPTH = 64
 
 # %% [markdown]
-# ### Exercise 1 (predict, then run): the gain of 64 stacked mixings
-# Multiply 64 layers' B matrices, each made doubly stochastic by Sinkhorn-Knopp from random
-# logits. Predict the gain of the product (its largest absolute row sum), as a number.
+# ### Exercise 1 (predict, then run): what 64 stacked mixings conserve
+# Multiply 64 layers' B matrices (n = 4 lanes), each made doubly stochastic by Sinkhorn-Knopp
+# from random logits. Predict the **sum of all 16 entries** of the product `B_64 ⋯ B_1`, as a
+# number: it is what the stream's total over the lanes is multiplied by.
 
 # %%
-answer_gain = None  # the gain of B_64 ... B_1 for mHC (a number)
+answer_total = None  # the sum of the 16 entries of B_64 ... B_1 (a number)
 
 # %%
-# check: answer_gain
+# check: answer_total
 gen_check = torch.Generator().manual_seed(1)
-gain_mhc = composite_gain(lambda: sinkhorn_b(gen_check), DEPTH)[-1]
+product_check = torch.eye(4, dtype=torch.float64)
+for _ in range(DEPTH):
+    product_check = sinkhorn_b(gen_check, tokens=1)[0] @ product_check
 check(
-    "answer_gain",
-    answer_gain,
+    "answer_total",
+    answer_total,
     number(
-        gain_mhc,
+        product_check.sum().item(),
         rel=1e-3,
-        hint="Each row of a doubly stochastic B is a set of non-negative weights summing to 1: "
-        "what is the largest row sum of a product of such matrices?",
+        hint="Sum the product column by column: what does each column of a doubly stochastic "
+        "matrix sum to, and does multiplying two such matrices keep it?",
     ),
 )
 
@@ -243,6 +246,39 @@ for label, err in after_20.items():
 # approximately doubly stochastic. The rows stay exact either way, so each output lane remains
 # an average of input lanes, which is what keeps the gain at 1. The floor at 1e-6 is V4's eps.
 #
+# ### Exercise 2 (change the code, run, observe): rounds for logits of std 1.5
+# Between the plotted std 1 and std 2 lies a case the figure does not show. Edit `rounds` in the
+# cell below and run it as often as you need, to find the **fewest** Sinkhorn rounds after which
+# the worst column error of these 1024 matrices (logits of std 1.5) is under 1e-3.
+
+# %%
+logits_x = 1.5 * torch.randn(
+    1024, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3)
+)
+rounds = 20  # edit, run, repeat
+worst = (mhc.sinkhorn_knopp(logits_x, rounds).sum(-2) - 1).abs().max().item()
+print(f"{rounds} rounds: worst column error {worst:.1e}", "(under 1e-3)" if worst < 1e-3 else "")
+
+# %%
+answer_rounds = None  # the fewest rounds with the worst column error under 1e-3 (an int)
+
+# %%
+# check: answer_rounds
+fewest = next(r for r in range(1, 500)
+              if (mhc.sinkhorn_knopp(logits_x, r).sum(-2) - 1).abs().max() < 1e-3)  # fmt: skip
+check(
+    "answer_rounds",
+    answer_rounds,
+    number(
+        fewest,
+        rel=0.05,
+        unit="rounds",
+        hint="Halve the interval between a count that is "
+        "under 1e-3 and one that is not, until they meet.",
+    ),  # fmt: skip
+)
+
+# %% [markdown]
 # ## 3. What the lanes cost: memory
 # The n lanes make every layer's input n times larger, and backward needs it. Below, one training
 # step (forward, backward, AdamW's update) of a 4-layer model, recorded with
@@ -326,20 +362,20 @@ print(f"naive mHC keeps {peak_act['naive'] / peak_act['residual']:.1f}x the resi
 # functions with their backward written out (`mix_in`: norm, projection, gates, Sinkhorn and
 # pre-mix; `mix_out`: post-mix and residual merge), each keeping only its inputs and the few
 # numbers per token it needs; Sinkhorn's backward replays its rounds instead of storing them. It
-# also moves fewer bytes: the post-mix reads (n+1)·C numbers per token instead of (3n+1)·C (the
+# also moves fewer bytes: the post-mix reads (n+1)·d numbers per token instead of (3n+1)·d (the
 # mHC paper's count). Variant `"fused"`: each layer is one such operation.
 #
 # **Reduction 2, selective recomputation.** Backward needs every layer's lane state X_l, but a
 # lane state can be rebuilt from the one before it with the cheap post-mix alone, if F's output
 # and the layer's coefficients were kept. So the layers are cut into blocks of **L_r** layers;
-# forward keeps each block's input (n·C numbers per token), each F output (C) and each layer's
+# forward keeps each block's input (n·d numbers per token), each F output (d) and each layer's
 # coefficients, and backward rebuilds the lane states block by block. F itself is never run
 # again (its own activations stay), which is what makes this cheaper than checkpointing the whole
 # layer. The coefficients kept per token and layer are A (n), B (n²), C (n), the projection's
-# output (2n + n²) and 1/rms (1): **2n² + 4n + 1 numbers, the "49 numbers" at n = 4**. Variant
-# `"optimised"`, `block=L_r`.
+# output (2n + n²) and 1/rms (1): the "49 numbers" V4 names at n = 4. Variant `"optimised"`,
+# `block=L_r`.
 #
-# ### Exercise 2 (predict, then run): the coefficients kept at n = 8
+# ### Exercise 3 (predict, then run): the coefficients kept at n = 8
 # With n = 8 lanes, how many numbers per token and layer does the recomputed path keep for the
 # mixing's backward (everything `mix_in` returns to be kept, not the lane states)?
 
@@ -362,13 +398,13 @@ check(
 )
 
 # %% [markdown]
-# **Choosing L_r.** With blocks of L_r layers, forward keeps one block input, n·C per token, per
-# block: n·C·L / L_r in all. Backward rebuilds one block at a time and holds about (n + 2)·C per
-# layer of it: (n + 2)·C·L_r. Each layer's mixing is rebuilt once whatever L_r is, so L_r trades
-# stored memory against transient memory only, and the sum `n·L/L_r + (n+2)·L_r` (in lanes of C
+# **Choosing L_r.** With blocks of L_r layers, forward keeps one block input, n·d per token, per
+# block: n·d·L / L_r in all. Backward rebuilds one block at a time and holds about (n + 2)·d per
+# layer of it: (n + 2)·d·L_r. Each layer's mixing is rebuilt once whatever L_r is, so L_r trades
+# stored memory against transient memory only, and the sum `n·L/L_r + (n+2)·L_r` (in lanes of d
 # numbers) is smallest near `L_r = sqrt(n·L/(n + 2))`.
 #
-# ### Exercise 3 (predict, then run): the best block for 32 layers
+# ### Exercise 4 (predict, then run): the best block for 32 layers
 # For n = 4 lanes and L = 32 layers, which whole number of layers L_r makes
 # `n·L/L_r + (n+2)·L_r` smallest?
 
@@ -420,24 +456,29 @@ ax.plot(
 ax.axvline(best, color="k", ls=":", lw=1)
 ax.text(best + 0.15, 0.55, f"sqrt(nL/(n+2)) = {best:.2f}", transform=ax.get_xaxis_transform())
 ax.set_xlabel("recompute block L_r (layers)")
-ax.set_ylabel("memory (lanes of C numbers per token)")
+ax.set_ylabel("memory (lanes of d numbers per token)")
 ax.set_title(f"Stored + transient memory against the recompute block, L = {depth} layers, n = 4")
 ax.set_xticks(blocks)
 ax.legend(loc="upper center")
 plt.tight_layout()
 plt.show()
 print(f"mhc.default_recompute_block(4, {depth}) = {mhc.default_recompute_block(4, depth)}")
+shifted = (measured[-1] - min(measured)) / lane_bytes + min(model_cost)
+print(f"at L_r = {blocks[-1]}: model {model_cost[-1]:.0f} lanes, measured (shifted) {shifted:.0f}")
 
 # %% [markdown]
 # **What to look at:** both curves fall steeply from L_r = 1 (a block input kept for every
 # layer), bottom out near the dotted line and rise again to L_r = L (one block, rebuilt whole in
 # backward). The measured line is shifted to share the model's minimum, so it is the shapes that
-# compare, and they agree: the measured peak is lowest around the dotted line too.
+# compare. They agree where it matters, the minimum: the measured peak is lowest around the dotted
+# line too. They part at the right end (the printed line): the model counts only the lane states a
+# rebuilt block holds, and undercounts the rest of a long block's backward; use it to place L_r,
+# not to size the peak.
 #
 # **Reduction 3, overlapping the pipeline traffic.** In a pipeline, each **stage** (a process
 # holding a contiguous share of the layers) sends the stream of every micro-batch (a slice of the
-# batch) to the next stage, and receives its gradient back; with mHC that is n·C numbers per
-# token instead of C. **1F1B** (one forward, one backward) is the schedule V4's pipeline builds
+# batch) to the next stage, and receives its gradient back; with mHC that is n·d numbers per
+# token instead of d. **1F1B** (one forward, one backward) is the schedule V4's pipeline builds
 # on: a few forwards fill the pipe (warm-up), then each stage alternates one micro-batch's
 # forward with an earlier one's backward (steady state), then drains the last backwards
 # (cool-down); a stage then holds at most as many micro-batches' activations as there are stages.
@@ -455,17 +496,18 @@ for n_micro in (4, N_MICRO):
         print(f"{n_micro} micro-batches, stage {s}: " + " ".join(f"{k}{i}" for k, i in order))
 
 # %% [markdown]
-# ### Exercise 4 (predict, then run): what crosses a stage boundary
-# Section 3's model (C = 128, T = 128 tokens per sequence, n = 4 lanes, fp32) on 2 stages, its
-# batch of 2 sequences in 2 micro-batches. How many MiB does stage 0 send forward to stage 1 in
-# one training step, with mHC?
+# ### Exercise 5 (predict, then run): what crosses a stage boundary
+# Section 3's model (d = 128, T = 128 tokens per sequence, fp32), but with **n = 6 lanes**, on 2
+# stages, its batch of 2 sequences in 2 micro-batches. How many MiB does stage 0 send forward to
+# stage 1 in one training step?
 
 # %%
 answer_traffic_mib = None  # MiB stage 0 sends forward per step (a number)
 
 # %%
 # check: answer_traffic_mib
-shape = mhc.Transformer(cfg).stream_shape(BATCH)  # what crosses the boundary, whole batch
+cfg_six = mhc.Config(vocab_size=128, seq_len=128, dim=128, n_heads=2, n_layers=4, n_hc=6)
+shape = mhc.Transformer(cfg_six).stream_shape(BATCH)  # what crosses the boundary, whole batch
 check(
     "answer_traffic_mib",
     answer_traffic_mib,
@@ -473,7 +515,7 @@ check(
         torch.Size(shape).numel() * 4 / MiB,
         rel=0.01,
         unit="MiB",
-        hint="Every token of every micro-batch crosses once forward: tokens × lanes × C × 4 bytes.",
+        hint="Every token of every micro-batch crosses once forward: tokens × lanes × d × 4 bytes.",
     ),
 )
 
@@ -524,7 +566,7 @@ labels = {
     "fused": "1. fused lane mixing",
     "optimised": f"2. + selective recompute, L_r={L_R}",
 }
-print(f"C={cfg.dim}, T={cfg.seq_len}, batch {BATCH}, {cfg.n_layers} layers, n={cfg.n_hc}, fp32")
+print(f"d={cfg.dim}, T={cfg.seq_len}, batch {BATCH}, {cfg.n_layers} layers, n={cfg.n_hc}, fp32")
 print(f"{'':36}|{'memory (MiB)':^34}|{'time, eager, CPU':^22}")
 print(
     f"{'':36}| {'activations':>11} {'% of naive':>10} {'+ temps':>9} "
@@ -557,8 +599,8 @@ print(
 # - fused lane mixing removes most of naive's extra activations, and selective recomputation a
 #   further part of what is left, paid for by the rebuilt lane states that "+ temps" includes;
 # - in time, eager on a CPU, the three mHC rows differ far less from each other than from the
-#   residual: at this small C every mixing op is a separate pass over memory plus Python
-#   dispatch, while F is a few matmuls (section 6 shows how this changes as C grows);
+#   residual: at this small d every mixing op is a separate pass over memory plus Python
+#   dispatch, while F is a few matmuls (section 6 shows how this changes as d grows);
 # - posting the receives ahead can hide at most the transfer itself, measured alone on the
 #   same link (the last lines): over loopback on one machine, a small share of a step (row 3,
 #   against row 2's step time). What stage 0 waits for besides is mostly the pipeline
@@ -567,10 +609,10 @@ print(
 #   Overlap pays where the link is slow next to the compute, as between GPUs on different
 #   machines, and what it hides there is the n = 4 times larger stream.
 #
-# ## 6. The time overhead against the hidden size C
+# ## 6. The time overhead against the hidden size d
 # Per token and layer, the mixing reads and writes the n lanes a few times and projects them to
-# `2n + n²` = 24 numbers: work that grows like n·C. F's matmuls grow like C². So the relative
-# overhead falls roughly like 1/C, and one size would hide the trend. The curve below was recorded
+# `2n + n²` = 24 numbers: work that grows like n·d. F's matmuls grow like d². So the relative
+# overhead falls roughly like 1/d, and one size would hide the trend. The curve below was recorded
 # by `python benchmarks/bench_mhc.py --curve --save benchmarks/curve_cpu.json` (4 layers,
 # T = 128, batch 2, 1 thread, forward + backward, median of interleaved rounds; eager PyTorch,
 # and `torch.compile`d, F included), read here from its file because compiling takes minutes. How
@@ -597,16 +639,16 @@ if curve:
     ax.set_xticks(dims, [str(d) for d in dims])
     ax.xaxis.set_minor_locator(plt.NullLocator())
     ax.set_ylim(0, None)
-    ax.set_xlabel("hidden size C (numbers per lane)")
+    ax.set_xlabel("hidden size d (numbers per lane)")
     ax.set_ylabel("step time over the residual (%)")
-    ax.set_title("mHC's time overhead falls as C grows; compiled, the two variants nearly meet")
+    ax.set_title("mHC's time overhead falls as d grows; compiled, the two variants nearly meet")
     ax.legend(loc="upper right")
     ax.grid(alpha=0.3)
     plt.tight_layout()
     plt.show()
     saved = curve["saved_MiB"]
     print(f"recorded: {curve['setup']}")
-    print(f"{'C':>6} | {'overhead: naive / optimised':^31} | optimised's extra activations")
+    print(f"{'d':>6} | {'overhead: naive / optimised':^31} | optimised's extra activations")
     print(f"{'':>6} | {'eager':>14} {'compiled':>16} | as % of naive's, compiled")
     for d in dims:
         extra = {v: saved[f"{v} compiled {d}"] - saved[f"residual compiled {d}"]
@@ -619,7 +661,7 @@ if curve:
     print(
         "compiled, optimised minus naive: "
         + ", ".join(
-            f"C={d} {pct[f'optimised compiled {d}'] - pct[f'naive compiled {d}']:+.1f}"
+            f"d={d} {pct[f'optimised compiled {d}'] - pct[f'naive compiled {d}']:+.1f}"
             for d in dims
         )
         + " points"
@@ -628,8 +670,8 @@ else:
     print("benchmarks/curve_cpu.json not found: run the bench command above to record the curve")
 
 # %% [markdown]
-# **What to look at:** every line falls as C grows, the eager ones (dashed) from more than twice
-# the residual's step. Compiled (solid), the two mHC variants nearly meet: from C = 512 on, the
+# **What to look at:** every line falls as d grows, the eager ones (dashed) from more than twice
+# the residual's step. Compiled (solid), the two mHC variants nearly meet: from d = 512 on, the
 # printed differences between optimised and naive are a few points either way, no more than
 # repeated runs of this benchmark move (`benchmarks/bench_mhc.py` says how far to trust a point;
 # the README's mHC section compares runs). So what the optimised path buys on this CPU is memory
@@ -684,4 +726,4 @@ stage("end of the notebook")
 # 2n² + 4n + 1 numbers per token and layer, rebuilds the lane states in backward and never runs F
 # again, with blocks of L_r ≈ sqrt(nL/(n+2)) layers. Overlapping the traffic hides the larger sends
 # behind compute where the link is slow. On this CPU the first two buy memory, not time, and the
-# time overhead falls as C grows; the 6.7% V4 reports is a GPU measurement with its own kernels.
+# time overhead falls as d grows; the 6.7% V4 reports is a GPU measurement with its own kernels.

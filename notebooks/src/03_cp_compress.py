@@ -13,14 +13,14 @@
 #
 # Course syllabus: topic **10, composing a parallelism layout** (context parallelism splits the
 # sequence dimension) and topic **06, ring all-reduce and collective costs** (what each collective
-# moves). The graded exercise is [assignment 5 in ASSIGNMENTS.md][a5]: you write the halo count
+# moves). The graded exercise is [assignment 4 in ASSIGNMENTS.md][a4]: you write the halo count
 # and exchange, local compression, select-and-pad, the visibility rule and the protocol of
 # `cp_compress.py`. Terms in bold are defined where they first appear and in the [README's
 # glossary](../README.md#glossary); "V4 §3.4.3" is a section of the DeepSeek-V4 technical report.
 # Ranks, documents, entries and steps are numbered as the code numbers them: ranks and entries
 # from 0 (they are indices), the training step from 1.
 #
-# [a5]: ../ASSIGNMENTS.md#5-cp_compresspy-context-parallelism-with-compressed-attention-v4-343
+# [a4]: ../ASSIGNMENTS.md#4-cp_compresspy-context-parallelism-with-compressed-attention-v4-343
 
 # %%
 import time
@@ -161,6 +161,7 @@ for r in range(CP):
         entry += 1
 ax.set_xlim(-1, CP * S + 8)
 ax.set_ylim(-2.6, len(ends) + 1)
+ax.set_yticks(range(len(ends)))  # entry indices only: the band above them holds the halo arrows
 ax.invert_yaxis()
 ax.set_xlabel("token position (tokens; dotted lines: document starts)")
 ax.set_ylabel("compressed entry (index)")
@@ -182,32 +183,32 @@ print(
 # blocks align with rank boundaries. A rank computes the entries whose block **ends** on it, never
 # more than s/m, and the count per rank (printed) is uneven.
 #
-# ### Exercise 1 (choose m, predict): the halo
-# Choose a compression ratio m of your own (an int, 2 or more) for an overlapping CSA layer, and
-# predict how many raw rows each rank must receive from its left neighbour. Answer with the pair
-# `(m, rows)`.
+# ### Exercise 1 (predict, then run): the rows a rank really borrows
+# The halo is what a rank *receives*; how much of it its entries *use* depends on the packing.
+# Same setting as the figure (ranks of s = 16 tokens, CSA with m = 4, overlap), but documents
+# [0, 11), [11, 40) and [40, 48) (`cu_seqlens = [0, 11, 40, 48]`). How many distinct rows of
+# rank 0 do rank 1's entries pool, own blocks and the blocks before them together?
 
 # %%
-answer_halo = None  # (m, rows): your m and the halo rows you predict for it
+answer_rows_used = None  # distinct rows of rank 0 that rank 1's entries pool (an int)
 
 
 # %%
-# check: answer_halo
-def judge_halo(answer):
-    m, rows = answer
-    if int(m) < 2:
-        return False, "choose m of 2 or more"
-    truth = cpc.halo_rows(int(m), overlap=True)
-    if int(rows) == truth:
-        return True, f"with m = {m}, an entry ending on the first token reaches back {rows} rows"
-    side = "too many" if int(rows) > truth else "too few"
-    return False, (
-        f"{rows} rows is {side} for m = {m}: the entry's own block starts up to m - 1 tokens "
-        "before the rank, and with overlap it also pools the whole block before its own"
-    )
-
-
-check("answer_halo", answer_halo, judge_halo)
+# check: answer_rows_used
+ends_x, starts_x = cpc.compressed_entry_ends(torch.tensor([0, 11, 40, 48]), M)
+own_x, prev_x = cpc.local_entry_rows(ends_x, starts_x, 1, S, M, overlap=True)
+rows_x = torch.cat([own_x.flatten(), prev_x.flatten()])
+used = torch.unique(rows_x[(rows_x >= 0) & (rows_x < halo)]).numel()  # ext. rows < halo: rank 0's
+check(
+    "answer_rows_used",
+    answer_rows_used,
+    number(
+        used,
+        unit="rows",
+        hint="List the second document's blocks from token 11; find the first block that ends on "
+        "rank 1 and the block before it, then the next entry's.",
+    ),
+)
 
 # %% [markdown]
 # ### Exercise 2 (predict, then run): entries per rank for a packing
@@ -235,6 +236,44 @@ def judge_entries(answer):
 check("answer_entries", answer_entries, judge_entries)
 
 # %% [markdown]
+# ### Exercise 3 (change the code, run, observe): a rank with nothing to compress
+# Back to three ranks of s = 16 tokens and CSA with m = 4. Edit `my_cu` below (document starts,
+# then the total, 48) and run the cell until rank 1 computes **no entry at all**, though it holds
+# 16 tokens. Then answer with your `cu_seqlens` as a list. (The all-gather still works: rank 1
+# sends a buffer of padding.)
+
+# %%
+my_cu = [0, 9, 29, 31, 48]  # edit: increasing document starts, then 48
+my_ends, _ = cpc.compressed_entry_ends(torch.tensor(my_cu), M)
+print(
+    "entries per rank:",
+    cpc.entries_per_rank(my_ends, S, CP).tolist(),
+    "ending at",
+    my_ends.tolist(),
+)
+
+# %%
+answer_empty_rank = None  # your cu_seqlens (a list) that leaves rank 1 without entries
+
+
+# %%
+# check: answer_empty_rank
+def judge_empty(answer):
+    cu_x = [int(t) for t in answer]
+    if cu_x[0] != 0 or cu_x[-1] != CP * S or any(b <= a for a, b in zip(cu_x, cu_x[1:])):
+        return False, f"cu_seqlens starts at 0, ends at {CP * S} and increases"
+    counts = cpc.entries_per_rank(cpc.compressed_entry_ends(torch.tensor(cu_x), M)[0], S, CP)
+    if counts[1] == 0:
+        return True, f"entries per rank {counts.tolist()}: no block ends on rank 1"
+    return False, (
+        f"rank 1 still computes {counts[1]} entries: a block belongs to the rank it ends on, and "
+        "only a document's whole blocks count"
+    )
+
+
+check("answer_empty_rank", answer_empty_rank, judge_empty)
+
+# %% [markdown]
 # ## 3. One buffer size for every rank: s/m + 1
 # The ranks next share their entries with one **all-gather** (every rank receives every rank's
 # buffer), and an all-gather wants buffers of equal size on every rank. Because the count per
@@ -245,29 +284,25 @@ check("answer_entries", answer_entries, judge_entries)
 # hold up to s/m + 1 blocks. This file counts only blocks that end on the rank (at most s/m), so
 # one slot is always padding; it keeps V4's size so that the bytes sent match V4's.
 #
-# ### Exercise 3 (predict, then run): the buffer
-# A CSA layer (m = 4) under CP on 4 ranks of s = 1024 tokens each. How many slots (entries) is
-# the buffer every rank sends into the all-gather?
+# ### Exercise 4 (predict, then run): the bytes of the all-gather
+# An HCA layer at V4's sizes: m' = 128, one entry is `head_dim` = 512 fp32 numbers (HCA has no
+# indexer keys), CP on 8 ranks of s = 4096 tokens each. How many **bytes** does one rank send into
+# the all-gather (its buffer, to each of its 7 peers)?
 
 # %%
-answer_slots = None  # slots in one rank's buffer (an int)
+answer_allgather_bytes = None  # bytes one rank sends in the all-gather (an int)
 
 # %%
-# check: answer_slots
-csa_layer = cpc.CompressedAttention(
-    "csa", dim=16, heads=2, head_dim=8, ratio=4, window=4, top_k=3, index_heads=2, index_dim=4
-)
-sent = cpc.stage_bytes(csa_layer, 1024, 4, rank=0)["stage2_allgather"]
-channels = csa_layer.head_dim + csa_layer.index_dim  # numbers per entry: values + indexer keys
-slots = sent // ((4 - 1) * channels * 4)  # bytes sent to 3 peers, fp32
+# check: answer_allgather_bytes
+hca_v4 = cpc.CompressedAttention("hca", dim=16, heads=2, head_dim=512, ratio=128, window=4)
 check(
-    "answer_slots",
-    answer_slots,
+    "answer_allgather_bytes",
+    answer_allgather_bytes,
     number(
-        slots,
-        unit="slots",
-        hint="At most s/m blocks end on a rank; V4's buffer has room for "
-        "the blocks of the halo rows and the own rows compressed together.",
+        cpc.stage_bytes(hca_v4, 4096, 8, rank=0)["stage2_allgather"],
+        unit="B",
+        hint="Slots per buffer (this section's title), times numbers per slot, times 4 bytes, "
+        "times the peers it goes to.",
     ),
 )
 
@@ -277,8 +312,9 @@ check(
 # read (`end ≤ t`; the public V4 code's rule). HCA attends to every visible entry; CSA's lightning
 # indexer scores them and keeps the top-k (here k = 3), carried to the sparse attention as indices.
 # Besides the entries, each query also attends to a short **sliding window** of the most recent raw
-# tokens (not drawn). Each panel below is a mask: one row per query token, one column per entry of
-# the global compressed sequence, black where the query may use the entry.
+# tokens (not drawn). The HCA panel uses m' = 8, not V4's 128: on this 48-token sequence m' = 128
+# would give no entry at all. Each panel below is a mask: one row per query token, one column per
+# entry of the global compressed sequence, black where the query may use the entry.
 
 # %%
 torch.manual_seed(0)
@@ -435,7 +471,11 @@ print(f"the largest cp=4 rank peaks at {worst4 / cp1:.1%} of the cp=1 peak; 1/cp
 # Bytes each rank sends per layer at cp = 4 (the largest rank), counted from the tensors handed to
 # the collectives. The baseline all-gathers every raw compressor row (values and gate logits, both
 # weight sets for CSA) and the window K/V; the two-stage protocol sends a halo of 2m−1 (CSA) or m−1
-# (HCA) raw rows, the window halo and the compressed buffers.
+# (HCA) raw rows, the window halo and the compressed buffers. A raw compressor row carries the
+# values a block pools (C numbers) and the **gate logits** that weight them in the pooled average
+# (C more); CSA has two sets of both, one for an entry's own block and one for the block before
+# it. The **window halo** is the last `window − 1` raw K/V rows of the left neighbour, so that the
+# sliding window of a rank's first queries is complete.
 
 # %%
 sizes = [512, 1024, 2048]
@@ -487,7 +527,9 @@ for name, cfg in bench.LAYERS.items():  # per-token slopes, from the layer's siz
     )
 
 # %% [markdown]
-# Both grow linearly in T. Per token, the baseline sends every raw compressor row (values and gate
+# The baselines (dashed) grow linearly in T, and so does the protocol's compressed buffer; but
+# HCA's two-stage line is nearly flat here, because its constant part dominates (below). Per
+# token, the baseline sends every raw compressor row (values and gate
 # logits for each weight set: 2·sets·C numbers) plus the window K/V (D); the protocol sends C
 # numbers per m tokens. The slopes differ by (C/m)/(2·sets·C + D), printed above for both layers (C
 # counts the indexer's channels for CSA). What the protocol adds is a constant: the halo (2m−1 or

@@ -15,13 +15,13 @@
 #
 # Course syllabus: topic **05, activation checkpointing**, with topic **01, the training memory
 # budget** (activations are its largest part) and topic **03, the cost of a step** (backward costs
-# about twice the forward; a recompute adds to it). The graded exercise is [assignment 3 in
-# ASSIGNMENTS.md][a3]: you write `forget`, the storage units, the recompute subgraph, the recompute
+# about twice the forward; a recompute adds to it). The graded exercise is [assignment 5 in
+# ASSIGNMENTS.md][a5]: you write `forget`, the storage units, the recompute subgraph, the recompute
 # and the two hooks of `tensor_ckpt.py`. Terms in bold are defined where they first appear and in
 # the [README's glossary](../README.md#glossary); "V4 §3.4.4" is a section of the DeepSeek-V4
 # technical report. Steps are numbered from 1.
 #
-# [a3]: ../ASSIGNMENTS.md#3-tensor_ckptpy-checkpointing-single-tensors-not-layers-v4-344
+# [a5]: ../ASSIGNMENTS.md#5-tensor_ckptpy-checkpointing-single-tensors-not-layers-v4-344
 
 # %%
 import operator
@@ -417,9 +417,10 @@ block.zero_grad(set_to_none=True)
 # a tensor on the way back is kept by no one, `checkpoint_tensors` warns.
 #
 # ### Exercise 3 (predict, then run): which forgets warn?
-# Of the five single forgets `"fc1"`, `"gelu"`, `"qkv"`, `"add"` (the residual sum after the
-# attention, `x + proj(y)`) and `"reshape"`, which make `checkpoint_tensors` warn? Answer with a
-# list of names (possibly empty). Use the traced graph above: walk back from each to kept tensors.
+# Of the five single forgets `"norm2"`, `"permute"` (the reordering of qkv's output into heads),
+# `"scaled_dot_product_attention"`, `"proj"` and `"fc2"`, which make `checkpoint_tensors` warn?
+# Answer with a list of names (possibly empty). Use the traced graph above: walk back from each
+# to kept tensors.
 
 # %%
 answer_warned = None  # the names, among the five, whose forget warns (a list of strings)
@@ -435,17 +436,15 @@ def warnings_of(names):
 
 
 def judge_warned(answer):
-    five = ["fc1", "gelu", "qkv", "add", "reshape"]
+    five = ["norm2", "permute", "scaled_dot_product_attention", "proj", "fc2"]
     chosen = {answer} if isinstance(answer, str) else set(answer)
     if not chosen <= set(five):
         return False, f"{sorted(chosen - set(five))} is not among the five: {five}"
     warned = {name for name in five if warnings_of([name])}
     if chosen == warned:
         return True, (
-            "add's recompute reads proj's output, which no one saves, so proj runs again; reshape "
-            "is a view of the attention output, so forgetting it forgets that storage and the "
-            "attention runs again. The others start from a kept tensor, or re-run only the matmul "
-            "you named"
+            "permute is a view of qkv's output, so forgetting it forgets that storage and qkv runs "
+            "again. The others start from a kept tensor, or re-run only the op you named"
         )
     said = [
         f"{sorted(chosen - warned)} do not warn" if chosen - warned else "",
@@ -529,6 +528,37 @@ print(
 # backward repeats. The two warned choices sit lowest: `reshape` and `add` save little (one small
 # storage) and re-run the attention or the output projection for it.
 #
+# ### Exercise 4 (change the code, run, observe): the largest batch under a budget
+# Say a layer may keep 4 MiB of activations for its backward. With V4's choice (norms and gelu
+# forgotten) and sequences of T = 128 tokens, what is the **largest batch** (sequences) that
+# stays under 4 MiB? Edit `batch_x` in the cell below and run it until you know.
+
+# %%
+V4_NAMES = ["norm1", "norm2", "gelu"]
+batch_x = 4  # edit, run, repeat
+x_b = torch.randn(batch_x, T, C)
+held_b, _ = activation_bytes(tc.checkpoint_tensors(block, (x_b,), names=V4_NAMES), x_b)
+print(f"batch {batch_x}: V4's choice keeps {held_b / MiB:.2f} MiB after forward")
+
+# %%
+answer_batch = None  # the largest batch under 4 MiB (an int)
+
+
+# %%
+# check: answer_batch
+def kept_mib(batch):
+    xb = torch.randn(batch, T, C)
+    return activation_bytes(tc.checkpoint_tensors(block, (xb,), names=V4_NAMES), xb)[0] / MiB
+
+
+largest = max(b for b in range(1, 17) if kept_mib(b) < 4)
+check(
+    "answer_batch",
+    answer_batch,
+    number(largest, unit="sequences", hint="What is kept grows in proportion to the batch."),
+)
+
+# %% [markdown]
 # ## 5. Four ways to checkpoint, one step each
 # Two layers of the same block, one training step, recorded with `memory/memory_timeline.py`
 # (notebook 00 explains the recorder; the x axis counts allocation events). The variants are the
@@ -536,7 +566,7 @@ print(
 # around each layer; `SAC`, a policy that saves every matmul and attention output; `tensor_ckpt`,
 # V4's three marks per layer.
 #
-# ### Exercise 4 (predict, then run): the lowest peak
+# ### Exercise 5 (predict, then run): the lowest peak
 # Which of `"none"`, `"module"`, `"SAC"` and `"tensor_ckpt"` reaches the lowest peak memory over
 # the step? The peak comes in backward, once gradients and recomputed tensors have appeared and
 # before all the activations have been released.

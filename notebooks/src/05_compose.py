@@ -15,11 +15,13 @@
 #
 # Course syllabus: topic **10, composing a parallelism layout from a memory and bandwidth budget**
 # (data, pipeline and shard dimensions interact non-linearly). The graded exercise is the budget's
-# `link_bytes` in `compose.py` ([ASSIGNMENTS.md](../ASSIGNMENTS.md), the compose.py assignment):
+# `link_bytes` in `compose.py` ([assignment 6 in ASSIGNMENTS.md][a6]):
 # what each link carries per step. It composes the four chapters: notebooks 01 (MuonZeRO), 02
 # (mHC and its pipeline), 03 (compressed attention under CP) and 04 (tensor checkpointing). Terms
 # in bold are defined where they first appear and in the [README's glossary](../README.md#glossary).
 # Ranks, stages and coordinates are numbered from 0 (they are indices), training steps from 1.
+#
+# [a6]: ../ASSIGNMENTS.md#6-composepy-a-layout-from-a-memory-and-bandwidth-budget-the-capstone
 
 # %%
 import dataclasses
@@ -42,7 +44,7 @@ from tests.harness import run_torchrun
 plt.rcParams.update({"figure.dpi": 110, "font.size": 10})
 torch.set_num_threads(2)
 T0 = time.perf_counter()
-GB = 1e9
+GB, GiB = 1e9, 2**30  # devices are sold in GB (10^9 bytes); memory is shown in GiB (2^30)
 CATEGORY_COLOR = {  # the recorder's palette, by the budget's category names
     "parameters": COLORS["parameters"],
     "gradients": COLORS["gradients"],
@@ -145,7 +147,10 @@ plt.show()
 # **fits** when its largest rank's sum stays under the device memory. The communication time
 # sends each link's bytes one after another at that link's bandwidth: it leaves out compute,
 # the overlap of communication with compute, per-message latency and the pipeline bubble, so it
-# ranks layouts by what they move, not by how long a step takes.
+# ranks layouts by what they move, not by how long a step takes. **grad_sync** is the dtype in
+# which MuonZeRO sends the gradients to their owners: `"bf16_sr"`, bf16 with stochastic rounding
+# as V4 does (notebook 01), or `"fp32"`, which the tests use for the **exact proof**: a run whose
+# every update matches one process's `torch.optim.Muon`/`AdamW` to float rounding.
 
 # %%
 cfg = compose.ComposeConfig()
@@ -157,8 +162,8 @@ toy_device = 16 * MiB  # a small device, so that the table has a layout that doe
 rows = compose.budget_table(cfg, 4, toy_device, 10 * GB, 1 * GB, ranks_per_node=2)
 print(
     f"device {toy_device / MiB:.0f} MiB; intra-node 10 GB/s, inter-node 1 GB/s, 2 ranks per "
-    "node (assumed); gradients in bf16 (V4's grad_sync); columns: the largest rank's bytes, "
-    "the busiest rank's bytes per step\n"
+    "node (assumed); gradients sent in bf16 (grad_sync, below); columns: the largest rank's "
+    "bytes, the busiest rank's bytes per step\n"
 )
 print(compose.format_budget(rows))
 print(
@@ -177,7 +182,7 @@ for key, color in CATEGORY_COLOR.items():
 ax.axhline(toy_device / MiB, color="k", ls="--", lw=1)
 ax.text(len(rows) - 0.5, toy_device / MiB, " device", va="bottom", ha="right")
 ax.set_ylabel("MiB on the fullest rank")
-ax.set_xlabel("layout pp x cp x dp (ranked: fitting and fastest first)")
+ax.set_xlabel("layout pp x cp x dp (those that fit, fastest first; then the rest by peak)")
 ax.legend(ncol=4, fontsize=9, loc="upper left")
 ax.set_title("What one rank holds, predicted")
 plt.show()
@@ -185,8 +190,11 @@ plt.show()
 # %% [markdown]
 # **What to look at:** the red activation band dominates at this size and shrinks with cp (each
 # rank holds T/cp tokens) but not with pp (stage 0 keeps pp micro-batches in flight, each of
-# fewer layers); the parameter and gradient bands shrink only with pp, the optimizer band with
-# cp × dp. The bars above the dashed device line are the layouts the table marks DOES NOT FIT.
+# fewer layers); the parameter and gradient bands shrink only with pp. The green optimizer band
+# is about the same in every layout (879 to 1,023 KiB in the table): a stage is 1/pp of the model
+# and its state is shared by its cp × dp ranks, so each rank holds about 1/W of the whole state
+# whatever the layout; what differs is how whole matrices pack. The bars above the dashed device
+# line are the layouts the table marks DOES NOT FIT.
 #
 # ### Exercise 1 (count): how many layouts?
 # A layout is an ordered triple (pp, cp, dp) with pp · cp · dp = W. How many are there for a
@@ -206,42 +214,72 @@ check(
 )  # fmt: skip
 
 # %% [markdown]
-# ### Exercise 2 (predict): what a pipeline stage sends
-# In the layout 4 x 1 x 1 (four stages, no CP, no DP), stage 1 sends every micro-batch's stream
-# [B/n_micro, T, n_hc, C] in fp32 to stage 2, and receives its gradient from stage 2 and sends the
-# gradient of its own input to stage 0. How many bytes does stage 1 send per step on the
-# pipeline links?
+# ### Exercise 2 (predict): what a pipeline stage sends, with CP
+# The table gives `pp_send` for 4 x 1 x 1. Now take the layout **4 x 2 x 1** of 8 ranks, not in
+# the table: four stages, each split over 2 CP ranks. How many bytes does **one** rank of stage 1
+# send per step on the pipeline links (streams forward and gradients backward together)?
 
 # %%
 answer_stage1_bytes = None  # bytes stage 1 sends per step (an int)
 
 # %%
 # check: answer_stage1_bytes
-pipeline4 = compose.layout_budget(cfg, 4, 1, 1, toy_device, 10 * GB, 1 * GB, 2)
+pipeline8 = compose.layout_budget(cfg, 4, 2, 1, toy_device, 10 * GB, 1 * GB, 2)
+stage1_rank = (1 * 2 + 0) * 1 + 0  # rank (p, c, d) = (1, 0, 0): (p·cp + c)·dp + d
 check(
     "answer_stage1_bytes",
     answer_stage1_bytes,
-    number(pipeline4.sent[1]["pp_send"], unit="B",
-           hint="an interior stage sends in both directions: n_micro streams forward and as "
-           "many gradients backward, each B/n_micro x T x n_hc x C x 4 bytes"),
+    number(pipeline8.sent[stage1_rank]["pp_send"], unit="B",
+           hint="an interior stage sends in both directions, each micro-batch's stream and its "
+           "gradient; with CP, a rank holds only its shard of the tokens"),
 )  # fmt: skip
 
 # %% [markdown]
-# ### Exercise 3 (read the budget): the smallest peak
-# Which layout of 4 ranks has the smallest predicted peak per rank? Answer with its name as the
-# table prints it, e.g. `"2x2x1"`.
+# ### Exercise 3 (predict from the table): the peak of 1 x 8 x 1
+# Eight ranks, all of them CP: the layout 1 x 8 x 1, not in the table. Starting from the
+# 1 x 4 x 1 row, predict the peak per rank in MiB (within 5%): which bands change when cp doubles,
+# and by how much?
 
 # %%
-answer_smallest_peak = None  # "PPxCPxDP"
+answer_peak_1x8x1 = None  # MiB on the fullest rank of 1 x 8 x 1 (a number)
 
 # %%
-# check: answer_smallest_peak
-smallest = min((r for r in rows if not r.problem), key=lambda r: r.peak_bytes)
+# check: answer_peak_1x8x1
+cp8 = compose.layout_budget(cfg, 1, 8, 1, toy_device, 10 * GB, 1 * GB, 2)
 check(
-    "answer_smallest_peak",
-    answer_smallest_peak,
-    one_of([smallest.name], hint="compare the peak column: which dimension divides the largest "
-           "band of the figure above?"),
+    "answer_peak_1x8x1",
+    answer_peak_1x8x1,
+    number(cp8.peak_bytes / MiB, rel=0.05, unit="MiB",
+           hint="cp divides the tokens, so the activations; the parameters and gradients are the "
+           "whole model's at pp = 1; the optimizer state is shared by all W ranks"),
+)  # fmt: skip
+
+# %% [markdown]
+# ### Exercise 4 (change the code, run, observe): one node for all
+# The table assumes 2 ranks per node, so some links cross nodes at 1 GB/s instead of 10 GB/s.
+# Edit `per_node` below to 4 (all four ranks on one node) and run it. By what factor does the
+# communication time of 1 x 4 x 1 fall, from 2 ranks per node to 4? Answer to two significant
+# digits, and think about why it is that number.
+
+# %%
+per_node = 2  # edit: 4 puts every rank on one node
+for r in compose.budget_table(cfg, 4, toy_device, 10 * GB, 1 * GB, ranks_per_node=per_node):
+    print(f"{r.name}: comm {r.step_s * 1e3:.2f} ms, {'fits' if r.fits else 'does not fit'}")
+
+# %%
+answer_one_node_factor = None  # comm time at 2 per node / comm time at 4 per node (a number)
+
+# %%
+# check: answer_one_node_factor
+comm = {n: next(r.step_s for r in compose.budget_table(cfg, 4, toy_device, 10 * GB, 1 * GB,
+                                                       ranks_per_node=n) if r.name == "1x4x1")
+        for n in (2, 4)}  # fmt: skip
+check(
+    "answer_one_node_factor",
+    answer_one_node_factor,
+    number(comm[2] / comm[4], rel=0.05,
+           hint="On one node every link runs at the intra-node bandwidth; which links of 1 x 4 x 1 "
+           "crossed nodes before, and what share of its bytes did they carry?"),
 )  # fmt: skip
 
 # %% [markdown]
@@ -251,6 +289,8 @@ check(
 # the all-gather of s/m + 1 entries per rank (cp_compress's protocol), and MuonZeRO's all-to-all
 # of padded gradient chunks (bf16 under V4's stochastic rounding, fp32 in the exact proof) and
 # all-gather of the updated parameters.
+# The figure uses a log scale because the links differ by orders of magnitude; it compares each
+# link's bars across layouts, not stacked bands.
 
 # %%
 links = compose.SENT
@@ -264,8 +304,9 @@ ax.set_ylim(1, None)
 ax.set_xticks(np.arange(len(rows)), names)
 ax.set_ylabel("KiB per step (busiest rank)")
 ax.set_xlabel("layout pp x cp x dp")
-ax.legend(ncol=3, fontsize=9)
+ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 ax.set_title("Bytes per step on each link, predicted (log scale; bars absent: nothing sent)")
+fig.tight_layout()
 plt.show()
 both = [r for r in rows if r.cp > 1 and r.cp * r.dp > 1]
 ratio = min(max(s["grad_reduce_scatter"] for s in r.sent)
@@ -273,10 +314,10 @@ ratio = min(max(s["grad_reduce_scatter"] for s in r.sent)
 print(f"with CP, the gradient reduce-scatter alone is at least {ratio:.1f} x the CP traffic")
 
 # %% [markdown]
-# **What to look at:** the CP links carry tens of KiB, below the gradient reduce-scatter and
-# parameter all-gather (the printed ratio), which are the same size for every layout with the
-# same pipeline depth (the whole stage moves once per step) and vanish without data or context
-# parallelism (4 x 1 x 1). The pipeline's bytes grow with its depth.
+# **What to look at:** the CP links carry tens to a couple of hundred KiB, below the gradient
+# reduce-scatter and parameter all-gather (the printed ratio), which are the same size for every
+# layout with the same pipeline depth (the whole stage moves once per step) and vanish without data
+# or context parallelism (4 x 1 x 1). The pipeline's bytes grow with its depth.
 #
 # ## 4. At V4's scale
 # The same procedure on the same model at the sizes of DeepSeek-V4-Flash's public configuration:
@@ -287,8 +328,9 @@ print(f"with CP, the gradient reduce-scatter alone is at least {ratio:.1f} x the
 # pipelines of 1, 2, 4, 8, 11, 22 and 44 stages divide them; and our attention has full-rank
 # query and output projections where V4 uses low-rank ones. Sequences of 8192 tokens, 8 per
 # replica in 8 micro-batches; everything in fp32, as this course trains. Devices: 80 GB (an
-# A100/H100) and 141 GB (an H200); 8 per node, NVLink at 450 GB/s and 50 GB/s (400 Gb/s
-# InfiniBand) between nodes: typical figures, assumed.
+# A100/H100, 74.5 GiB) and 141 GB (an H200, 131.3 GiB); 8 per node, NVLink at 450 GB/s and 50
+# GB/s (400 Gb/s InfiniBand) between nodes: typical figures, assumed. Sizes are printed in GiB;
+# only the devices' names keep their GB.
 
 # %%
 v4 = dataclasses.replace(
@@ -319,38 +361,43 @@ deep = {  # deeper pipelines on 8 CP ranks each, one sequence per micro-batch (1
                               450 * GB, 50 * GB, 8)
     for pp in (11, 22, 44)
 }  # fmt: skip
-print(", ".join(f"{r.name} ({r.pp * r.cp} ranks): peak {r.peak_bytes / GB:.0f} GB"
+print(", ".join(f"{r.name} ({r.pp * r.cp} ranks): peak {r.peak_bytes / GiB:.0f} GiB"
                 for r in deep.values()))  # fmt: skip
 chosen = [best[pp] for pp in sorted(best)] + [deep[pp] for pp in sorted(deep)]
-fig, ax = plt.subplots(figsize=(9, 3.8))
+fig, ax = plt.subplots(figsize=(10, 4.2))
 bottom = np.zeros(len(chosen))
 for key, color in CATEGORY_COLOR.items():
-    worst = [max(r.held, key=lambda h: sum(h.values()))[key] / GB for r in chosen]
+    worst = [max(r.held, key=lambda h: sum(h.values()))[key] / GiB for r in chosen]
     ax.bar([f"{r.name}\n({r.pp * r.cp * r.dp} ranks)" for r in chosen], worst, bottom=bottom,
            color=color, label=key)  # fmt: skip
     bottom += worst
-for limit in (80, 141):
-    ax.axhline(limit, color="k", ls="--", lw=1)
-    ax.text(len(chosen) - 0.5, limit, f" {limit} GB", va="bottom", ha="right")
-ax.set_yscale("log")
-ax.set_ylabel("GB on the fullest rank (log)")
-ax.legend(ncol=4, fontsize=9, loc="upper right")
-ax.set_title("V4 scale: the smallest peak at each pipeline depth")
+for limit, ls in ((80, "--"), (141, ":")):
+    ax.axhline(limit * GB / GiB, color="k", ls=ls, lw=1.2,
+               label=f"a {limit} GB device ({limit * GB / GiB:.1f} GiB)")  # fmt: skip
+ax.set_ylabel("GiB on the fullest rank")
+ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+ax.set_title("V4 scale: the smallest peak at each pipeline depth (linear axis)")
+fig.tight_layout()
 plt.show()
+for r in chosen:
+    worst = max(r.held, key=lambda h: sum(h.values()))
+    print(f"{r.name:>8}: " + ", ".join(f"{k} {v / GiB:,.1f}" for k, v in worst.items())
+          + f" GiB; peak {r.peak_bytes / GiB:,.1f} GiB")  # fmt: skip
 
 # %% [markdown]
-# **What to look at:** the blue and orange bands (fp32 parameters and gradients) are divided only
-# by the pipeline depth, because ZeRO here shards only the optimizer state, and with 256 experts
-# per MoE layer they are most of the model; at 256 ranks (pipelines of at most 8 stages) they
-# alone exceed both devices. Deeper pipelines bring them down, and 1F1B's in-flight
-# micro-batches then make stage 0's activations the next band to watch (they are large here
-# because this model's MoE applies every expert to every token, as muon_zero.TinyMoE does:
-# E / k = 256 / 6 times the work and memory of V4's routed experts). That is the case for
-# the dimension this course leaves out, expert
-# parallelism (each rank holds a share of the experts, paid for with an all-to-all of tokens), and
-# for bf16 weights with fp32 master copies sharded as the optimizer state is.
+# **What to look at:** the height of the blue and orange bands (fp32 parameters and gradients),
+# on a linear axis so that bands compare by height. They are divided only by the pipeline depth,
+# because ZeRO here shards only the optimizer state, and with 256 experts per MoE layer they are
+# most of the model; at 256 ranks (pipelines of at most 8 stages) they alone exceed both devices
+# (the bars run above the dashed and dotted lines; the printed lines give every band). Deeper
+# pipelines bring them down, and 1F1B's in-flight micro-batches then make stage 0's activations the
+# next band to watch (they are large here because this model's MoE applies every expert to every
+# token, as muon_zero.TinyMoE does: E / k = 256 / 6 times the work and memory of V4's routed
+# experts). That is the case for the dimension this course leaves out, expert parallelism (each rank
+# holds a share of the experts, paid for with an all-to-all of tokens), and for bf16 weights with
+# fp32 master copies sharded as the optimizer state is.
 #
-# ### Exercise 4 (predict): how deep a pipeline for V4's weights?
+# ### Exercise 5 (predict): how deep a pipeline for V4's weights?
 # Parameters and gradients in fp32 are 8 bytes per parameter, divided over the pipeline's stages
 # only. Of the depths that divide the 88 sublayers (1, 2, 4, 8, 11, 22, 44, 88), which is the
 # smallest for which every stage's parameters and gradients together fit under 80 GB?
@@ -376,46 +423,53 @@ check(
 # memory_timeline's recorder (this stage's parameters, gradients, optimizer state, activations
 # and temporaries) and counts the bytes each collective sends where it is called. Two layouts of
 # 4 CPU ranks, 2 steps each; gradients synchronised in fp32, as in the exact proof.
-# (These cells need the whole compose.py, model and demo; the budget alone cannot run them.)
 
 # %%
 RUNS = {}
-if hasattr(compose, "run_layout"):
-    out_dir = tempfile.mkdtemp()
-    for layout in ((2, 2, 1), (1, 2, 2)):
-        pp, cp, dp = layout
-        path = os.path.join(out_dir, f"{pp}x{cp}x{dp}.json")
-        stage(f"running compose.py --pp {pp} --cp {cp} --dp {dp}")
-        run_torchrun(
-            "compose.py",
-            nproc=4,
-            timeout=400,
-            args=("--pp", pp, "--cp", cp, "--dp", dp, "--steps", 2, "--json", path),
-        )
-        with open(path) as f:
-            RUNS[layout] = json.load(f)
-    stage("both layouts ran")
-else:
-    print("compose.py here holds only the budget: merge the model and demo to run this section")
+out_dir = tempfile.mkdtemp()
+for layout in ((2, 2, 1), (1, 2, 2)):
+    pp, cp, dp = layout
+    path = os.path.join(out_dir, f"{pp}x{cp}x{dp}.json")
+    stage(f"running compose.py --pp {pp} --cp {cp} --dp {dp}")
+    run_torchrun(
+        "compose.py",
+        nproc=4,
+        timeout=400,
+        args=("--pp", pp, "--cp", cp, "--dp", dp, "--steps", 2, "--json", path),
+    )
+    with open(path) as f:
+        RUNS[layout] = json.load(f)
+stage("both layouts ran")
+
+# %% [markdown]
+# **Reading a pipeline's timeline.** The recorder of notebook 00 files a tensor as an
+# *activation* when a forward pass made it and it is still alive when the backward that needs it
+# begins, and as a *temporary* when it is freed before. `compose.py` marks the whole 1F1B step as
+# one forward phase, forwards and backwards interleaved; inside it the recorder notices each time
+# autograd's backward starts (the next micro-batch's backward), and files what the forwards so far
+# left alive as activations, just as at the end of a plain forward phase. So the red band below
+# is what 1F1B keeps **in flight**: the saved tensors of the micro-batches whose backward has not
+# run yet. Purple is what the ops of a forward or backward free again at once.
 
 # %%
+TIMELINES = {}
 for (pp, cp, dp), run in RUNS.items():
     timelines = [torch.load(r["timeline"], weights_only=False) for r in run["ranks"]]
+    TIMELINES[(pp, cp, dp)] = timelines
     titles = [f"rank {r['rank']} (p, c, d) = {tuple(r['coords'])}" for r in run["ranks"]]
     fig = plot_timelines(timelines, titles, ncols=2, width=5.5, height=3.2)
-    fig.suptitle(f"layout {pp} x {cp} x {dp}: memory per rank, steps 1 and 2", y=1.02)
+    fig.suptitle(f"layout {pp} x {cp} x {dp}: memory per rank, steps 1 and 2 (red: activations "
+                 "in flight; the grey phase is the whole 1F1B step)", y=1.02)  # fmt: skip
     plt.show()
 
 # %% [markdown]
-# **What to look at:** on every rank the green optimizer state appears only at the end of step 1,
-# so step 2 starts from a higher baseline and peaks higher, and the dashed line (the reserved
-# memory a CUDA caching allocator would hold, modelled) jumps at step 2: the first-step anomaly
-# of notebook 00, now on every rank of a layout. The purple humps, one per micro-batch, are what
-# the budget calls activations: the recorder files the tensors saved inside mHC's recomputed
-# blocks (an autograd Function of their own) as temporaries, and the whole 1F1B step as one
-# forward phase. In 2 x 2 x 1 the two ranks of stage 0 peak above those of stage 1 (the first
-# stage keeps two micro-batches in flight, the last one); in 1 x 2 x 2 the four ranks hold the
-# whole model and look alike.
+# **What to look at:** the red humps. Each is 1F1B's rhythm: a forward raises what is in
+# flight, a backward lowers it. The last stage (ranks 2 and 3 of 2 x 2 x 1) alternates one
+# forward with one backward, one hump per micro-batch; stage 0 runs two forwards before its first
+# backward (the warm-up that keeps two micro-batches in flight), so its first two merge, and it
+# peaks higher. In 1 x 2 x 2 the four ranks hold the whole model and look alike. The thin green
+# optimizer band is born at the end of step 1 and stays; section 6 measures what it adds.
+
 
 # %%
 for (pp, cp, dp), run in RUNS.items():
@@ -461,6 +515,60 @@ if RUNS:
 # the same tensors, counted the same way); the activations sit slightly above it, because the
 # recorder also counts the temporaries alive inside the operation running at the peak, of which
 # the budget adds only the MoE's. The peaks add the optimizer step's own temporaries in step 2.
+
+
+# %% [markdown]
+# ## 6. The first-step anomaly, on every rank
+# Notebook 00's rule says step 2 peaks above step 1 by the optimizer state, created inside step
+# 1's optimizer phase. Here the state is small (MuonZeRO shares it over a stage's ranks), so the
+# jump is small against the peak; the bars below show it per rank, with the modelled reserved
+# memory of a CUDA caching allocator beside it.
+
+# %%
+fig, axes = plt.subplots(1, len(TIMELINES), figsize=(11, 3.8), sharey=True)
+for ax, ((pp, cp, dp), timelines) in zip(axes, TIMELINES.items()):
+    print(f"layout {pp} x {cp} x {dp}: MiB per rank")
+    print(f"{'rank':>4} {'step-1 peak':>11} {'step-2 peak':>11} {'jump':>6} {'optimizer':>9} "
+          f"{'share of jump':>13}  reserved: step 1 before its optimizer -> step 2")  # fmt: skip
+    for k, tl in enumerate(timelines):
+        p1, p2 = tl.peak(step=1) / MiB, tl.peak(step=2) / MiB
+        state = tl.peak("optimizer_state") / MiB
+        r1 = tl.peak_reserved_model(step=1, phase="forward") / MiB  # 1F1B, before the optimizer
+        r2 = tl.peak_reserved_model(step=2) / MiB
+        grew = np.diff(tl.reserved_model, prepend=0)
+        at = int(np.argmax(grew[1:])) + 1  # the largest segment opened after the first event
+        where = next(f"step {st}'s {ph}" for ph, st, a, b, *_ in tl.phases if a <= at < b)
+        print(f"{k:>4} {p1:11.2f} {p2:11.2f} {p2 - p1:6.2f} {state:9.2f} "
+              f"{state / (p2 - p1):13.0%} {r1:22.0f} -> {r2:<6.0f} largest new segment "
+              f"{grew[at] / MiB:.0f} MiB, in {where}")  # fmt: skip
+        ax.bar(k - 0.2, p1, 0.4, color="0.7", label="step 1 peak" if k == 0 else None)
+        ax.bar(k + 0.2, p2 - state, 0.4, color="0.45", label="step 2 peak" if k == 0 else None)
+        ax.bar(k + 0.2, state, 0.4, bottom=p2 - state, color=COLORS["optimizer_state"],
+               label="of which optimizer state" if k == 0 else None)  # fmt: skip
+        ax.plot([k - 0.4, k], [r1, r1], color="k", ls="--", lw=1.2,
+                label="reserved (modelled), step 1\nbefore its optimizer" if k == 0 else None,
+                )  # fmt: skip
+        ax.plot([k, k + 0.4], [r2, r2], color="k", ls=":", lw=1.5,
+                label="reserved (modelled), step 2" if k == 0 else None)  # fmt: skip
+    ax.set_xticks(range(len(timelines)), [f"rank {k}" for k in range(len(timelines))])
+    ax.set_title(f"layout {pp} x {cp} x {dp}")
+axes[0].set_ylabel("MiB")
+axes[-1].legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+fig.suptitle("Step 1 against step 2: allocated peaks (bars) and modelled reserved memory (lines)")
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# **What to look at:** on every rank the dark bar (step 2) stands above the light one (step 1)
+# by about its green cap, the optimizer state (the printed share of the jump), under 1 MiB here:
+# the anomaly is real but small, because the state of a stage is shared by its ranks. The black
+# lines jump much more, about 20 MiB from step 1's pipeline phase to step 2, by a whole allocator
+# **segment** (the printed largest new segment and where it opened): in step 1's optimizer phase the
+# optimizer asks for buffers (the state, MuonZeRO's flat gradient and parameter chunks) that no
+# cached free block can hold, so the modelled allocator opens a new segment, and a request between 1
+# and 10 MiB gets a 20 MiB one (notebook 00's rule). That segment is reserved, mostly empty, and
+# kept for reuse: it is the allocator's rounding, not the optimizer state. On a GPU it is what
+# `torch.cuda.memory_reserved` would show, and what an out-of-memory error counts.
 #
 # ## Takeaway
 # A layout is chosen by arithmetic before it is run. Parameters and gradients divide by the
