@@ -53,6 +53,7 @@ ANSWERS = {  # notebook -> {variable: (reference answer, a wrong answer)}, as Py
         "answer_peak_1x8x1": ("9.35", "6.17"),  # activations and state halve; 6.17 halves all
         "answer_one_node_factor": ("9.95", "2.0"),  # every byte crossed nodes: the bandwidth ratio
         "answer_v4_pp": ("44", "8"),  # 8 bytes x 297.6 B / pp < 80 GB first at 44
+        "answer_resume_on_3": ("[(3, 1, 1)]", "[(3, 1, 1), (1, 1, 3)]"),  # 4 sequences, 3 replicas
     },
 }
 ANSWER_LINE = re.compile(r"^(answer_\w+) = None\b", re.M)
