@@ -18,9 +18,10 @@
 # Course syllabus: topic **10, composing a parallelism layout from a memory and bandwidth budget**
 # (data, pipeline and shard dimensions interact non-linearly). The graded exercise is the budget's
 # `link_bytes` in `compose.py` ([assignment 6 in ASSIGNMENTS.md][a6]):
-# what each link carries per step. It composes the four chapters: notebooks 01 (MuonZeRO), 02
-# (mHC and its pipeline), 03 (compressed attention under CP) and 04 (tensor checkpointing). Terms
-# in bold are defined where they first appear and in the [README's glossary](../README.md#glossary).
+# what each link carries per step. It composes the four chapters: notebooks 01 (MuonZeRO), 02a
+# and 02b (mHC and its pipeline), 03 (compressed attention under CP) and 04 (tensor
+# checkpointing). Terms in bold are defined where they first appear and in the
+# [README's glossary](../README.md#glossary).
 # Ranks, stages and coordinates are numbered from 0 (they are indices), training steps from 1.
 #
 # [a6]: ../ASSIGNMENTS.md#6-composepy-a-layout-from-a-memory-and-bandwidth-budget-the-capstone
