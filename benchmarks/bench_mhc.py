@@ -32,7 +32,7 @@ Tables, all measured in one run, 1 thread per process unless --threads:
      the headline line.
 The paper's 6.7% is for GPUs with fused kernels overlapped in DualPipe.
 
-How far to trust table 3 (notebook 02 plots its overhead lines from the saved JSON and leaves
+How far to trust table 3 (notebook 02b plots its overhead lines from the saved JSON and leaves
 this to here and the README's mHC section):
   - an overhead is a difference of two step times of separate models, so it carries their noise.
     The A/A control ("control" in the JSON: control_pct, control_eager_pct) is a second residual
@@ -313,7 +313,7 @@ def pipeline_profile(
     rank, world, cfg, batch, n_micro, repeats=2, modes=("blocking", "posted ahead")
 ):
     """One rank of a 1F1B pipeline of the optimised mHC over the process group already set up
-    (tests.harness's run_ranks starts the ranks; notebook 02 calls it): one model, its stream
+    (tests.harness's run_ranks starts the ranks; notebook 02b calls it): one model, its stream
     exchange in each of `modes` in turn, `repeats` steps each after a warm-up step; then
     the link alone: one micro-batch's stream sent 0 -> 1 and back, 10 times.
     -> {mode: (median s per step of the slowest stage, median s this stage
@@ -1093,7 +1093,7 @@ def main():
         "--save",
         default=None,
         help="--curve: also write its numbers to this JSON file "
-        "(notebook 02 plots benchmarks/curve_cpu.json)",
+        "(notebook 02b plots benchmarks/curve_cpu.json)",
     )
     args = parser.parse_args()
     if args.repeats is not None and args.repeats < 1:

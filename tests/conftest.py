@@ -41,7 +41,8 @@ if SUBMISSION:
 RANKS = ("world_size", "world")
 SLOW = [
     # (test name glob, the slow cases: {parameter: values}, (case id globs,) or None for all)
-    ("test_notebook_reexecutes", ("01_*", "02_*", "03_*", "04_*", "05_*")),  # 00 stays: quickest
+    # every notebook but 00, the quickest, which stays in the default tier
+    ("test_notebook_reexecutes", ("01_*", "02a_*", "02b_*", "03_*", "04_*", "05_*")),
     ("test_demo_replays_under_nccl_rules", {"world_size": (3, 4)}),  # one replay per file: 2
     ("test_*fault_matrix*", {r: (3, 4) for r in RANKS}),  # every fault at 2 ranks
     # muon_zero's guard at 2 ranks: lr, init and shape stay; its other fields are slow cases

@@ -27,9 +27,11 @@ ANSWERS = {  # notebook -> {variable: (reference answer, a wrong answer)}, as Py
         "answer_widest_under_10": ("96", "64"),  # padding is not monotonic in the width
         "answer_fraction_up": ("0.64", "0.36"),  # 0.01 / 2^-6 above 3; 0.36 is the way down
     },
-    "02_mhc": {
+    "02a_mhc_math": {
         "answer_total": ("4.0", "16.0"),  # n columns, each summing to 1 at any depth
         "answer_rounds": ("56", "20"),  # std 1.5 needs far more than V4's 20
+    },
+    "02b_mhc_reductions": {
         "answer_kept_numbers": ("161", "129"),  # 2n^2 + 4n + 1; 129 forgets the projection's n^2
         "answer_block": ("5", "4"),  # sqrt(128/6) = 4.62: 5 costs 55.6 lanes, 4 costs 56
         "answer_traffic_mib": ("0.75", "0.125"),  # 6 lanes x d x 4 B x 256 tokens; 0.125 forgets n
@@ -53,6 +55,7 @@ ANSWERS = {  # notebook -> {variable: (reference answer, a wrong answer)}, as Py
         "answer_peak_1x8x1": ("9.35", "6.17"),  # activations and state halve; 6.17 halves all
         "answer_one_node_factor": ("9.95", "2.0"),  # every byte crossed nodes: the bandwidth ratio
         "answer_v4_pp": ("44", "8"),  # 8 bytes x 297.6 B / pp < 80 GB first at 44
+        "answer_resume_on_3": ("[(3, 1, 1)]", "[(3, 1, 1), (1, 1, 3)]"),  # 4 sequences, 3 replicas
     },
 }
 ANSWER_LINE = re.compile(r"^(answer_\w+) = None\b", re.M)

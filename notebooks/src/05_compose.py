@@ -12,23 +12,31 @@
 #    model and for a V4-scale one.
 # 3. Check the prediction against two layouts run here: per-rank memory timelines, measured peaks
 #    and counted bytes next to the budget's numbers.
+# 4. Stop a run at one layout and continue it at another from a checkpoint, and tell from the
+#    loss curve and the one-process reference that nothing was lost at the break.
 #
 # Course syllabus: topic **10, composing a parallelism layout from a memory and bandwidth budget**
 # (data, pipeline and shard dimensions interact non-linearly). The graded exercise is the budget's
 # `link_bytes` in `compose.py` ([assignment 6 in ASSIGNMENTS.md][a6]):
-# what each link carries per step. It composes the four chapters: notebooks 01 (MuonZeRO), 02
-# (mHC and its pipeline), 03 (compressed attention under CP) and 04 (tensor checkpointing). Terms
-# in bold are defined where they first appear and in the [README's glossary](../README.md#glossary).
+# what each link carries per step. It composes the four chapters: notebooks 01 (MuonZeRO), 02a
+# and 02b (mHC and its pipeline), 03 (compressed attention under CP) and 04 (tensor
+# checkpointing). Terms in bold are defined where they first appear and in the
+# [README's glossary](../README.md#glossary).
 # Ranks, stages and coordinates are numbered from 0 (they are indices), training steps from 1.
 #
 # [a6]: ../ASSIGNMENTS.md#6-composepy-a-layout-from-a-memory-and-bandwidth-budget-the-capstone
 
 # %%
+import contextlib
 import dataclasses
+import io
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
+from unittest import mock
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -570,6 +578,131 @@ plt.show()
 # kept for reuse: it is the allocator's rounding, not the optimizer state. On a GPU it is what
 # `torch.cuda.memory_reserved` would show, and what an out-of-memory error counts.
 #
+# ## 7. Save at one layout, resume at another
+# A real run stops: its time on the cluster runs out, a node fails, and tomorrow the cluster lends
+# a different number of ranks. `compose.py --save DIR` writes a **checkpoint** after the last step
+# (and every `--save-every K` steps) with `torch.distributed.checkpoint`, torchtitan's recipe: each
+# rank writes only what it holds (its stage's parameters, its share of MuonZeRO's and AdamW's
+# state) under the model's own names, never a rank's, and `compose.json` beside them records the
+# step, the layout and the settings. `--resume DIR` continues up to `--steps` in all on **any**
+# layout: each rank reads back the parts its new place in the mesh holds. Two things make the
+# resumed steps the same steps: the data of step k are drawn from (seed, k) alone, and the
+# **global batch** (the sequences of one step, over all replicas) stays the checkpoint's.
+#
+# Below, 2 steps on two pipeline stages (2 x 1 x 1, two torchrun ranks), saved; 2 more resumed on
+# one plain process, `python compose.py`, with `--check`, which also trains the one-process
+# reference of all 4 steps (torch.optim.Muon + AdamW, none of the four techniques) and prints the
+# largest difference; and, to plot against, 4 uninterrupted steps at 2 x 1 x 1. In float64, so that
+# the agreement is rounding's (~1e-12), not fp32's amplified noise; the resume repeats `--float64`
+# because a resume must use the settings the checkpoint was saved with. The checkpoint's folder
+# holds one file per saving rank (`__0_0.distcp` is rank 0's: stage 0's parameters and state),
+# dcp's index of where each tensor lies (`.metadata`) and `compose.json`.
+
+# %%
+ROOT = os.path.dirname(os.path.abspath(compose.__file__))
+ckpt = os.path.join(out_dir, "ckpt")
+SMALL = ("--float64", "--record", 0)  # float64 for the proof; no memory recording, for speed
+stage("2 steps at 2 x 1 x 1, saved")
+run_torchrun("compose.py", nproc=2, timeout=300, args=("--pp", 2, "--steps", 2, "--save", ckpt,
+             "--json", os.path.join(out_dir, "saved.json"), *SMALL))  # fmt: skip
+stage("2 more steps on one process, resumed")
+resumed = subprocess.run(
+    [sys.executable, "compose.py", "--steps", "4", "--resume", ckpt, "--check", "--json",
+     os.path.join(out_dir, "resumed.json"), *map(str, SMALL)],
+    cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""),
+    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
+)  # fmt: skip
+assert resumed.returncode == 0, resumed.stdout
+stage("4 uninterrupted steps at 2 x 1 x 1")
+run_torchrun("compose.py", nproc=2, timeout=300, args=("--pp", 2, "--steps", 4, "--json",
+             os.path.join(out_dir, "whole.json"), *SMALL))  # fmt: skip
+stage("done")
+saved_at = os.path.join(ckpt, "step-2")
+print(f"the checkpoint {os.path.basename(ckpt)}/step-2:")
+for name in sorted(os.listdir(saved_at)):
+    print(f"  {name:>14}  {os.path.getsize(os.path.join(saved_at, name)) / MiB:6.2f} MiB")
+with open(os.path.join(saved_at, "compose.json")) as f:
+    record = json.load(f)
+print("  compose.json says: " + ", ".join(f"{k} {record[k]}" for k in ("step", "layout",
+      "global_batch")))  # fmt: skip
+said = resumed.stdout.splitlines()
+print(f"\nthe resumed run's first line: {said[0]!r}")
+print(next(line for line in said if line.startswith("against the one-process reference")))
+
+# %%
+LOSSES = {}
+for name in ("saved", "resumed", "whole"):
+    with open(os.path.join(out_dir, f"{name}.json")) as f:
+        LOSSES[name] = json.load(f)["ranks"][0]["losses"]
+broken = LOSSES["saved"] + LOSSES["resumed"]
+steps = np.arange(1, len(broken) + 1)
+fig, ax = plt.subplots(figsize=(7, 3.8))
+ax.plot(steps, LOSSES["whole"], color="0.8", lw=6, label="uninterrupted: 4 steps at 2 x 1 x 1")
+ax.plot(steps, broken, color="k", lw=1, ls="--")
+ax.plot(steps[:2], broken[:2], "o", color="C0", ms=8, label="steps 1-2 at 2 x 1 x 1, saved")
+ax.plot(steps[2:], broken[2:], "s", color="C1", ms=8, label="steps 3-4 resumed on one process")
+ax.axvline(2.5, color="k", ls=":", lw=1.2)
+ax.text(2.52, max(broken), "the break: saved after step 2,\nresumed at 1 x 1 x 1", va="top",
+        fontsize=9)  # fmt: skip
+ax.set_xticks(steps)
+ax.set_xlabel("training step")
+ax.set_ylabel("loss (float64)")
+ax.legend(fontsize=9, loc="lower left")
+ax.set_title("One run in two pieces, against the run that never stopped")
+plt.show()
+gap = max(abs(a - b) / b for a, b in zip(broken, LOSSES["whole"]))
+print(f"largest relative difference from the uninterrupted run, any step: {gap:.1e}")
+
+# %% [markdown]
+# **What to look at:** step 3, the first square after the dotted break. It lands on the grey line
+# of the run that never stopped, and the dashed curve goes on falling at the same pace, although
+# the process, the layout and the number of ranks all changed. A resume that lost MuonZeRO's
+# momentum or AdamW's moments would take a different step 3, and one that drew its data from the
+# start again would train on step 1's batch; the printed difference (none, or float64's rounding)
+# and `--check`'s line against the independent one-process reference say that neither happened.
+#
+# ### Exercise 6 (predict): tomorrow, three ranks
+# Tomorrow the cluster lends you 3 ranks to finish this run. Of the three layouts of 3 ranks,
+# 3 x 1 x 1, 1 x 3 x 1 and 1 x 1 x 3, each launched as `torchrun --nproc_per_node=3 compose.py
+# --pp P --cp C --dp D --steps 4 --float64 --resume ckpt` and nothing more, which does compose.py
+# accept? The others stop with a one-line error before any work.
+
+# %%
+answer_resume_on_3 = None  # a list of (pp, cp, dp) tuples, e.g. [(1, 1, 3)]; [] if none
+
+
+# %%
+# check: answer_resume_on_3
+def accepts(pp, cp, dp):
+    """What compose.py decides on 3 ranks before any work: its own option parsing, run here."""
+    argv = ["--pp", pp, "--cp", cp, "--dp", dp, "--steps", 4, "--float64", "--resume", ckpt]
+    with mock.patch.dict(os.environ, WORLD_SIZE="3", RANK="1"):  # rank 1 prints nothing
+        with contextlib.redirect_stderr(io.StringIO()):  # the refusal's line would give it away
+            try:
+                compose.parse_args(list(map(str, argv)))
+            except SystemExit:
+                return False
+    return True
+
+
+accepted = {layout for layout in ((3, 1, 1), (1, 3, 1), (1, 1, 3)) if accepts(*layout)}
+
+
+def judge_layouts(answer):
+    said = {tuple(layout) for layout in answer}
+    if said == accepted:
+        return True, f"{sorted(said)} is right"
+    refused = "includes a layout compose.py refuses" if said - accepted else "leaves one out"
+    tokens = record["config"]["seq_len"]
+    return False, (f"{sorted(said)} is not it: it {refused}. A layout must split what "
+                   "the checkpoint fixed: its global batch over the replicas, its sequence of "
+                   f"{tokens} tokens over the CP ranks in whole compressed blocks (notebook 03), "
+                   "its sublayers and micro-batches over the stages")  # fmt: skip
+
+
+check("answer_resume_on_3", answer_resume_on_3, judge_layouts)
+
+# %% [markdown]
 # ## Takeaway
 # A layout is chosen by arithmetic before it is run. Parameters and gradients divide by the
 # pipeline depth, the optimizer state by the ranks that share a stage (MuonZeRO owns whole
@@ -580,4 +713,6 @@ plt.show()
 # once per step. On this model the budget predicts parameters, gradients, optimizer state and
 # every link's bytes exactly and activations within the temporaries it leaves out; at V4's scale
 # the same arithmetic shows that these four techniques alone cannot hold the experts, which is
-# why V4 adds expert parallelism.
+# why V4 adds expert parallelism. And a run is not tied to its layout: a checkpoint written by
+# each rank for what it holds, under the model's names, continues on any layout that divides its
+# global batch and sequence, and the loss does not notice the break.
