@@ -123,6 +123,7 @@ def pytest_assertrepr_compare(config, op, left, right):
     return [line]
 
 
+@pytest.hookimpl(trylast=True)  # after -m has deselected the ungraded cases: they are not graded
 def pytest_collection_modifyitems(session, config, items):
     graded = []
     for item in items:
