@@ -29,15 +29,14 @@ FP32 = dict(loss=1e-5, grads=1e-4)
 # ---- the reference: V4's mHC transformer written out in float64 ----------------------------------
 
 
-def v4_sinkhorn(comb_logits, iters=20, eps=EPS):
-    """The public V4 code's loop, transcribed in its own layout (comb = B^T): softmax over comb's
-    rows + eps, then comb's columns, then iters-1 rounds of (rows, columns), each sum + eps."""
-    comb = torch.softmax(comb_logits, dim=-1) + eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return comb
+def v4_sinkhorn(logits, iters=20, eps=EPS):
+    """V4's Sinkhorn in B's layout: exp(logits) scaled to unit columns, + eps, then scaled to unit
+    rows, then iters - 1 times to unit columns and rows, each divisor a sum + eps."""
+    scaled = torch.exp(logits - logits.amax(-2, keepdim=True))
+    scaled = scaled / scaled.sum(-2, keepdim=True) + eps
+    for axis in [-1] + [-2, -1] * (iters - 1):
+        scaled = scaled / (scaled.sum(axis, keepdim=True) + eps)
+    return scaled
 
 
 def rms_normed(x, weight=None):
@@ -54,7 +53,7 @@ def v4_coefficients(p, lanes):
     a = torch.sigmoid(alpha[0] * z[..., :N] + p["bias_pre"]) + EPS
     c = 2 * torch.sigmoid(alpha[1] * z[..., N : 2 * N] + p["bias_post"])
     res = z[..., 2 * N :].reshape(*z.shape[:-1], N, N)
-    return a, v4_sinkhorn((alpha[2] * res + p["bias_res"]).transpose(-1, -2)).transpose(-1, -2), c
+    return a, v4_sinkhorn(alpha[2] * res + p["bias_res"]), c
 
 
 def attention(p, x):
@@ -168,8 +167,8 @@ def test_sinkhorn_matches_v4_and_is_doubly_stochastic():
     )
     assert cols < 1e-5, f"columns of B must sum to 1 after 20 rounds, worst error {cols:.1e}"
     # V4 fixes the order (the docstring says so): compared to float64 rounding, 1e-12
-    err = (b - v4_sinkhorn(logits.mT).mT).abs().max().item()
-    rows_first = (b - v4_sinkhorn(logits)).abs().max().item() < 1e-12  # V4's loop in B's layout
+    err = (b - v4_sinkhorn(logits)).abs().max().item()
+    rows_first = (b - v4_sinkhorn(logits.mT).mT).abs().max().item() < 1e-12  # transposed order
     assert err < 1e-12, (
         "B is normalised rows first (softmax along rows, columns last): V4 starts with a softmax "
         "down each column (dim=-2) and ends every round on the rows"
