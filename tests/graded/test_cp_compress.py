@@ -330,9 +330,12 @@ def check_protocol(got, expected, info, cu, m, overlap, rank, world_size):
     s, h, n = S, 2 * m - 1 if overlap else m - 1, len(info)
     wrong = [rows for rows in got["halos"] if rows != h]
     rule = "2m-1 rows under CSA's overlap" if overlap else "m-1 rows without overlap (HCA)"
+    raised = f" ({got['error']})" if "error" in got else ""
     assert not wrong, (
-        f"the halo must carry {rule}: the protocol shipped {wrong[0]} rows for m={m}, expected {h}"
+        f"the halo must carry {rule}: the protocol shipped {wrong[0]} rows for m={m}, expected "
+        f"{h}{raised}"
     )
+    assert not raised, f"context_parallel_compress raised {got['error']} (rank {rank})"
     counts = [sum(1 for end, _ in info if end // s == r) for r in range(world_size)]
     assert got["counts"] == counts, (
         f"counts must be the entries whose block ENDS on each rank (they follow where documents "
@@ -401,6 +404,9 @@ def check_layer(world_size, gradients):
     cases, runs = layer_runs(world_size)
     for k, (kind, m, cu, x, grad_out) in enumerate(cases):
         overlap = kind == "csa"
+        for rank, r in enumerate(runs):  # a rank that raised on this case: its halo, then why
+            if len(r) == k + 1 and "error" in r[k]:
+                check_protocol(r[k], None, [], cu, m, overlap, rank, world_size)
         params = {n: t.double().requires_grad_() for n, t in runs[0][k]["params"].items()}
         x64 = x.double().requires_grad_()
         out, entries, info = plain_attention(params, x64, cu, m, overlap)
@@ -464,12 +470,18 @@ def check_boundaries(results, s, m):
     def expect(p):
         return (p // s) * 10000 + p % s  # the value of global position p
 
+    final = next(r for r in results if r["rank"] == cp - 1)
     for res in results:
         rank = res["rank"]
-        for overlap, got in zip((True, False), res["by_overlap"]):
+        for k, (overlap, got) in enumerate(zip((True, False), res["by_overlap"])):
             h = 2 * m - 1 if overlap else m - 1
             halo = [int(v) for v in got["halo"]]
-            assert not (any(halo) and halo[0] // 10000 == rank + 1), (
+            # at 2 ranks a ring also hands rank 0 rank 1's rows; then the last rank's halo is right
+            last_ok = cp > 1 and [int(v) for v in final["by_overlap"][k]["halo"]] == [
+                expect(p) for p in range((cp - 1) * s - h, (cp - 1) * s)
+            ]
+            came_from_next = any(halo) and halo[0] // 10000 == rank + 1
+            assert not (came_from_next and not (rank == 0 and last_ok)), (
                 f"the halo comes from the PREVIOUS rank (exchange_halo sends to rank + 1 and "
                 f"receives from rank - 1): rank {rank} received rows of rank {rank + 1}"
             )

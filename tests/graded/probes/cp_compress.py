@@ -64,6 +64,9 @@ def layer_runs(rank, world_size, cases, window, top_k):
                 shard = cpc.context_parallel_compress(
                     proj.kv, proj.gate, layer.ape, layer.normalise, cu, m, layer.overlap
                 )
+        except Exception as error:  # rows indexed past a halo of the wrong size: say its size
+            out.append({"error": f"{type(error).__name__}: {error}", "halos": shipped})
+            return out
         finally:
             cpc.halo_from_previous = real
         x_cp = cpc.shard_sequence(x, world_size, rank).clone().requires_grad_()
