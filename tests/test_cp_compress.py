@@ -9,8 +9,9 @@ visibility and every boundary-value check are integers or copies and must match 
 inputs keep the k-th and (k+1)-th indexer scores at least 2e-5 apart (relative), so no fp32 op
 order can swap a selection.
 
-Graded tests name the quantity, expected vs got and how far, in their first line; a multi-rank
-test raises the failing rank's message first (`ranks` below), never a tensor dump.
+The graded tests are in tests/graded/test_cp_compress.py (the submitted code in a sandbox, the
+references in the grading process). These name the quantity, expected vs got and how far, in their
+first line; a multi-rank test raises the failing rank's message first (`ranks` below).
 """
 
 import math
@@ -82,15 +83,6 @@ def make_layer(kind):
     return cpc.CompressedAttention("hca", dim=16, heads=2, head_dim=8, ratio=M_HCA, window=WINDOW)
 
 
-PROTOCOL_NEEDS = (
-    "cp_compress.halo_rows",
-    "cp_compress.compress_local",
-    "cp_compress.select_and_pad",
-    "cp_compress.visibility",
-    "cp_compress.exchange_halo",
-)
-
-
 def first_line(traceback_text):
     """The last exception's first line of a formatted traceback."""
     lines = traceback_text.strip().splitlines()
@@ -115,22 +107,6 @@ def ranks(fn, world_size, args=(), timeout=120):
 # --------------------------------------------------------------------------------------------------
 # Pure functions, one process
 # --------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.grade(points=2, solution="cp_compress.halo_rows")
-def test_halo_rows_counts_the_overlap():
-    for m in (1, 4, 8, 128):
-        got = cpc.halo_rows(m, overlap=True)
-        assert got == 2 * m - 1, (
-            f"the halo must carry 2m-1 rows under CSA's overlap (the entry's own block may start "
-            f"m-1 tokens back, and it also pools the whole block before): halo_rows({m}, "
-            f"overlap=True) returned {got}, expected {2 * m - 1}"
-        )
-        got = cpc.halo_rows(m, overlap=False)
-        assert got == m - 1, (
-            f"without overlap (HCA) the halo is m-1 rows (a block ending on a rank starts at most "
-            f"m-1 tokens before it): halo_rows({m}, overlap=False) returned {got}, expected {m - 1}"
-        )
 
 
 def test_compressed_entry_ends_per_document():
@@ -194,143 +170,6 @@ def test_compress_reference_matches_scalar_loops(overlap):
     assert got.shape == (6, 3)
     assert got[4:].abs().max() == 0  # 4 valid entries, zero padding at the tail
     close(got, _naive_compress(kv, score, ape, cu, 4, overlap), "compress_reference")
-
-
-def _rows_for_one_rank(cu, m, overlap, halo):
-    """own/prev row indices into [halo rows | s rows] for one rank holding the whole sequence,
-    built here from the definitions (not from local_entry_rows), and which entries start a doc."""
-    own, prev, first = [], [], []
-    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        for j in range((b - a) // m):
-            start = halo + a + j * m
-            own.append(list(range(start, start + m)))
-            prev.append(list(range(start - m, start)) if j > 0 else [-1] * m)
-            first.append(j == 0)
-    own = torch.tensor(own, dtype=torch.long).reshape(-1, m)
-    prev = torch.tensor(prev, dtype=torch.long).reshape(-1, m) if overlap else None
-    return own, prev, first
-
-
-@pytest.mark.grade(points=2, solution="cp_compress.compress_local")
-@pytest.mark.parametrize("overlap", [True, False])
-def test_compress_local_on_one_rank_matches_reference(overlap):
-    g = torch.Generator().manual_seed(1)
-    sets, m, s, C, halo = (2 if overlap else 1), 4, 24, 3, 5
-    kv, score = torch.randn(s, sets, C, generator=g), torch.randn(s, sets, C, generator=g)
-    ape = torch.randn(m, sets, C, generator=g)
-    cu = torch.tensor([0, 3, 15, 16, 24])  # 3 entries, then 2; documents shorter than a block
-    # halo rows of random values: an entry that starts its document must not read them
-    ext_kv = torch.cat([torch.randn(halo, sets, C, generator=g), kv])
-    ext_score = torch.cat([torch.randn(halo, sets, C, generator=g), score])
-    own, prev, starts_doc = _rows_for_one_rank(cu, m, overlap, halo)
-    n, slots = own.shape[0], s // m + 1
-    buf = cpc.compress_local(ext_kv, ext_score, ape, own, prev, slots)
-    assert tuple(buf.shape) == (slots, C), (
-        f"compress_local must return [slots, C] = {(slots, C)}, got {tuple(buf.shape)}"
-    )
-    tail = buf[n:].abs().max().item()
-    assert tail == 0, (
-        f"the buffer holds the {n} valid entries first and zero rows after (padding at the tail): "
-        f"rows {n}..{slots - 1} are not zero (max |row| = {tail:.3e})"
-    )
-    expected = _naive_compress(kv, score, ape, cu, m, overlap)[:n]
-    scale = expected.abs().max().item()
-    errors = (buf[:n] - expected).abs().amax(dim=1)
-    bad = [e for e in range(n) if errors[e] > 1e-5 * scale]
-    if overlap and bad and all(starts_doc[e] for e in bad):
-        raise AssertionError(
-            f"an entry that starts its document has no previous block (prev_rows == -1: padding, "
-            f"logit -inf, value 0), so it pools only its own m rows: entries {bad} differ, max "
-            f"|got - expected| = {errors.max():.3e} (tolerance {1e-5 * scale:.1e})"
-        )
-    assert not bad, (
-        f"entry {bad[0]} differs from the per-channel softmax pooling of its window (own block "
-        f"from set 0{', the block before from set 1' if overlap else ''}, softmax over the "
-        f"window's rows): max |got - expected| = {errors[bad[0]]:.3e} (tolerance "
-        f"{1e-5 * scale:.1e}), {len(bad)} of {n} entries off"
-    )
-
-
-@pytest.mark.grade(points=2, solution="cp_compress.select_and_pad")
-def test_select_and_pad():
-    for cp, slots, C, counts, total in (
-        (3, 3, 1, [2, 0, 1], 6),
-        (4, 5, 2, [4, 3, 5, 1], 16),
-        (2, 4, 3, [0, 0], 6),
-    ):
-        gathered = torch.arange(1, cp * slots * C + 1, dtype=torch.float32).view(cp, slots, C)
-        out = cpc.select_and_pad(gathered, counts, total)
-        assert tuple(out.shape) == (total, C), (
-            f"select_and_pad must return [total, C] = {(total, C)}, got {tuple(out.shape)}"
-        )
-        picked = [(r, j) for r, n in enumerate(counts) for j in range(n)]
-        expected = torch.zeros(total, C)
-        for i, (r, j) in enumerate(picked):
-            expected[i] = gathered[r, j]
-        if torch.equal(out, expected):
-            continue
-        n = len(picked)
-        assert not torch.equal(out[total - n :], expected[:n]) or n == total, (
-            f"padding rows belong at the tail: the {n} valid entries must be rows 0..{n - 1}, "
-            f"zero rows after, but they sit at rows {total - n}..{total - 1} (counts {counts})"
-        )
-        last = [gathered[r, slots - n_r + j] for r, n_r in enumerate(counts) for j in range(n_r)]
-        assert not (n and torch.equal(out[:n], torch.stack(last))), (
-            f"rank r's valid entries are the FIRST counts[r] rows of its buffer, got the last ones "
-            f"(counts {counts}, {slots} slots per rank)"
-        )
-        assert not torch.equal(out, gathered.flatten(0, 1)[:total]), (
-            f"only rank r's first counts[r] rows are entries (the rest of its buffer is padding): "
-            f"the buffers were kept whole, cut to total (counts {counts}, {slots} slots per rank)"
-        )
-        row = next(i for i in range(total) if not torch.equal(out[i], expected[i]))
-        what = f"rank {picked[row][0]}'s buffer row {picked[row][1]}" if row < n else "a zero row"
-        raise AssertionError(
-            f"row {row} must be {what} (rank r's first counts[r] rows, in rank order, then zero "
-            f"rows): expected {expected[row].tolist()}, got {out[row].tolist()} (counts {counts})"
-        )
-
-
-@pytest.mark.grade(points=2, solution="cp_compress.visibility")
-def test_visibility_rule():
-    cu = torch.tensor([0, 9, 16, 17, 30])
-    ends, starts = cpc.compressed_entry_ends(cu, 4)  # doc 0: ends 3, 7; doc 1: 12; doc 3: 20..28
-    ends = torch.cat([ends, torch.tensor([30, 30])])  # two padding entries: never visible
-    starts = torch.cat([starts, torch.tensor([-1, -1])])
-    pos = torch.arange(30)
-    doc = cpc.doc_start_of(pos, cu)
-    got = cpc.visibility(pos, doc, ends, starts)
-    assert tuple(got.shape) == (30, ends.numel()), (
-        f"visibility must return [queries, entries] = {(30, ends.numel())}, got {tuple(got.shape)}"
-    )
-    assert got.dtype == torch.bool, (
-        f"visibility must return a bool tensor (the layer masks with ~visible), got {got.dtype}"
-    )
-    for t in range(30):
-        for e in range(ends.numel()):
-            end, own = int(ends[e]), int(starts[e]) == int(doc[t])
-            want = own and end <= t
-            if bool(got[t, e]) == want:
-                continue
-            where = f"query {t} (document starting at {int(doc[t])}), entry {e} ending at {end}"
-            if not own and int(starts[e]) < 0:
-                raise AssertionError(f"padding entries must never be visible: {where} is visible")
-            assert own, (
-                f"a query sees only entries of its own document: {where} of the document "
-                f"starting at {int(starts[e])} is visible"
-            )
-            assert not (want and end == t), (
-                f"the last token of a block sees that block (end(e) <= t, the public V4 code's "
-                f"rule; the paper's strict e < floor(t/m) is not this file's): {where} is not "
-                f"visible"
-            )
-            assert want, (
-                f"a block is visible only once complete (end(e) <= t): {where} is visible "
-                f"{end - t} token(s) early"
-            )
-            raise AssertionError(
-                f"a query sees every complete block of its own document: {where} is not visible"
-            )
 
 
 def test_index_scores_and_top_k():
@@ -591,95 +430,10 @@ def _equivalence(rank, world_size):
     return checked
 
 
-@pytest.mark.grade(points=1, solution="cp_compress.context_parallel_compress", needs=PROTOCOL_NEEDS)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_cp_equals_single_device_reference(world_size):
     results = ranks(_equivalence, world_size, timeout=120)
     assert all(len(r) == 10 for r in results)  # 2 layer kinds x 5 layouts on every rank
-
-
-def _boundary_values(rank, world_size):
-    """Raw values rank*10000 + local position: what crossed each boundary, both directions."""
-    s, m = 16, 4
-    out = {}
-    value = (rank * 10000 + torch.arange(s, dtype=torch.float32))[:, None].requires_grad_()
-
-    def expect(p):
-        return (p // s) * 10000 + p % s  # the value of global position p
-
-    for overlap in (True, False):
-        h = 2 * m - 1 if overlap else m - 1
-        halo = cpc.halo_from_previous(value, h)
-        got = [int(v) for v in halo.flatten().tolist()]
-        assert not (any(got) and got[0] // 10000 == rank + 1), (
-            f"the halo comes from the PREVIOUS rank (exchange_halo sends to rank + 1 and "
-            f"receives from rank - 1): rank {rank} received rows of rank {rank + 1}"
-        )
-        if rank == 0:
-            assert not any(got), (
-                f"rank 0 has no previous rank: its halo must be zeros (the line does not wrap "
-                f"around like a ring), got values of rank {max(got) // 10000}"
-            )
-        else:
-            want = [expect(p) for p in range(rank * s - h, rank * s)]
-            assert got == want, (
-                f"rank {rank}'s halo must be rank {rank - 1}'s last {h} rows (values {want[0]}.."
-                f"{want[-1]}), got {got[:2]}..{got[-2:]}"
-            )
-        # backward: the gradient of the halo lands on the previous rank's last h rows, exactly
-        weight = (rank * 100 + torch.arange(h, dtype=torch.float32))[:, None]
-        (halo * weight).sum().backward()
-        grad = [int(v) for v in value.grad.flatten().tolist()]
-        value.grad = None
-        want = [0] * (s - h) + [(rank + 1) * 100 + i for i in range(h)]
-        last = rank + 1 == world_size
-        want = [0] * s if last else want
-        assert grad == want, (
-            f"to_next=False is the backward pass: rank {rank + 1} sends the halo's gradient back "
-            f"to rank {rank}, onto its last {h} rows{' (the last rank: none)' if last else ''}: "
-            f"rank {rank}'s gradient rows {s - h}.. are {grad[s - h : s - h + 3]}..., expected "
-            f"{want[s - h : s - h + 3]}..."
-        )
-        # a document starting 2m-1 tokens before every boundary: which raw rows feed which entry
-        cu = torch.tensor(
-            sorted({0, world_size * s} | {b - (2 * m - 1) for b in range(s, world_size * s, s)})
-        )
-        ends, starts = cpc.compressed_entry_ends(cu, m)
-        own, prev = cpc.local_entry_rows(ends, starts, rank, s, m, overlap)
-        ext = torch.cat([halo.detach(), value.detach()]).flatten()
-        for e, end in enumerate(ends[(ends >= rank * s) & (ends < rank * s + s)].tolist()):
-            assert ext[own[e]].tolist() == [expect(p) for p in range(end - m + 1, end + 1)]
-            if prev is not None and prev[e, 0] >= 0:
-                assert ext[prev[e]].tolist() == [
-                    expect(p) for p in range(end - 2 * m + 1, end - m + 1)
-                ]
-        first = ends[ends >= rank * s][:1].tolist()
-        if first and rank > 0 and overlap:
-            out["first_entry_sources"] = ext[torch.cat([prev[0], own[0]])].tolist()
-    # all-gather backward: every rank's gradient for its buffer is the sum over ranks
-    buf = torch.full((3, 2), float(rank)).requires_grad_()
-    gathered = cpc.all_gather_entries(buf)
-    assert gathered[:, 0, 0].tolist() == list(range(world_size))
-    (gathered * (rank + 1)).sum().backward()
-    assert torch.equal(buf.grad, torch.full((3, 2), world_size * (world_size + 1) / 2))
-    return out
-
-
-@pytest.mark.grade(points=3, solution="cp_compress.exchange_halo", needs=("cp_compress.halo_rows",))
-def test_boundary_values_show_exactly_what_crossed():
-    results = ranks(_boundary_values, 4, timeout=60)
-    # rank 1's first entry (ends at 16): 7 rows from rank 0 (9..15) and its own row 0
-    assert results[1]["first_entry_sources"] == [9, 10, 11, 12, 13, 14, 15, 10000]
-    assert results[3]["first_entry_sources"] == [
-        20009,
-        20010,
-        20011,
-        20012,
-        20013,
-        20014,
-        20015,
-        30000,
-    ]
 
 
 def _bad_inputs(rank, world_size):
@@ -934,66 +688,6 @@ def test_demo_hca_compares_entries_at_three_ranks():
     hca = out[out.index("HCA") :]
     compared = int(hca.split("compared ")[1].split()[0])
     assert compared > 0, out
-
-
-# --------------------------------------------------------------------------------------------------
-# Graded: the protocol against a plain full-sequence implementation built on SDPA
-# --------------------------------------------------------------------------------------------------
-
-
-def plain_attention(layer, x, cu):
-    """One process, the whole sequence, written from the spec and nothing of cp_compress but the
-    weights: scalar-loop compression, the visibility rule spelled out per (query, entry), the
-    window spelled out, then F.scaled_dot_product_attention (keys double as values; no sink)."""
-    T, H, D, m, overlap = x.shape[0], layer.heads, layer.head_dim, layer.ratio, layer.overlap
-    sets = 2 if overlap else 1
-    with torch.no_grad():
-        q = (x @ layer.wq).view(T, H, D)
-        window_kv = F.rms_norm(x @ layer.wkv_window, (D,), layer.norm_window, eps=1e-6)
-        kv = (x @ layer.wkv_compress).view(T, sets, -1)
-        gate = (x @ layer.wgate_compress).view(T, sets, -1)
-        pooled = _naive_compress(kv, gate, layer.ape, cu, m, overlap)
-        entries = F.rms_norm(pooled[:, :D], (D,), layer.norm_compress, eps=1e-6)
-    docs = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
-    entry_info = [(a + (j + 1) * m - 1, a) for a, b in docs for j in range((b - a) // m)]
-    allowed = torch.zeros(T, T // m + T, dtype=torch.bool)
-    for a, b in docs:
-        for t in range(a, b):
-            for e, (end, doc) in enumerate(entry_info):
-                allowed[t, e] = doc == a and end <= t  # same document, block complete
-            for j in range(max(a, t - layer.window + 1), t + 1):
-                allowed[t, T // m + j] = True  # the sliding window, own token included
-    keys = torch.cat([entries, window_kv])[None].expand(H, -1, -1)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, keys, attn_mask=allowed)
-    return out.transpose(0, 1)
-
-
-def _cp_vs_plain_sdpa(rank, world_size):
-    checked = 0
-    for kind, ratio in (("csa", M), ("hca", M_HCA)):
-        layer = make_layer(kind)
-        with torch.no_grad():
-            layer.sink.fill_(float("-inf"))  # SDPA has no sink: a sink of -inf is none
-            for norm in (layer.norm_window, layer.norm_compress):
-                norm.uniform_(0.5, 1.5)
-        if kind == "csa":
-            layer.top_k = 10**3  # every visible entry: top-k is the rule
-        for cu in layouts(world_size, S, ratio):
-            T = world_size * S
-            x = torch.randn(T, 16, generator=torch.Generator().manual_seed(int(cu.sum())))
-            check_protocol(layer, x, cu, rank, world_size)
-            expected = plain_attention(layer, x, cu)
-            out, _ = layer.context_parallel(cpc.shard_sequence(x, world_size, rank), cu)
-            where = f"{kind} cu={cu.tolist()}"
-            close(out, cpc.shard_sequence(expected, world_size, rank), f"output vs SDPA ({where})")
-            checked += 1
-    return checked
-
-
-@pytest.mark.grade(points=2, solution="cp_compress.context_parallel_compress", needs=PROTOCOL_NEEDS)
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_cp_matches_plain_sdpa_attention(world_size):
-    assert ranks(_cp_vs_plain_sdpa, world_size, timeout=120) == [10] * world_size
 
 
 def test_command_line_checks_arguments_before_any_work(capsys, monkeypatch):

@@ -9,11 +9,8 @@ Tolerances, and why:
            (layer 0's B logits: the expanded lanes are identical, and a row-stochastic B cannot
            change identical lanes) are compared against 1e-3 of the model's largest gradient.
   bf16:    1e-2 relative on the loss (bf16 keeps 8 bits of mantissa).
-Graded tests (course assignments) carry @pytest.mark.grade(points, solution=..., needs=...): each
-fails when the body it grades is replaced by `raise NotImplementedError` or by a mistake of
-tests/mistakes/mhc.py, and its first line then says what is wrong; `needs` names the other regions
-it calls. They compare behaviour (any op order, a loop or a batch) at float64 tolerances, except
-where V4 fixes the exact order (Sinkhorn's, stated in its docstring).
+The graded tests (course assignments) are in tests/graded/test_mhc.py: they run mhc.py in a
+sandbox and compare against references computed in the grading process.
 """
 
 import pytest
@@ -76,50 +73,6 @@ def v4_sinkhorn(comb_logits, iters=20, eps=EPS):
 
 # ---- Sinkhorn-Knopp ------------------------------------------------------------------------------
 
-NEEDS_LAYER = ("mhc.sinkhorn_knopp", "mhc.mhc_coefficients")  # the reference model's regions
-NEEDS_KERNELS = (*NEEDS_LAYER, "mhc.post_mix_backward")  # and the kernels' (mix_out_backward)
-
-
-@pytest.mark.grade(points=2, solution="mhc.sinkhorn_knopp")
-def test_sinkhorn_matches_v4_and_is_doubly_stochastic():
-    gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(64, 4, 4, dtype=torch.float64, generator=gen)
-    b = mhc.sinkhorn_knopp(logits, iters=20)
-    assert b.shape == logits.shape, f"B must keep the logits' shape {logits.shape}, got {b.shape}"
-    # float32, where exp(-120) underflows to 0: without eps a row or column of zeros gives 0/0
-    extreme = mhc.sinkhorn_knopp(60.0 * torch.randn(256, 4, 4, generator=gen).sign(), 20)
-    assert torch.isfinite(extreme).all(), (
-        "B has NaN or inf at logits of +-60 (float32): add eps after the softmax and to every "
-        "sum, as V4 does (sum + eps)"
-    )
-    rows, cols = (b.sum(-1) - 1).abs().max().item(), (b.sum(-2) - 1).abs().max().item()
-    assert rows < 2e-6, (
-        f"rows of B must sum to 1 (to eps), worst |row sum - 1| = {rows:.1e}: every round ends "
-        f"with the row step (sum over dim=-1), after the column step (dim=-2)"
-    )
-    assert cols < 1e-5, f"columns of B must sum to 1 after 20 rounds, worst error {cols:.1e}"
-    # V4 fixes the order (the docstring says so): compared to float64 rounding, 1e-12
-    err = (b - v4_sinkhorn(logits.mT).mT).abs().max().item()
-    rows_first = (b - v4_sinkhorn(logits)).abs().max().item() < 1e-12  # V4's loop in B's layout
-    assert err < 1e-12, (
-        "B is normalised rows first (softmax along rows, columns last): V4 starts with a softmax "
-        "down each column (dim=-2) and ends every round on the rows"
-        if rows_first
-        else f"B differs from V4's Sinkhorn by {err:.1e}: V4's order is a softmax down each "
-        f"column (dim=-2) + eps, a row step, then iters - 1 rounds of (columns, rows), each "
-        f"sum + eps"
-    )
-    # without eps: the Sinkhorn limit depends on exp(logits) only up to row and column scalings
-    shift = torch.randn(64, 4, 1, dtype=torch.float64) + torch.randn(64, 1, 4, dtype=torch.float64)
-    limit = mhc.sinkhorn_knopp(logits, iters=200, eps=0)
-    assert (mhc.sinkhorn_knopp(logits + shift, iters=200, eps=0) - limit).abs().max() < 1e-10
-    # the 2 x 2 limit in closed form: [[p, 1-p], [1-p, p]], p = 1 / (1 + sqrt(K12 K21 / (K11 K22)))
-    k = torch.tensor([[2.0, 0.5], [-1.0, 0.3]], dtype=torch.float64)
-    p = 1 / (1 + torch.exp((k[0, 1] + k[1, 0] - k[0, 0] - k[1, 1]) / 2))
-    expected = torch.stack([torch.stack([p, 1 - p]), torch.stack([1 - p, p])])
-    got = mhc.sinkhorn_knopp(k, iters=200, eps=0)
-    assert torch.allclose(got, expected, atol=1e-12), f"2 x 2 limit: got {got}, want {expected}"
-
 
 def test_sinkhorn_gradients_and_written_out_backward():
     small = torch.randn(3, 4, 4, dtype=torch.float64, requires_grad=True)
@@ -161,13 +114,6 @@ def coefficients_by_hand(x, hc, n):
     return a, v4_sinkhorn(b_logits.T).T, c
 
 
-FORMULAS = {
-    "A": "A = sigmoid(alpha_pre * x_hat W_pre + S_pre) + eps",
-    "B": "B = sinkhorn_knopp(alpha_res * x_hat W_res (row-major n x n) + S_res)",
-    "C": "C = 2 sigmoid(alpha_post * x_hat W_post + S_post)",
-}
-
-
 def one_token_at_a_time():
     model = build(n_layers=1, dtype=torch.float64)
     gen = torch.Generator().manual_seed(3)
@@ -175,40 +121,6 @@ def one_token_at_a_time():
     coeffs = [[coefficients_by_hand(stream[b, t], model.hcs[0], 4) for t in range(8)]
               for b in range(2)]  # fmt: skip
     return model, stream, coeffs
-
-
-@pytest.mark.grade(points=3, solution="mhc.mhc_coefficients", needs=("mhc.sinkhorn_knopp",))
-def test_layer_matches_the_equations_token_by_token():
-    """V4 §2.2 for one token at a time (float64: 1e-12), independently of mhc_coefficients."""
-    model, stream, coeffs = one_token_at_a_time()
-    hc, sublayer, n = model.hcs[0], model.sublayers[0], 4
-    with torch.no_grad():
-        got = mhc.mhc_coefficients(stream, hc, 20)
-        assert len(got) == 3, "mhc_coefficients must return (A, B, C)"
-        for i, name in enumerate("ABC"):
-            expected = torch.stack(
-                [torch.stack([coeffs[bi][t][i] for t in range(8)]) for bi in range(2)]
-            )
-            assert got[i].shape == expected.shape, (
-                f"{name} must have shape {tuple(expected.shape)}, got {tuple(got[i].shape)}"
-            )
-            err = (got[i] - expected).abs().max().item()
-            assert err < 1e-12, (
-                f"{name} differs from V4 §2.2 by {err:.1e}: {FORMULAS[name]}, x_hat = vec(X) / "
-                f"rms(vec(X)) over all n*C numbers of a token, W = hc.proj"
-            )
-        h = torch.stack([torch.stack([sum(coeffs[bi][t][0][i] * stream[bi, t, i] for i in range(n))
-                                      for t in range(8)]) for bi in range(2)])  # fmt: skip
-        f = sublayer(h)
-        expected = torch.empty_like(stream)
-        for bi in range(2):
-            for t in range(8):
-                _, mix, c_t = coeffs[bi][t]
-                for i in range(n):  # output lane i = sum_j B_ij X_j + C_i f
-                    lanes = sum(mix[i, j] * stream[bi, t, j] for j in range(n))
-                    expected[bi, t, i] = lanes + c_t[i] * f[bi, t]
-        err = (mhc.mhc_layer_reference(stream, sublayer, hc) - expected).abs().max().item()
-        assert err < 1e-12, f"the layer B X + C F(A X) differs from the equations by {err:.1e}"
 
 
 def test_kernels_forward_matches_the_equations_token_by_token():
@@ -292,36 +204,6 @@ def test_written_out_backwards_match_autograd_and_gradcheck():
         assert (g - e).abs().max() < 1e-12
 
 
-DERIVATIVES = {
-    "dB": "dB = dX' X^T per token ([n, C] @ [C, n])",
-    "dX": "dX = B^T dX' (B transposed: lane j feeds output lane i through B_ij)",
-    "dC": "dC_i = <dX'_i, f> over C",
-    "df": "df = sum_i C_i dX'_i",
-}
-
-
-@pytest.mark.grade(points=2, solution="mhc.post_mix_backward")
-def test_fused_post_mix_merge_backward():
-    """The four gradients of X' = B X + C f against autograd of the plain expression, float64
-    (any op order or loop agrees to 1e-12)."""
-    gen = torch.Generator().manual_seed(1)
-    b, stream = (torch.rand(2, 3, 4, 4, generator=gen, dtype=torch.float64),
-                 torch.randn(2, 3, 4, 5, generator=gen, dtype=torch.float64))  # fmt: skip
-    c, f = (torch.rand(2, 3, 4, generator=gen, dtype=torch.float64),
-            torch.randn(2, 3, 5, generator=gen, dtype=torch.float64))  # fmt: skip
-    leaves = [t.clone().requires_grad_() for t in (b, stream, c, f)]
-    lb, ls, lc, lf = leaves
-    reference = (lb.unsqueeze(-1) * ls.unsqueeze(-3)).sum(-2) + lc.unsqueeze(-1) * lf.unsqueeze(-2)
-    grad_out = torch.randn(reference.shape, generator=gen, dtype=torch.float64)
-    expected = torch.autograd.grad(reference, leaves, grad_out)
-    got = mhc.post_mix_backward(grad_out, b, stream, c, f)
-    assert len(got) == 4, "post_mix_backward must return (dB, dX, dC, df)"
-    for (name, formula), g, e in zip(DERIVATIVES.items(), got, expected):
-        assert g.shape == e.shape, f"{name} must have shape {tuple(e.shape)}, got {tuple(g.shape)}"
-        err = (g - e).abs().max().item()
-        assert err < 1e-12, f"{name} differs from autograd by {err:.1e}: {formula}"
-
-
 # ---- the whole model, every path -----------------------------------------------------------------
 
 PATHS = {
@@ -331,91 +213,6 @@ PATHS = {
     "optimised L_r=3": dict(variant="optimised", block=3),
     "optimised, default L_r": dict(variant="optimised"),
 }
-
-
-@pytest.mark.grade(points=4, solution="mhc.RecomputedBlock.backward", needs=NEEDS_KERNELS)
-def test_every_optimised_path_equals_the_reference_in_float64():
-    model = build(dtype=torch.float64)
-    idx, tgt = batch(0)
-    model(idx, tgt).backward()
-    ref_loss, ref = model(idx, tgt).detach(), grads_of(model)
-    for name, options in PATHS.items():
-        model.zero_grad(set_to_none=True)
-        loss = model(idx, tgt, **options)
-        loss.backward()
-        assert abs(loss.item() - ref_loss.item()) < 1e-12, name
-        assert_grads_close(grads_of(model), ref, 1e-9, f"variant {name}")
-
-
-def block_gradients(head, layers, stream, run):
-    """Gradients of a random projection of run() w.r.t. the block input and every parameter."""
-    params = [p for sublayer, hc in layers for p in (*sublayer.parameters(), *hc.parameters())]
-    params += list(head.parameters()) if head is not None else []
-    for p in params:
-        p.grad = None
-    stream = stream.clone().requires_grad_()
-    out = run(stream)
-    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(5), dtype=out.dtype)
-    (out * weight).sum().backward()
-    return stream.grad, [p.grad.clone() for p in params]
-
-
-@pytest.mark.grade(points=2, solution="mhc.RecomputedBlock.backward", needs=NEEDS_KERNELS)
-@pytest.mark.parametrize("with_head", [False, True])
-def test_one_recomputed_block_layer_by_layer(with_head):
-    """One block of 3 layers against the plain layers in float64 (1e-9), each gradient named by
-    its layer, and F run once per layer (its graph is kept, never rebuilt)."""
-    model = build(n_layers=3, dtype=torch.float64)
-    layers, head = list(zip(model.sublayers, model.hcs)), model.hyper_head if with_head else None
-    gen = torch.Generator().manual_seed(4)
-    stream = torch.randn(2, 8, 4, 16, dtype=torch.float64, generator=gen)
-
-    def plain(x):
-        for sublayer, hc in layers:
-            x = mhc.mhc_layer_reference(x, sublayer, hc)
-        return head(x) if head is not None else x
-
-    calls = [0]
-    hooks = [s.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-             for s in model.sublayers]  # fmt: skip
-    ref_x, ref = block_gradients(head, layers, stream, plain)
-    calls[0] = 0
-    got_x, got = block_gradients(
-        head, layers, stream, lambda x: mhc.run_recomputed_block(x, layers, 20, None, head)
-    )
-    for h in hooks:
-        h.remove()
-    assert calls[0] == 3, (
-        f"F must run once per layer: it ran {calls[0]} times for 3 layers; backward must use the "
-        f"graph forward kept for each F output, not run F again"
-    )
-    scale = max(g.abs().max().item() for g in ref)
-    groups = [[(f"layer {i} {kind}.{n}", i) for kind, m in (("F", s), ("hc", hc))
-               for n, _ in m.named_parameters()] for i, (s, hc) in enumerate(layers)]  # fmt: skip
-    if head is not None:
-        groups.append([(f"hyper_head.{n}", None) for n, _ in head.named_parameters()])
-    checked = list(zip([name for group in groups for name in group], got, ref))
-    for name, g, r in sorted(checked, key=lambda c: -1 if c[0][1] is None else -c[0][1]):
-        (label, i), last = name, len(layers) - 1  # checked in backward's order: head, L-1, ...
-        err = (g - r).abs().max().item() / max(r.abs().max().item(), 1e-3 * scale)
-        if i is None:
-            hint = "with a head, rebuild X_L as well and start from kernels.collapse_backward"
-        elif i == last:
-            hint = (f"layer {i}'s backward must read its own input X_{i} (rebuilt from X_0"
-                    f" by the post-mix of the layers before), its coefficients, f_{i}")  # fmt: skip
-        else:
-            hint = (f"the layers after it are right, so the gradient passed down from layer "
-                    f"{i + 1} is wrong: it is B^T dX' (mix_out_backward's dX) plus the pre-mix's "
-                    f"and the norm's terms (mix_in_backward)")  # fmt: skip
-        assert err < 1e-9, f"{label}: gradient differs from the plain layers by {err:.1e}: {hint}"
-    err = (got_x - ref_x).abs().max().item() / ref_x.abs().max().item()
-    assert err < 1e-9, f"the block input's gradient dX_0 differs by {err:.1e}"
-
-
-@pytest.mark.grade(points=1, solution="mhc.RecomputedBlock.backward", needs=NEEDS_KERNELS)
-@pytest.mark.parametrize("path", [p for p in PATHS if p.startswith("optimised L")])
-def test_recomputed_training_tracks_the_reference_over_steps_fp32(path):
-    training_tracks_the_reference(path)
 
 
 def test_fused_training_tracks_the_reference_over_steps_fp32():
@@ -523,46 +320,6 @@ def test_recompute_blocks_stay_inside_stages_and_default_block_size():
         assert covered == list(range(n_layers))
 
 
-@pytest.mark.grade(points=2, solution="mhc.one_f_one_b")
-def test_one_f_one_b_schedule():
-    for n_stages, n_micro in [(4, 6), (1, 3), (2, 2), (4, 4), (4, 7), (3, 5)]:
-        for stage in range(n_stages):
-            order = mhc.one_f_one_b(n_stages, stage, n_micro)
-            where = f"stage {stage} of {n_stages}, {n_micro} micro-batches"
-            every = [("F", i) for i in range(n_micro)] + [("B", i) for i in range(n_micro)]
-            assert sorted(order) == sorted(every), (
-                f"{where}: every micro-batch must run one forward and one backward, got {order}"
-            )
-            warmup = n_stages - stage - 1
-            leading = next(k for k, (kind, _) in enumerate(order) if kind == "B")
-            assert leading == warmup + 1, (
-                f"{where}: {leading} forwards before the first backward, expected {warmup + 1}: "
-                + ("the warm-up is n_stages - stage - 1 forwards"
-                   if leading > warmup + 1 else "the steady state runs a forward, then a backward")
-            )  # fmt: skip
-            steady = order[warmup : 2 * n_micro - warmup]
-            assert [k for k, _ in steady] == ["F", "B"] * (n_micro - warmup), (
-                f"{where}: after the warm-up, the steady state runs a forward, then a backward, "
-                f"until the forwards are done; got {order}"
-            )
-            in_flight, peak = set(), 0
-            for kind, i in order:
-                if kind == "F":
-                    in_flight.add(i)
-                else:
-                    assert i in in_flight, f"{where}: backward {i} before its forward"
-                    in_flight.remove(i)
-                peak = max(peak, len(in_flight))
-            assert peak == min(n_stages - stage, n_micro), f"{where}: holds {peak} micro-batches"
-            assert [i for k, i in order if k == "B"] == list(range(n_micro)), (
-                f"{where}: backwards must run in micro-batch order, got {order}"
-            )
-    # written out by hand: 4 stages, 6 micro-batches, stage 1 has 2 warm-up forwards
-    expected = [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("F", 4), ("B", 2),
-                ("F", 5), ("B", 3), ("B", 4), ("B", 5)]  # fmt: skip
-    assert mhc.one_f_one_b(4, 1, 6) == expected
-
-
 # ---- pipeline parallelism ------------------------------------------------------------------------
 
 
@@ -621,45 +378,6 @@ def check_against_reference(results, ref_steps, world_size, rtol, loss_tol, byte
             f"{ref_loss:.6f}: each micro-batch's idx and targets must stay paired"
         )
         assert_grads_close(merged, ref_grads, rtol, f"{world_size} stages, step {step}")
-
-
-NEEDS_PIPELINE = ("mhc.one_f_one_b", "mhc.RecomputedBlock.backward", *NEEDS_KERNELS)
-
-
-@pytest.mark.grade(points=5, solution="mhc.pipeline_step", needs=NEEDS_PIPELINE)
-@pytest.mark.parametrize(
-    "world_size,overlap", [(1, True), (2, True), (2, False), (3, True), (4, True)]
-)
-def test_pipeline_equals_single_process(world_size, overlap):
-    n_layers, steps = 12, 2
-    ref_steps = reference_steps(n_layers, steps)
-    results = run_ranks(
-        _pipeline_rank, world_size, args=(n_layers, True, steps, overlap), timeout=120
-    )
-    # 1e-4: the head's gate gradient is one scalar summed over every token, in another grouping
-    # (per micro-batch) with cancellation: measured 3.5e-5 relative in fp32 (float64: 1e-9 below)
-    check_against_reference(results, ref_steps, world_size, 1e-4, 1e-6)
-
-
-@pytest.mark.grade(points=1, solution="mhc.pipeline_step", needs=NEEDS_PIPELINE)
-def test_pipeline_step_runs_the_variant_it_is_given():
-    """At one stage, pipeline_step(variant=...) keeps what model(idx, targets, variant=...) keeps
-    (summed over its micro-batches): 'optimised' keeps far less than 'naive'."""
-    idx, tgt = batch(0, size=8)
-    saved = {}
-    for variant, block in (("naive", None), ("optimised", 2)):
-        model = build(n_layers=4)
-        run = lambda: mhc.pipeline_step(model, idx, tgt, 1, variant, block)  # noqa: E731
-        _, saved[variant] = mhc.saved_activation_bytes(model, run)
-        _, saved[variant + " model"] = mhc.saved_activation_bytes(
-            model, lambda: model(idx, tgt, variant, block)
-        )
-    assert saved["optimised"] < saved["naive"], (
-        f"pipeline_step ignored variant='optimised': it kept {saved['optimised']} bytes for "
-        f"backward, not less than 'naive' ({saved['naive']}); pass variant and block to "
-        f"model.run_layers"
-    )
-    assert saved["optimised"] == saved["optimised model"], "one stage keeps what the model keeps"
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])

@@ -344,12 +344,7 @@ def backward(i):
         links.send("backward", stream.grad)
 
 
-for _, i in order[:warmup]:
-    forward(i)
-for kind, i in order[warmup : 2 * n_micro - warmup]:
-    forward(i) if kind == "F" else backward(i)
-for _, i in order[2 * n_micro - warmup :]:
-    backward(i)
+SCHEDULE
 return (torch.stack(losses).sum() if last else None), links.finish()
 ### END SOLUTION
 """
@@ -357,6 +352,12 @@ _RIGHT = {
     "RUN_LAYERS": "model.run_layers(stream, first, stop, variant, block, final=last)",
     "TARGETS": "tgt_micro[i]",
     "SCALE": "/ n_micro",
+    "SCHEDULE": """for _, i in order[:warmup]:
+    forward(i)
+for kind, i in order[warmup : 2 * n_micro - warmup]:
+    forward(i) if kind == "F" else backward(i)
+for _, i in order[2 * n_micro - warmup :]:
+    backward(i)""",
 }
 
 
@@ -385,5 +386,14 @@ MISTAKES += [
         name="last stage scores the next micro-batch's targets",
         message="each micro-batch's idx and targets must stay paired",
         body=_pipeline(TARGETS="tgt_micro[(i + 1) % n_micro]"),
+    ),
+    Mistake(
+        region="mhc.pipeline_step",
+        name="GPipe order: every forward, then every backward (same numbers, all activations held)",
+        message="1F1B holds at most n_stages - stage",
+        body=_pipeline(
+            SCHEDULE="for i in range(n_micro):\n    forward(i)\n"
+            "for i in range(n_micro):\n    backward(i)"
+        ),
     ),
 ]

@@ -1,0 +1,122 @@
+"""Probes for tests/graded/test_cp_compress.py: each runs the submitted cp_compress.py in a
+sandboxed worker and returns plain values; the verdicts are computed in the test."""
+
+import torch
+import torch.distributed as dist
+
+import cp_compress as cpc
+
+
+def halo_rows(cases):
+    """[(m, overlap), ...] -> [halo_rows(m, overlap), ...]"""
+    return [cpc.halo_rows(m, overlap) for m, overlap in cases]
+
+
+def compress_local(ext_kv, ext_score, ape, own, prev, slots):
+    return cpc.compress_local(ext_kv, ext_score, ape, own, prev, slots)
+
+
+def select_and_pad(cases):
+    """[(gathered, counts, total), ...] -> [select_and_pad(...), ...]"""
+    return [cpc.select_and_pad(gathered, counts, total) for gathered, counts, total in cases]
+
+
+def visibility(pos, doc, ends, starts):
+    return cpc.visibility(pos, doc, ends, starts)
+
+
+def make_layer(kind, m, window, top_k):
+    """The layer the tests compare, its sink -inf and its norms away from 1 (SDPA has no sink),
+    top_k above the entry count: every visible entry is attended."""
+    torch.manual_seed(1234)
+    if kind == "csa":
+        layer = cpc.CompressedAttention(
+            "csa", dim=16, heads=2, head_dim=8, ratio=m, window=window, top_k=top_k,
+            index_heads=2, index_dim=4,
+        )  # fmt: skip
+    else:
+        layer = cpc.CompressedAttention("hca", dim=16, heads=2, head_dim=8, ratio=m, window=window)
+    with torch.no_grad():
+        layer.sink.fill_(float("-inf"))
+        for norm in (layer.norm_window, layer.norm_compress):
+            norm.uniform_(0.5, 1.5)
+    return layer
+
+
+def layer_runs(rank, world_size, cases, window, top_k):
+    """For each (kind, m, cu, x, grad_out) (x, grad_out: the whole sequence's): the protocol's
+    output on this rank (counts, entries, visible, the halo sizes it asked for), then the layer's
+    output on this rank's shard and the gradients of sum(out * grad_out) (input, parameters)."""
+    out = []
+    real = cpc.halo_from_previous
+    for kind, m, cu, x, grad_out in cases:
+        layer = make_layer(kind, m, window, top_k)
+        shipped = []
+
+        def recording(t, rows, group=None):
+            shipped.append(rows)
+            return real(t, rows, group)
+
+        cpc.halo_from_previous = recording
+        try:
+            with torch.no_grad():
+                proj = layer.project(cpc.shard_sequence(x, world_size, rank))
+                shard = cpc.context_parallel_compress(
+                    proj.kv, proj.gate, layer.ape, layer.normalise, cu, m, layer.overlap
+                )
+        except Exception as error:  # rows indexed past a halo of the wrong size: say its size
+            out.append({"error": f"{type(error).__name__}: {error}", "halos": shipped})
+            return out
+        finally:
+            cpc.halo_from_previous = real
+        x_cp = cpc.shard_sequence(x, world_size, rank).clone().requires_grad_()
+        y, _ = layer.context_parallel(x_cp, cu)
+        (y * cpc.shard_sequence(grad_out, world_size, rank)).sum().backward()
+        out.append(
+            {
+                "params": {n: p.detach() for n, p in layer.named_parameters()} if rank == 0 else {},
+                "counts": [int(c) for c in shard.counts],
+                "entries": shard.entries,
+                "visible": shard.visible,
+                "halos": shipped,
+                "out": y.detach(),
+                "grad_x": x_cp.grad,
+                "grads": {n: p.grad for n, p in layer.named_parameters() if p.grad is not None},
+            }
+        )
+    return out
+
+
+def boundary_values(rank, world_size, s, m, members=None):
+    """Raw values group_rank*10000 + local position through halo_from_previous (forward and
+    backward) on the CP group of ``members`` (default: the world), the rows local_entry_rows
+    picks from [halo | own rows], and all_gather_entries forward and backward."""
+    group = dist.new_group(members) if members else None
+    if members and rank not in members:
+        return None
+    me, cp = dist.get_rank(group), dist.get_world_size(group)
+    value = (me * 10000 + torch.arange(s, dtype=torch.float32))[:, None].requires_grad_()
+    out = {"rank": me, "by_overlap": []}
+    for overlap in (True, False):
+        h = cpc.halo_rows(m, overlap)
+        halo = cpc.halo_from_previous(value, h, group)
+        weight = (me * 100 + torch.arange(halo.shape[0], dtype=torch.float32))[:, None]
+        (halo * weight).sum().backward()
+        grad, value.grad = value.grad.flatten().tolist(), None
+        cu = torch.tensor(sorted({0, cp * s} | {b - (2 * m - 1) for b in range(s, cp * s, s)}))
+        ends, starts = cpc.compressed_entry_ends(cu, m)
+        own, prev = cpc.local_entry_rows(ends, starts, me, s, m, overlap)
+        ext = torch.cat([halo.detach(), value.detach()]).flatten()
+        mine = ends[(ends >= me * s) & (ends < me * s + s)].tolist()
+        sources = []
+        for e, end in enumerate(mine):
+            before = ext[prev[e]].tolist() if prev is not None and prev[e, 0] >= 0 else None
+            sources.append({"end": end, "own": ext[own[e]].tolist(), "prev": before})
+        out["by_overlap"].append(
+            {"halo": halo.detach().flatten().tolist(), "grad": grad, "sources": sources}
+        )
+    buf = torch.full((3, 2), float(me)).requires_grad_()
+    gathered = cpc.all_gather_entries(buf, group)
+    (gathered * (me + 1)).sum().backward()
+    out["gathered"], out["gather_grad"] = gathered.detach(), buf.grad
+    return out

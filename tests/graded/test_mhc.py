@@ -1,0 +1,473 @@
+"""Graded: mhc.py against references computed here, never from the submitted code: V4's equations
+in float64 (a plain mHC transformer written out below: attention over the whole sequence, each
+layer B X + C F(A X), autograd, no recomputation, no pipeline), autograd of the plain post-mix,
+and the 1F1B schedule's properties. The submitted code runs in sandboxed workers
+(tests/graded/probes/mhc.py) and sends back plain values.
+
+Tolerances, and why:
+  float64: 1e-12 for one layer or one kernel (the same math in another order), 1e-9 relative for a
+           model's gradients (6-12 layers of reassociation); a dropped term or a wrong transpose
+           shows at 1e-3.
+  float32 against the float64 reference: 1e-5 on the loss and 1e-4 relative to each gradient's
+           scale. fp32 rounds at 6e-8 per op, but the gradients of B's logits go through 40
+           Sinkhorn normalisations whose sums cancel strongly, and the head's gate gradient is one
+           scalar summed over every token; measured worst case ~4e-5. Gradients that are exactly
+           zero in exact arithmetic (layer 0's B logits: the expanded lanes are identical) are
+           compared against 1e-3 of the model's largest gradient.
+"""
+
+import pytest
+import torch
+from sandbox import call, on_ranks
+
+EPS = 1e-6
+N, DIM, HEADS = 4, 16, 2
+FP64 = dict(loss=1e-12, grads=1e-9)
+FP32 = dict(loss=1e-5, grads=1e-4)
+
+
+# ---- the reference: V4's mHC transformer written out in float64 ----------------------------------
+
+
+def v4_sinkhorn(logits, iters=20, eps=EPS):
+    """V4's Sinkhorn in B's layout: exp(logits) scaled to unit columns, + eps, then scaled to unit
+    rows, then iters - 1 times to unit columns and rows, each divisor a sum + eps."""
+    scaled = torch.exp(logits - logits.amax(-2, keepdim=True))
+    scaled = scaled / scaled.sum(-2, keepdim=True) + eps
+    for axis in [-1] + [-2, -1] * (iters - 1):
+        scaled = scaled / (scaled.sum(axis, keepdim=True) + eps)
+    return scaled
+
+
+def rms_normed(x, weight=None):
+    y = x / torch.sqrt(torch.mean(x * x, dim=-1, keepdim=True) + EPS)
+    return y if weight is None else y * weight
+
+
+def v4_coefficients(p, lanes):
+    """V4 §2.2 for lanes [..., n, d]: x_hat = vec(X) / rms; [pre | post | res] = x_hat W;
+    A = sigmoid(alpha_pre pre + S_pre) + eps, C = 2 sigmoid(alpha_post post + S_post),
+    B = Sinkhorn(alpha_res res (row-major n x n) + S_res)."""
+    z = rms_normed(lanes.reshape(*lanes.shape[:-2], N * DIM)) @ p["proj"]
+    alpha = p["gate"]
+    a = torch.sigmoid(alpha[0] * z[..., :N] + p["bias_pre"]) + EPS
+    c = 2 * torch.sigmoid(alpha[1] * z[..., N : 2 * N] + p["bias_post"])
+    res = z[..., 2 * N :].reshape(*z.shape[:-1], N, N)
+    return a, v4_sinkhorn(alpha[2] * res + p["bias_res"]), c
+
+
+def attention(p, x):
+    """Pre-norm causal self-attention over the whole sequence, written out: [batch, T, d]."""
+    q, k, v = (rms_normed(x, p["norm.weight"]) @ p["qkv.weight"].T).split(DIM, dim=-1)
+    heads = [t.reshape(*t.shape[:2], HEADS, DIM // HEADS).transpose(1, 2) for t in (q, k, v)]
+    scores = heads[0] @ heads[1].transpose(-1, -2) / (DIM // HEADS) ** 0.5
+    t = x.shape[1]
+    future = torch.ones(t, t, dtype=torch.bool).triu(1)
+    y = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1) @ heads[2]
+    return y.transpose(1, 2).reshape(x.shape) @ p["out.weight"].T
+
+
+def mlp(p, x):
+    h = rms_normed(x, p["norm.weight"]) @ p["up.weight"].T
+    return torch.nn.functional.gelu(h) @ p["down.weight"].T
+
+
+def sub(params, prefix):
+    return {k[len(prefix) :]: v for k, v in params.items() if k.startswith(prefix)}
+
+
+def v4_layer(params, i, lanes):
+    """Layer i: X' = B X + C F(A X), F attention at even i, else the MLP."""
+    a, b, c = v4_coefficients(sub(params, f"hcs.{i}."), lanes)
+    h = (a.unsqueeze(-1) * lanes).sum(-2)
+    f = (attention if i % 2 == 0 else mlp)(sub(params, f"sublayers.{i}."), h)
+    return b @ lanes + c.unsqueeze(-1) * f.unsqueeze(-2)
+
+
+def v4_head(params, lanes):
+    """V4's HyperHead: sum_i w_i X_i, w = sigmoid(alpha x_hat W + S) + eps."""
+    z = rms_normed(lanes.reshape(*lanes.shape[:-2], N * DIM)) @ params["hyper_head.proj"]
+    w = torch.sigmoid(params["hyper_head.gate"] * z + params["hyper_head.bias"]) + EPS
+    return (w.unsqueeze(-1) * lanes).sum(-2)
+
+
+def v4_loss(params, idx, targets, n_layers):
+    x = params["embed.weight"][idx]
+    lanes = x.unsqueeze(-2).repeat_interleave(N, dim=-2)  # the embedding copied into n lanes
+    for i in range(n_layers):
+        lanes = v4_layer(params, i, lanes)
+    logits = rms_normed(v4_head(params, lanes), params["norm.weight"]) @ params["lm_head.weight"].T
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def batch(step, size=4, seq_len=8, vocab=64):
+    gen = torch.Generator().manual_seed(100 + step)
+    data = torch.randint(0, vocab, (size, seq_len + 1), generator=gen)
+    return data[:, :-1], data[:, 1:]
+
+
+def reference_steps(params, n_layers, steps, size):
+    """Loss and gradients of each SGD(lr=0.1) step of the reference in float64 from ``params``."""
+    params = {k: v.double().requires_grad_() for k, v in params.items()}
+    out = []
+    for step in range(steps):
+        idx, tgt = batch(step, size=size)
+        loss = v4_loss(params, idx, tgt, n_layers)
+        grads = torch.autograd.grad(loss, list(params.values()))
+        out.append((loss.item(), dict(zip(params, grads))))
+        with torch.no_grad():
+            for p, g in zip(params.values(), grads):
+                p -= 0.1 * g
+    return out
+
+
+def assert_grads_close(got, ref, rtol, what=""):
+    scale = max(g.abs().max().item() for g in ref.values())
+    missing = sorted(ref.keys() - got.keys())
+    assert not missing, f"{what}: {missing[0]} got no gradient"
+    for name in ref:
+        floor = max(ref[name].abs().max().item(), 1e-3 * scale)
+        err = (got[name].double() - ref[name]).abs().max().item() / floor
+        assert err < rtol, f"{what}: gradient of {name} differs by {err:.2e}, tolerance {rtol:.0e}"
+
+
+def assert_loss_close(got, ref, rtol, what):
+    assert abs(got - ref) < rtol * abs(ref), f"{what}: loss {got:.8f} differs from {ref:.8f}"
+
+
+# ---- Sinkhorn-Knopp ------------------------------------------------------------------------------
+
+NEEDS_LAYER = ("mhc.sinkhorn_knopp", "mhc.mhc_coefficients")  # the plain model's regions
+NEEDS_KERNELS = (*NEEDS_LAYER, "mhc.post_mix_backward")  # and the kernels' (mix_out_backward)
+
+
+@pytest.mark.grade(points=2, solution="mhc.sinkhorn_knopp")
+def test_sinkhorn_matches_v4_and_is_doubly_stochastic():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 4, 4, dtype=torch.float64, generator=gen)
+    # float32, where exp(-120) underflows to 0: without eps a row or column of zeros gives 0/0
+    extreme = 60.0 * torch.randn(256, 4, 4, generator=gen).sign()
+    # without eps: the Sinkhorn limit depends on exp(logits) only up to row and column scalings
+    shift = torch.randn(64, 4, 1, dtype=torch.float64) + torch.randn(64, 1, 4, dtype=torch.float64)
+    k = torch.tensor([[2.0, 0.5], [-1.0, 0.3]], dtype=torch.float64)
+    b, extreme, limit, shifted, got = call(
+        "mhc:sinkhorn",
+        [(logits, 20, EPS), (extreme, 20, EPS), (logits, 200, 0), (logits + shift, 200, 0),
+         (k, 200, 0)],
+    )  # fmt: skip
+    assert b.shape == logits.shape, f"B must keep the logits' shape {logits.shape}, got {b.shape}"
+    assert torch.isfinite(extreme).all(), (
+        "B has NaN or inf at logits of +-60 (float32): add eps after the softmax and to every "
+        "sum, as V4 does (sum + eps)"
+    )
+    rows, cols = (b.sum(-1) - 1).abs().max().item(), (b.sum(-2) - 1).abs().max().item()
+    assert rows < 2e-6, (
+        f"rows of B must sum to 1 (to eps), worst |row sum - 1| = {rows:.1e}: every round ends "
+        f"with the row step (sum over dim=-1), after the column step (dim=-2)"
+    )
+    assert cols < 1e-5, f"columns of B must sum to 1 after 20 rounds, worst error {cols:.1e}"
+    # V4 fixes the order (the docstring says so): compared to float64 rounding, 1e-12
+    err = (b - v4_sinkhorn(logits)).abs().max().item()
+    rows_first = (b - v4_sinkhorn(logits.mT).mT).abs().max().item() < 1e-12  # transposed order
+    assert err < 1e-12, (
+        "B is normalised rows first (softmax along rows, columns last): V4 starts with a softmax "
+        "down each column (dim=-2) and ends every round on the rows"
+        if rows_first
+        else f"B differs from V4's Sinkhorn by {err:.1e}: V4's order is a softmax down each "
+        f"column (dim=-2) + eps, a row step, then iters - 1 rounds of (columns, rows), each "
+        f"sum + eps"
+    )
+    moved = (shifted - limit).abs().max().item()
+    assert moved < 1e-10, f"at eps=0 the limit moved by {moved:.1e} under row/column scalings"
+    # the 2 x 2 limit in closed form: [[p, 1-p], [1-p, p]], p = 1 / (1 + sqrt(K12 K21 / (K11 K22)))
+    p = 1 / (1 + torch.exp((k[0, 1] + k[1, 0] - k[0, 0] - k[1, 1]) / 2))
+    expected = torch.stack([torch.stack([p, 1 - p]), torch.stack([1 - p, p])])
+    assert torch.allclose(got, expected, atol=1e-12), f"2 x 2 limit: got {got}, want {expected}"
+
+
+# ---- the layer, from the equations ---------------------------------------------------------------
+
+FORMULAS = {
+    "A": "A = sigmoid(alpha_pre * x_hat W_pre + S_pre) + eps",
+    "B": "B = sinkhorn_knopp(alpha_res * x_hat W_res (row-major n x n) + S_res)",
+    "C": "C = 2 sigmoid(alpha_post * x_hat W_post + S_post)",
+}
+
+
+@pytest.mark.grade(points=3, solution="mhc.mhc_coefficients", needs=("mhc.sinkhorn_knopp",))
+def test_layer_matches_the_equations_token_by_token():
+    """V4 §2.2 for one token at a time (float64: 1e-12), independently of mhc_coefficients."""
+    gen = torch.Generator().manual_seed(3)
+    stream = torch.randn(2, 8, N, DIM, dtype=torch.float64, generator=gen)
+    out = call("mhc:one_layer", stream)
+    params, got = out["params"], out["coeffs"]
+    hc = sub(params, "hcs.0.")
+    coeffs = [[v4_coefficients(hc, stream[b, t]) for t in range(8)] for b in range(2)]
+    assert len(got) == 3, "mhc_coefficients must return (A, B, C)"
+    for i, name in enumerate("ABC"):
+        expected = torch.stack([torch.stack([coeffs[b][t][i] for t in range(8)]) for b in range(2)])
+        assert got[i].shape == expected.shape, (
+            f"{name} must have shape {tuple(expected.shape)}, got {tuple(got[i].shape)}"
+        )
+        err = (got[i] - expected).abs().max().item()
+        assert err < 1e-12, (
+            f"{name} differs from V4 §2.2 by {err:.1e}: {FORMULAS[name]}, x_hat = vec(X) / "
+            f"rms(vec(X)) over all n*C numbers of a token, W = hc.proj"
+        )
+    err = (out["layer"] - v4_layer(params, 0, stream)).abs().max().item()
+    assert err < 1e-12, f"the layer B X + C F(A X) differs from the equations by {err:.1e}"
+
+
+DERIVATIVES = {
+    "dB": "dB = dX' X^T per token ([n, C] @ [C, n])",
+    "dX": "dX = B^T dX' (B transposed: lane j feeds output lane i through B_ij)",
+    "dC": "dC_i = <dX'_i, f> over C",
+    "df": "df = sum_i C_i dX'_i",
+}
+
+
+@pytest.mark.grade(points=2, solution="mhc.post_mix_backward")
+def test_fused_post_mix_merge_backward():
+    """The four gradients of X' = B X + C f against autograd of the plain expression, float64
+    (any op order or loop agrees to 1e-12)."""
+    gen = torch.Generator().manual_seed(1)
+    b, stream = (torch.rand(2, 3, 4, 4, generator=gen, dtype=torch.float64),
+                 torch.randn(2, 3, 4, 5, generator=gen, dtype=torch.float64))  # fmt: skip
+    c, f = (torch.rand(2, 3, 4, generator=gen, dtype=torch.float64),
+            torch.randn(2, 3, 5, generator=gen, dtype=torch.float64))  # fmt: skip
+    leaves = [t.clone().requires_grad_() for t in (b, stream, c, f)]
+    lb, ls, lc, lf = leaves
+    reference = (lb.unsqueeze(-1) * ls.unsqueeze(-3)).sum(-2) + lc.unsqueeze(-1) * lf.unsqueeze(-2)
+    grad_out = torch.randn(reference.shape, generator=gen, dtype=torch.float64)
+    expected = torch.autograd.grad(reference, leaves, grad_out)
+    got = call("mhc:post_mix_backward", grad_out, b, stream, c, f)
+    assert len(got) == 4, "post_mix_backward must return (dB, dX, dC, df)"
+    for (name, formula), g, e in zip(DERIVATIVES.items(), got, expected):
+        assert g.shape == e.shape, f"{name} must have shape {tuple(e.shape)}, got {tuple(g.shape)}"
+        err = (g - e).abs().max().item()
+        assert err < 1e-12, f"{name} differs from autograd by {err:.1e}: {formula}"
+
+
+# ---- the whole model, every path -----------------------------------------------------------------
+
+PATHS = {
+    "fused": dict(variant="fused"),
+    "optimised L_r=2": dict(variant="optimised", block=2),
+    "optimised L_r=4": dict(variant="optimised", block=4),
+    "optimised L_r=3": dict(variant="optimised", block=3),
+    "optimised, default L_r": dict(variant="optimised"),
+}
+
+
+@pytest.mark.grade(points=4, solution="mhc.RecomputedBlock.backward", needs=NEEDS_KERNELS)
+def test_every_optimised_path_equals_the_reference_in_float64():
+    out = call("mhc:every_path", PATHS)
+    [(ref_loss, ref)] = reference_steps(out["params"], 6, 1, 4)
+    for name, got in out["paths"].items():
+        assert_loss_close(got["loss"], ref_loss, FP64["loss"], f"variant {name}")
+        assert_grads_close(got["grads"], ref, FP64["grads"], f"variant {name}")
+
+
+@pytest.mark.grade(points=2, solution="mhc.RecomputedBlock.backward", needs=NEEDS_KERNELS)
+@pytest.mark.parametrize("with_head", [False, True])
+def test_one_recomputed_block_layer_by_layer(with_head):
+    """One block of 3 layers against the plain layers in float64 (1e-9), each gradient named by
+    its layer, and F run once per layer (its graph is kept, never rebuilt)."""
+    gen = torch.Generator().manual_seed(4)
+    stream = torch.randn(2, 8, N, DIM, dtype=torch.float64, generator=gen)
+    shape = (2, 8, DIM) if with_head else (2, 8, N, DIM)
+    weight = torch.randn(shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    out = call("mhc:recomputed_block", stream, weight, with_head)
+    assert out["calls"] == 3, (
+        f"F must run once per layer: it ran {out['calls']} times for 3 layers; backward must use "
+        f"the graph forward kept for each F output, not run F again"
+    )
+    names = [n for n in out["params"] if n.startswith(("sublayers.", "hcs."))]
+    names += [n for n in out["params"] if n.startswith("hyper_head.")] if with_head else []
+    params = {n: out["params"][n].clone().requires_grad_() for n in names}
+    x = stream.clone().requires_grad_()
+    y = x
+    for i in range(3):
+        y = v4_layer(params, i, y)
+    y = v4_head(params, y) if with_head else y
+    ref_x, *ref = torch.autograd.grad((y * weight).sum(), [x, *params.values()])
+    ref = dict(zip(names, ref))
+    scale = max(g.abs().max().item() for g in ref.values())
+    layer = {n: None if n.startswith("hyper_head.") else int(n.split(".")[1]) for n in names}
+    for name in sorted(names, key=lambda n: -1 if layer[n] is None else -layer[n]):
+        i = layer[name]  # checked in backward's order: head, layer 2, 1, 0
+        assert name in out["grads"], f"{name} got no gradient"
+        r = ref[name]
+        err = (out["grads"][name] - r).abs().max().item() / max(r.abs().max().item(), 1e-3 * scale)
+        if i is None:
+            hint = "with a head, rebuild X_L as well and start from kernels.collapse_backward"
+        elif i == 2:
+            hint = (f"layer {i}'s backward must read its own input X_{i} (rebuilt from X_0"
+                    f" by the post-mix of the layers before), its coefficients, f_{i}")  # fmt: skip
+        else:
+            hint = (f"the layers after it are right, so the gradient passed down from layer "
+                    f"{i + 1} is wrong: it is B^T dX' (mix_out_backward's dX) plus the pre-mix's "
+                    f"and the norm's terms (mix_in_backward)")  # fmt: skip
+        label = "hyper_head" if i is None else f"layer {i}"
+        assert err < 1e-9, (
+            f"{label} {name}: gradient differs from the plain layers by {err:.1e}: {hint}"
+        )
+    err = (out["stream"] - ref_x).abs().max().item() / ref_x.abs().max().item()
+    assert err < 1e-9, f"the block input's gradient dX_0 differs by {err:.1e}"
+
+
+@pytest.mark.grade(points=1, solution="mhc.RecomputedBlock.backward", needs=NEEDS_KERNELS)
+@pytest.mark.parametrize("path", [p for p in PATHS if p.startswith("optimised L")])
+def test_recomputed_training_tracks_the_reference_over_steps_fp32(path):
+    out = call("mhc:training", PATHS[path])
+    reference = reference_steps(out["params"], 6, 3, 4)
+    for step, (got, (ref_loss, ref)) in enumerate(zip(out["steps"], reference)):
+        assert_loss_close(got["loss"], ref_loss, FP32["loss"], f"{path} step {step}")
+        assert_grads_close(got["grads"], ref, FP32["grads"], f"{path} step {step}")
+        assert got["calls"] == (step + 1) * 6, (
+            f"F must run once per layer per step: {got['calls']} runs after {step + 1} steps of 6 "
+            f"layers; backward must use the graph forward kept, not run F again"
+        )
+
+
+# ---- the 1F1B schedule ---------------------------------------------------------------------------
+
+
+def peak_in_flight(order, where):
+    """The most micro-batches whose forward ran and whose backward has not."""
+    in_flight, peak = set(), 0
+    for kind, i in order:
+        if kind == "F":
+            in_flight.add(i)
+        else:
+            assert i in in_flight, f"{where}: backward {i} before its forward"
+            in_flight.remove(i)
+        peak = max(peak, len(in_flight))
+    return peak
+
+
+@pytest.mark.grade(points=2, solution="mhc.one_f_one_b")
+def test_one_f_one_b_schedule():
+    cases = [(4, 6), (1, 3), (2, 2), (4, 4), (4, 7), (3, 5)]
+    cases = [(n_stages, stage, n_micro) for n_stages, n_micro in cases for stage in range(n_stages)]
+    orders = call("mhc:one_f_one_b", cases)
+    for (n_stages, stage, n_micro), order in zip(cases, orders):
+        order = [tuple(e) for e in order]
+        where = f"stage {stage} of {n_stages}, {n_micro} micro-batches"
+        every = [("F", i) for i in range(n_micro)] + [("B", i) for i in range(n_micro)]
+        assert sorted(order) == sorted(every), (
+            f"{where}: every micro-batch must run one forward and one backward, got {order}"
+        )
+        warmup = n_stages - stage - 1
+        leading = next(k for k, (kind, _) in enumerate(order) if kind == "B")
+        assert leading == warmup + 1, (
+            f"{where}: {leading} forwards before the first backward, expected {warmup + 1}: "
+            + ("the warm-up is n_stages - stage - 1 forwards"
+               if leading > warmup + 1 else "the steady state runs a forward, then a backward")
+        )  # fmt: skip
+        steady = order[warmup : 2 * n_micro - warmup]
+        assert [k for k, _ in steady] == ["F", "B"] * (n_micro - warmup), (
+            f"{where}: after the warm-up, the steady state runs a forward, then a backward, "
+            f"until the forwards are done; got {order}"
+        )
+        peak = peak_in_flight(order, where)
+        assert peak == min(n_stages - stage, n_micro), f"{where}: holds {peak} micro-batches"
+        assert [i for k, i in order if k == "B"] == list(range(n_micro)), (
+            f"{where}: backwards must run in micro-batch order, got {order}"
+        )
+    # written out by hand: 4 stages, 6 micro-batches, stage 1 has 2 warm-up forwards
+    expected = [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("F", 4), ("B", 2),
+                ("F", 5), ("B", 3), ("B", 4), ("B", 5)]  # fmt: skip
+    got = [tuple(e) for e in orders[cases.index((4, 1, 6))]]
+    assert got == expected, f"stage 1 of 4, 6 micro-batches: got {got}, want {expected}"
+
+
+# ---- pipeline parallelism ------------------------------------------------------------------------
+
+NEEDS_PIPELINE = ("mhc.one_f_one_b", "mhc.RecomputedBlock.backward", *NEEDS_KERNELS)
+N_MICRO = 4
+
+
+def check_pipeline(results, ref_steps, world_size):
+    for step, (ref_loss, ref_grads) in enumerate(ref_steps):
+        merged = {}
+        for rank, result in enumerate(results):
+            first, stop = result["layers"]
+            got = result["steps"][step]
+            where = f"stage {rank} of {world_size}, step {step}"
+            peak = peak_in_flight([tuple(e) for e in got["order"]], where)
+            assert peak <= world_size - rank, (
+                f"{where} held {peak} micro-batches' activations at once: 1F1B holds at most "
+                f"n_stages - stage = {world_size - rank} (every forward, then every backward, is "
+                f"GPipe); run the order one_f_one_b gives; order: {got['order']}"
+            )
+            ran = sorted(tuple(e) for e in got["order"])
+            assert ran == sorted((k, i) for k in "FB" for i in range(N_MICRO)), (
+                f"{where}: each of the {N_MICRO} micro-batches must run this stage's layers "
+                f"(model.run_layers) forward once and backward once; got {got['order']}"
+            )
+            assert (got["loss"] is not None) == (rank == world_size - 1), (
+                f"{where}: the loss is returned on the last stage only, None elsewhere"
+            )
+            owned = {n for n in got["grads"] if n.startswith(("sublayers.", "hcs."))}
+            layers = {int(n.split(".")[1]) for n in owned}
+            assert layers == set(range(first, stop)), (
+                f"{where}: gradients for layers {sorted(layers)}, expected {first}..{stop - 1}"
+            )
+            both = sorted(merged.keys() & got["grads"].keys())
+            assert not both, f"two stages made the gradient of {both[0]}"
+            merged.update(got["grads"])
+            stream_bytes = N_MICRO * 2 * 8 * N * DIM * 4  # 4 micro-batches of [2, 8, n=4, 16] fp32
+            if rank < world_size - 1:
+                sent = got["stats"]["bytes_sent_forward"]
+                assert sent == stream_bytes, f"{where}: sent {sent} bytes forward, {stream_bytes}"
+            if rank > 0:
+                sent = got["stats"]["bytes_sent_backward"]
+                assert sent == stream_bytes, f"{where}: sent {sent} bytes backward, {stream_bytes}"
+        loss = results[-1]["steps"][step]["loss"]
+        assert abs(loss / ref_loss - N_MICRO) > 1e-3, (
+            f"the last stage's loss is n_micro = 4 times one process's ({loss:.4f} vs "
+            f"{ref_loss:.4f}): divide each micro-batch's loss by n_micro (the mean over the batch)"
+        )
+        assert abs(loss - ref_loss) < FP32["loss"] * abs(ref_loss), (
+            f"step {step}: the last stage's loss {loss:.6f} differs from one process's "
+            f"{ref_loss:.6f}: each micro-batch's idx and targets must stay paired"
+        )
+        assert_grads_close(merged, ref_grads, FP32["grads"], f"{world_size} stages, step {step}")
+
+
+@pytest.mark.grade(points=5, solution="mhc.pipeline_step", needs=NEEDS_PIPELINE)
+@pytest.mark.parametrize(
+    "world_size,overlap",
+    [
+        (1, True),
+        (2, True),
+        (2, False),
+        pytest.param(3, True, marks=pytest.mark.ungraded),
+        pytest.param(4, True, marks=pytest.mark.ungraded),
+    ],
+)
+def test_pipeline_equals_single_process(world_size, overlap):
+    """Stages of 12 layers, 2 SGD steps, 4 micro-batches: the merged gradients and the loss equal
+    the plain model's on one process, and each stage holds at most n_stages - stage micro-batches
+    (1F1B's point: GPipe's order gives the same numbers and holds all of them)."""
+    n_layers, steps = 12, 2
+    results = on_ranks("mhc:pipeline", world_size, n_layers, steps, overlap, timeout=120)
+    ref_steps = reference_steps(results[0]["params"], n_layers, steps, 8)
+    check_pipeline(results, ref_steps, world_size)
+
+
+@pytest.mark.grade(points=1, solution="mhc.pipeline_step", needs=NEEDS_PIPELINE)
+def test_pipeline_step_runs_the_variant_it_is_given():
+    """At one stage, pipeline_step(variant=...) keeps what model(idx, targets, variant=...) keeps
+    (summed over its micro-batches): 'optimised' keeps far less than 'naive'."""
+    saved = call("mhc:variant_saved_bytes")
+    assert saved["optimised"] < saved["naive"], (
+        f"pipeline_step ignored variant='optimised': it kept {saved['optimised']} bytes for "
+        f"backward, not less than 'naive' ({saved['naive']}); pass variant and block to "
+        f"model.run_layers"
+    )
+    assert saved["optimised"] == saved["optimised model"], (
+        f"one stage must keep what the model keeps: {saved['optimised']} bytes, the model "
+        f"{saved['optimised model']}"
+    )
