@@ -446,6 +446,44 @@ def test_blocked_by_names_the_root_cause_and_never_a_tests_own_region():
     }
 
 
+def test_an_ungraded_case_is_not_collected_as_graded(tmp_path):
+    tests = (
+        PURE_TESTS
+        + """
+
+@pytest.mark.grade(points=1, solution="pure.double")
+@pytest.mark.parametrize("n", [1, pytest.param(4, marks=pytest.mark.ungraded)])
+def test_double_cases(n):
+    assert call("pure:double", n) == 2 * n
+"""
+    )
+    repo = _fake_repo(tmp_path / "repo", PURE, tests, "pure", PURE_PROBES)
+    nodeids = [g["nodeid"] for g in grade.collect(repo)]
+    assert any(n.endswith("test_double_cases[1]") for n in nodeids), nodeids
+    assert not any(n.endswith("test_double_cases[4]") for n in nodeids), nodeids
+
+
+def test_blocked_by_asks_a_regions_test_run_alone_first():
+    # p is wrong and fails its test run alone; the whole-pipeline tests of p and q need each
+    # other: q's is blocked by p, p's shows its own failure, in whichever order they are asked
+    def test(name, solution, needs=()):
+        return {"nodeid": name, "points": 1, "solutions": [solution], "needs": list(needs)}
+
+    fail = grade.Outcome(False, "AssertionError: wrong")
+    tests = [
+        test("t_q_all", "f.q", needs=["f.p"]),
+        test("t_p_all", "f.p", needs=["f.q"]),
+        test("t_q_alone", "f.q"),
+        test("t_p_alone", "f.p"),
+    ]
+    for graded in (tests, tests[::-1]):
+        results = {g["nodeid"]: fail for g in graded}
+        results["t_q_alone"] = grade.Outcome(True, "")
+        assert grade.blocked_by(graded, results) == {
+            "t_q_all": "blocked by `p` (fails its own tests)"
+        }
+
+
 def test_only_one_region_and_an_import_failure(tmp_path):
     repo = _fake_repo(tmp_path / "repo", PURE, PURE_TESTS, "pure", PURE_PROBES)
     broken = PURE.replace("import torch", "import torch\ndef broken(:")

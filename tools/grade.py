@@ -447,7 +447,13 @@ def blocked_by(graded, results):
                 and not result_of(results, t).passed
                 and result_of(results, t).ran
             ]
-            causes = [why(t) for t in own]
+            # the tests needing least first, up to one failing on its own: asking on would ask
+            # about tests of `need` that need this one, while this one's answer is not known
+            causes = []
+            for t in sorted(own, key=lambda t: len(tests[t].get("needs", ()))):
+                causes.append(why(t))
+                if causes[-1] is None:
+                    break
             if any(c is None for c in causes):
                 memo[nodeid] = (need, "fails its own tests")
                 break

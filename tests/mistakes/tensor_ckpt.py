@@ -156,6 +156,49 @@ return self.value
 """,
     ),
     Mistake(
+        region="tensor_ckpt.LiveStorage.recompute",
+        name="dependencies kept alive (never released)",
+        message="must release each dependency it read",
+        body="""
+### BEGIN SOLUTION
+if self.value is None:
+    self.check_inputs()
+    env = dict(self.inputs)
+    env.update({root: dep.recompute() for root, dep in self.deps.items()})
+    with self.as_in_forward():
+        for n in self.unit.nodes:
+            with replayed_rng(self.rng.get(n)):
+                env[n] = run_node(self.owner.module, n, env)
+    self.value = env[self.unit.root]
+    self.check_layout(self.value)
+    self.owner.recomputations += 1
+return self.value
+### END SOLUTION
+""",
+    ),
+    Mistake(
+        region="tensor_ckpt.LiveStorage.recompute",
+        name="run with grad mode on",
+        message="must run the ops under self.as_in_forward()",
+        body="""
+### BEGIN SOLUTION
+if self.value is None:
+    self.check_inputs()
+    env = dict(self.inputs)
+    env.update({root: dep.recompute() for root, dep in self.deps.items()})
+    for n in self.unit.nodes:
+        with replayed_rng(self.rng.get(n)):
+            env[n] = run_node(self.owner.module, n, env)
+    self.value = env[self.unit.root]
+    self.check_layout(self.value)
+    self.owner.recomputations += 1
+    for dep in self.deps.values():
+        dep.release()
+return self.value
+### END SOLUTION
+""",
+    ),
+    Mistake(
         region="tensor_ckpt.pack_hook",
         name="every tensor kept (never a handle)",
         message="a tensor in a forgotten storage must be packed as a handle",
@@ -174,6 +217,23 @@ return Packed(t.detach(), t._version)
 packed = Packed(t.detach(), t._version)
 storage = call.live_storage(t)
 return packed.to_handle(storage) if storage is not None else packed
+### END SOLUTION
+""",
+    ),
+    Mistake(
+        region="tensor_ckpt.pack_hook",
+        name="handles for the opening op's inputs",
+        message="pack_hook handed out a handle for a tensor outside every forgotten storage",
+        body="""
+### BEGIN SOLUTION
+packed = Packed(t.detach(), t._version)
+storage = call.live_storage(t)
+if storage is not None:
+    return packed.to_handle(storage)
+if call.opening is not None:  # the forgotten op runs: what it saves is taken for its output
+    opening = next(s for s in call.storages.values() if s.layout is None)
+    return packed.to_handle(opening)
+return packed
 ### END SOLUTION
 """,
     ),
@@ -219,6 +279,23 @@ root = packed.storage.recompute()
 dtype, size, stride, offset = packed.geometry
 view = torch.empty(0, dtype=dtype, device=root.device)
 view.set_(root.untyped_storage(), offset, size, stride)
+return view
+### END SOLUTION
+""",
+    ),
+    Mistake(
+        region="tensor_ckpt.unpack_hook",
+        name="no version check on kept tensors",
+        message="an in-place change of a kept saved tensor must be refused",
+        body="""
+### BEGIN SOLUTION
+if packed.storage is None:
+    return packed.tensor
+root = packed.storage.recompute()
+dtype, size, stride, offset = packed.geometry
+view = torch.empty(0, dtype=dtype, device=root.device)
+view.set_(root.untyped_storage(), offset, size, stride)
+packed.storage.release()
 return view
 ### END SOLUTION
 """,

@@ -1,0 +1,528 @@
+"""Probes for tests/graded/test_tensor_ckpt.py: they run tensor_ckpt's code in the sandbox and
+return what it did (tensors, counts, names). The verdicts and the references (the plain models,
+autograd without checkpointing) live in the test.
+
+The models here are the test's, with forget() marks; ``marks=False`` builds them unmarked, so a
+probe of one region does not run forget(). Each region's probe builds the others' effects by
+hand (a LiveStorage, a ForwardCall, a stand-in storage) and reports what the region did to them.
+"""
+
+import types
+import warnings
+import weakref
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+import tensor_ckpt as tc
+
+B, T, C, H = 2, 16, 32, 4
+
+
+def unmarked(t):
+    return t
+
+
+class Model(nn.Module):
+    def __init__(self, marks=True):
+        super().__init__()
+        self.mark = tc.forget if marks else unmarked
+
+
+class MLP(Model):
+    def __init__(self, shared=False, marks=True):
+        super().__init__(marks)
+        self.fc1, self.fc2 = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
+        self.fc3 = nn.Linear(4 * C, C) if shared else None
+
+    def forward(self, x):
+        h = self.mark(F.gelu(self.fc1(x)))
+        return self.fc2(h) + self.fc3(h) if self.fc3 is not None else self.fc2(h)
+
+
+class Attention(Model):
+    """Hand-written causal attention: splits, views, transposes and a reshape that copies."""
+
+    def __init__(self, forget_qkv=False, forget_probs=False, forget_merge=False, marks=True):
+        super().__init__(marks)
+        self.qkv, self.proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
+        self.register_buffer("future", torch.ones(T, T, dtype=torch.bool).triu(1))
+        self.forgets = (forget_qkv, forget_probs, forget_merge)
+
+    def forward(self, x):
+        qkv = self.qkv(x)
+        q, k, v = qkv.split(C, dim=-1)
+        if self.forgets[0]:
+            qkv, q = self.mark(qkv), self.mark(q)
+        q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (C // H) ** -0.5
+        att = att.masked_fill(self.future, float("-inf")).softmax(dim=-1)
+        if self.forgets[1]:
+            att = self.mark(att)
+        y = (att @ v).transpose(1, 2).reshape(B, T, C)
+        if self.forgets[2]:
+            y = self.mark(y)
+        return self.proj(y)
+
+
+class ViewAndBase(Model):
+    """Autograd saves the base and two views of it: one storage."""
+
+    def __init__(self, marks=True):
+        super().__init__(marks)
+        self.fc, self.out = nn.Linear(C, 2 * C), nn.Linear(C, C)
+
+    def forward(self, x):
+        h = self.mark(self.fc(x))
+        a, b = self.mark(h[..., :C]), h[..., C:]
+        return self.out(a * b + h.sin()[..., C:])
+
+
+class DropoutMLP(Model):
+    def __init__(self, marks=True):
+        super().__init__(marks)
+        self.fc1, self.fc2, self.drop = nn.Linear(C, 4 * C), nn.Linear(4 * C, C), nn.Dropout(0.3)
+
+    def forward(self, x):
+        return self.fc2(self.mark(self.drop(F.gelu(self.fc1(x)))))
+
+
+class Block(Model):
+    """Pre-norm transformer layer: the norms' and the GELU's outputs forgotten."""
+
+    def __init__(self, marks=True):
+        super().__init__(marks)
+        self.norm1, self.norm2 = nn.LayerNorm(C), nn.LayerNorm(C)
+        self.qkv, self.proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
+        self.fc1, self.fc2 = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
+
+    def forward(self, x):
+        h = self.mark(self.norm1(x))
+        b, t, c = x.shape
+        q, k, v = self.qkv(h).view(b, t, 3, H, c // H).permute(2, 0, 3, 1, 4).unbind(0)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        h = self.mark(self.norm2(x))
+        h = self.mark(F.gelu(self.fc1(h)))
+        return x + self.fc2(h)
+
+
+class Stack(nn.Sequential):
+    def __init__(self, marks=True):
+        super().__init__(*[Block(marks) for _ in range(4)])
+
+
+class Gate(nn.Module):
+    def forward(self, h):
+        return h * 2 if h.sum() > 0 else h
+
+
+class BranchInLeaf(Model):
+    def __init__(self, marks=True):
+        super().__init__(marks)
+        self.fc, self.gate, self.out = nn.Linear(C, C), Gate(), nn.Linear(C, C)
+
+    def forward(self, x):
+        return self.out(self.mark(self.gate(F.gelu(self.fc(x)))))
+
+
+MODELS = {
+    "mlp": MLP,
+    "mlp_shared": lambda marks=True: MLP(shared=True, marks=marks),
+    "attention": lambda marks=True: Attention(forget_probs=True, forget_merge=True, marks=marks),
+    "attention_qkv": lambda marks=True: Attention(forget_qkv=True, marks=marks),
+    "view_and_base": ViewAndBase,
+    "dropout_mlp": DropoutMLP,
+    "block": Block,
+    "stack": Stack,
+    "branch_in_leaf": BranchInLeaf,
+}
+
+
+def model_of(name, state, marks=True):
+    model = MODELS[name](marks=marks)
+    model.load_state_dict(state)
+    return model
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the storages ops create that are still alive, and their peak (a storage is freed
+    when its last tensor goes). Storages of ``exclude`` (inputs, parameters) are not counted."""
+
+    def __init__(self, exclude=()):
+        super().__init__()
+        self.alive, self.now, self.peak = {id(t.untyped_storage()): 0 for t in exclude}, 0, 0
+
+    def free(self, key):
+        self.now -= self.alive.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and id(s := t.untyped_storage()) not in self.alive:
+                self.alive[id(s)] = s.nbytes()
+                self.now += s.nbytes()
+                self.peak = max(self.peak, self.now)
+                weakref.finalize(s, self.free, id(s))
+        return out
+
+
+def measured_run(model, fn, x, weights):
+    """Output, gradients (parameters, then x) of sum(out * weights), and what it cost: bytes alive
+    at the end of forward, the peaks of forward and backward, backward's matmul FLOPs."""
+    x = x.detach().clone().requires_grad_()
+    params = list(model.parameters())
+    meter = LiveBytes([x, weights, *params, *model.buffers()])
+    with meter:
+        out = fn(x)
+        fwd_bytes, fwd_peak = meter.now, meter.peak
+        meter.peak = meter.now
+        with FlopCounterMode(display=False) as flops:
+            grads = torch.autograd.grad((out * weights).sum(), params + [x])
+    return {
+        "out": out.detach(),
+        "grads": list(grads),
+        "fwd_bytes": fwd_bytes,
+        "fwd_peak": fwd_peak,
+        "bwd_peak": meter.peak,
+        "bwd_flops": flops.get_total_flops(),
+    }
+
+
+def plan_summary(plan):
+    names = lambda nodes: [n.name for n in nodes]  # noqa: E731
+    return {
+        "units": [
+            {
+                "name": u.name,
+                "members": list(u.members),
+                "nodes": names(u.nodes),
+                "frontier": names(u.frontier),
+                "deps": names(u.deps),
+                "random_nodes": list(u.random_nodes),
+            }
+            for u in plan.units
+        ],
+        "bytes_freed": plan.bytes_freed,
+        "recompute_flops": plan.recompute_flops,
+        "held_bytes": plan.held_bytes,
+        "table": str(plan),
+    }
+
+
+# ---- forget ----
+def forget_marks():
+    """forget() run eagerly, and the forget nodes a trace of the MLP records."""
+    x = torch.randn(B, T, C, requires_grad=True)
+    marks = [n for n in tc.trace(MLP()).graph.nodes if n.target is tc.forget]
+    return {
+        "eager_is_x": tc.forget(x) is x,
+        "marked": [[a.name if isinstance(a, fx.Node) else repr(a) for a in m.args] for m in marks],
+        "ops": [m.op for m in marks],
+    }
+
+
+# ---- storage_units ----
+def storage_units_of(infos):
+    """storage_units on made-up nodes: ``infos`` is [(name, is_tensor, key, nbytes)]."""
+    made = {
+        name: tc.NodeInfo(is_tensor=is_tensor, key=("cpu", key), nbytes=nbytes)
+        for name, is_tensor, key, nbytes in infos
+    }
+    return [[list(key), list(nodes)] for key, nodes in tc.storage_units(list(made), made).items()]
+
+
+def attention_units(state, x):
+    """storage_units on the traced, profiled Attention: the units (names), and per tensor node
+    its storage (numbered in order of first appearance) and bytes, read from the example run."""
+    gm = tc.trace(model_of("attention", state, marks=False))
+    infos, _ = tc.profile(gm, (x,))
+    keys = {}
+    storages = {
+        n.name: [keys.setdefault(infos[n].key, len(keys)), infos[n].nbytes]
+        for n in gm.graph.nodes
+        if infos[n].is_tensor
+    }
+    units = tc.storage_units(list(gm.graph.nodes), infos)
+    return {"units": [[n.name for n in nodes] for nodes in units.values()], "storages": storages}
+
+
+# ---- recompute_subgraph ----
+def subgraphs(state, x):
+    """recompute_subgraph on x -> relu -> sin -> cos -> add(cos, x), and on the traced Attention's
+    softmax with x, qkv and buffers kept: [(nodes, frontier)] as names."""
+    g = fx.Graph()
+    px = g.placeholder("x")
+    a = g.call_function(torch.relu, (px,))
+    b = g.call_function(torch.sin, (a,))
+    c = g.call_function(torch.cos, (b,))
+    d = g.call_function(torch.add, (c, px))
+    g.output(d)
+    names = lambda nodes: sorted(n.name for n in nodes)  # noqa: E731
+    out = {}
+    for label, kept in (("kept x", {px}), ("kept x, sin", {px, b})):
+        nodes, frontier = tc.recompute_subgraph(d, kept.__contains__)
+        out[label] = [names(nodes), names(frontier)]
+    gm = tc.trace(model_of("attention", state, marks=False))
+    softmax = next(n for n in gm.graph.nodes if n.name == "softmax")
+    nodes, frontier = tc.recompute_subgraph(
+        softmax, lambda n: n.name in ("x", "qkv") or n.op == "get_attr"
+    )
+    out["softmax"] = [names(nodes), names(frontier), sorted(n.op for n in frontier)]
+    return out
+
+
+def plan_of(name, state, x, names=None, leaf_gate=False):
+    """The plan checkpoint_tensors makes (no forward or backward runs)."""
+    leaf = (Gate,) if leaf_gate else ()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a forget that recomputes a matmul says so
+        ckpt = tc.checkpoint_tensors(model_of(name, state), (x,), names=names, leaf_modules=leaf)
+    return plan_summary(ckpt.plan)
+
+
+def geometry(dtype, size, stride, offset):
+    return [str(dtype), list(size), list(stride), offset]
+
+
+# ---- pack_hook: a ForwardCall and a LiveStorage made by hand, no plan ----
+def pack_cases():
+    """What pack_hook makes of each tensor one forgotten op's forward saves: the op's input x
+    (before and while the op runs), its output y (while it runs, before it is registered), a
+    transposed view of y and an unrelated tensor (after it is registered)."""
+    owner = types.SimpleNamespace(module=nn.Identity(), recomputations=0)
+    live = tc.LiveStorage(None, owner, tc.autocast_state())
+    call = tc.ForwardCall({"root": live})
+    x, w = torch.randn(4, 6, requires_grad=True), torch.randn(6, 8)
+    packed = {"input, before": (tc.pack_hook(call, x), x)}
+    call.opening = []  # the forgotten op runs: it saves its input, then its own output
+    packed["input, while the op runs"] = (tc.pack_hook(call, x), x)
+    y = torch.softmax(x @ w, dim=-1)
+    packed["output, before it is registered"] = (tc.pack_hook(call, y), y)
+    call.register_root(live, y)
+    yt, other = y.t(), torch.randn(3, requires_grad=True)
+    packed["transposed view of the output"] = (tc.pack_hook(call, yt), yt)
+    packed["input, after"] = (tc.pack_hook(call, x), x)
+    packed["unrelated tensor"] = (tc.pack_hook(call, other), other)
+    out = {}
+    for label, (p, t) in packed.items():
+        kept = p.tensor is not None
+        out[label] = {
+            "type": type(p).__name__,
+            "handle": p.storage is live,
+            "kept": kept,
+            "geometry": geometry(*p.geometry) if p.geometry is not None else None,
+            "version": p.version,
+            "same_data": kept and p.tensor.data_ptr() == t.data_ptr(),
+            "requires_grad": kept and p.tensor.requires_grad,
+        }
+        out[label]["its_geometry"] = geometry(t.dtype, t.size(), t.stride(), t.storage_offset())
+    out["handles"] = live.handles
+    return out
+
+
+# ---- unpack_hook: a stand-in storage, no recompute ----
+class StandIn:
+    """Stands in for a LiveStorage: a recomputed value and a count of recomputes and releases."""
+
+    def __init__(self):
+        self.value, self.recomputes, self.releases = torch.arange(12.0).view(3, 4), 0, 0
+
+    def recompute(self):
+        self.recomputes += 1
+        return self.value
+
+    def release(self):
+        self.releases += 1
+
+
+def unpack_cases():
+    """unpack_hook on a handle (a transposed slice of the stand-in's value), on a kept tensor, and
+    on a kept tensor modified in place after it was saved."""
+    storage = StandIn()
+    geometry = (torch.float32, torch.Size([4, 2]), (1, 4), 1)
+    alias = tc.unpack_hook(tc.Packed(None, 0, storage=storage, geometry=geometry))
+    kept = torch.randn(3)
+    back = tc.unpack_hook(tc.Packed(kept, kept._version))
+    changed = torch.randn(3)
+    packed = tc.Packed(changed, changed._version)
+    changed.add_(1)
+    try:
+        tc.unpack_hook(packed)
+        refused = None
+    except RuntimeError as err:
+        refused = str(err)
+    return {
+        "alias": alias,
+        "alias_layout": [list(alias.shape), list(alias.stride()), alias.storage_offset()],
+        "alias_shares_storage": alias.untyped_storage().data_ptr()
+        == storage.value.untyped_storage().data_ptr(),
+        "value": storage.value,
+        "recomputes": storage.recomputes,
+        "releases": storage.releases,
+        "kept": kept,
+        "kept_back": back,
+        "kept_same_data": back.data_ptr() == kept.data_ptr(),
+        "in_place_refused": refused,
+    }
+
+
+# ---- LiveStorage.recompute: units and LiveStorages made by hand, no hooks ----
+def live_storages(model, x_name_values, specs):
+    """A LiveStorage per spec (name, its nodes, frontier, deps, uses) on ``model``'s trace, as
+    run_forgetting leaves them after forward; the owner counts recomputations."""
+    gm = tc.trace(model)
+    node = {n.name: n for n in gm.graph.nodes}
+    owner = types.SimpleNamespace(module=model, recomputations=0)
+    made = {}
+    for name, nodes, frontier, deps, uses, layout in specs:
+        unit = tc.ForgottenUnit(
+            name=name,
+            members=[name],
+            root=node[name],
+            nodes=[node[n] for n in nodes],
+            frontier=[node[f] for f in frontier],
+            deps=[node[d] for d in deps],
+            shape=layout[1],
+            nbytes=layout[4],
+            saved=True,
+            op_flops=[],
+            random_nodes=[],
+        )
+        live = made[name] = tc.LiveStorage(unit, owner, tc.autocast_state(), layout=layout)
+        live.inputs = {node[f]: x_name_values[f] for f in frontier}
+        live.versions = {node[f]: x_name_values[f]._version for f in frontier}
+        live.deps = {node[d]: made[d] for d in deps}
+        live.uses = live.pending = uses
+    return made, owner, node
+
+
+def layout(t):
+    return (*tc.layout_of(t), t.untyped_storage().nbytes())
+
+
+def recompute_cases(state, x):
+    """The MLP with fc1's and the GELU's storages forgotten: the GELU's recompute reads fc1's
+    (a dependency), fc1's is also read by a gradient. Two backwards run by hand (the graph
+    retained): unpack the GELU, then fc1, releasing each."""
+    model = model_of("mlp", state, marks=False)
+    with torch.no_grad():
+        h = model.fc1(x)
+        g = F.gelu(h)
+    made, owner, _ = live_storages(
+        model,
+        {"x": x},
+        [("fc1", ["fc1"], ["x"], [], 2, layout(h)), ("gelu", ["gelu"], [], ["fc1"], 1, layout(g))],
+    )
+    fc1, gelu = made["fc1"], made["gelu"]
+    rounds = []
+    for _ in range(2):
+        with FlopCounterMode(display=False) as flops:
+            g1 = gelu.recompute()
+            dep_pending = fc1.pending
+            g2 = gelu.recompute()  # a second saved alias of the same storage
+            gelu.release()
+            h1 = fc1.recompute()
+            fc1.release()
+        rounds.append(
+            {
+                "gelu": g1.detach().clone(),
+                "fc1": h1.detach().clone(),
+                "cached": g2 is g1,
+                "requires_grad": g1.requires_grad or h1.requires_grad,
+                "has_graph": g1.grad_fn is not None or h1.grad_fn is not None,
+                "dep_pending_after_read": dep_pending,
+                "held_after": [fc1.value is not None, gelu.value is not None],
+                "flops": flops.get_total_flops(),
+                "recomputations": owner.recomputations,
+            }
+        )
+    return rounds
+
+
+def dropout_case(state, h, seed):
+    """DropoutMLP's dropout output forgotten, recomputed from fc1's output ``h``: the generator
+    is seeded, snapshotted as the forward would, then moved on before the recompute."""
+    model = model_of("dropout_mlp", state, marks=False).train()
+    with torch.no_grad():
+        torch.manual_seed(seed)
+        d = model.drop(F.gelu(h))
+    made, owner, node = live_storages(
+        model, {"fc1": h}, [("drop", ["gelu", "drop"], ["fc1"], [], 1, layout(d))]
+    )
+    live = made["drop"]
+    torch.manual_seed(seed)
+    live.rng = {node["drop"]: tc.rng_snapshot(torch.device("cpu"))}
+    torch.rand(100)  # the rest of forward draws on
+    before = torch.get_rng_state()
+    value = live.recompute().clone()
+    return {"value": value, "generator_restored": torch.equal(torch.get_rng_state(), before)}
+
+
+# ---- the whole checkpoint ----
+def checkpointed(name, state, x, weights, names=None):
+    """checkpoint_tensors(model) run forward and backward, measured as measured_run does."""
+    model = model_of(name, state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ckpt = tc.checkpoint_tensors(model, (x.detach().requires_grad_(),), names=names)
+    out = measured_run(model, ckpt, x, weights)
+    out["recomputations"] = ckpt.recomputations
+    out["plan"] = plan_summary(ckpt.plan)
+    return out
+
+
+def forward_bytes(cases, x):
+    """Per model name: bytes the checkpointed forward leaves alive (output included; no backward
+    runs), and what its plan says it frees. ``cases``: [(name, state)]."""
+    out = {}
+    for name, state in cases:
+        model = model_of(name, state)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ckpt = tc.checkpoint_tensors(model, (x.detach().requires_grad_(),))
+        x = x.detach().clone().requires_grad_()
+        with LiveBytes([x, *model.parameters(), *model.buffers()]) as meter:
+            y = ckpt(x)
+            out[name] = {"fwd_bytes": meter.now, "bytes_freed": ckpt.plan.bytes_freed}
+        del y
+    return out
+
+
+def data_parallel(rank, world_size, state, x_all):
+    """Each rank checkpoints its replica of the Block on its shard: gradients averaged by
+    all_reduce over the first n ranks for every n, and through DDP over all ranks."""
+    import torch.distributed as dist
+
+    model = model_of("block", state)
+    x = x_all[rank * B : (rank + 1) * B].clone().requires_grad_()
+    try:  # a bad annotation is refused on every rank before any collective, so nobody waits
+        tc.checkpoint_tensors(model, (x,), names=["no_such_tensor"])
+        refused = False
+    except ValueError:
+        refused = True
+    ckpt = tc.checkpoint_tensors(model, (x,))
+    model.zero_grad(set_to_none=True)
+    ckpt(x).square().sum().backward()
+    local = [p.grad.clone() for p in model.parameters()]
+    reduced = {}
+    for n in range(1, world_size + 1):
+        group = dist.new_group(list(range(n)))  # every rank joins every new_group call
+        if rank < n:
+            reduced[n] = [g.clone() for g in local]
+            for g in reduced[n]:
+                dist.all_reduce(g, group=group)
+                g /= n
+    model.zero_grad(set_to_none=True)
+    ddp = nn.parallel.DistributedDataParallel(ckpt)
+    ddp(x).square().sum().backward()
+    return {
+        "refused": refused,
+        "reduced": [[n, grads] for n, grads in reduced.items()],
+        "ddp": [p.grad.clone() for p in model.parameters()],
+    }

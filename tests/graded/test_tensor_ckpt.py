@@ -1,0 +1,572 @@
+"""Graded tests of tensor_ckpt.py. The student's code runs in the sandbox (probes/tensor_ckpt.py);
+every reference is computed here: the same models without forget() marks, run by plain autograd,
+and torch.utils.checkpoint. Gradients are compared with torch.equal: recomputation re-runs the
+same fp32 kernels on the same inputs, so anything short of bitwise equality is a bug, not rounding.
+Memory is counted here and in the probe by the same meter (the storages ops create that are still
+alive), FLOPs by FlopCounterMode. The one tolerance: data-parallel gradients against one process on
+the whole batch, where the batch sum is split differently (fp32, rtol 1e-5).
+
+Each region has tests that run it alone: the probe builds what the other regions would have made
+(a LiveStorage, a ForwardCall, a stand-in storage), so a wrong region fails its own tests and the
+others' tests name it as the cause. `needs` lists the regions a test runs besides its own.
+"""
+
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+import torch.utils.checkpoint as torch_checkpoint
+from sandbox import call, on_ranks
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+B, T, C, H = 2, 16, 32, 4
+F32 = 4  # bytes
+REGIONS = ("forget", "storage_units", "recompute_subgraph", "LiveStorage.recompute", "pack_hook",
+           "unpack_hook")  # fmt: skip
+PLAN = ("tensor_ckpt.forget", "tensor_ckpt.storage_units")  # what checkpoint_tensors' plan runs
+FORWARD = (*PLAN, "tensor_ckpt.recompute_subgraph")  # and what a forward runs besides pack_hook
+
+
+def ALL_BUT(region):
+    """A graded test that runs the whole checkpoint needs every other region."""
+    return tuple(f"tensor_ckpt.{r}" for r in REGIONS if r != region)
+
+
+# ---- the models, unmarked (the probe's have the forget() marks), and their references ----
+class MLP(nn.Module):
+    def __init__(self, shared=False):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
+        self.fc3 = nn.Linear(4 * C, C) if shared else None
+
+    def forward(self, x):
+        h = F.gelu(self.fc1(x))
+        return self.fc2(h) + self.fc3(h) if self.fc3 is not None else self.fc2(h)
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
+        self.register_buffer("future", torch.ones(T, T, dtype=torch.bool).triu(1))
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).split(C, dim=-1)
+        q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (C // H) ** -0.5
+        att = att.masked_fill(self.future, float("-inf")).softmax(dim=-1)
+        return self.proj((att @ v).transpose(1, 2).reshape(B, T, C))
+
+
+class ViewAndBase(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.out = nn.Linear(C, 2 * C), nn.Linear(C, C)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return self.out(h[..., :C] * h[..., C:] + h.sin()[..., C:])
+
+
+class DropoutMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.drop = nn.Linear(C, 4 * C), nn.Linear(4 * C, C), nn.Dropout(0.3)
+
+    def forward(self, x):
+        return self.fc2(self.drop(F.gelu(self.fc1(x))))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(C), nn.LayerNorm(C)
+        self.qkv, self.proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
+        self.fc1, self.fc2 = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        h = self.norm1(x)
+        q, k, v = self.qkv(h).view(b, t, 3, H, c // H).permute(2, 0, 3, 1, 4).unbind(0)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class Gate(nn.Module):
+    def forward(self, h):
+        return h * 2 if h.sum() > 0 else h
+
+
+class BranchInLeaf(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.gate, self.out = nn.Linear(C, C), Gate(), nn.Linear(C, C)
+
+    def forward(self, x):
+        return self.out(self.gate(F.gelu(self.fc(x))))
+
+
+MODELS = {
+    "mlp": MLP,
+    "attention": Attention,
+    "attention_qkv": Attention,
+    "view_and_base": ViewAndBase,
+    "dropout_mlp": DropoutMLP,
+    "block": Block,
+    "stack": lambda: nn.Sequential(*[Block() for _ in range(4)]),
+    "branch_in_leaf": BranchInLeaf,
+}
+
+
+def plain(name, seed=0):
+    """The unmarked model, its state (what the probe loads), and an input."""
+    torch.manual_seed(seed)
+    model = MODELS[name]()
+    return model, model.state_dict(), torch.randn(B, T, C)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the storages ops create that are still alive, and their peak (a storage is freed
+    when its last tensor goes). Storages of ``exclude`` (inputs, parameters) are not counted."""
+
+    def __init__(self, exclude=()):
+        super().__init__()
+        self.alive, self.now, self.peak = {id(t.untyped_storage()): 0 for t in exclude}, 0, 0
+
+    def free(self, key):
+        self.now -= self.alive.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and id(s := t.untyped_storage()) not in self.alive:
+                self.alive[id(s)] = s.nbytes()
+                self.now += s.nbytes()
+                self.peak = max(self.peak, self.now)
+                weakref.finalize(s, self.free, id(s))
+        return out
+
+
+def measured_run(model, fn, x, weights):
+    """As the probe's measured_run: output, gradients (parameters, then x) of sum(out * weights),
+    bytes alive after forward, the peaks of forward and backward, backward's matmul FLOPs."""
+    x = x.detach().clone().requires_grad_()
+    params = list(model.parameters())
+    meter = LiveBytes([x, weights, *params, *model.buffers()])
+    with meter:
+        out = fn(x)
+        fwd_bytes, fwd_peak = meter.now, meter.peak
+        meter.peak = meter.now
+        with FlopCounterMode(display=False) as flops:
+            grads = torch.autograd.grad((out * weights).sum(), params + [x])
+    return {
+        "out": out.detach(),
+        "grads": list(grads),
+        "fwd_bytes": fwd_bytes,
+        "fwd_peak": fwd_peak,
+        "bwd_peak": meter.peak,
+        "bwd_flops": flops.get_total_flops(),
+    }
+
+
+def gradients(model, fn, x, weights):
+    """Output and gradients of sum(fn(x) * weights), unmeasured (torch.utils.checkpoint)."""
+    x = x.detach().clone().requires_grad_()
+    out = fn(x)
+    grads = torch.autograd.grad((out * weights).sum(), [*model.parameters(), x])
+    return {"out": out.detach(), "grads": list(grads)}
+
+
+def weights_for(x):  # not all-ones: each output element its own weight
+    return torch.linspace(-1, 1, x.numel()).view_as(x)
+
+
+def assert_bitwise(ours, ref, model, what):
+    names = [n for n, _ in model.named_parameters()] + ["the input x"]
+    diff = (ours["out"] - ref["out"]).abs().max()
+    assert torch.equal(ours["out"], ref["out"]), f"{what}: the output differs by {diff:.3g}"
+    for name, a, b in zip(names, ours["grads"], ref["grads"], strict=True):
+        assert torch.equal(a, b), (
+            f"{what}: the gradient of {name} differs by {(a - b).abs().max():.3g}"
+        )
+
+
+_RUNS = {}
+
+
+def checkpointed(name):
+    """The probe's checkpointed run of model ``name`` and the plain run here, once per session."""
+    if name not in _RUNS:
+        model, state, x = plain(name)
+        weights = weights_for(model(x))
+        ours = call("tensor_ckpt:checkpointed", name, state, x, weights)
+        _RUNS[name] = ours, measured_run(model, model, x, weights), model, x, weights
+    return _RUNS[name]
+
+
+# ---- forget ----
+@pytest.mark.grade(points=1, solution="tensor_ckpt.forget")
+def test_forget_is_the_identity_eagerly_and_a_node_under_tracing():
+    got = call("tensor_ckpt:forget_marks")
+    assert got["eager_is_x"], (
+        "forget(x) must return x itself when run eagerly (the identity, no copy)"
+    )
+    assert got["marked"] == [["gelu"]] and got["ops"] == ["call_function"], (
+        "under tracing forget(proxy) must record one call_function node with target forget and "
+        f"the marked tensor as its argument; the MLP's trace has {got['marked']} ({got['ops']})"
+    )
+
+
+# ---- storage_units ----
+@pytest.mark.grade(points=1, solution="tensor_ckpt.storage_units")
+def test_storage_units_are_one_per_storage_in_execution_order():
+    # made-up nodes: a base and its view share a key; empty tensors share the null address but
+    # nothing else, so they belong to no unit
+    infos = [
+        ("base", True, 1, 8),
+        ("other", True, 2, 8),
+        ("view", True, 1, 8),
+        ("size", False, None, 0),
+        ("empty", True, 0, 0),
+        ("empty_too", True, 0, 0),
+    ]
+    units = {tuple(key): nodes for key, nodes in call("tensor_ckpt:storage_units_of", infos)}
+    assert sorted(map(sorted, units.values())) == [["base", "view"], ["other"]] or (
+        ("cpu", 0) in units
+    ), f"a view and its base (one storage key) must be one unit, one per storage: got {units}"
+    assert ("cpu", 0) not in units, (
+        f"empty tensors (0 bytes) share the null address, not a storage: no unit for them: {units}"
+    )
+    assert units[("cpu", 1)] == ["base", "view"], (
+        "each unit lists its nodes in execution order, the one that wrote the storage first: got "
+        f"{units[('cpu', 1)]}"
+    )
+
+
+@pytest.mark.grade(points=2, solution="tensor_ckpt.storage_units")
+def test_storage_units_group_views_of_the_traced_attention():
+    _, state, x = plain("attention")
+    got = call("tensor_ckpt:attention_units", state, x)
+    units, storages = got["units"], got["storages"]
+    qkv = next((u for u in units if "qkv" in u), [])
+    assert {"qkv", "getitem", "getitem_1", "getitem_2"} <= set(qkv), (
+        "a view and its base (one storage key) must be one unit: qkv and its split live in one "
+        f"storage, got the unit {qkv}"
+    )
+    assert not any("reshape" in u and "matmul_1" in u for u in units), (
+        "the reshape after a transpose copies: it is a storage of its own, not matmul_1's unit"
+    )
+    for u in units:
+        assert len({storages[n][0] for n in u}) == 1, f"a unit holds one storage, {u} holds more"
+        assert all(storages[n][1] > 0 for n in u), f"empty tensors (0 bytes) belong to no unit: {u}"
+    listed = [n for u in units for n in u]
+    expected = [n for n, (_, nbytes) in storages.items() if nbytes > 0]  # in execution order
+    assert sorted(listed) == sorted(expected), (
+        f"every tensor node with bytes belongs to one unit: missing "
+        f"{sorted(set(expected) - set(listed))}, twice or extra "
+        f"{sorted(n for n in set(listed) if listed.count(n) > 1 or n not in expected)}"
+    )
+    assert len({storages[u[0]][0] for u in units}) == len(units), "one unit per storage"
+    for u in units:
+        assert u == [n for n in expected if n in u], (
+            f"each unit lists its nodes in execution order: got {u}"
+        )
+
+
+# ---- recompute_subgraph ----
+@pytest.mark.grade(points=1, solution="tensor_ckpt.recompute_subgraph")
+def test_recompute_subgraph_walks_back_to_kept_nodes():
+    _, state, x = plain("attention")
+    got = call("tensor_ckpt:subgraphs", state, x)
+    # x -> relu -> sin -> cos -> add(cos, x); nodes to re-run and the kept nodes they read
+    for label, nodes, frontier in [
+        ("kept x", ["add", "cos", "relu", "sin"], ["x"]),
+        ("kept x, sin", ["add", "cos"], ["sin", "x"]),
+    ]:
+        got_nodes, got_frontier = got[label]
+        missing = sorted(set(nodes + frontier) - set(got_nodes) - set(got_frontier))
+        assert not missing, (
+            "recompute_subgraph must walk back through every node that is not kept, not only "
+            f"root's direct inputs: missing {missing} ({label})"
+        )
+        rerun = sorted(set(got_nodes) & set(label.removeprefix("kept ").split(", ")))
+        assert not rerun, (
+            "a kept node ends the walk: it belongs in the frontier, not among the nodes to re-run "
+            f"(recomputing a kept tensor): {rerun}"
+        )
+        assert "add" in got_nodes, "root itself is one of the nodes to re-run"
+        assert [got_nodes, got_frontier] == [nodes, frontier], (
+            f"{label}: nodes {got_nodes}, frontier {got_frontier}; expected {nodes}, {frontier}"
+        )
+    nodes, frontier, ops = got["softmax"]  # the attention's probabilities, x and qkv kept
+    assert {"softmax", "masked_fill", "mul", "matmul", "transpose_3"} <= set(nodes), (
+        "recompute_subgraph must walk back through every node that is not kept, not only root's "
+        f"direct inputs: softmax's subgraph is {nodes}"
+    )
+    assert "qkv" not in nodes and "qkv" in frontier and "get_attr" in ops, (
+        f"a kept node ends the walk: qkv and the mask buffer are the frontier, got {frontier}"
+    )
+
+
+@pytest.mark.grade(points=2, solution="tensor_ckpt.recompute_subgraph", needs=PLAN)
+def test_plan_for_the_block_keeps_matmuls_and_forgets_cheap_tensors():
+    _, state, x = plain("block")
+    plan = call("tensor_ckpt:plan_of", "block", state, x)
+    units = plan["units"]
+    assert [u["name"] for u in units] == ["norm1", "norm2", "gelu"], units
+    assert [u["nodes"] for u in units] == [["norm1"], ["norm2"], ["gelu"]], (
+        "each forgotten norm or GELU is recomputed by its own op alone, from what autograd keeps: "
+        f"got {[u['nodes'] for u in units]}"
+    )
+    assert [u["frontier"] for u in units] == [["x"], ["add"], ["fc1"]], (
+        f"the frontier is the kept nodes the subgraph reads: got {[u['frontier'] for u in units]}"
+    )
+    assert plan["recompute_flops"] == 0 and plan["held_bytes"] == 0, plan
+    assert plan["bytes_freed"] == (2 * B * T * C + B * T * 4 * C) * F32, plan["bytes_freed"]
+    assert "gelu" in plan["table"] and "fc1" in plan["table"] and "KiB" in plan["table"]
+
+
+@pytest.mark.grade(points=1, solution="tensor_ckpt.recompute_subgraph", needs=PLAN)
+def test_leaf_modules_is_the_fix_for_untraceable_code_and_names_override_marks():
+    _, state, x = plain("branch_in_leaf")
+    plan = call("tensor_ckpt:plan_of", "branch_in_leaf", state, x, leaf_gate=True)
+    # the opaque gate is re-run whole, and the GELU before it too: nothing saves the GELU's output
+    assert [u["nodes"] for u in plan["units"]] == [["gelu", "gate"]], plan["units"]
+    plan = call("tensor_ckpt:plan_of", "branch_in_leaf", state, x, ["gelu"], leaf_gate=True)
+    assert [u["name"] for u in plan["units"]] == ["gelu"], plan["units"]
+    assert [u["nodes"] for u in plan["units"]] == [["gelu"]], plan["units"]
+
+
+# ---- pack_hook ----
+@pytest.mark.grade(points=1, solution="tensor_ckpt.pack_hook")
+def test_pack_hook_hands_out_handles_for_forgotten_storages_only():
+    got = call("tensor_ckpt:pack_cases")
+    for label in ("transposed view of the output",):
+        assert got[label]["handle"] and not got[label]["kept"], (
+            "a tensor in a forgotten storage must be packed as a handle (call.live_storage(t)), "
+            f"not kept: the {label}"
+        )
+        assert got[label]["geometry"] == got[label]["its_geometry"], (
+            f"a handle records where the saved tensor sits in the storage: {got[label]}"
+        )
+    assert got["output, before it is registered"]["handle"], (
+        "a tensor its own op saves (softmax saves its output) is packed before its root is "
+        "registered: keep it in call.opening so register_root turns it into a handle"
+    )
+    for label in ("input, before", "input, while the op runs", "input, after", "unrelated tensor"):
+        p = got[label]
+        assert not p["handle"] and p["kept"], (
+            "pack_hook handed out a handle for a tensor outside every forgotten storage (the "
+            f"{label}): only a tensor call.live_storage(t) finds becomes a handle, even while "
+            "call.opening is open"
+        )
+        assert p["same_data"] and not p["requires_grad"] and p["version"] == 0, (
+            f"a kept tensor is packed detached, as it is, with its _version: the {label}: {p}"
+        )
+    assert got["handles"] == 2, f"one handle per saved alias: the storage counts {got['handles']}"
+
+
+@pytest.mark.grade(points=2, solution="tensor_ckpt.pack_hook", needs=FORWARD)
+def test_activation_memory_drops_by_the_forgotten_bytes():
+    cases = {  # model: bytes its forget() marks should free, counted by hand from the shapes
+        "mlp": B * T * 4 * C * F32,  # the GELU output
+        "block": (2 * B * T * C + B * T * 4 * C) * F32,  # two norm outputs + GELU
+        "view_and_base": B * T * 2 * C * F32,  # a base and its view: once
+        "attention": (B * H * T * T + B * T * C) * F32,  # softmax probs + merged heads
+        "attention_qkv": 0,  # batched matmul saves copies of q, k: qkv is never saved
+    }
+    plains = {name: plain(name) for name in cases}
+    x = plains["mlp"][2]
+    got = call("tensor_ckpt:forward_bytes", [(n, p[1]) for n, p in plains.items()], x)
+    for name, expected in cases.items():
+        model = plains[name][0]
+        ref = measured_run(model, model, x, weights_for(x))["fwd_bytes"]
+        freed = ref - got[name]["fwd_bytes"]
+        how = (
+            "a tensor in a forgotten storage must be packed as a handle (call.live_storage(t))"
+            if freed <= 0
+            else "a tensor its own op saves (softmax saves its output) is packed before its root "
+            "is registered: keep it in call.opening so register_root turns it into a handle"
+        )
+        assert freed == expected, f"{how}: {name} freed {freed} bytes, expected {expected}"
+        assert got[name]["bytes_freed"] == expected, (
+            f"the plan must predict what was measured: {name}'s plan says "
+            f"{got[name]['bytes_freed']}, {expected} were freed"
+        )
+
+
+@pytest.mark.grade(points=2, solution="tensor_ckpt.pack_hook", needs=ALL_BUT("pack_hook"))
+def test_peaks_drop_in_forward_and_in_backward():
+    # Forward: each forgotten tensor dies at its last use in forward, not at the end of forward
+    # (else forward's own peak would be the plain model's). Backward: a recomputed tensor, and the
+    # kept tensors its recompute reads, die with the last gradient that needs them.
+    ours, ref, _, _, _ = checkpointed("stack")
+    assert ref["fwd_peak"] - ours["fwd_peak"] >= 2 * B * T * C * F32, (
+        "a forgotten tensor must not outlive its last use in forward (pack it as a handle): "
+        f"forward's peak {ours['fwd_peak']} bytes, the plain model's {ref['fwd_peak']}"
+    )
+    largest = B * T * 4 * C * F32  # one layer's GELU output
+    assert ref["bwd_peak"] - ours["bwd_peak"] >= largest, (
+        "a recomputed tensor must be freed once the last gradient that needs it has it: "
+        f"backward's peak {ours['bwd_peak']} bytes, the plain model's {ref['bwd_peak']}"
+    )
+
+
+@pytest.mark.parametrize(
+    "world_size", [2, pytest.param(4, marks=pytest.mark.ungraded)], ids=["2 ranks", "4 ranks"]
+)
+@pytest.mark.grade(points=2, solution="tensor_ckpt.pack_hook", needs=ALL_BUT("pack_hook"))
+def test_data_parallel_replicas_match_single_process(world_size):
+    model, state, _ = plain("block")
+    torch.manual_seed(1)
+    x_all = torch.randn(world_size * B, T, C)
+    results = on_ranks("tensor_ckpt:data_parallel", world_size, state, x_all)
+    assert all(r["refused"] for r in results), "a bad annotation must be refused on every rank"
+    for n in range(1, world_size + 1):
+        model.zero_grad(set_to_none=True)
+        model(x_all[: n * B]).square().sum().backward()
+        reference = [p.grad / n for p in model.parameters()]  # data parallel averages over ranks
+        for rank in range(n):
+            reduced = dict((k, v) for k, v in results[rank]["reduced"])[n]
+            ddp = results[rank]["ddp"] if n == world_size else []
+            for ours, ref in zip(reduced + ddp, reference * 2):
+                # vs one process on the whole batch: the batch sum is split differently; fp32
+                # rounding of gradients of size ~10 gives ~1e-6 absolute differences
+                torch.testing.assert_close(
+                    ours, ref, rtol=1e-5, atol=1e-5, msg=lambda m: f"rank {rank} of {n}: {m}"
+                )
+
+
+# ---- unpack_hook ----
+@pytest.mark.grade(points=1, solution="tensor_ckpt.unpack_hook")
+def test_unpack_hook_rebuilds_the_saved_alias_as_a_view_of_the_recomputed_storage():
+    got = call("tensor_ckpt:unpack_cases")
+    assert got["alias_shares_storage"], (
+        "unpack_hook must return a view of the recomputed storage, not a copy of it"
+    )
+    expected = got["value"].as_strided((4, 2), (1, 4), 1)  # a transposed slice of the root
+    assert got["alias_layout"] == [[4, 2], [1, 4], 1] and torch.equal(got["alias"], expected), (
+        "the saved alias has its own size, stride and offset (packed.geometry); got shape, "
+        f"stride, offset {got['alias_layout']}, expected [[4, 2], [1, 4], 1]"
+    )
+    assert got["releases"] == 1, (
+        f"unpack_hook must release the handle once it has the value: released {got['releases']}x"
+    )
+    assert got["kept_same_data"] and torch.equal(got["kept_back"], got["kept"]), (
+        "a kept (not forgotten) saved tensor comes back as it was packed"
+    )
+    assert got["in_place_refused"] is not None, (
+        "an in-place change of a kept saved tensor must be refused, as autograd refuses it "
+        "(packed.kept() checks its _version); unpack_hook returned the changed tensor"
+    )
+
+
+@pytest.mark.parametrize("name", ["mlp", "attention", "block"])
+@pytest.mark.grade(points=3, solution="tensor_ckpt.unpack_hook", needs=ALL_BUT("unpack_hook"))
+def test_gradients_bitwise_equal_plain_and_torch_checkpoint(name):
+    ours, ref, model, x, weights = checkpointed(name)
+    assert ours["plan"]["units"], "the model's forget() marks must produce a plan"
+    assert_bitwise(ours, ref, model, f"the checkpointed {name} against the plain model")
+    theirs = gradients(
+        model, lambda x: torch_checkpoint.checkpoint(model, x, use_reentrant=False), x, weights
+    )
+    assert_bitwise(ours, theirs, model, f"the checkpointed {name} against torch.utils.checkpoint")
+    assert ours["recomputations"] == len(ours["plan"]["units"]), (
+        f"each forgotten storage is recomputed once per backward: {ours['recomputations']} "
+        f"recomputes for {len(ours['plan']['units'])} storages"
+    )
+
+
+@pytest.mark.grade(points=2, solution="tensor_ckpt.unpack_hook", needs=ALL_BUT("unpack_hook"))
+def test_forgetting_gelu_recomputes_no_matmul_and_view_plus_base_recomputes_once():
+    ours, ref, *_ = checkpointed("mlp")
+    assert ours["bwd_flops"] == ref["bwd_flops"] > 0, (
+        f"forgetting the GELU adds no matmul to backward: {ours['bwd_flops']} FLOPs, "
+        f"plain {ref['bwd_flops']}"
+    )
+    ours, ref, model, *_ = checkpointed("view_and_base")
+    (unit,) = ours["plan"]["units"]  # h and its views share a storage: one unit
+    assert {"fc", "getitem", "getitem_1"} <= set(unit["members"]), unit
+    assert_bitwise(ours, ref, model, "the checkpointed view_and_base against the plain model")
+    extra, one_fc = ours["bwd_flops"] - ref["bwd_flops"], 2 * B * T * C * 2 * C
+    assert extra == one_fc and ours["recomputations"] == 1, (
+        "a base and its saved views are one storage, recomputed once per backward: "
+        f"{ours['recomputations']} recomputes, {extra} extra FLOPs (one fc: {one_fc})"
+    )
+
+
+# ---- LiveStorage.recompute ----
+@pytest.mark.grade(points=2, solution="tensor_ckpt.LiveStorage.recompute")
+def test_dropout_in_recompute_subgraph_replays_the_rng():
+    model, state, x = plain("dropout_mlp")
+    model.train()
+    with torch.no_grad():
+        h = model.fc1(x)
+        torch.manual_seed(5)
+        expected = model.drop(F.gelu(h))
+    got = call("tensor_ckpt:dropout_case", state, h, 5)
+    assert torch.equal(got["value"], expected), (
+        "the recompute must run each random op with the forward's generator state (self.rng): "
+        "the dropout mask drawn in backward differs from forward's"
+    )
+    assert got["generator_restored"], (
+        "the replay must leave the generator as it was (replayed_rng restores it)"
+    )
+
+
+@pytest.fixture(scope="module")
+def recomputes():
+    model, state, x = plain("mlp")
+    with torch.no_grad():
+        h = model.fc1(x)
+    return call("tensor_ckpt:recompute_cases", state, x), h, F.gelu(h)
+
+
+@pytest.mark.grade(points=2, solution="tensor_ckpt.LiveStorage.recompute")
+def test_a_recompute_reading_another_forgotten_tensor_reuses_its_recompute(recomputes):
+    # fc1's output and the GELU of it forgotten: the GELU's recompute reads fc1's recomputed value,
+    # so fc1 runs once per backward, not once for itself and once more inside the GELU's subgraph.
+    rounds, h, g = recomputes
+    first = rounds[0]
+    assert torch.equal(first["gelu"], g) and torch.equal(first["fc1"], h), (
+        "the recomputed values differ from forward's: run the unit's nodes on self.inputs and "
+        "each dependency's dep.recompute()"
+    )
+    one_fc1 = 2 * B * T * C * 4 * C
+    assert first["flops"] == one_fc1, (
+        "a recompute reading another forgotten storage must take its dep.recompute() value, not "
+        f"run its ops again: the backward ran {first['flops']} FLOPs, fc1 once is {one_fc1}"
+    )
+    assert not first["requires_grad"] and not first["has_graph"], (
+        "LiveStorage.recompute must run the ops under self.as_in_forward() (no_grad, the "
+        "forward's autocast): the recomputed value carries an autograd graph"
+    )
+    assert first["dep_pending_after_read"] == 1, (
+        "LiveStorage.recompute must release each dependency it read (dep.release()), else the "
+        "dependency's storage stays alive until the end of backward: fc1's pending uses are "
+        f"{first['dep_pending_after_read']} after the GELU's recompute read it, expected 1"
+    )
+
+
+@pytest.mark.grade(points=2, solution="tensor_ckpt.LiveStorage.recompute")
+def test_tensor_needed_by_several_gradients_is_recomputed_once_per_backward(recomputes):
+    rounds, _, _ = recomputes
+    assert rounds[0]["cached"] and rounds[0]["recomputations"] == 2, (
+        "a storage needed by several gradients must be recomputed once per backward (cache "
+        f"self.value until the last release): {rounds[0]['recomputations']} recomputes for two "
+        "storages, the second read of the GELU " + ("cached" if rounds[0]["cached"] else "not")
+    )
+    assert rounds[0]["held_after"] == [False, False], (
+        "LiveStorage.recompute must release each dependency it read (dep.release()), else the "
+        "dependency's storage stays alive: after backward [fc1, gelu] held "
+        f"{rounds[0]['held_after']}"
+    )
+    assert rounds[1]["recomputations"] == 4 and torch.equal(rounds[1]["gelu"], rounds[0]["gelu"]), (
+        "a retained graph's second backward recomputes each storage once more: "
+        f"{rounds[1]['recomputations'] - rounds[0]['recomputations']} recomputes in it, expected 2"
+    )
