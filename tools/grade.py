@@ -731,11 +731,11 @@ def splice(text, region, body):
 
 
 def stage_with(staged, root, bodies):
-    """The reference in ``staged`` with each region of ``bodies`` ({Region: body}) replaced."""
+    """The reference in ``staged``, each (Region, body) pair of ``bodies`` spliced in."""
     write_student(staged, root, only=set())  # every file, every region filled
     paths = {os.path.basename(f): f for f in assignment_files(root)}  # memory/...
     by_file = defaultdict(list)
-    for region, body in bodies.items():
+    for region, body in bodies:
         by_file[region.file].append((region, body))
     for name, pairs in by_file.items():
         path = os.path.join(staged, paths.get(name, name))
@@ -775,7 +775,7 @@ def check_mistakes(root, which, per_test_s, overall_s):
             print(f"DEFECT {label}: {why}", flush=True)
             continue
         with tempfile.TemporaryDirectory() as staged:
-            stage_with(staged, root, {region: m.body})
+            stage_with(staged, root, [(region, m.body)])
             run = run_graded(
                 root, staged, tests, per_test_s, overall_s, True, stop_on=m.message
             )  # the run stops at the first failure that shows the message: the rest cannot undo it
@@ -843,7 +843,7 @@ def check_alternatives(root, which, per_test_s, overall_s):
         chosen = {q: alts[k] for q, alts in usable.items() if len(alts) > k}
         tests = list(dict.fromkeys(t for q in chosen for t in tests_of(graded, q)))
         with tempfile.TemporaryDirectory() as staged:
-            stage_with(staged, root, {regions[q]: a.body for q, a in chosen.items()})
+            stage_with(staged, root, [(regions[q], a.body) for q, a in chosen.items()])
             run = run_graded(root, staged, tests, per_test_s, overall_s, True)
         failed = _failed(run, tests)
         print(
@@ -857,7 +857,7 @@ def check_alternatives(root, which, per_test_s, overall_s):
             own = tests_of(graded, q)
             if failed:  # blame: this alternative alone in the reference
                 with tempfile.TemporaryDirectory() as staged:
-                    stage_with(staged, root, {regions[q]: a.body})
+                    stage_with(staged, root, [(regions[q], a.body)])
                     alone = run_graded(root, staged, own, per_test_s, overall_s, True)
                 bad = _failed(alone, own)
             else:
