@@ -610,6 +610,8 @@ ALTERNATIVES = [
                 body="return torch.tensor([float(i) for i in range(n)])\\n"),
     Alternative(region="pure.ramp", name="starts at one",
                 body="return torch.arange(1, n + 1, dtype=torch.float32)\\n"),
+    Alternative(region="pure.ramp", name="a copy",
+                body="return torch.arange(n, dtype=torch.float32)  # the same\\n"),
 ]
 """
 
@@ -628,5 +630,6 @@ def test_alternatives_check_keeps_correct_bodies_and_names_a_wrong_one(tmp_path)
     assert "pass 2: 1 alternatives, 0 of 4 graded tests pass" in out, out
     assert "DEFECT pure.quadruple: no alternative catalogued" in out, out
     assert "DEFECT pure.ramp / starts at one" in out and "ok   pure.ramp / starts" not in out, out
+    assert "DEFECT pure.ramp / a copy: the reference's own body" in out, out
     code, out = _grade("--root", repo, "--check-alternatives", "pure.double")
     assert code == 0 and "1 alternatives, 0 defects" in out, out

@@ -814,6 +814,19 @@ def _failed(run, tests):
     return out
 
 
+def _code_lines(body):
+    """A body's code lines, stripped, markers and blank lines left out (to compare two bodies)."""
+    lines = (line.split("#", 1)[0].strip() for line in body.splitlines())
+    return [line for line in lines if line]
+
+
+def reference_body(root, region):
+    """The reference's text of ``region``, markers included."""
+    paths = {os.path.basename(f): f for f in assignment_files(root)}
+    with open(os.path.join(root, paths.get(region.file, region.file))) as f:
+        return "".join(f.readlines()[region.begin - 1 : region.end])
+
+
 def check_alternatives(root, which, per_test_s, overall_s):
     """Splice the catalogued correct alternatives into the reference; every graded test that
     names or needs their region must still pass. Pass k splices each region's k-th alternative
@@ -835,9 +848,14 @@ def check_alternatives(root, which, per_test_s, overall_s):
     for q, alts in by_region.items():
         if q not in regions:
             defects += [f"{q} / {a.name}: no such region" for a in alts]
-        elif not tests_of(graded, q):
+            continue
+        reference = _code_lines(reference_body(root, regions[q]))
+        copies = [a for a in alts if _code_lines(a.body) == reference]
+        defects += [f"{q} / {a.name}: the reference's own body, not an alternative" for a in copies]
+        alts = [a for a in alts if a not in copies]
+        if not tests_of(graded, q):
             defects += [f"{q} / {a.name}: no graded test names or needs it" for a in alts]
-        else:
+        elif alts:
             usable[q] = alts
     for k in range(max(map(len, usable.values()), default=0)):
         chosen = {q: alts[k] for q, alts in usable.items() if len(alts) > k}
