@@ -24,7 +24,7 @@ TIMEOUT ?=
 OUT ?=
 
 .PHONY: venv venv-test demo test test-slow test-all lint bench notebooks lab assignments grade \
-	grade-check grade-mistakes grade-fit release gpu-check clean
+	grade-check grade-mistakes grade-alternatives grade-fit release gpu-check clean
 
 venv:
 	@tools/venv.sh "$(PYTHON)" "$(VENV)" "$(TORCH_INDEX)" requirements.txt
@@ -86,6 +86,10 @@ grade-check: venv-test
 # every catalogued mistake (tests/mistakes/) spliced in alone loses points, with its message
 grade-mistakes: venv-test
 	$(PY) tools/grade.py --check-mistakes $(ONLY)
+
+# every catalogued correct alternative (tests/alternatives/) keeps full marks
+grade-alternatives: venv-test
+	$(PY) tools/grade.py --check-alternatives $(ONLY)
 
 # the reference graded inside Gradescope's default limits (768 MB, half a CPU; a cgroup: root):
 # full marks, peak working set <= 650 MB, <= 360 s, else it fails

@@ -637,3 +637,37 @@ def test_no_import_cycle_between_the_grading_tools_and_no_import_of_tests():
     assert "grade" not in imports["assignments"] and "assignments" in imports["grade"]
     for tool, found in imports.items():
         assert not found & {"harness", "tests", "oracle_v4_mhc", "oracle_v4_attention"}, tool
+
+
+ALTERNATIVES = """\
+from tests.alternatives import Alternative
+
+ALTERNATIVES = [
+    Alternative(region="pure.double", name="adds", body="return x + x\\n"),
+    Alternative(region="pure.ramp", name="list comprehension",
+                body="return torch.tensor([float(i) for i in range(n)])\\n"),
+    Alternative(region="pure.ramp", name="starts at one",
+                body="return torch.arange(1, n + 1, dtype=torch.float32)\\n"),
+    Alternative(region="pure.ramp", name="a copy",
+                body="return torch.arange(n, dtype=torch.float32)  # the same\\n"),
+]
+"""
+
+
+def test_alternatives_check_keeps_correct_bodies_and_names_a_wrong_one(tmp_path):
+    repo = _fake_repo(tmp_path / "repo", PURE, PURE_TESTS, "pure", PURE_PROBES)
+    os.makedirs(tmp_path / "repo" / "tests" / "alternatives")
+    init = os.path.join(ROOT, "tests", "alternatives", "__init__.py")
+    shutil.copy(init, tmp_path / "repo" / "tests" / "alternatives")
+    (tmp_path / "repo" / "tests" / "alternatives" / "pure.py").write_text(ALTERNATIVES)
+    code, out = _grade("--root", repo, "--check-alternatives")
+    assert code == 1, out
+    assert "ok   pure.double / adds: 2 graded tests pass" in out, out  # its own and quadruple's
+    assert "ok   pure.ramp / list comprehension: 4 graded tests pass" in out, out
+    assert "FAIL pure.ramp / starts at one: 4 of 4 tests fail" in out, out  # blamed alone
+    assert "pass 2: 1 alternatives, 0 of 4 graded tests pass" in out, out
+    assert "DEFECT pure.quadruple: no alternative catalogued" in out, out
+    assert "DEFECT pure.ramp / starts at one" in out and "ok   pure.ramp / starts" not in out, out
+    assert "DEFECT pure.ramp / a copy: the reference's own body" in out, out
+    code, out = _grade("--root", repo, "--check-alternatives", "pure.double")
+    assert code == 0 and "1 alternatives, 0 defects" in out, out

@@ -62,6 +62,7 @@ def test_student_repository_holds_what_a_student_needs_and_nothing_private(kit):
     assert "memory/memory_timeline.py" in names
     private = ["tests/mistakes/", "tests/test_assignments.py", "tests/test_release.py"]
     private += ["tools/release.py", "notebooks/src/", "ASSIGNMENTS.md", "tests/mistakes"]
+    private += ["tests/alternatives"]
     private += ["tests/oracle_v4_", "tests/attacks", "tests/graded/test_sandbox.py"]
     for path in private:
         assert not any(n.startswith(path) for n in names), f"{path} must not be released"
@@ -190,7 +191,8 @@ def test_a_helper_that_renames_a_region_is_found(kit, tmp_path):
 
 
 def test_private_answers_are_searched_for(tmp_path):
-    """A catalogue's wrong body and a notebook's reference answer are private: found if released."""
+    """A catalogue's wrong or correct alternative body and a notebook's reference answer are
+    private: found if released."""
     fake = tmp_path / "repo"
     for name in assignments.assignment_files(ROOT):
         os.makedirs(fake / os.path.dirname(name), exist_ok=True)
@@ -201,21 +203,29 @@ def test_private_answers_are_searched_for(tmp_path):
         "from tests.mistakes import Mistake\n\nMISTAKES = [\n    Mistake(region='muon_zero.x', "
         f"name='n', message='m', body={wrong!r}),\n]\n"
     )
+    os.makedirs(fake / "tests" / "alternatives")
+    right = "Z = a * Z + b * AZ + c * torch.matmul(A, AZ)"
+    (fake / "tests" / "alternatives" / "muon_zero.py").write_text(
+        "from tests.alternatives import Alternative\n\nALTERNATIVES = [\n    Alternative("
+        f"region='muon_zero.x', name='n', body={right!r}),\n]\n"
+    )
     (fake / "tests" / "notebook_answers.py").write_text(
         "ANSWERS = {'00_x': {'answer_jump': ('5_847_040', '11'), 'answer_list': ('[2, 20, 14]', "
         "'[2]'), 'answer_small': ('78', '88')}}\n"
     )
     signatures = release.solution_signatures(str(fake))
     assert signatures[wrong].startswith("a wrong body in tests/mistakes/muon_zero.py")
+    assert signatures[right].startswith("an alternative body in tests/alternatives/muon_zero.py")
     assert "answer_jump = 5_847_040" in signatures and "answer_small = 78" in signatures
     shipped = tmp_path / "shipped"
     shipped.mkdir()
     (shipped / "wrong.py").write_text(f"    {wrong}\n")
+    (shipped / "right.py").write_text(f"        {right}\n")
     (shipped / "filled.py").write_text("answer_small = 78\n")
     (shipped / "prose.md").write_text("The jump is 5,847,040 B, the segments [2, 20, 14].\n")
     (shipped / "clean.md").write_text("78 MiB and 2,847,040 B and 15847040 say nothing.\n")
     hits = release.leaks(str(shipped), str(fake), signatures)
-    assert sorted({h[0] for h in hits}) == ["filled.py", "prose.md", "wrong.py"], hits
+    assert sorted({h[0] for h in hits}) == ["filled.py", "prose.md", "right.py", "wrong.py"], hits
 
 
 def test_autograder_zip_is_in_gradescopes_layout(kit):

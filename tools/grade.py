@@ -6,6 +6,7 @@
     python tools/grade.py --check-regions   # each region stubbed alone fails every test naming it
     python tools/grade.py --check-regions --only compose  # the same for one file's regions
     python tools/grade.py --check-mistakes  # each catalogued mistake loses points, with its message
+    python tools/grade.py --check-alternatives  # each catalogued correct alternative keeps them
 
 Only tests under tests/graded/ marked `@pytest.mark.grade(points=N, solution="FILESTEM.qualname",
 needs=(...))` run (cases marked `ungraded` are left out). A submission is staged in a fresh folder:
@@ -699,20 +700,32 @@ def check_regions(root, per_test_s, overall_s, only=None):
     return 1 if bad else 0
 
 
-def load_mistakes(root, which=""):
-    """Every catalogued mistake under ``root``/tests/mistakes whose region starts with ``which``."""
+def _catalogue(root, folder, records, which=""):
+    """The ``records`` list of every ``root``/tests/``folder``/<stem>.py whose regions start with
+    ``which`` (a file stem or a region), in file order."""
     if root not in sys.path:
-        sys.path.insert(0, root)  # the catalogues import their record from tests.mistakes
+        sys.path.insert(0, root)  # the catalogues import their record from tests.<folder>
     found = []
-    for path in sorted(glob.glob(os.path.join(root, "tests", "mistakes", "*.py"))):
+    for path in sorted(glob.glob(os.path.join(root, "tests", folder, "*.py"))):
         stem = os.path.splitext(os.path.basename(path))[0]
         if stem.startswith("_") or not (stem.startswith(which) or which.startswith(stem)):
             continue
-        spec = importlib.util.spec_from_file_location(f"_grade_mistakes_{stem}", path)
+        spec = importlib.util.spec_from_file_location(f"_grade_{folder}_{stem}", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        found += [m for m in module.MISTAKES if m.region.startswith(which)]
+        found += [m for m in getattr(module, records) if m.region.startswith(which)]
     return found
+
+
+def load_mistakes(root, which=""):
+    """Every catalogued mistake under ``root``/tests/mistakes whose region starts with ``which``."""
+    return _catalogue(root, "mistakes", "MISTAKES", which)
+
+
+def load_alternatives(root, which=""):
+    """Every correct alternative under ``root``/tests/alternatives for regions starting with
+    ``which``."""
+    return _catalogue(root, "alternatives", "ALTERNATIVES", which)
 
 
 def splice(text, region, body):
@@ -721,6 +734,31 @@ def splice(text, region, body):
     body = textwrap.indent(textwrap.dedent(body).strip("\n") + "\n", region.indent)
     lines[region.begin - 1 : region.end] = [body]
     return "".join(lines)
+
+
+def stage_with(staged, root, bodies):
+    """The reference in ``staged``, each (Region, body) pair of ``bodies`` spliced in."""
+    write_student(staged, root, only=set())  # every file, every region filled
+    paths = {os.path.basename(f): f for f in assignment_files(root)}  # memory/...
+    by_file = defaultdict(list)
+    for region, body in bodies:
+        by_file[region.file].append((region, body))
+    for name, pairs in by_file.items():
+        path = os.path.join(staged, paths.get(name, name))
+        with open(path) as f:
+            text = f.read()
+        for region, body in sorted(pairs, key=lambda p: -p[0].begin):  # lower lines keep place
+            text = splice(text, region, body)
+        with open(path, "w") as f:
+            f.write(text)
+
+
+def tests_of(graded, qualname):
+    """The graded tests that name ``qualname``, then those that need it."""
+    tests = [g["nodeid"] for g in graded if qualname in g["solutions"]]
+    return tests + [
+        g["nodeid"] for g in graded if qualname in g.get("needs", ()) and g["nodeid"] not in tests
+    ]
 
 
 def check_mistakes(root, which, per_test_s, overall_s):
@@ -736,25 +774,14 @@ def check_mistakes(root, which, per_test_s, overall_s):
     for m in mistakes:
         label = f"{m.region} / {m.name}"
         region = regions.get(m.region)
-        tests = [g["nodeid"] for g in graded if m.region in g["solutions"]]  # its own first
-        tests += [
-            g["nodeid"]
-            for g in graded
-            if m.region in g.get("needs", ()) and g["nodeid"] not in tests
-        ]
+        tests = tests_of(graded, m.region)  # its own first
         if region is None or not tests:
             defects += 1
             why = "no such region" if region is None else "no graded test names or needs it"
             print(f"DEFECT {label}: {why}", flush=True)
             continue
         with tempfile.TemporaryDirectory() as staged:
-            write_student(staged, root, only=set())  # every file, every region filled
-            paths = {os.path.basename(f): f for f in assignment_files(root)}  # memory/...
-            path = os.path.join(staged, paths.get(region.file, region.file))
-            with open(path) as f:
-                text = splice(f.read(), region, m.body)
-            with open(path, "w") as f:
-                f.write(text)
+            stage_with(staged, root, [(region, m.body)])
             run = run_graded(
                 root, staged, tests, per_test_s, overall_s, True, stop_on=m.message
             )  # the run stops at the first failure that shows the message: the rest cannot undo it
@@ -782,6 +809,102 @@ def check_mistakes(root, which, per_test_s, overall_s):
     return 1 if defects else 0
 
 
+def _failed(run, tests):
+    """'nodeid: first line' of each of ``tests`` that did not pass in ``run``."""
+    out = []
+    for t in tests:
+        outcome = result_of(run.results, t)
+        if not outcome.passed:
+            line = first_line(outcome.output)
+            out.append(f"{t}: {line if len(line) <= 160 else line[:157] + '...'}")
+    return out
+
+
+def _code_lines(body):
+    """A body's code lines, stripped, markers and blank lines left out (to compare two bodies)."""
+    lines = (line.split("#", 1)[0].strip() for line in body.splitlines())
+    return [line for line in lines if line]
+
+
+def reference_body(root, region):
+    """The reference's text of ``region``, markers included."""
+    paths = {os.path.basename(f): f for f in assignment_files(root)}
+    with open(os.path.join(root, paths.get(region.file, region.file))) as f:
+        return "".join(f.readlines()[region.begin - 1 : region.end])
+
+
+def check_alternatives(root, which, per_test_s, overall_s):
+    """Splice the catalogued correct alternatives into the reference; every graded test that
+    names or needs their region must still pass. Pass k splices each region's k-th alternative
+    (all regions at once, one grading per pass); a failing pass is graded again region by region
+    to blame an alternative. Every region must have one. Prints one line per alternative; returns
+    exit code."""
+    alternatives = load_alternatives(root, which)
+    regions = {r.qualname: r for r in all_regions(root)}
+    wanted = [q for q in regions if q.startswith(which)]
+    by_region = defaultdict(list)
+    for a in alternatives:
+        by_region[a.region].append(a)
+    defects, start = [], time.monotonic()
+    for q in wanted:
+        if q not in by_region:
+            defects.append(f"{q}: no alternative catalogued under tests/alternatives/")
+    graded = collect(root)
+    usable = {}
+    for q, alts in by_region.items():
+        if q not in regions:
+            defects += [f"{q} / {a.name}: no such region" for a in alts]
+            continue
+        reference = _code_lines(reference_body(root, regions[q]))
+        copies = [a for a in alts if _code_lines(a.body) == reference]
+        defects += [f"{q} / {a.name}: the reference's own body, not an alternative" for a in copies]
+        alts = [a for a in alts if a not in copies]
+        if not tests_of(graded, q):
+            defects += [f"{q} / {a.name}: no graded test names or needs it" for a in alts]
+        elif alts:
+            usable[q] = alts
+    for k in range(max(map(len, usable.values()), default=0)):
+        chosen = {q: alts[k] for q, alts in usable.items() if len(alts) > k}
+        tests = list(dict.fromkeys(t for q in chosen for t in tests_of(graded, q)))
+        with tempfile.TemporaryDirectory() as staged:
+            stage_with(staged, root, [(regions[q], a.body) for q, a in chosen.items()])
+            run = run_graded(root, staged, tests, per_test_s, overall_s, True)
+        failed = _failed(run, tests)
+        print(
+            f"pass {k + 1}: {len(chosen)} alternatives, {len(tests) - len(failed)} of "
+            f"{len(tests)} graded tests pass ({run.seconds:.0f} s)",
+            flush=True,
+        )
+        for line in failed:
+            print(f"  failed {line}", flush=True)
+        for q, a in chosen.items():
+            own = tests_of(graded, q)
+            if failed:  # blame: this alternative alone in the reference
+                with tempfile.TemporaryDirectory() as staged:
+                    stage_with(staged, root, [(regions[q], a.body)])
+                    alone = run_graded(root, staged, own, per_test_s, overall_s, True)
+                bad = _failed(alone, own)
+            else:
+                bad = []
+            label = f"{q} / {a.name}"
+            if bad:
+                defects.append(f"{label}: {len(bad)} of {len(own)} tests fail: {bad[0]}")
+                print(f"FAIL {label}: {len(bad)} of {len(own)} tests fail", flush=True)
+                for line in bad:
+                    print(f"  {line}", flush=True)
+            else:
+                print(f"ok   {label}: {len(own)} graded tests pass", flush=True)
+        if failed and not any(d.startswith(tuple(chosen)) for d in defects):
+            defects.append(f"pass {k + 1}: tests fail only with all its alternatives together")
+    print(
+        f"\ncheck-alternatives: {len(alternatives)} alternatives, {len(defects)} defects, "
+        f"in {time.monotonic() - start:.0f} s"
+    )
+    for line in defects:
+        print("DEFECT", line)
+    return 1 if defects else 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--submission", help="a student's folder (default: grade the reference)")
@@ -799,6 +922,13 @@ def main(argv=None):
         metavar="REGION",
         help="prove each catalogued mistake loses points (all, or a file stem or region)",
     )
+    parser.add_argument(
+        "--check-alternatives",
+        nargs="?",
+        const="",
+        metavar="REGION",
+        help="prove each catalogued correct alternative keeps full marks (all, a stem or region)",
+    )
     parser.add_argument("--per-test-timeout", type=float, default=180, help="seconds per test")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds for the whole run")
     args = parser.parse_args(argv)
@@ -810,6 +940,9 @@ def main(argv=None):
         return check_regions(root, args.per_test_timeout, args.timeout, only)
     if args.check_mistakes is not None:
         return check_mistakes(root, args.check_mistakes, args.per_test_timeout, args.timeout)
+    if args.check_alternatives is not None:
+        which = args.check_alternatives
+        return check_alternatives(root, which, args.per_test_timeout, args.timeout)
     out = args.out or os.path.join(root, "build", "results.json")
     return grade(root, args.submission, out, args.per_test_timeout, args.timeout, args.only)
 

@@ -13,9 +13,9 @@ The reference holds every solution; what a student clones must hold none. This w
                                    scores the same there as with the student's own `make grade`
 
 Then it searches every released file for the text of each solution region and for the reference's
-private answers (the mistakes catalogue, tests/notebook_answers.py), and compares every function
-it ships with every region, token by token with names left out, so a helper that re-implements a
-region under other names is found too: any hit fails the release.
+private answers (the mistakes and alternatives catalogues, tests/notebook_answers.py), and
+compares every function it ships with every region, token by token with names left out, so a
+helper that re-implements a region under other names is found too: any hit fails the release.
 
     python tools/release.py               # both, then the leak search (make release)
     python tools/release.py --out DIR     # somewhere else
@@ -63,6 +63,7 @@ SUPPORT = (
 # never released: the reference's private answers, and the V4 oracles (they hold regions' math)
 PRIVATE = (
     "tests/mistakes",
+    "tests/alternatives",
     "tests/notebook_answers.py",
     "tests/oracle_v4_mhc.py",
     "tests/oracle_v4_attention.py",
@@ -324,9 +325,9 @@ def _given(text, given):
 
 def solution_signatures(root=ROOT):
     """{stripped line: where it comes from} for every non-trivial line of a solution region, of a
-    mistakes catalogue's wrong body, and each notebook answer as its filled-in line. A line the
-    student files keep outside every region (an argument name, a loop header the stub keeps) is
-    given away on purpose and is left out."""
+    catalogue's wrong or correct alternative body, and each notebook answer as its filled-in line.
+    A line the student files keep outside every region (an argument name, a loop header the stub
+    keeps) is given away on purpose and is left out."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -347,11 +348,11 @@ def solution_signatures(root=ROOT):
     for path in private_files(root):
         with open(os.path.join(root, path)) as f:
             tree = ast.parse(f.read())
-        for body in mistake_bodies(tree):  # a catalogue's wrong bodies
+        for kind, body in catalogued_bodies(tree):  # a catalogue's wrong or correct bodies
             for text in body.splitlines():
                 text = text.strip()
                 if _significant(text) and not _given(text, given):
-                    signatures.setdefault(text, f"a wrong body in {path}")
+                    signatures.setdefault(text, f"{kind} in {path}")
         for variable, answer in notebook_answers(tree):  # the line a filled-in exercise holds
             signatures.setdefault(f"{variable} = {answer}", f"the answer to {variable} ({path})")
     return signatures
@@ -443,13 +444,18 @@ def reimplementations(folder, shapes):
     return hits
 
 
-def mistake_bodies(tree):
-    """The `body=` strings of a module's `Mistake(...)` records (tests/mistakes/)."""
+RECORDS = {"Mistake": "a wrong body", "Alternative": "an alternative body"}
+
+
+def catalogued_bodies(tree):
+    """(kind, text) of the `body=` strings of a module's `Mistake(...)` records (tests/mistakes/)
+    and `Alternative(...)` records (tests/alternatives/: a correct body is an answer too)."""
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "Mistake":
+        kind = RECORDS.get(getattr(node.func, "id", "")) if isinstance(node, ast.Call) else None
+        if kind:
             for keyword in node.keywords:
                 if keyword.arg == "body" and isinstance(keyword.value, ast.Constant):
-                    yield str(keyword.value.value)
+                    yield kind, str(keyword.value.value)
 
 
 def notebook_answers(tree):
