@@ -333,4 +333,22 @@ for work in dist.batch_isend_irecv(ops) if ops else []:
 return recv
 """,
     ),
+    Mistake(
+        region="cp_compress.exchange_halo",
+        name="group rank used as the global rank: wrong peers on a CP subgroup",
+        message="peers must be addressed by global rank",
+        body="""\
+rank, world = dist.get_rank(group), dist.get_world_size(group)
+dst, src = (rank + 1, rank - 1) if to_next else (rank - 1, rank + 1)
+recv = torch.zeros_like(send)
+ops = []
+if 0 <= dst < world:
+    ops.append(dist.P2POp(dist.isend, send.contiguous(), dst, group))
+if 0 <= src < world:
+    ops.append(dist.P2POp(dist.irecv, recv, src, group))
+for work in dist.batch_isend_irecv(ops) if ops else []:
+    work.wait()
+return recv
+""",
+    ),
 ]
