@@ -16,8 +16,9 @@ the same pipeline ranks); mhc.pipeline_step runs 1F1B with
 selective recomputation, cp_compress's protocol runs in every attention F, MuonZeRO steps each
 stage, tensor_ckpt forgets normalised inputs and activation outputs. K steps at every layout equal
 K steps of `reference_training`: one process, none of the four techniques, torch.optim.Muon + AdamW.
-Before running, `budget_table` (section 5, pure) predicts every layout's bytes per rank and per
-link; the demo prints it beside what it measures.
+Before running, compose_budget (its own module, pure) predicts every layout's bytes per rank and
+per link, from link_bytes (section 5) and the model built on the meta device; the demo prints it
+beside what it measures.
 
     python compose.py                                                  # one process
     torchrun --nproc_per_node=4 compose.py --pp 2 --cp 2 --dp 1        # any P*C*D = world
@@ -503,14 +504,12 @@ def run_layout(cfg, train, pp, cp, dp, device=torch.device("cpu"), on_step=None,
     return losses, {names[id(p)]: p.detach() for p in held.parameters()}, layout, model, opt
 
 
-# ---- 5. The budget: which layout fits, and what each link carries --------------------------------
-# A pure function of the configuration and the machine: no process, no tensor. Every byte below is
-# derived from a tensor the chapters make (named in each docstring), so compose's measured peaks
-# (memory_timeline) and counted bytes can be set beside it rank by rank.
+# ---- 5. What each link carries per step -------------------------------------------------------
+# A pure function of the configuration, a rank's place and MuonZeRO's plan: no process, no tensor.
+# compose_budget sets it beside what each rank holds and ranks the layouts that fit.
 
-HELD = ("parameters", "gradients", "optimizer", "activations")  # bytes a rank holds
 SENT = ("pp_send", "cp_halo", "cp_gather", "grad_reduce_scatter", "param_all_gather")
-FP32, BF16, INT64, BOOL = 4, 2, 8, 1  # bytes per element
+FP32, BF16 = 4, 2  # bytes per element
 
 
 def sublayer_kind(i):
@@ -533,83 +532,6 @@ class Tensor:
     @property
     def numel(self):
         return math.prod(self.shape)
-
-
-def layer_tensors(cfg, i):
-    """Sublayer i's parameters, F's then its HyperConnection's (mhc), in module order.
-
-    F (attention): the output projection [H*D, C], an RMSNorm, cp_compress.CompressedAttention
-    (its compressor's positional bias ape [m, sets, C] declared no_muon: AdamW's). F (MoE): a
-    router [E, C], expert stacks [E, hidden, C] (gate, up) and [E, C, hidden] (down), an RMSNorm.
-    Roles: 2-D matrices are Muon's ("dense"), expert stacks each an expert role; norms, mHC's
-    gates and static biases and the attention sink are AdamW's."""
-    n, C, H, D = cfg.n_hc, cfg.dim, cfg.heads, cfg.head_dim
-    f, kind = f"sublayers.{i}.", sublayer_kind(i)
-    if kind == "moe":
-        E, h = cfg.n_experts, cfg.expert_hidden
-        out = [Tensor(f + "router", (E, C), "dense", i),
-               Tensor(f + "w_gate", (E, h, C), "expert_gate", i),
-               Tensor(f + "w_up", (E, h, C), "expert_up", i),
-               Tensor(f + "w_down", (E, C, h), "expert_down", i),
-               Tensor(f + "norm.weight", (C,), "adamw", i)]  # fmt: skip
-    else:
-        csa, a = kind == "csa", f + "core.attention."
-        sets, ch = (2, D + cfg.index_dim) if csa else (1, D)
-        ratio = cfg.csa_ratio if csa else cfg.hca_ratio
-        out = [Tensor(f + "wo", (H * D, C), "dense", i),
-               Tensor(f + "norm.weight", (C,), "adamw", i),
-               Tensor(a + "wq", (C, H * D), "dense", i),
-               Tensor(a + "wkv_window", (C, D), "dense", i),
-               Tensor(a + "wkv_compress", (C, sets * ch), "dense", i),
-               Tensor(a + "wgate_compress", (C, sets * ch), "dense", i),
-               Tensor(a + "ape", (ratio, sets, ch), "adamw", i),
-               Tensor(a + "sink", (H,), "adamw", i),
-               Tensor(a + "norm_window", (D,), "adamw", i),
-               Tensor(a + "norm_compress", (D,), "adamw", i)]  # fmt: skip
-        if csa:
-            Hi, Di = cfg.index_heads, cfg.index_dim
-            out += [Tensor(a + "wq_index", (C, Hi * Di), "dense", i, trains=False),
-                    Tensor(a + "w_index", (C, Hi), "dense", i, trains=False),
-                    Tensor(a + "norm_index", (Di,), "adamw", i, trains=False)]  # fmt: skip
-    hc = f"hcs.{i}."
-    return out + [Tensor(hc + "proj", (n * C, 2 * n + n * n), "dense", i),
-                  Tensor(hc + "gate", (3,), "adamw", i),
-                  Tensor(hc + "bias_pre", (n,), "adamw", i),
-                  Tensor(hc + "bias_post", (n,), "adamw", i),
-                  Tensor(hc + "bias_res", (n, n), "adamw", i)]  # fmt: skip
-
-
-def stage_tensors(cfg, pp, stage):
-    """The parameters pipeline stage `stage` of `pp` holds, in the order its optimizer sees them
-    (stage_parameters): its sublayers (mhc.stage_layers), the embedding on the first stage, the
-    HyperHead (mhc), final RMSNorm and LM head on the last."""
-    first, stop = mhc.stage_layers(cfg.n_layers, pp, stage)
-    out = [t for i in range(first, stop) for t in layer_tensors(cfg, i)]
-    if stage == 0:
-        out.append(Tensor("embed.weight", (cfg.vocab, cfg.dim), "adamw", "first"))
-    if stage == pp - 1:
-        n, C = cfg.n_hc, cfg.dim
-        out += [Tensor("hyper_head.proj", (n * C, n), "dense", "last"),
-                Tensor("hyper_head.gate", (1,), "adamw", "last"),
-                Tensor("hyper_head.bias", (n,), "adamw", "last"),
-                Tensor("norm.weight", (C,), "adamw", "last"),
-                Tensor("lm_head.weight", (cfg.vocab, C), "adamw", "last")]  # fmt: skip
-    return out
-
-
-def model_tensors(cfg):
-    """Every parameter of the model (one stage holds them all)."""
-    return stage_tensors(cfg, 1, 0)
-
-
-def muon_plan(tensors, group_size):
-    """MuonZeRO's own plan (muon_zero.plan_muon) over the ranks that hold one stage: the trained
-    dense matrices in parameter order, experts flattened as V4 does (all downs, ups, gates)."""
-    trained = [t for t in tensors if t.trains]
-    dense = [t.shape for t in trained if t.role == "dense"]
-    experts = [t.shape[1:] for role in muon_zero.EXPERT_ROLES for t in trained if t.role == role
-               for _ in range(t.shape[0])]  # fmt: skip
-    return muon_zero.plan_muon(dense, experts, group_size)
 
 
 @dataclass(frozen=True)
@@ -704,15 +626,6 @@ def link_bytes(cfg, where, plan, tensors, grad_sync="bf16_sr"):
     ### END SOLUTION
 
 
-def owned_state_bytes(plan, tensors, group_rank):
-    """MuonZeRO.state_bytes on this rank: fp32 momentum of the matrices it owns in the plan (no
-    padding: buffers are per run), and AdamW's two fp32 moments of every trained AdamW tensor."""
-    dense, experts = plan.owned(group_rank)
-    owned = [plan.dense_shapes[i] for i in dense] + [plan.expert_shapes[i] for i in experts]
-    adamw = sum(t.numel for t in tensors if t.role == "adamw" and t.trains)
-    return (sum(map(math.prod, owned)) + 2 * adamw) * FP32
-
-
 @dataclass(frozen=True)
 class PlanSizes:
     """The sizes link_bytes and owned_state_bytes read from a MuonPlan, computed once (a plan's
@@ -733,253 +646,6 @@ class PlanSizes:
             else [0] * plan.world_size  # fmt: skip
         owned = tuple(dense[r % plan.zero_width] + experts[r] for r in range(plan.world_size))
         return cls(plan.zero_width, max(dense, default=0), max(experts, default=0), owned)
-
-
-def recompute_block(cfg, layers):
-    """L_r of mHC's selective recomputation on a stage of `layers` sublayers: compose's own field
-    if it sets one, else mhc.default_recompute_block; the "fused" variant is L_r = 1."""
-    if getattr(cfg, "variant", "optimised") == "fused":
-        return 1
-    return getattr(cfg, "recompute_block", None) or mhc.default_recompute_block(cfg.n_hc, layers)
-
-
-def f_saved_elements(cfg, kind, cp):
-    """Elements F's autograd graph keeps per sequence of s = T/cp tokens on one rank (fp32 unless
-    noted; bytes returned), with tensor_ckpt forgetting the normalised input and the MoE's
-    activation outputs. The F input h is counted with the mHC terms (layer_saved_bytes).
-
-    MoE (every expert applied densely, as muon_zero.TinyMoE): the router softmax and the gate
-    weights [E], the gate pre-activation (silu's input), the up projection and their product
-    [E, hidden], the three-operand einsum's intermediate (product x w_down) [E, C], the top-k's
-    and the scatter's int64 indices; the forgotten silu output is rebuilt in backward.
-    Attention (cp_compress, the CP path): q [H, D]; the window K/V before its norm [D] and
-    1/rms; the compressor's pooling windows and their softmax [entries, rows, channels] (rows =
-    2m with CSA's overlap, m for HCA; at most s/m entries); the pooled buffer [s/m + 1,
-    channels] before the entry norm; the gathered entries [T/m, channels]; keys = selected
-    entries + window rows [K, D] per query and the softmax [H, K + 1] (K = min(top_k, T/m) +
-    window for CSA, T/m + window for HCA) with its bool mask; the attention output [H, D] the
-    output projection keeps. CSA's indexer adds q_index [Hi, Di], w_index [Hi], relu(scores)
-    [Hi, T/m], the sort's int64 order [T/m] and the top-k's int64 indices."""
-    s, T, D, H = cfg.seq_len // cp, cfg.seq_len, cfg.head_dim, cfg.heads
-    if kind == "moe":
-        E, h = cfg.n_experts, cfg.expert_hidden
-        return s * ((2 * E + 3 * E * h + E * cfg.dim) * FP32 + 2 * cfg.experts_per_token * INT64)
-    csa = kind == "csa"
-    ratio = cfg.csa_ratio if csa else cfg.hca_ratio
-    ch = D + (cfg.index_dim if csa else 0)
-    rows = 2 * ratio if csa else ratio
-    N = T // ratio
-    K = (min(cfg.top_k, N) if csa else N) + cfg.window
-    fp32 = s * (H * D + D + 1) + 2 * (s // ratio) * rows * ch + (s // ratio + 1) * (ch + 2)
-    fp32 += N * ch + s * (K * D + H * (K + 1) + H * D)
-    other = s * K * BOOL
-    if csa:
-        Hi, Di = cfg.index_heads, cfg.index_dim
-        fp32 += s * (Hi * Di + Hi + Hi * N)
-        other += s * (N + min(cfg.top_k, N)) * INT64
-    return fp32 * FP32 + other
-
-
-def layer_saved_bytes(cfg, cp):
-    """Per sublayer i, bytes one micro-batch keeps on one CP rank besides the block inputs: mHC's
-    per-layer share (RecomputedBlock: F's output f and input h [C], and mix_in's kept A, B, C,
-    x W and 1/rms, 2 n^2 + 4 n + 1 numbers per token) plus F's graph (f_saved_elements)."""
-    n, b, s = cfg.n_hc, cfg.batch // cfg.n_micro, cfg.seq_len // cp
-    mixing = s * (2 * cfg.dim + 2 * n * n + 4 * n + 1) * FP32
-    return {i: b * (mixing + f_saved_elements(cfg, sublayer_kind(i), cp))
-            for i in range(cfg.n_layers)}  # fmt: skip
-
-
-def activation_bytes(cfg, where, saved=None):
-    """Peak bytes of activations on rank `where`, in the middle of its last forward.
-
-    One micro-batch keeps: every recompute block's input (the n-lane stream, [b, s, n, C]; on the
-    first stage the first block's input is the embedding, C per token, as mhc.embed_stream makes
-    a stride-0 view), layer_saved_bytes per sublayer, on the last stage the HyperHead's kept
-    (2n + 1 per token), the final norm's input, 1/rms and output and the log-softmax [vocab], on
-    a stage that sends forward its output stream. 1F1B keeps min(pp - p, n_micro) micro-batches
-    in flight (mhc.one_f_one_b); StageLinks keeps each sent tensor until the step ends, so the
-    streams (and gradients) sent for the micro-batches already finished stay too, and one
-    receive per direction is posted ahead. On top, the temporaries of the F running at the peak
-    (what the recorder counts with activations): an MoE's forgotten silu output [b, s, E,
-    hidden], alive until its forward ends. saved: layer_saved_bytes(cfg, cp), if computed."""
-    pp, p, cp = where.pp, where.p, where.cp
-    b, s, n, C = cfg.batch // cfg.n_micro, cfg.seq_len // cp, cfg.n_hc, cfg.dim
-    stream = micro_stream_bytes(cfg, cp)
-    first, stop = mhc.stage_layers(cfg.n_layers, pp, p)
-    blocks = len(mhc.recompute_blocks(first, stop, recompute_block(cfg, stop - first)))
-    per_micro = blocks * stream - (p == 0) * (stream - b * s * C * FP32)
-    saved = layer_saved_bytes(cfg, cp) if saved is None else saved
-    per_micro += sum(v for i, v in saved.items() if first <= i < stop)
-    if p == pp - 1:
-        per_micro += b * s * (2 * n + 1 + 3 * C + 1 + cfg.vocab) * FP32
-    else:
-        per_micro += stream  # held_out, and the send's reference
-    in_flight = min(pp - p, cfg.n_micro)
-    finished = cfg.n_micro - in_flight
-    sent_held = finished * stream * ((p < pp - 1) + (p > 0))
-    posted = stream * ((p > 0) + (p < pp - 1))
-    moe = any(sublayer_kind(i) == "moe" for i in range(first, stop))
-    transient = moe * b * s * cfg.n_experts * cfg.expert_hidden * FP32
-    return in_flight * per_micro + sent_held + posted + transient
-
-
-@dataclass
-class LayoutBudget:
-    """One factorisation pp x cp x dp of the world: what each rank holds and sends, the peak, an
-    estimated step time, whether it fits, and why it cannot run at all (problem)."""
-
-    pp: int
-    cp: int
-    dp: int
-    held: list = None  # per global rank: {memory category: bytes}
-    sent: list = None  # per global rank: {link: bytes per step}
-    peak_bytes: int = 0  # the largest rank's sum of held bytes
-    step_s: float = math.inf  # communication time alone (see link_seconds)
-    fits: bool = False
-    problem: str = ""
-
-    @property
-    def name(self):
-        return f"{self.pp}x{self.cp}x{self.dp}"
-
-
-def layout_problem(cfg, pp, cp):
-    """Why the chapters refuse this pipeline or CP size for cfg ("" when they accept it)."""
-    if cfg.n_layers % pp:
-        return f"pp={pp} does not divide {cfg.n_layers} sublayers"
-    if cfg.n_micro < pp:
-        return f"1F1B needs n_micro >= pp ({cfg.n_micro} < {pp})"
-    if cfg.batch % cfg.n_micro:
-        return f"batch {cfg.batch} does not split into {cfg.n_micro} micro-batches"
-    s = cfg.seq_len // cp
-    if cfg.seq_len % cp:
-        return f"cp={cp} does not divide T={cfg.seq_len}"
-    for ratio, overlap in ((cfg.csa_ratio, True), (cfg.hca_ratio, False)):
-        if s % ratio:
-            return f"T/cp={s} is not a multiple of m={ratio}"
-        if cp > 1 and cp_compress.halo_rows(ratio, overlap) > s:
-            return f"T/cp={s} is shorter than the halo for m={ratio}"
-    if cp > 1 and cfg.window - 1 > s:
-        return f"T/cp={s} is shorter than the window's {cfg.window - 1} rows"
-    return ""
-
-
-def link_seconds(sent, where, ranks_per_node, intra_bw, inter_bw):
-    """Seconds rank `where` spends sending sent[link] bytes, one link after another at its
-    bandwidth: intra-node when every peer of that link's group shares its node, else inter-node.
-    Leaves out compute, overlap of communication with compute, per-message latency, the pipeline
-    bubble and ranks of one node contending for one inter-node link."""
-    pp, cp, dp = where.pp, where.cp, where.dp
-
-    def node(p, c, d):
-        return Rank(p, c, d, pp, cp, dp).rank // ranks_per_node
-
-    me = node(where.p, where.c, where.d)
-    # nodes hold consecutive ranks: a group is on one node when its first and last ranks are
-    ends = {
-        "pp_send": [node(q, where.c, where.d) for q in (where.p - 1, where.p + 1) if 0 <= q < pp],
-        "cp_halo": [node(where.p, 0, where.d), node(where.p, cp - 1, where.d)],
-        "grad_reduce_scatter": [node(where.p, 0, 0), node(where.p, cp - 1, dp - 1)],
-    }
-    ends["cp_gather"], ends["param_all_gather"] = ends["cp_halo"], ends["grad_reduce_scatter"]
-    return sum(
-        sent[link] / (intra_bw if all(n == me for n in ends[link]) else inter_bw) for link in SENT
-    )
-
-
-def factorisations(world):
-    """Every (pp, cp, dp) with pp * cp * dp = world, each once, pp first then cp ascending."""
-    return [(p, c, world // (p * c)) for p in range(1, world + 1) if world % p == 0
-            for c in range(1, world // p + 1) if (world // p) % c == 0]  # fmt: skip
-
-
-def check_budget_inputs(world, device_bytes, intra_bw, inter_bw, ranks_per_node, grad_sync):
-    if grad_sync not in ("bf16_sr", "fp32"):
-        raise ValueError(f"grad_sync must be 'bf16_sr' or 'fp32' (MuonZeRO's), got {grad_sync!r}")
-    for name, value in (("world", world), ("ranks_per_node", ranks_per_node)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    for name, value in (("device_bytes", device_bytes), ("intra_bw", intra_bw),
-                        ("inter_bw", inter_bw)):  # fmt: skip
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"{name} must be a number > 0 (bytes, bytes per second), got "
-                             f"{value!r}")  # fmt: skip
-
-
-def layout_budget(cfg, pp, cp, dp, device_bytes, intra_bw, inter_bw, ranks_per_node,
-                  grad_sync="bf16_sr"):  # fmt: skip
-    """The prediction for one layout (LayoutBudget); a layout the chapters refuse keeps its
-    problem and no numbers."""
-    out = LayoutBudget(pp, cp, dp, problem=layout_problem(cfg, pp, cp))
-    if out.problem:
-        return out
-    out.held, out.sent = [None] * (pp * cp * dp), [None] * (pp * cp * dp)
-    seconds, saved = [], layer_saved_bytes(cfg, cp)
-    for p in range(pp):
-        tensors = stage_tensors(cfg, pp, p)
-        plan = PlanSizes.of(muon_plan(tensors, cp * dp))
-        numel = sum(t.numel for t in tensors)
-        trained = sum(t.numel for t in tensors if t.trains)
-        adamw = sum(t.numel for t in tensors if t.role == "adamw" and t.trains)
-        activations = activation_bytes(cfg, Rank(p, 0, 0, pp, cp, dp), saved)
-        for c in range(cp):
-            sent = link_bytes(cfg, Rank(p, c, 0, pp, cp, dp), plan, tensors, grad_sync)
-            for d in range(dp):
-                where = Rank(p, c, d, pp, cp, dp)
-                out.held[where.rank] = {
-                    "parameters": numel * FP32,
-                    "gradients": trained * FP32,  # every .grad, fp32, kept through the step
-                    "optimizer": (plan.owned_numel[where.group_rank] + 2 * adamw) * FP32,
-                    "activations": activations,  # the same on every rank of a stage
-                }
-                out.sent[where.rank] = dict(sent)  # link_bytes does not depend on d
-                seconds.append(link_seconds(sent, where, ranks_per_node, intra_bw, inter_bw))
-    out.peak_bytes = max(sum(h.values()) for h in out.held)
-    out.step_s, out.fits = max(seconds), out.peak_bytes <= device_bytes
-    return out
-
-
-def budget_table(cfg, world, device_bytes, intra_bw, inter_bw, ranks_per_node=8,
-                 grad_sync="bf16_sr"):  # fmt: skip
-    """Every factorisation of `world` ranks, predicted and ranked: the layouts that fit first,
-    fastest first (communication time), then those that do not fit (smallest peak first), then
-    those the chapters refuse. device_bytes per device; bandwidths in bytes per second;
-    grad_sync: MuonZeRO's ("bf16_sr", V4's, or "fp32")."""
-    check_budget_inputs(world, device_bytes, intra_bw, inter_bw, ranks_per_node, grad_sync)
-    rows = [layout_budget(cfg, pp, cp, dp, device_bytes, intra_bw, inter_bw, ranks_per_node,
-                          grad_sync)
-            for pp, cp, dp in factorisations(world)]  # fmt: skip
-    return sorted(rows, key=lambda r: (bool(r.problem), not r.fits, r.step_s if r.fits else 0,
-                                       r.peak_bytes, r.pp, r.cp))  # fmt: skip
-
-
-def human_bytes(n):
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
-
-
-def format_budget(rows):
-    """The ranked table, one line per layout: the largest rank's bytes by category, the busiest
-    rank's bytes per link, the communication time and the verdict."""
-    head = ["pp x cp x dp", "params", "grads", "optim", "activ", "peak", *SENT, "comm ms",
-            "verdict"]  # fmt: skip
-    lines = [head]
-    for r in rows:
-        if r.problem:
-            lines.append([r.name] + ["-"] * (len(head) - 2) + [f"cannot run: {r.problem}"])
-            continue
-        held = [human_bytes(max(h[k] for h in r.held)) for k in HELD]
-        sent = [human_bytes(max(s[k] for s in r.sent)) for k in SENT]
-        verdict = "fits" if r.fits else "DOES NOT FIT"
-        lines.append([r.name, *held, human_bytes(r.peak_bytes), *sent, f"{1e3 * r.step_s:.3g}",
-                      verdict])  # fmt: skip
-    widths = [max(len(row[k]) for row in lines if len(row) > k) for k in range(len(head) - 1)]
-    return "\n".join(
-        "  ".join(cell.rjust(w) for cell, w in zip(row, widths)) + "  " + row[-1] for row in lines
-    )
 
 
 # ---- appendix: checkpoints, saved at one layout and resumed at any other -------------------------
@@ -1235,7 +901,9 @@ class StepRecorder:
         }
 
 
-def parse_args(argv=None):
+def parse_args(argv=None, fits=None):
+    """The options, checked; fits(parser, args, world): compose_budget.check_fits, the predicted
+    peak against the machine, run at the door by the command line."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     count = launch.at_least(1)
     parser = argparse.ArgumentParser(
@@ -1291,6 +959,8 @@ def parse_args(argv=None):
     except ValueError as err:
         parser.error(str(err))
     check_outputs(parser, args, world)
+    if fits is not None:
+        fits(parser, args, world)
     if args.resume and int(os.environ.get("RANK", "0")) == 0:  # the run's first line
         pp, cp, dp = saved["layout"]
         print(f"resumed step {args.start} saved at {pp}x{cp}x{dp}, now "
@@ -1300,18 +970,11 @@ def parse_args(argv=None):
 
 def check_outputs(parser, args, world):
     """What would fail late, as one-line usage errors before any work: a --json or --save folder
-    that is missing or not writable, and a layout whose predicted peak (budget_table's) cannot
-    fit."""
+    that is missing or not writable."""
     for option, path in (("--json", args.json), ("--save", args.save)):
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         if path and (not os.path.isdir(folder) or not os.access(folder, os.W_OK)):
             parser.error(f"{option} {path}: the folder {folder} is missing or not writable")
-    grad_sync = "bf16_sr" if args.v4 else "fp32"
-    budget = layout_budget(args.cfg, args.pp, args.cp, args.dp, args.device_bytes, args.intra_bw,
-                           args.inter_bw, world, grad_sync)  # fmt: skip
-    scale = 2 if args.float64 else 1  # every tensor the budget counts doubles in float64
-    where = f"compose at {args.pp}x{args.cp}x{args.dp}, T={args.cfg.seq_len}"
-    launch.check_fits(parser, args, scale * budget.peak_bytes, where)
 
 
 def training(args):
@@ -1330,10 +993,12 @@ def demo(args, rank, world, device):
                f"(CSA, MoE, HCA, MoE, ...), C={cfg.dim}, n_hc={cfg.n_hc}, T={cfg.seq_len} "
                f"({cfg.seq_len // args.cp} per CP rank), {cfg.batch} sequences per replica in "
                f"{cfg.n_micro} micro-batches; gradient sync {train.grad_sync}")  # fmt: skip
-    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    rows = budget_table(cfg, world, args.device_bytes, args.intra_bw, args.inter_bw,
-                        ranks_per_node, "bf16_sr" if args.v4 else "fp32")  # fmt: skip
-    launch.say(format_budget(rows))
+    budget = getattr(args, "budget", None)  # compose_budget, when the command line runs
+    if budget:
+        ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        rows = budget.budget_table(cfg, world, args.device_bytes, args.intra_bw, args.inter_bw,
+                                   ranks_per_node, "bf16_sr" if args.v4 else "fp32")  # fmt: skip
+        launch.say(budget.format_budget(rows))
     recorder = StepRecorder(min(args.record, args.steps - args.start), device)
     losses, params, layout, *_ = run_layout(cfg, train, args.pp, args.cp, args.dp, device,
                                             recorder, args.save, args.save_every or 0,
@@ -1349,19 +1014,24 @@ def demo(args, rank, world, device):
     dist.gather_object(mine, records, dst=0)
     timelines = [None] * world if rank == 0 else None
     dist.gather_object(recorder.timeline, timelines, dst=0)
-    predicted = next(row for row in rows if row.name == f"{args.pp}x{args.cp}x{args.dp}")
-    launch.say(f"\nmeasured / predicted by the budget: MiB held at the peak, KiB sent per step\n"
-               f"{'rank':>4} {'p,c,d':>6} {'peak':>13} " + " ".join(f"{k:>13}" for k in HELD)
-               + "   " + " ".join(SENT))  # fmt: skip
-    for r in records or []:
-        held, want = r["held_bytes"], predicted.held[r["rank"]]
-        pair = lambda got, bytes_, unit: f"{got / unit:.1f}/{bytes_ / unit:.1f}"  # noqa: E731
-        cells = " ".join(f"{pair(held.get(k, 0), want[k], 2**20):>13}" for k in HELD)
-        sent = " ".join(pair(r["sent_bytes"][k], predicted.sent[r["rank"]][k], 2**10)
-                        for k in SENT)  # fmt: skip
-        peak = pair(max(r["peak_bytes"], default=0), sum(want.values()), 2**20)
-        launch.say(f"{r['rank']:>4} {','.join(map(str, r['coords'])):>6} {peak:>13} {cells}   "
-                   f"{sent}")  # fmt: skip
+    if budget:
+        predicted = next(row for row in rows if row.name == f"{args.pp}x{args.cp}x{args.dp}")
+        launch.say(
+            f"\nmeasured / predicted by the budget: MiB held at the peak, KiB sent per step\n"
+            f"{'rank':>4} {'p,c,d':>6} {'peak':>13} "
+            + " ".join(f"{k:>13}" for k in budget.HELD)
+            + "   "
+            + " ".join(SENT)
+        )
+        for r in records or []:
+            held, want = r["held_bytes"], predicted.held[r["rank"]]
+            pair = lambda got, bytes_, unit: f"{got / unit:.1f}/{bytes_ / unit:.1f}"  # noqa: E731
+            cells = " ".join(f"{pair(held.get(k, 0), want[k], 2**20):>13}" for k in budget.HELD)
+            sent = " ".join(pair(r["sent_bytes"][k], predicted.sent[r["rank"]][k], 2**10)
+                            for k in SENT)  # fmt: skip
+            peak = pair(max(r["peak_bytes"], default=0), sum(want.values()), 2**20)
+            launch.say(f"{r['rank']:>4} {','.join(map(str, r['coords'])):>6} {peak:>13} {cells}   "
+                       f"{sent}")  # fmt: skip
     if args.check:
         gathered = [None] * world if rank == 0 else None
         dist.gather_object({n: p.cpu() for n, p in params.items()}, gathered, dst=0)
@@ -1392,7 +1062,11 @@ def demo(args, rank, world, device):
 
 
 if __name__ == "__main__":
+    import compose_budget  # it sizes this model (it imports compose): loaded only at the door
+
     try:
-        launch.run(demo, parse_args())
+        args = parse_args(fits=compose_budget.check_fits)
+        args.budget = compose_budget
+        launch.run(demo, args)
     except (Refused, launch.Stopped) as err:  # the same line on every rank, no traceback
         raise SystemExit(str(err)) from None
