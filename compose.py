@@ -519,14 +519,12 @@ def sublayer_kind(i):
 
 @dataclass(frozen=True)
 class Tensor:
-    """One parameter: its name in ComposeModel, shape, MuonZeRO role (as muon_param_groups
-    assigns it), where it lives (a sublayer index, or "first" / "last": the pipeline's end
-    stages) and whether it trains (CSA's indexer does not: top-k is not differentiable)."""
+    """One parameter as the budget sees it: its name in ComposeModel, shape, MuonZeRO role (as
+    muon_param_groups assigns it) and whether it trains (CSA's indexer does not)."""
 
     name: str
     shape: tuple
     role: str  # "dense", "expert_down", "expert_up", "expert_gate" or "adamw"
-    where: object
     trains: bool = True
 
     @property
@@ -628,24 +626,13 @@ def link_bytes(cfg, where, plan, tensors, grad_sync="bf16_sr"):
 
 @dataclass(frozen=True)
 class PlanSizes:
-    """The sizes link_bytes and owned_state_bytes read from a MuonPlan, computed once (a plan's
-    properties walk every matrix; V4 has tens of thousands of experts)."""
+    """The sizes link_bytes reads from MuonZeRO's plan (muon_zero.MuonPlan), and the elements each
+    group rank owns (its momentum); compose_budget.plan_sizes reads them from plan_muon's plan."""
 
     zero_width: int
-    dense_bucket_numel: int
-    expert_chunk_numel: int
+    dense_bucket_numel: int  # the largest dense bucket: every bucket is padded to it
+    expert_chunk_numel: int  # the largest expert run: every run is padded to it
     owned_numel: tuple  # per group rank: elements of the matrices it owns
-
-    @classmethod
-    def of(cls, plan):
-        dense = [sum(math.prod(plan.dense_shapes[i]) for i in b) for b in plan.dense_buckets]
-        prefix = [0]
-        for shape in plan.expert_shapes:
-            prefix.append(prefix[-1] + math.prod(shape))
-        experts = [prefix[b] - prefix[a] for a, b in plan.expert_ranges] if plan.expert_shapes \
-            else [0] * plan.world_size  # fmt: skip
-        owned = tuple(dense[r % plan.zero_width] + experts[r] for r in range(plan.world_size))
-        return cls(plan.zero_width, max(dense, default=0), max(experts, default=0), owned)
 
 
 # ---- appendix: checkpoints, saved at one layout and resumed at any other -------------------------

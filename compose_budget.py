@@ -13,6 +13,9 @@ per step is compose.link_bytes; this module adds what each rank holds and ranks 
 import math
 from dataclasses import dataclass
 
+import torch
+
+import compose
 import cp_compress
 import launch
 import mhc
@@ -32,66 +35,24 @@ HELD = ("parameters", "gradients", "optimizer", "activations")  # bytes a rank h
 INT64, BOOL = 8, 1  # bytes per element
 
 
-def layer_tensors(cfg, i):
-    """Sublayer i's parameters, F's then its HyperConnection's (mhc), in module order.
-
-    F (attention): the output projection [H*D, C], an RMSNorm, cp_compress.CompressedAttention
-    (its compressor's positional bias ape [m, sets, C] declared no_muon: AdamW's). F (MoE): a
-    router [E, C], expert stacks [E, hidden, C] (gate, up) and [E, C, hidden] (down), an RMSNorm.
-    Roles: 2-D matrices are Muon's ("dense"), expert stacks each an expert role; norms, mHC's
-    gates and static biases and the attention sink are AdamW's."""
-    n, C, H, D = cfg.n_hc, cfg.dim, cfg.heads, cfg.head_dim
-    f, kind = f"sublayers.{i}.", sublayer_kind(i)
-    if kind == "moe":
-        E, h = cfg.n_experts, cfg.expert_hidden
-        out = [Tensor(f + "router", (E, C), "dense", i),
-               Tensor(f + "w_gate", (E, h, C), "expert_gate", i),
-               Tensor(f + "w_up", (E, h, C), "expert_up", i),
-               Tensor(f + "w_down", (E, C, h), "expert_down", i),
-               Tensor(f + "norm.weight", (C,), "adamw", i)]  # fmt: skip
-    else:
-        csa, a = kind == "csa", f + "core.attention."
-        sets, ch = (2, D + cfg.index_dim) if csa else (1, D)
-        ratio = cfg.csa_ratio if csa else cfg.hca_ratio
-        out = [Tensor(f + "wo", (H * D, C), "dense", i),
-               Tensor(f + "norm.weight", (C,), "adamw", i),
-               Tensor(a + "wq", (C, H * D), "dense", i),
-               Tensor(a + "wkv_window", (C, D), "dense", i),
-               Tensor(a + "wkv_compress", (C, sets * ch), "dense", i),
-               Tensor(a + "wgate_compress", (C, sets * ch), "dense", i),
-               Tensor(a + "ape", (ratio, sets, ch), "adamw", i),
-               Tensor(a + "sink", (H,), "adamw", i),
-               Tensor(a + "norm_window", (D,), "adamw", i),
-               Tensor(a + "norm_compress", (D,), "adamw", i)]  # fmt: skip
-        if csa:
-            Hi, Di = cfg.index_heads, cfg.index_dim
-            out += [Tensor(a + "wq_index", (C, Hi * Di), "dense", i, trains=False),
-                    Tensor(a + "w_index", (C, Hi), "dense", i, trains=False),
-                    Tensor(a + "norm_index", (Di,), "adamw", i, trains=False)]  # fmt: skip
-    hc = f"hcs.{i}."
-    return out + [Tensor(hc + "proj", (n * C, 2 * n + n * n), "dense", i),
-                  Tensor(hc + "gate", (3,), "adamw", i),
-                  Tensor(hc + "bias_pre", (n,), "adamw", i),
-                  Tensor(hc + "bias_post", (n,), "adamw", i),
-                  Tensor(hc + "bias_res", (n, n), "adamw", i)]  # fmt: skip
+def meta_model(cfg):
+    """compose's model on the meta device: every parameter's shape, name and requires_grad, no
+    memory and no arithmetic (torchtitan sizes its models the same way)."""
+    with torch.device("meta"):
+        return compose.ComposeModel(cfg)
 
 
-def stage_tensors(cfg, pp, stage):
-    """The parameters pipeline stage `stage` of `pp` holds, in the order its optimizer sees them
-    (stage_parameters): its sublayers (mhc.stage_layers), the embedding on the first stage, the
-    HyperHead (mhc), final RMSNorm and LM head on the last."""
-    first, stop = mhc.stage_layers(cfg.n_layers, pp, stage)
-    out = [t for i in range(first, stop) for t in layer_tensors(cfg, i)]
-    if stage == 0:
-        out.append(Tensor("embed.weight", (cfg.vocab, cfg.dim), "adamw", "first"))
-    if stage == pp - 1:
-        n, C = cfg.n_hc, cfg.dim
-        out += [Tensor("hyper_head.proj", (n * C, n), "dense", "last"),
-                Tensor("hyper_head.gate", (1,), "adamw", "last"),
-                Tensor("hyper_head.bias", (n,), "adamw", "last"),
-                Tensor("norm.weight", (C,), "adamw", "last"),
-                Tensor("lm_head.weight", (cfg.vocab, C), "adamw", "last")]  # fmt: skip
-    return out
+def stage_tensors(cfg, pp, stage, model=None):
+    """The parameters pipeline stage `stage` of `pp` holds (compose.stage_parameters), in the
+    order its optimizer sees them, each with the role muon_zero.muon_param_groups gives it.
+    model: meta_model(cfg), if already built."""
+    model = meta_model(cfg) if model is None else model
+    where = compose.Layout(pp, 1, 1, (stage, 0, 0), None, None, None)  # stage_parameters: p, pp
+    held, _ = compose.stage_parameters(model, where)
+    names = {id(p): n for n, p in model.named_parameters()}
+    roles = {id(p): g["role"] for g in muon_zero.muon_param_groups(held) for p in g["params"]}
+    return [Tensor(names[id(p)], tuple(p.shape), roles[id(p)], p.requires_grad)
+            for p in held.parameters()]  # fmt: skip
 
 
 def model_tensors(cfg):
@@ -109,21 +70,16 @@ def muon_plan(tensors, group_size):
     return muon_zero.plan_muon(dense, experts, group_size)
 
 
-def owned_state_bytes(plan, tensors, group_rank):
-    """MuonZeRO.state_bytes on this rank: fp32 momentum of the matrices it owns in the plan (no
-    padding: buffers are per run), and AdamW's two fp32 moments of every trained AdamW tensor."""
-    dense, experts = plan.owned(group_rank)
-    owned = [plan.dense_shapes[i] for i in dense] + [plan.expert_shapes[i] for i in experts]
-    adamw = sum(t.numel for t in tensors if t.role == "adamw" and t.trains)
-    return (sum(map(math.prod, owned)) + 2 * adamw) * FP32
-
-
-def recompute_block(cfg, layers):
-    """L_r of mHC's selective recomputation on a stage of `layers` sublayers: compose's own field
-    if it sets one, else mhc.default_recompute_block; the "fused" variant is L_r = 1."""
-    if getattr(cfg, "variant", "optimised") == "fused":
-        return 1
-    return getattr(cfg, "recompute_block", None) or mhc.default_recompute_block(cfg.n_hc, layers)
+def plan_sizes(plan):
+    """What link_bytes and the optimizer's bytes read from MuonZeRO's plan (compose.PlanSizes):
+    its padded bucket and chunk, and per group rank the elements of the matrices it owns."""
+    owned = []
+    for rank in range(plan.world_size):
+        dense, experts = plan.owned(rank)
+        owned.append(sum(math.prod(plan.dense_shapes[i]) for i in dense)
+                     + sum(math.prod(plan.expert_shapes[i]) for i in experts))  # fmt: skip
+    return PlanSizes(plan.zero_width, plan.dense_bucket_numel, plan.expert_chunk_numel,
+                     tuple(owned))  # fmt: skip
 
 
 def f_saved_elements(cfg, kind, cp):
@@ -190,7 +146,9 @@ def activation_bytes(cfg, where, saved=None):
     b, s, n, C = cfg.batch // cfg.n_micro, cfg.seq_len // cp, cfg.n_hc, cfg.dim
     stream = micro_stream_bytes(cfg, cp)
     first, stop = mhc.stage_layers(cfg.n_layers, pp, p)
-    blocks = len(mhc.recompute_blocks(first, stop, recompute_block(cfg, stop - first)))
+    blocks = len(
+        mhc.recompute_blocks(first, stop, mhc.default_recompute_block(cfg.n_hc, stop - first))
+    )
     per_micro = blocks * stream - (p == 0) * (stream - b * s * C * FP32)
     saved = layer_saved_bytes(cfg, cp) if saved is None else saved
     per_micro += sum(v for i, v in saved.items() if first <= i < stop)
@@ -298,10 +256,10 @@ def layout_budget(cfg, pp, cp, dp, device_bytes, intra_bw, inter_bw, ranks_per_n
     if out.problem:
         return out
     out.held, out.sent = [None] * (pp * cp * dp), [None] * (pp * cp * dp)
-    seconds, saved = [], layer_saved_bytes(cfg, cp)
+    seconds, saved, model = [], layer_saved_bytes(cfg, cp), meta_model(cfg)
     for p in range(pp):
-        tensors = stage_tensors(cfg, pp, p)
-        plan = PlanSizes.of(muon_plan(tensors, cp * dp))
+        tensors = stage_tensors(cfg, pp, p, model)
+        plan = plan_sizes(muon_plan(tensors, cp * dp))
         numel = sum(t.numel for t in tensors)
         trained = sum(t.numel for t in tensors if t.trains)
         adamw = sum(t.numel for t in tensors if t.role == "adamw" and t.trains)

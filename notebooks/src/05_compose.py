@@ -139,8 +139,8 @@ plt.show()
 # model are reduced. Every layout moves different bytes over different links.
 #
 # ## 2. The budget of every layout of 4 ranks
-# `compose_budget.budget_table` predicts, for each factorisation, what each rank holds and sends, from
-# the tensors the chapters make (each formula names them in its docstring): parameters and
+# `compose_budget.budget_table` predicts, for each factorisation, what each rank holds and sends,
+# from the tensors the chapters make (each formula names them in its docstring): parameters and
 # gradients of the rank's stage in fp32, MuonZeRO's momentum for the matrices its plan gives the
 # rank plus AdamW's two moments, and the activations of the micro-batches in flight. A layout
 # **fits** when its largest rank's sum stays under the device memory. The communication time
@@ -316,8 +316,8 @@ for r in runnable:
     if r.pp not in best or r.peak_bytes < best[r.pp].peak_bytes:
         best[r.pp] = r
 deep = {  # deeper pipelines on 8 CP ranks each, one sequence per micro-batch (1F1B: n_micro >= pp)
-    pp: compose_budget.layout_budget(dataclasses.replace(v4, batch=pp, n_micro=pp), pp, 8, 1, 141 * GB,
-                              450 * GB, 50 * GB, 8)
+    pp: compose_budget.layout_budget(dataclasses.replace(v4, batch=pp, n_micro=pp), pp, 8, 1,
+                                     141 * GB, 450 * GB, 50 * GB, 8)
     for pp in (11, 22, 44)
 }  # fmt: skip
 print(", ".join(f"{r.name} ({r.pp * r.cp} ranks): peak {r.peak_bytes / GB:.0f} GB"
@@ -426,7 +426,9 @@ for (pp, cp, dp), run in RUNS.items():
     print(f"{'rank':>4}  {'peak':>13}  " + "  ".join(f"{k:>13}" for k in compose_budget.HELD))
     for r in run["ranks"]:
         mine = predicted.held[r["rank"]]
-        cells = [f"{r['held_bytes'][k] / MiB:6.2f}/{mine[k] / MiB:6.2f}" for k in compose_budget.HELD]
+        cells = [
+            f"{r['held_bytes'][k] / MiB:6.2f}/{mine[k] / MiB:6.2f}" for k in compose_budget.HELD
+        ]
         peak = f"{max(r['peak_bytes']) / MiB:6.2f}/{sum(mine.values()) / MiB:6.2f}"
         print(f"{r['rank']:>4}  {peak:>13}  " + "  ".join(f"{c:>13}" for c in cells))
     exact = all(r["sent_bytes"][k] == predicted.sent[r["rank"]][k]
