@@ -52,14 +52,14 @@ from tensor_ckpt import forget
 # fmt: off
 @dataclass
 class ComposeConfig:
-    vocab: int = 256
+    vocab_size: int = 256
     dim: int = 64            # C, the width of each of the n_hc residual lanes
     n_layers: int = 12       # sublayers F, each inside one mHC hyper-connection (see below)
     seq_len: int = 256       # T tokens of packed documents per sequence; each CP rank holds T/cp
     batch: int = 4           # sequences per data-parallel replica per step
     n_micro: int = 4         # pipeline micro-batches per step (>= pp for 1F1B)
     n_hc: int = 4            # mHC lanes
-    heads: int = 4
+    n_heads: int = 4
     head_dim: int = 16
     csa_ratio: int = 4       # m of CSA (overlapping windows, indexer + top-k)
     hca_ratio: int = 16      # m of HCA (no overlap, dense over entries)
@@ -100,10 +100,20 @@ class Attention(nn.Module):
         super().__init__()
         ratio = cfg.csa_ratio if kind == "csa" else cfg.hca_ratio
         self.norm = mhc.RMSNorm(cfg.dim)
-        self.core = Compressed(cp_compress.CompressedAttention(
-            kind, cfg.dim, cfg.heads, cfg.head_dim, ratio, cfg.window, cfg.top_k,
-            cfg.index_heads, cfg.index_dim))  # fmt: skip
-        self.wo = nn.Parameter(torch.randn(cfg.heads * cfg.head_dim, cfg.dim) / cfg.dim**0.5)
+        self.core = Compressed(
+            cp_compress.CompressedAttention(
+                kind,
+                cfg.dim,
+                cfg.n_heads,
+                cfg.head_dim,
+                ratio,
+                cfg.window,
+                cfg.top_k,
+                cfg.index_heads,
+                cfg.index_dim,
+            )
+        )
+        self.wo = nn.Parameter(torch.randn(cfg.n_heads * cfg.head_dim, cfg.dim) / cfg.dim**0.5)
 
     def forward(self, x):
         return self.core(forget(self.norm(x))) @ self.wo
@@ -126,8 +136,9 @@ class Compressed(nn.Module):
         if self.group is None:
             rows = [self.attention.reference(row, self.cu_seqlens)[0] for row in x]
         else:
-            rows = [self.attention.context_parallel(row, self.cu_seqlens, self.group)[0]
-                    for row in x]  # fmt: skip
+            rows = [
+                self.attention.context_parallel(row, self.cu_seqlens, self.group)[0] for row in x
+            ]
         return torch.stack(rows).flatten(-2)
 
 
@@ -165,14 +176,14 @@ class ComposeModel(nn.Module):
         super().__init__()
         self.cfg = replace(cfg, seq_len=cfg.seq_len // cp)
         kinds = {0: "csa", 2: "hca"}
-        self.embed = nn.Embedding(cfg.vocab, cfg.dim)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.sublayers = nn.ModuleList(
             Attention(cfg, kinds[i % 4]) if i % 2 == 0 else MoE(cfg) for i in range(cfg.n_layers)
         )
         self.hcs = nn.ModuleList(mhc.HyperConnection(cfg.n_hc, cfg.dim) for _ in self.sublayers)
         self.hyper_head = mhc.HyperHead(cfg.n_hc, cfg.dim)
         self.norm = mhc.RMSNorm(cfg.dim)
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.forgetting = {}  # layer -> its tensor_ckpt wrapper (unregistered: names stay)
 
     def attend(self, cu_seqlens, group=None):
@@ -196,8 +207,9 @@ class ComposeModel(nn.Module):
             for f, hc in zip(self.sublayers[start:end], self.hcs[start:end]):
                 stream = mhc.mhc_layer_reference(stream, f, hc)
             return head(stream) if final else stream
-        layers = [(self.forgetting.get(i, self.sublayers[i]), self.hcs[i])
-                  for i in range(start, end)]  # fmt: skip
+        layers = [
+            (self.forgetting.get(i, self.sublayers[i]), self.hcs[i]) for i in range(start, end)
+        ]
         block = block or mhc.default_recompute_block(self.cfg.n_hc, end - start)
         return mhc.run_recomputed_layers(stream, layers, block, head=head)
 
@@ -205,8 +217,9 @@ class ComposeModel(nn.Module):
         return F.cross_entropy(self.lm_head(self.norm(x)).flatten(0, -2), targets.flatten())
 
     def forward(self, idx, targets):  # the reference path: one process, the whole sequence
-        return self.head_loss(self.run_layers(self.embed_stream(idx), 0, len(self.hcs),
-                                              final=True), targets)  # fmt: skip
+        return self.head_loss(
+            self.run_layers(self.embed_stream(idx), 0, len(self.hcs), final=True), targets
+        )
 
 
 def make_model(cfg, cp=1, seed=0):
@@ -218,9 +231,9 @@ def make_model(cfg, cp=1, seed=0):
 def batch_tokens(cfg, rows, step, seed=0):
     """Learnable packed data [rows, T + 1]: each row counts up from a random start, stride 1..3."""
     g = torch.Generator().manual_seed(seed * 100003 + step)
-    start = torch.randint(0, cfg.vocab, (rows, 1), generator=g)
+    start = torch.randint(0, cfg.vocab_size, (rows, 1), generator=g)
     stride = torch.randint(1, 4, (rows, 1), generator=g)
-    return (start + stride * torch.arange(cfg.seq_len + 1)) % cfg.vocab
+    return (start + stride * torch.arange(cfg.seq_len + 1)) % cfg.vocab_size
 
 
 def documents(cfg):
@@ -265,8 +278,9 @@ def stage_parameters(model, layout):
     stage, layers [first, stop), the HyperHead, norm and LM head on the last."""
     p = layout.coords[0]
     first, stop = mhc.stage_layers(len(model.hcs), layout.pp, p)
-    held = nn.ModuleDict({f"layer{i}": nn.ModuleList([model.sublayers[i], model.hcs[i]])
-                          for i in range(first, stop)})  # fmt: skip
+    held = nn.ModuleDict(
+        {f"layer{i}": nn.ModuleList([model.sublayers[i], model.hcs[i]]) for i in range(first, stop)}
+    )
     if p == 0:
         held["embed"] = model.embed
     if p == layout.pp - 1:
@@ -284,10 +298,16 @@ def build_optimizer(model, layout, train):
             g["lr"] = train.lr_adamw
         groups += [g] if g["params"] else []
     return muon_zero.MuonZeRO(
-        groups, lr=train.lr_muon, weight_decay=train.weight_decay,
-        ns_coefficients=muon_zero.STANDARD_NS_COEFFICIENTS, update_rms=0.2,
-        ns_dtype=train.ns_dtype, grad_sync=train.grad_sync, process_group=layout.stage_group,
-        seed=train.seed)  # fmt: skip
+        groups,
+        lr=train.lr_muon,
+        weight_decay=train.weight_decay,
+        ns_coefficients=muon_zero.STANDARD_NS_COEFFICIENTS,
+        update_rms=0.2,
+        ns_dtype=train.ns_dtype,
+        grad_sync=train.grad_sync,
+        process_group=layout.stage_group,
+        seed=train.seed,
+    )
 
 
 def plan_forgetting(model, layout, cfg):
@@ -295,8 +315,9 @@ def plan_forgetting(model, layout, cfg):
     trace runs F once: every CP rank of the stage does it together)."""
     _, (first, stop) = stage_parameters(model, layout)
     w = model.embed.weight
-    example = torch.randn(cfg.batch // cfg.n_micro, cfg.seq_len // layout.cp, cfg.dim,
-                          device=w.device, dtype=w.dtype)  # fmt: skip
+    example = torch.randn(
+        cfg.batch // cfg.n_micro, cfg.seq_len // layout.cp, cfg.dim, device=w.device, dtype=w.dtype
+    )
     for i in range(first, stop):
         model.forgetting[i] = tensor_ckpt.checkpoint_tensors(
             model.sublayers[i], (example,), leaf_modules=(Compressed,)
@@ -310,8 +331,9 @@ def local_batch(tokens, cfg, layout):
     """This rank's rows (its replica's `batch` sequences) and columns (its CP shard)."""
     _, c, d = layout.coords
     rows = tokens[d * cfg.batch : (d + 1) * cfg.batch]
-    idx, targets = (cp_compress.shard_sequence(t.T, layout.cp, c).T for t in (rows[:, :-1],
-                    rows[:, 1:]))  # fmt: skip
+    idx, targets = (
+        cp_compress.shard_sequence(t.T, layout.cp, c).T for t in (rows[:, :-1], rows[:, 1:])
+    )
     return idx.contiguous(), targets.contiguous()
 
 
@@ -356,18 +378,29 @@ def check_step(step, gathered, cfg, layout, model, allow_nonfinite):
     if allow_nonfinite:
         return total
     if not math.isfinite(total):
-        raise Refused(f"compose: step {step}: the loss is {total} (not finite); "
-                      f"--allow-nonfinite keeps going")  # fmt: skip
+        raise Refused(
+            f"compose: step {step}: the loss is {total} (not finite); --allow-nonfinite keeps going"
+        )
     if math.isfinite(first := min(bad)):
         name = next(n for i, (n, _) in enumerate(model.named_parameters()) if i == first)
         rank = bad.index(first)
-        raise Refused(f"compose: step {step}: the gradient of {name} is not finite (rank {rank}); "
-                      f"--allow-nonfinite keeps going")  # fmt: skip
+        raise Refused(
+            f"compose: step {step}: the gradient of {name} is not finite (rank {rank}); "
+            f"--allow-nonfinite keeps going"
+        )
     return total
 
 
-def train_step(model, opt, tokens, cfg, layout, phase=lambda name: contextlib.nullcontext(),
-               step=1, allow_nonfinite=False):  # fmt: skip
+def train_step(
+    model,
+    opt,
+    tokens,
+    cfg,
+    layout,
+    phase=lambda name: contextlib.nullcontext(),
+    step=1,
+    allow_nonfinite=False,
+):
     """1F1B over the stages (CP inside every attention F), then MuonZeRO over the stage group.
     Every rank's loss is its tokens' mean; the optimizer averages over the C x D ranks of equal
     token counts: the mean over the whole batch, as one process. Before the update, one all-gather
@@ -376,8 +409,9 @@ def train_step(model, opt, tokens, cfg, layout, phase=lambda name: contextlib.nu
     device = model.embed.weight.device
     idx, targets = (t.to(device) for t in local_batch(tokens, cfg, layout))
     with phase("forward"):  # 1F1B interleaves forwards and backwards: one phase
-        loss, stats = mhc.pipeline_step(model, idx, targets, cfg.n_micro, "optimised",
-                                        groups=layout.pipeline)  # fmt: skip
+        loss, stats = mhc.pipeline_step(
+            model, idx, targets, cfg.n_micro, "optimised", groups=layout.pipeline
+        )
     mine = loss.detach() if loss is not None else torch.zeros((), device=device)
     digest = torch.tensor(replica_digest(tokens, cfg, layout), device=device, dtype=torch.float64)
     numbers = torch.stack([digest, mine.double(), first_nonfinite(model, device)])
@@ -401,8 +435,11 @@ def reference_optimizers(model, train):
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        plain = name.startswith(("embed.", "lm_head.")) or name.rsplit(".", 1)[-1].startswith(
-            ("bias", "ape")) or p.ndim < 2  # fmt: skip
+        plain = (
+            name.startswith(("embed.", "lm_head."))
+            or name.rsplit(".", 1)[-1].startswith(("bias", "ape"))
+            or p.ndim < 2
+        )
         if plain:
             adamw.append(p)
         elif p.ndim == 3:
@@ -411,11 +448,18 @@ def reference_optimizers(model, train):
         else:
             muon.append(p)
     return [
-        torch.optim.Muon(muon, lr=train.lr_muon, weight_decay=train.weight_decay, momentum=0.95,
-                         nesterov=True, adjust_lr_fn="match_rms_adamw"),
-        torch.optim.AdamW(adamw, lr=train.lr_adamw, betas=(0.9, 0.95), eps=1e-8,
-                          weight_decay=train.weight_decay),
-    ], experts  # fmt: skip
+        torch.optim.Muon(
+            muon,
+            lr=train.lr_muon,
+            weight_decay=train.weight_decay,
+            momentum=0.95,
+            nesterov=True,
+            adjust_lr_fn="match_rms_adamw",
+        ),
+        torch.optim.AdamW(
+            adamw, lr=train.lr_adamw, betas=(0.9, 0.95), eps=1e-8, weight_decay=train.weight_decay
+        ),
+    ], experts
 
 
 @contextlib.contextmanager
@@ -466,8 +510,18 @@ def reference_training(cfg, dp, train, device="cpu"):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def run_layout(cfg, train, pp, cp, dp, device=torch.device("cpu"), on_step=None, save=None,
-               save_every=0, resume=None):  # fmt: skip
+def run_layout(
+    cfg,
+    train,
+    pp,
+    cp,
+    dp,
+    device=torch.device("cpu"),
+    on_step=None,
+    save=None,
+    save_every=0,
+    resume=None,
+):
     """Training steps up to train.steps on the layout, inside a process group of pp * cp * dp
     ranks. on_step(step, layout, model, opt, run) wraps each step (run(phase) trains it). save:
     a folder for checkpoints, written every save_every steps (0: never) and after the last;
@@ -488,8 +542,16 @@ def run_layout(cfg, train, pp, cp, dp, device=torch.device("cpu"), on_step=None,
     losses = []
     for step in range(start, train.steps):
         tokens = batch_tokens(cfg, cfg.batch * dp, step, train.seed)
-        run = functools.partial(train_step, model, opt, tokens, cfg, layout, step=step + 1,
-                                allow_nonfinite=train.allow_nonfinite)  # fmt: skip
+        run = functools.partial(
+            train_step,
+            model,
+            opt,
+            tokens,
+            cfg,
+            layout,
+            step=step + 1,
+            allow_nonfinite=train.allow_nonfinite,
+        )
         try:
             loss, _ = on_step(step, layout, model, opt, run) if on_step else run()
             if save and (step + 1 == train.steps or save_every and (step + 1) % save_every == 0):
@@ -518,7 +580,7 @@ def sublayer_kind(i):
 
 
 @dataclass(frozen=True)
-class Tensor:
+class ParamSpec:
     """One parameter as the budget sees it: its name in ComposeModel, shape, MuonZeRO role (as
     muon_param_groups assigns it) and whether it trains (CSA's indexer does not)."""
 
@@ -659,8 +721,11 @@ def checkpoint_options():
 def latest_checkpoint(root):
     """-> (step, path, compose.json's record) of the newest complete checkpoint in root, or
     ValueError. A step-<k>.tmp (a save that did not finish) is never read."""
-    steps = [int(n[5:]) for n in os.listdir(root) if n.startswith("step-") and n[5:].isdigit()] \
-        if os.path.isdir(root) else []  # fmt: skip
+    steps = (
+        [int(n[5:]) for n in os.listdir(root) if n.startswith("step-") and n[5:].isdigit()]
+        if os.path.isdir(root)
+        else []
+    )
     if not steps:
         raise ValueError(f"--resume {root}: no complete checkpoint (a step-<k> folder) there")
     path = os.path.join(root, f"step-{max(steps)}")
@@ -680,21 +745,29 @@ def resume_config(saved, cfg, train, pp, cp, dp):
     theirs = {**saved["config"], **saved["training"]}
     for field, value in mine.items():
         if field not in ("batch", "n_micro") and theirs.get(field) != value:
-            raise ValueError(f"--resume: the checkpoint has {field}={theirs.get(field)!r}, this "
-                             f"run {value!r}; resume with the model and settings it was saved "
-                             f"with")  # fmt: skip
+            raise ValueError(
+                f"--resume: the checkpoint has {field}={theirs.get(field)!r}, this "
+                f"run {value!r}; resume with the model and settings it was saved "
+                f"with"
+            )
     rows, step = saved["global_batch"], saved["step"]
     if rows % dp:
-        raise ValueError(f"--resume: the checkpoint's global batch of {rows} sequences does not "
-                         f"split over dp={dp} replicas")  # fmt: skip
+        raise ValueError(
+            f"--resume: the checkpoint's global batch of {rows} sequences does not "
+            f"split over dp={dp} replicas"
+        )
     batch = rows // dp
     micro = [m for m in range(min(cfg.n_micro, batch), 0, -1) if batch % m == 0 and m >= pp]
     if not micro:
-        raise ValueError(f"--resume: {batch} sequences per replica cannot fill pp={pp} stages' "
-                         f"micro-batches (1F1B needs at least pp)")  # fmt: skip
+        raise ValueError(
+            f"--resume: {batch} sequences per replica cannot fill pp={pp} stages' "
+            f"micro-batches (1F1B needs at least pp)"
+        )
     if step >= train.steps:
-        raise ValueError(f"--resume: the checkpoint is at step {step} already; --steps "
-                         f"{train.steps} asks for no more")  # fmt: skip
+        raise ValueError(
+            f"--resume: the checkpoint is at step {step} already; --steps "
+            f"{train.steps} asks for no more"
+        )
     return replace(cfg, batch=batch, n_micro=micro[0]), step
 
 
@@ -727,8 +800,13 @@ def save_checkpoint(root, step, model, opt, cfg, train, layout):
         shutil.rmtree(tmp, ignore_errors=True)  # an earlier save that stopped half-way
         os.makedirs(tmp)
         settings = {k: _setting(getattr(train, k)) for k in RESUMED_FIELDS}
-        record = dict(step=step, layout=[layout.pp, layout.cp, layout.dp], config=asdict(cfg),
-                      global_batch=cfg.batch * layout.dp, training=settings)  # fmt: skip
+        record = dict(
+            step=step,
+            layout=[layout.pp, layout.cp, layout.dp],
+            config=asdict(cfg),
+            global_batch=cfg.batch * layout.dp,
+            training=settings,
+        )
         with open(os.path.join(tmp, "compose.json"), "w") as f:
             json.dump(record, f)
     dist.barrier()
@@ -766,13 +844,24 @@ def count_sent_bytes(sent, where):
     and stage groups can be one group. StageLinks counts the pipeline's sends itself. A collective
     of n ranks sends what leaves this rank: all-gather (n-1) x its input, reduce-scatter and
     all-to-all (n-1)/n of it, all-reduce 2 (n-1)/n (a ring). Guard traffic and the loss: control."""
-    originals = {n: getattr(dist, n) for n in ("batch_isend_irecv", "all_gather_single",
-                 "reduce_scatter_single", "all_to_all_single", "all_reduce")}  # fmt: skip
-    links = {("forward", "batch_isend_irecv"): "cp_halo", ("forward", "all_gather_single"):
-             "cp_gather", ("forward", "reduce_scatter_single"): "cp_gather",
-             ("optimizer", "all_gather_single"): "param_all_gather",
-             ("optimizer", "all_to_all_single"): "grad_reduce_scatter",
-             ("optimizer", "all_reduce"): "grad_reduce_scatter"}  # fmt: skip
+    originals = {
+        n: getattr(dist, n)
+        for n in (
+            "batch_isend_irecv",
+            "all_gather_single",
+            "reduce_scatter_single",
+            "all_to_all_single",
+            "all_reduce",
+        )
+    }
+    links = {
+        ("forward", "batch_isend_irecv"): "cp_halo",
+        ("forward", "all_gather_single"): "cp_gather",
+        ("forward", "reduce_scatter_single"): "cp_gather",
+        ("optimizer", "all_gather_single"): "param_all_gather",
+        ("optimizer", "all_to_all_single"): "grad_reduce_scatter",
+        ("optimizer", "all_reduce"): "grad_reduce_scatter",
+    }
 
     def wrap(name, fn):
         def call(*args, **kwargs):
@@ -780,10 +869,13 @@ def count_sent_bytes(sent, where):
                 tensors = [op.tensor for op in args[0] if op.op is dist.isend]
                 n, share = 2, 1.0  # point to point: what it sends
             else:
-                tensors, n = [args[1] if "single" in name else args[0]], dist.get_world_size(
-                    kwargs.get("group"))  # fmt: skip
+                tensors, n = (
+                    [args[1] if "single" in name else args[0]],
+                    dist.get_world_size(kwargs.get("group")),
+                )
                 share = {"all_gather_single": n - 1, "all_reduce": 2 * (n - 1) / n}.get(
-                    name, (n - 1) / n)  # fmt: skip
+                    name, (n - 1) / n
+                )
             small = name == "all_reduce" and not (
                 args[0].is_floating_point() and args[0].numel() > 1
             )
@@ -819,9 +911,11 @@ def check_layout(cfg, pp, cp, dp, world):
         )
     s, m = cfg.seq_len // cp, math.lcm(cfg.csa_ratio, cfg.hca_ratio)
     if cfg.seq_len % cp or s % m or s < cfg.window - 1:
-        raise ValueError(f"seq_len={cfg.seq_len} over cp={cp} ranks gives {cfg.seq_len / cp:g} "
-                         f"tokens per rank; it must be a multiple of both ratios m ({m}) and "
-                         f">= window - 1 = {cfg.window - 1}")  # fmt: skip
+        raise ValueError(
+            f"seq_len={cfg.seq_len} over cp={cp} ranks gives {cfg.seq_len / cp:g} "
+            f"tokens per rank; it must be a multiple of both ratios m ({m}) and "
+            f">= window - 1 = {cfg.window - 1}"
+        )
 
 
 class StepRecorder:
@@ -902,29 +996,65 @@ def parse_args(argv=None, fits=None):
     add("--cp", type=count, default=1, help="context-parallel ranks per sequence (1)")
     add("--dp", type=count, default=None, help="data-parallel replicas (world / (pp * cp))")
     add("--steps", type=count, default=4, help="training steps (4)")
-    add("--record", type=launch.at_least(0), default=2, help="first steps recorded for memory "
-        "(2; recorded steps are not timed)")  # fmt: skip
+    add(
+        "--record",
+        type=launch.at_least(0),
+        default=2,
+        help="first steps recorded for memory (2; recorded steps are not timed)",
+    )
     add("--layers", type=count, default=12, help="sublayers L; pp must divide it (12)")
     add("--seq-len", type=count, default=None, help="tokens per sequence T (256; 192 at cp=3)")
-    add("--v4", action="store_true", help="V4's numerics: bf16 stochastic-rounding gradient sync "
-        "and bf16 Newton-Schulz (default: fp32)")  # fmt: skip
-    add("--float64", action="store_true", help="float64 parameters, exact gradient sync and "
+    add(
+        "--v4",
+        action="store_true",
+        help="V4's numerics: bf16 stochastic-rounding gradient sync "
+        "and bf16 Newton-Schulz (default: fp32)",
+    )
+    add(
+        "--float64",
+        action="store_true",
+        help="float64 parameters, exact gradient sync and "
         "float64 Newton-Schulz: --check then agrees to rounding (~1e-12), not fp32's amplified "
-        "noise")  # fmt: skip
-    add("--allow-nonfinite", action="store_true", help="keep training when a loss or gradient "
-        "is not finite (default: every rank stops, naming the step and where)")  # fmt: skip
-    add("--check", action="store_true", help="also train the one-process reference on rank 0 and "
-        "print the largest difference")  # fmt: skip
+        "noise",
+    )
+    add(
+        "--allow-nonfinite",
+        action="store_true",
+        help="keep training when a loss or gradient "
+        "is not finite (default: every rank stops, naming the step and where)",
+    )
+    add(
+        "--check",
+        action="store_true",
+        help="also train the one-process reference on rank 0 and print the largest difference",
+    )
     add("--json", metavar="PATH", help="write every rank's record here (rank 0)")
-    add("--save", metavar="DIR", help="write a checkpoint into DIR after the last step (and every "
-        "--save-every steps), resumable at any layout")  # fmt: skip
-    add("--save-every", type=count, default=None, metavar="K", help="with --save: also every K "
-        "steps")  # fmt: skip
-    add("--resume", metavar="DIR", help="continue DIR's newest checkpoint up to --steps in all, "
-        "on this layout; the global batch stays the checkpoint's")  # fmt: skip
+    add(
+        "--save",
+        metavar="DIR",
+        help="write a checkpoint into DIR after the last step (and every "
+        "--save-every steps), resumable at any layout",
+    )
+    add(
+        "--save-every",
+        type=count,
+        default=None,
+        metavar="K",
+        help="with --save: also every K steps",
+    )
+    add(
+        "--resume",
+        metavar="DIR",
+        help="continue DIR's newest checkpoint up to --steps in all, "
+        "on this layout; the global batch stays the checkpoint's",
+    )
     add("--seed", type=int, default=0, help="seed of weights and data (0)")
-    add("--device-memory", type=launch.positive, default=80.0, help="GiB per device, for the "
-        "budget table (80)")  # fmt: skip
+    add(
+        "--device-memory",
+        type=launch.positive,
+        default=80.0,
+        help="GiB per device, for the budget table (80)",
+    )
     add("--intra-bw", type=launch.positive, default=100.0, help="GB/s within a node (100)")
     add("--inter-bw", type=launch.positive, default=25.0, help="GB/s between nodes (25)")
     args = launch.check_launch_options(parser, launch.add_launch_options(parser).parse_args(argv))
@@ -950,8 +1080,10 @@ def parse_args(argv=None, fits=None):
         fits(parser, args, world)
     if args.resume and int(os.environ.get("RANK", "0")) == 0:  # the run's first line
         pp, cp, dp = saved["layout"]
-        print(f"resumed step {args.start} saved at {pp}x{cp}x{dp}, now "
-              f"{args.pp}x{args.cp}x{args.dp}", flush=True)  # fmt: skip
+        print(
+            f"resumed step {args.start} saved at {pp}x{cp}x{dp}, now {args.pp}x{args.cp}x{args.dp}",
+            flush=True,
+        )
     return args
 
 
@@ -969,27 +1101,51 @@ def training(args):
     sync, ns = ("bf16_sr", torch.bfloat16) if args.v4 else ("fp32", torch.float32)
     sync = "exact" if args.float64 else sync  # "fp32" is MuonZeRO's old name of "exact"
     dtype = torch.float64 if args.float64 else torch.float32
-    return Training(args.steps, grad_sync=sync, ns_dtype=torch.float64 if args.float64 else ns,
-                    seed=args.seed, dtype=dtype, allow_nonfinite=args.allow_nonfinite)  # fmt: skip
+    return Training(
+        args.steps,
+        grad_sync=sync,
+        ns_dtype=torch.float64 if args.float64 else ns,
+        seed=args.seed,
+        dtype=dtype,
+        allow_nonfinite=args.allow_nonfinite,
+    )
 
 
 def demo(args, rank, world, device):
     cfg = args.cfg
     train = training(args)
-    launch.say(f"layout pp={args.pp} x cp={args.cp} x dp={args.dp}: {cfg.n_layers} layers "
-               f"(CSA, MoE, HCA, MoE, ...), C={cfg.dim}, n_hc={cfg.n_hc}, T={cfg.seq_len} "
-               f"({cfg.seq_len // args.cp} per CP rank), {cfg.batch} sequences per replica in "
-               f"{cfg.n_micro} micro-batches; gradient sync {train.grad_sync}")  # fmt: skip
+    launch.say(
+        f"layout pp={args.pp} x cp={args.cp} x dp={args.dp}: {cfg.n_layers} layers "
+        f"(CSA, MoE, HCA, MoE, ...), C={cfg.dim}, n_hc={cfg.n_hc}, T={cfg.seq_len} "
+        f"({cfg.seq_len // args.cp} per CP rank), {cfg.batch} sequences per replica in "
+        f"{cfg.n_micro} micro-batches; gradient sync {train.grad_sync}"
+    )
     budget = getattr(args, "budget", None)  # compose_budget, when the command line runs
     if budget:
         ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        rows = budget.budget_table(cfg, world, args.device_bytes, args.intra_bw, args.inter_bw,
-                                   ranks_per_node, "bf16_sr" if args.v4 else "fp32")  # fmt: skip
+        rows = budget.budget_table(
+            cfg,
+            world,
+            args.device_bytes,
+            args.intra_bw,
+            args.inter_bw,
+            ranks_per_node,
+            "bf16_sr" if args.v4 else "fp32",
+        )
         launch.say(budget.format_budget(rows))
     recorder = StepRecorder(min(args.record, args.steps - args.start), device)
-    losses, params, layout, *_ = run_layout(cfg, train, args.pp, args.cp, args.dp, device,
-                                            recorder, args.save, args.save_every or 0,
-                                            args.resume)  # fmt: skip
+    losses, params, layout, *_ = run_layout(
+        cfg,
+        train,
+        args.pp,
+        args.cp,
+        args.dp,
+        device,
+        recorder,
+        args.save,
+        args.save_every or 0,
+        args.resume,
+    )
     for ran, loss in enumerate(losses):
         took = recorder.step_s[ran]
         launch.say(
@@ -1014,11 +1170,13 @@ def demo(args, rank, world, device):
             held, want = r["held_bytes"], predicted.held[r["rank"]]
             pair = lambda got, bytes_, unit: f"{got / unit:.1f}/{bytes_ / unit:.1f}"  # noqa: E731
             cells = " ".join(f"{pair(held.get(k, 0), want[k], 2**20):>13}" for k in budget.HELD)
-            sent = " ".join(pair(r["sent_bytes"][k], predicted.sent[r["rank"]][k], 2**10)
-                            for k in SENT)  # fmt: skip
+            sent = " ".join(
+                pair(r["sent_bytes"][k], predicted.sent[r["rank"]][k], 2**10) for k in SENT
+            )
             peak = pair(max(r["peak_bytes"], default=0), sum(want.values()), 2**20)
-            launch.say(f"{r['rank']:>4} {','.join(map(str, r['coords'])):>6} {peak:>13} {cells}   "
-                       f"{sent}")  # fmt: skip
+            launch.say(
+                f"{r['rank']:>4} {','.join(map(str, r['coords'])):>6} {peak:>13} {cells}   {sent}"
+            )
     if args.check:
         gathered = [None] * world if rank == 0 else None
         dist.gather_object({n: p.cpu() for n, p in params.items()}, gathered, dst=0)
@@ -1027,8 +1185,10 @@ def demo(args, rank, world, device):
             got = {n: t for g in gathered for n, t in g.items()}
             diff = max((got[n] - ref[n]).abs().max().item() for n in got)
             start = dict(make_model(cfg, 1, train.seed).to(dtype=train.dtype).named_parameters())
-            change = sum(((got[n] - ref[n]) ** 2).sum() for n in got) ** 0.5 / sum(
-                ((ref[n] - start[n].detach()) ** 2).sum() for n in got) ** 0.5  # fmt: skip
+            change = (
+                sum(((got[n] - ref[n]) ** 2).sum() for n in got) ** 0.5
+                / sum(((ref[n] - start[n].detach()) ** 2).sum() for n in got) ** 0.5
+            )
             loss = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses[-len(losses) :]))
             print(
                 f"\nagainst the one-process reference: losses within {loss:.1e} (relative), "

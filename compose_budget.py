@@ -23,9 +23,9 @@ import muon_zero
 from compose import (
     FP32,
     SENT,
+    ParamSpec,
     PlanSizes,
     Rank,
-    Tensor,
     link_bytes,
     micro_stream_bytes,
     sublayer_kind,
@@ -51,8 +51,10 @@ def stage_tensors(cfg, pp, stage, model=None):
     held, _ = compose.stage_parameters(model, where)
     names = {id(p): n for n, p in model.named_parameters()}
     roles = {id(p): g["role"] for g in muon_zero.muon_param_groups(held) for p in g["params"]}
-    return [Tensor(names[id(p)], tuple(p.shape), roles[id(p)], p.requires_grad)
-            for p in held.parameters()]  # fmt: skip
+    return [
+        ParamSpec(names[id(p)], tuple(p.shape), roles[id(p)], p.requires_grad)
+        for p in held.parameters()
+    ]
 
 
 def model_tensors(cfg):
@@ -65,8 +67,13 @@ def muon_plan(tensors, group_size):
     dense matrices in parameter order, experts flattened as V4 does (all downs, ups, gates)."""
     trained = [t for t in tensors if t.trains]
     dense = [t.shape for t in trained if t.role == "dense"]
-    experts = [t.shape[1:] for role in muon_zero.EXPERT_ROLES for t in trained if t.role == role
-               for _ in range(t.shape[0])]  # fmt: skip
+    experts = [
+        t.shape[1:]
+        for role in muon_zero.EXPERT_ROLES
+        for t in trained
+        if t.role == role
+        for _ in range(t.shape[0])
+    ]
     return muon_zero.plan_muon(dense, experts, group_size)
 
 
@@ -76,10 +83,13 @@ def plan_sizes(plan):
     owned = []
     for rank in range(plan.world_size):
         dense, experts = plan.owned(rank)
-        owned.append(sum(math.prod(plan.dense_shapes[i]) for i in dense)
-                     + sum(math.prod(plan.expert_shapes[i]) for i in experts))  # fmt: skip
-    return PlanSizes(plan.zero_width, plan.dense_bucket_numel, plan.expert_chunk_numel,
-                     tuple(owned))  # fmt: skip
+        owned.append(
+            sum(math.prod(plan.dense_shapes[i]) for i in dense)
+            + sum(math.prod(plan.expert_shapes[i]) for i in experts)
+        )
+    return PlanSizes(
+        plan.zero_width, plan.dense_bucket_numel, plan.expert_chunk_numel, tuple(owned)
+    )
 
 
 def f_saved_elements(cfg, kind, cp):
@@ -99,7 +109,7 @@ def f_saved_elements(cfg, kind, cp):
     window for CSA, T/m + window for HCA) with its bool mask; the attention output [H, D] the
     output projection keeps. CSA's indexer adds q_index [Hi, Di], w_index [Hi], relu(scores)
     [Hi, T/m], the sort's int64 order [T/m] and the top-k's int64 indices."""
-    s, T, D, H = cfg.seq_len // cp, cfg.seq_len, cfg.head_dim, cfg.heads
+    s, T, D, H = cfg.seq_len // cp, cfg.seq_len, cfg.head_dim, cfg.n_heads
     if kind == "moe":
         E, h = cfg.n_experts, cfg.expert_hidden
         return s * ((2 * E + 3 * E * h + E * cfg.dim) * FP32 + 2 * cfg.experts_per_token * INT64)
@@ -125,8 +135,9 @@ def layer_saved_bytes(cfg, cp):
     x W and 1/rms, 2 n^2 + 4 n + 1 numbers per token) plus F's graph (f_saved_elements)."""
     n, b, s = cfg.n_hc, cfg.batch // cfg.n_micro, cfg.seq_len // cp
     mixing = s * (2 * cfg.dim + 2 * n * n + 4 * n + 1) * FP32
-    return {i: b * (mixing + f_saved_elements(cfg, sublayer_kind(i), cp))
-            for i in range(cfg.n_layers)}  # fmt: skip
+    return {
+        i: b * (mixing + f_saved_elements(cfg, sublayer_kind(i), cp)) for i in range(cfg.n_layers)
+    }
 
 
 def activation_bytes(cfg, where, saved=None):
@@ -153,7 +164,7 @@ def activation_bytes(cfg, where, saved=None):
     saved = layer_saved_bytes(cfg, cp) if saved is None else saved
     per_micro += sum(v for i, v in saved.items() if first <= i < stop)
     if p == pp - 1:
-        per_micro += b * s * (2 * n + 1 + 3 * C + 1 + cfg.vocab) * FP32
+        per_micro += b * s * (2 * n + 1 + 3 * C + 1 + cfg.vocab_size) * FP32
     else:
         per_micro += stream  # held_out, and the send's reference
     in_flight = min(pp - p, cfg.n_micro)
@@ -231,8 +242,13 @@ def link_seconds(sent, where, ranks_per_node, intra_bw, inter_bw):
 
 def factorisations(world):
     """Every (pp, cp, dp) with pp * cp * dp = world, each once, pp first then cp ascending."""
-    return [(p, c, world // (p * c)) for p in range(1, world + 1) if world % p == 0
-            for c in range(1, world // p + 1) if (world // p) % c == 0]  # fmt: skip
+    return [
+        (p, c, world // (p * c))
+        for p in range(1, world + 1)
+        if world % p == 0
+        for c in range(1, world // p + 1)
+        if (world // p) % c == 0
+    ]
 
 
 def check_budget_inputs(world, device_bytes, intra_bw, inter_bw, ranks_per_node, grad_sync):
@@ -241,15 +257,20 @@ def check_budget_inputs(world, device_bytes, intra_bw, inter_bw, ranks_per_node,
     for name, value in (("world", world), ("ranks_per_node", ranks_per_node)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    for name, value in (("device_bytes", device_bytes), ("intra_bw", intra_bw),
-                        ("inter_bw", inter_bw)):  # fmt: skip
+    for name, value in (
+        ("device_bytes", device_bytes),
+        ("intra_bw", intra_bw),
+        ("inter_bw", inter_bw),
+    ):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"{name} must be a number > 0 (bytes, bytes per second), got "
-                             f"{value!r}")  # fmt: skip
+            raise ValueError(
+                f"{name} must be a number > 0 (bytes, bytes per second), got {value!r}"
+            )
 
 
-def layout_budget(cfg, pp, cp, dp, device_bytes, intra_bw, inter_bw, ranks_per_node,
-                  grad_sync="bf16_sr"):  # fmt: skip
+def layout_budget(
+    cfg, pp, cp, dp, device_bytes, intra_bw, inter_bw, ranks_per_node, grad_sync="bf16_sr"
+):
     """The prediction for one layout (LayoutBudget); a layout the chapters refuse keeps its
     problem and no numbers."""
     out = LayoutBudget(pp, cp, dp, problem=layout_problem(cfg, pp, cp))
@@ -281,18 +302,29 @@ def layout_budget(cfg, pp, cp, dp, device_bytes, intra_bw, inter_bw, ranks_per_n
     return out
 
 
-def budget_table(cfg, world, device_bytes, intra_bw, inter_bw, ranks_per_node=8,
-                 grad_sync="bf16_sr"):  # fmt: skip
+def budget_table(
+    cfg, world, device_bytes, intra_bw, inter_bw, ranks_per_node=8, grad_sync="bf16_sr"
+):
     """Every factorisation of `world` ranks, predicted and ranked: the layouts that fit first,
     fastest first (communication time), then those that do not fit (smallest peak first), then
     those the chapters refuse. device_bytes per device; bandwidths in bytes per second;
     grad_sync: MuonZeRO's ("bf16_sr", V4's, or "fp32")."""
     check_budget_inputs(world, device_bytes, intra_bw, inter_bw, ranks_per_node, grad_sync)
-    rows = [layout_budget(cfg, pp, cp, dp, device_bytes, intra_bw, inter_bw, ranks_per_node,
-                          grad_sync)
-            for pp, cp, dp in factorisations(world)]  # fmt: skip
-    return sorted(rows, key=lambda r: (bool(r.problem), not r.fits, r.step_s if r.fits else 0,
-                                       r.peak_bytes, r.pp, r.cp))  # fmt: skip
+    rows = [
+        layout_budget(cfg, pp, cp, dp, device_bytes, intra_bw, inter_bw, ranks_per_node, grad_sync)
+        for pp, cp, dp in factorisations(world)
+    ]
+    return sorted(
+        rows,
+        key=lambda r: (
+            bool(r.problem),
+            not r.fits,
+            r.step_s if r.fits else 0,
+            r.peak_bytes,
+            r.pp,
+            r.cp,
+        ),
+    )
 
 
 def human_bytes(n):
@@ -305,8 +337,17 @@ def human_bytes(n):
 def format_budget(rows):
     """The ranked table, one line per layout: the largest rank's bytes by category, the busiest
     rank's bytes per link, the communication time and the verdict."""
-    head = ["pp x cp x dp", "params", "grads", "optim", "activ", "peak", *SENT, "comm ms",
-            "verdict"]  # fmt: skip
+    head = [
+        "pp x cp x dp",
+        "params",
+        "grads",
+        "optim",
+        "activ",
+        "peak",
+        *SENT,
+        "comm ms",
+        "verdict",
+    ]
     lines = [head]
     for r in rows:
         if r.problem:
@@ -315,8 +356,9 @@ def format_budget(rows):
         held = [human_bytes(max(h[k] for h in r.held)) for k in HELD]
         sent = [human_bytes(max(s[k] for s in r.sent)) for k in SENT]
         verdict = "fits" if r.fits else "DOES NOT FIT"
-        lines.append([r.name, *held, human_bytes(r.peak_bytes), *sent, f"{1e3 * r.step_s:.3g}",
-                      verdict])  # fmt: skip
+        lines.append(
+            [r.name, *held, human_bytes(r.peak_bytes), *sent, f"{1e3 * r.step_s:.3g}", verdict]
+        )
     widths = [max(len(row[k]) for row in lines if len(row) > k) for k in range(len(head) - 1)]
     return "\n".join(
         "  ".join(cell.rjust(w) for cell, w in zip(row, widths)) + "  " + row[-1] for row in lines
@@ -327,8 +369,17 @@ def check_fits(parser, args, world):
     """compose's command line, at its door: a layout whose predicted peak cannot fit this machine
     is a one-line usage error before any work (launch.check_fits)."""
     grad_sync = "bf16_sr" if args.v4 else "fp32"
-    budget = layout_budget(args.cfg, args.pp, args.cp, args.dp, args.device_bytes, args.intra_bw,
-                           args.inter_bw, world, grad_sync)  # fmt: skip
+    budget = layout_budget(
+        args.cfg,
+        args.pp,
+        args.cp,
+        args.dp,
+        args.device_bytes,
+        args.intra_bw,
+        args.inter_bw,
+        world,
+        grad_sync,
+    )
     scale = 2 if args.float64 else 1  # every tensor the budget counts doubles in float64
     where = f"compose at {args.pp}x{args.cp}x{args.dp}, T={args.cfg.seq_len}"
     launch.check_fits(parser, args, scale * budget.peak_bytes, where)

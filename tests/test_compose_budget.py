@@ -25,8 +25,8 @@ import muon_zero as mz
 
 CFG = compose.ComposeConfig()
 ODD = dataclasses.replace(
-    CFG, dim=32, n_hc=3, heads=2, head_dim=8, index_heads=2, index_dim=8, n_experts=3,
-    expert_hidden=48, vocab=100, window=8, top_k=8,
+    CFG, dim=32, n_hc=3, n_heads=2, head_dim=8, index_heads=2, index_dim=8, n_experts=3,
+    expert_hidden=48, vocab_size=100, window=8, top_k=8,
 )  # fmt: skip
 
 
@@ -41,11 +41,11 @@ class AttentionF(nn.Module):
     def __init__(self, cfg, kind):
         super().__init__()
         ratio = {"csa": cfg.csa_ratio, "hca": cfg.hca_ratio}[kind]
-        self.wo = nn.Parameter(torch.randn(cfg.heads * cfg.head_dim, cfg.dim))
+        self.wo = nn.Parameter(torch.randn(cfg.n_heads * cfg.head_dim, cfg.dim))
         self.norm = mhc.RMSNorm(cfg.dim)
         self.core = nn.Module()
         self.core.attention = cpc.CompressedAttention(
-            kind, cfg.dim, cfg.heads, cfg.head_dim, ratio, cfg.window, cfg.top_k,
+            kind, cfg.dim, cfg.n_heads, cfg.head_dim, ratio, cfg.window, cfg.top_k,
             cfg.index_heads, cfg.index_dim,
         )  # fmt: skip
         self.core.attention.ape.no_muon = True  # a positional bias [m, sets, C], not an expert
@@ -71,14 +71,14 @@ class Model(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         kinds = [compose.sublayer_kind(i) for i in range(cfg.n_layers)]
-        self.embed = nn.Embedding(cfg.vocab, cfg.dim)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.sublayers = nn.ModuleList(
             MoEF(cfg) if k == "moe" else AttentionF(cfg, k) for k in kinds
         )
         self.hcs = nn.ModuleList(mhc.HyperConnection(cfg.n_hc, cfg.dim) for _ in kinds)
         self.hyper_head = mhc.HyperHead(cfg.n_hc, cfg.dim)
         self.norm = mhc.RMSNorm(cfg.dim)
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
 
 def make_model(cfg):

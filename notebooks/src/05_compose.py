@@ -293,7 +293,7 @@ print(f"with CP, the gradient reduce-scatter alone is at least {ratio:.1f} x the
 
 # %%
 v4 = dataclasses.replace(
-    cfg, vocab=129280, dim=4096, n_layers=88, seq_len=8192, batch=8, n_micro=8, heads=64,
+    cfg, vocab_size=129280, dim=4096, n_layers=88, seq_len=8192, batch=8, n_micro=8, n_heads=64,
     head_dim=512, csa_ratio=4, hca_ratio=128, window=128, top_k=512, index_heads=64,
     index_dim=128, n_experts=256, experts_per_token=6, expert_hidden=2048,
 )  # fmt: skip
