@@ -16,8 +16,9 @@ the same pipeline ranks); mhc.pipeline_step runs 1F1B with
 selective recomputation, cp_compress's protocol runs in every attention F, MuonZeRO steps each
 stage, tensor_ckpt forgets normalised inputs and activation outputs. K steps at every layout equal
 K steps of `reference_training`: one process, none of the four techniques, torch.optim.Muon + AdamW.
-Before running, `budget_table` (section 5, pure) predicts every layout's bytes per rank and per
-link; the demo prints it beside what it measures.
+Before running, compose_budget (its own module, pure) predicts every layout's bytes per rank and
+per link, from link_bytes (section 5) and the model built on the meta device; the demo prints it
+beside what it measures.
 
     python compose.py                                                  # one process
     torchrun --nproc_per_node=4 compose.py --pp 2 --cp 2 --dp 1        # any P*C*D = world
@@ -51,14 +52,14 @@ from tensor_ckpt import forget
 # fmt: off
 @dataclass
 class ComposeConfig:
-    vocab: int = 256
+    vocab_size: int = 256
     dim: int = 64            # C, the width of each of the n_hc residual lanes
     n_layers: int = 12       # sublayers F, each inside one mHC hyper-connection (see below)
     seq_len: int = 256       # T tokens of packed documents per sequence; each CP rank holds T/cp
     batch: int = 4           # sequences per data-parallel replica per step
     n_micro: int = 4         # pipeline micro-batches per step (>= pp for 1F1B)
     n_hc: int = 4            # mHC lanes
-    heads: int = 4
+    n_heads: int = 4
     head_dim: int = 16
     csa_ratio: int = 4       # m of CSA (overlapping windows, indexer + top-k)
     hca_ratio: int = 16      # m of HCA (no overlap, dense over entries)
@@ -99,10 +100,20 @@ class Attention(nn.Module):
         super().__init__()
         ratio = cfg.csa_ratio if kind == "csa" else cfg.hca_ratio
         self.norm = mhc.RMSNorm(cfg.dim)
-        self.core = Compressed(cp_compress.CompressedAttention(
-            kind, cfg.dim, cfg.heads, cfg.head_dim, ratio, cfg.window, cfg.top_k,
-            cfg.index_heads, cfg.index_dim))  # fmt: skip
-        self.wo = nn.Parameter(torch.randn(cfg.heads * cfg.head_dim, cfg.dim) / cfg.dim**0.5)
+        self.core = Compressed(
+            cp_compress.CompressedAttention(
+                kind,
+                cfg.dim,
+                cfg.n_heads,
+                cfg.head_dim,
+                ratio,
+                cfg.window,
+                cfg.top_k,
+                cfg.index_heads,
+                cfg.index_dim,
+            )
+        )
+        self.wo = nn.Parameter(torch.randn(cfg.n_heads * cfg.head_dim, cfg.dim) / cfg.dim**0.5)
 
     def forward(self, x):
         return self.core(forget(self.norm(x))) @ self.wo
@@ -125,8 +136,9 @@ class Compressed(nn.Module):
         if self.group is None:
             rows = [self.attention.reference(row, self.cu_seqlens)[0] for row in x]
         else:
-            rows = [self.attention.context_parallel(row, self.cu_seqlens, self.group)[0]
-                    for row in x]  # fmt: skip
+            rows = [
+                self.attention.context_parallel(row, self.cu_seqlens, self.group)[0] for row in x
+            ]
         return torch.stack(rows).flatten(-2)
 
 
@@ -164,14 +176,14 @@ class ComposeModel(nn.Module):
         super().__init__()
         self.cfg = replace(cfg, seq_len=cfg.seq_len // cp)
         kinds = {0: "csa", 2: "hca"}
-        self.embed = nn.Embedding(cfg.vocab, cfg.dim)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.sublayers = nn.ModuleList(
             Attention(cfg, kinds[i % 4]) if i % 2 == 0 else MoE(cfg) for i in range(cfg.n_layers)
         )
         self.hcs = nn.ModuleList(mhc.HyperConnection(cfg.n_hc, cfg.dim) for _ in self.sublayers)
         self.hyper_head = mhc.HyperHead(cfg.n_hc, cfg.dim)
         self.norm = mhc.RMSNorm(cfg.dim)
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.forgetting = {}  # layer -> its tensor_ckpt wrapper (unregistered: names stay)
 
     def attend(self, cu_seqlens, group=None):
@@ -195,8 +207,9 @@ class ComposeModel(nn.Module):
             for f, hc in zip(self.sublayers[start:end], self.hcs[start:end]):
                 stream = mhc.mhc_layer_reference(stream, f, hc)
             return head(stream) if final else stream
-        layers = [(self.forgetting.get(i, self.sublayers[i]), self.hcs[i])
-                  for i in range(start, end)]  # fmt: skip
+        layers = [
+            (self.forgetting.get(i, self.sublayers[i]), self.hcs[i]) for i in range(start, end)
+        ]
         block = block or mhc.default_recompute_block(self.cfg.n_hc, end - start)
         return mhc.run_recomputed_layers(stream, layers, block, head=head)
 
@@ -204,8 +217,9 @@ class ComposeModel(nn.Module):
         return F.cross_entropy(self.lm_head(self.norm(x)).flatten(0, -2), targets.flatten())
 
     def forward(self, idx, targets):  # the reference path: one process, the whole sequence
-        return self.head_loss(self.run_layers(self.embed_stream(idx), 0, len(self.hcs),
-                                              final=True), targets)  # fmt: skip
+        return self.head_loss(
+            self.run_layers(self.embed_stream(idx), 0, len(self.hcs), final=True), targets
+        )
 
 
 def make_model(cfg, cp=1, seed=0):
@@ -217,9 +231,9 @@ def make_model(cfg, cp=1, seed=0):
 def batch_tokens(cfg, rows, step, seed=0):
     """Learnable packed data [rows, T + 1]: each row counts up from a random start, stride 1..3."""
     g = torch.Generator().manual_seed(seed * 100003 + step)
-    start = torch.randint(0, cfg.vocab, (rows, 1), generator=g)
+    start = torch.randint(0, cfg.vocab_size, (rows, 1), generator=g)
     stride = torch.randint(1, 4, (rows, 1), generator=g)
-    return (start + stride * torch.arange(cfg.seq_len + 1)) % cfg.vocab
+    return (start + stride * torch.arange(cfg.seq_len + 1)) % cfg.vocab_size
 
 
 def documents(cfg):
@@ -264,8 +278,9 @@ def stage_parameters(model, layout):
     stage, layers [first, stop), the HyperHead, norm and LM head on the last."""
     p = layout.coords[0]
     first, stop = mhc.stage_layers(len(model.hcs), layout.pp, p)
-    held = nn.ModuleDict({f"layer{i}": nn.ModuleList([model.sublayers[i], model.hcs[i]])
-                          for i in range(first, stop)})  # fmt: skip
+    held = nn.ModuleDict(
+        {f"layer{i}": nn.ModuleList([model.sublayers[i], model.hcs[i]]) for i in range(first, stop)}
+    )
     if p == 0:
         held["embed"] = model.embed
     if p == layout.pp - 1:
@@ -283,10 +298,16 @@ def build_optimizer(model, layout, train):
             g["lr"] = train.lr_adamw
         groups += [g] if g["params"] else []
     return muon_zero.MuonZeRO(
-        groups, lr=train.lr_muon, weight_decay=train.weight_decay,
-        ns_coefficients=muon_zero.STANDARD_NS_COEFFICIENTS, update_rms=0.2,
-        ns_dtype=train.ns_dtype, grad_sync=train.grad_sync, process_group=layout.stage_group,
-        seed=train.seed)  # fmt: skip
+        groups,
+        lr=train.lr_muon,
+        weight_decay=train.weight_decay,
+        ns_coefficients=muon_zero.STANDARD_NS_COEFFICIENTS,
+        update_rms=0.2,
+        ns_dtype=train.ns_dtype,
+        grad_sync=train.grad_sync,
+        process_group=layout.stage_group,
+        seed=train.seed,
+    )
 
 
 def plan_forgetting(model, layout, cfg):
@@ -294,8 +315,9 @@ def plan_forgetting(model, layout, cfg):
     trace runs F once: every CP rank of the stage does it together)."""
     _, (first, stop) = stage_parameters(model, layout)
     w = model.embed.weight
-    example = torch.randn(cfg.batch // cfg.n_micro, cfg.seq_len // layout.cp, cfg.dim,
-                          device=w.device, dtype=w.dtype)  # fmt: skip
+    example = torch.randn(
+        cfg.batch // cfg.n_micro, cfg.seq_len // layout.cp, cfg.dim, device=w.device, dtype=w.dtype
+    )
     for i in range(first, stop):
         model.forgetting[i] = tensor_ckpt.checkpoint_tensors(
             model.sublayers[i], (example,), leaf_modules=(Compressed,)
@@ -309,8 +331,9 @@ def local_batch(tokens, cfg, layout):
     """This rank's rows (its replica's `batch` sequences) and columns (its CP shard)."""
     _, c, d = layout.coords
     rows = tokens[d * cfg.batch : (d + 1) * cfg.batch]
-    idx, targets = (cp_compress.shard_sequence(t.T, layout.cp, c).T for t in (rows[:, :-1],
-                    rows[:, 1:]))  # fmt: skip
+    idx, targets = (
+        cp_compress.shard_sequence(t.T, layout.cp, c).T for t in (rows[:, :-1], rows[:, 1:])
+    )
     return idx.contiguous(), targets.contiguous()
 
 
@@ -355,18 +378,29 @@ def check_step(step, gathered, cfg, layout, model, allow_nonfinite):
     if allow_nonfinite:
         return total
     if not math.isfinite(total):
-        raise Refused(f"compose: step {step}: the loss is {total} (not finite); "
-                      f"--allow-nonfinite keeps going")  # fmt: skip
+        raise Refused(
+            f"compose: step {step}: the loss is {total} (not finite); --allow-nonfinite keeps going"
+        )
     if math.isfinite(first := min(bad)):
         name = next(n for i, (n, _) in enumerate(model.named_parameters()) if i == first)
         rank = bad.index(first)
-        raise Refused(f"compose: step {step}: the gradient of {name} is not finite (rank {rank}); "
-                      f"--allow-nonfinite keeps going")  # fmt: skip
+        raise Refused(
+            f"compose: step {step}: the gradient of {name} is not finite (rank {rank}); "
+            f"--allow-nonfinite keeps going"
+        )
     return total
 
 
-def train_step(model, opt, tokens, cfg, layout, phase=lambda name: contextlib.nullcontext(),
-               step=1, allow_nonfinite=False):  # fmt: skip
+def train_step(
+    model,
+    opt,
+    tokens,
+    cfg,
+    layout,
+    phase=lambda name: contextlib.nullcontext(),
+    step=1,
+    allow_nonfinite=False,
+):
     """1F1B over the stages (CP inside every attention F), then MuonZeRO over the stage group.
     Every rank's loss is its tokens' mean; the optimizer averages over the C x D ranks of equal
     token counts: the mean over the whole batch, as one process. Before the update, one all-gather
@@ -375,8 +409,9 @@ def train_step(model, opt, tokens, cfg, layout, phase=lambda name: contextlib.nu
     device = model.embed.weight.device
     idx, targets = (t.to(device) for t in local_batch(tokens, cfg, layout))
     with phase("forward"):  # 1F1B interleaves forwards and backwards: one phase
-        loss, stats = mhc.pipeline_step(model, idx, targets, cfg.n_micro, "optimised",
-                                        groups=layout.pipeline)  # fmt: skip
+        loss, stats = mhc.pipeline_step(
+            model, idx, targets, cfg.n_micro, "optimised", groups=layout.pipeline
+        )
     mine = loss.detach() if loss is not None else torch.zeros((), device=device)
     digest = torch.tensor(replica_digest(tokens, cfg, layout), device=device, dtype=torch.float64)
     numbers = torch.stack([digest, mine.double(), first_nonfinite(model, device)])
@@ -400,8 +435,11 @@ def reference_optimizers(model, train):
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        plain = name.startswith(("embed.", "lm_head.")) or name.rsplit(".", 1)[-1].startswith(
-            ("bias", "ape")) or p.ndim < 2  # fmt: skip
+        plain = (
+            name.startswith(("embed.", "lm_head."))
+            or name.rsplit(".", 1)[-1].startswith(("bias", "ape"))
+            or p.ndim < 2
+        )
         if plain:
             adamw.append(p)
         elif p.ndim == 3:
@@ -410,11 +448,18 @@ def reference_optimizers(model, train):
         else:
             muon.append(p)
     return [
-        torch.optim.Muon(muon, lr=train.lr_muon, weight_decay=train.weight_decay, momentum=0.95,
-                         nesterov=True, adjust_lr_fn="match_rms_adamw"),
-        torch.optim.AdamW(adamw, lr=train.lr_adamw, betas=(0.9, 0.95), eps=1e-8,
-                          weight_decay=train.weight_decay),
-    ], experts  # fmt: skip
+        torch.optim.Muon(
+            muon,
+            lr=train.lr_muon,
+            weight_decay=train.weight_decay,
+            momentum=0.95,
+            nesterov=True,
+            adjust_lr_fn="match_rms_adamw",
+        ),
+        torch.optim.AdamW(
+            adamw, lr=train.lr_adamw, betas=(0.9, 0.95), eps=1e-8, weight_decay=train.weight_decay
+        ),
+    ], experts
 
 
 @contextlib.contextmanager
@@ -465,8 +510,18 @@ def reference_training(cfg, dp, train, device="cpu"):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def run_layout(cfg, train, pp, cp, dp, device=torch.device("cpu"), on_step=None, save=None,
-               save_every=0, resume=None):  # fmt: skip
+def run_layout(
+    cfg,
+    train,
+    pp,
+    cp,
+    dp,
+    device=torch.device("cpu"),
+    on_step=None,
+    save=None,
+    save_every=0,
+    resume=None,
+):
     """Training steps up to train.steps on the layout, inside a process group of pp * cp * dp
     ranks. on_step(step, layout, model, opt, run) wraps each step (run(phase) trains it). save:
     a folder for checkpoints, written every save_every steps (0: never) and after the last;
@@ -487,8 +542,16 @@ def run_layout(cfg, train, pp, cp, dp, device=torch.device("cpu"), on_step=None,
     losses = []
     for step in range(start, train.steps):
         tokens = batch_tokens(cfg, cfg.batch * dp, step, train.seed)
-        run = functools.partial(train_step, model, opt, tokens, cfg, layout, step=step + 1,
-                                allow_nonfinite=train.allow_nonfinite)  # fmt: skip
+        run = functools.partial(
+            train_step,
+            model,
+            opt,
+            tokens,
+            cfg,
+            layout,
+            step=step + 1,
+            allow_nonfinite=train.allow_nonfinite,
+        )
         try:
             loss, _ = on_step(step, layout, model, opt, run) if on_step else run()
             if save and (step + 1 == train.steps or save_every and (step + 1) % save_every == 0):
@@ -503,14 +566,12 @@ def run_layout(cfg, train, pp, cp, dp, device=torch.device("cpu"), on_step=None,
     return losses, {names[id(p)]: p.detach() for p in held.parameters()}, layout, model, opt
 
 
-# ---- 5. The budget: which layout fits, and what each link carries --------------------------------
-# A pure function of the configuration and the machine: no process, no tensor. Every byte below is
-# derived from a tensor the chapters make (named in each docstring), so compose's measured peaks
-# (memory_timeline) and counted bytes can be set beside it rank by rank.
+# ---- 5. What each link carries per step -------------------------------------------------------
+# A pure function of the configuration, a rank's place and MuonZeRO's plan: no process, no tensor.
+# compose_budget sets it beside what each rank holds and ranks the layouts that fit.
 
-HELD = ("parameters", "gradients", "optimizer", "activations")  # bytes a rank holds
 SENT = ("pp_send", "cp_halo", "cp_gather", "grad_reduce_scatter", "param_all_gather")
-FP32, BF16, INT64, BOOL = 4, 2, 8, 1  # bytes per element
+FP32, BF16 = 4, 2  # bytes per element
 
 
 def sublayer_kind(i):
@@ -519,97 +580,18 @@ def sublayer_kind(i):
 
 
 @dataclass(frozen=True)
-class Tensor:
-    """One parameter: its name in ComposeModel, shape, MuonZeRO role (as muon_param_groups
-    assigns it), where it lives (a sublayer index, or "first" / "last": the pipeline's end
-    stages) and whether it trains (CSA's indexer does not: top-k is not differentiable)."""
+class ParamSpec:
+    """One parameter as the budget sees it: its name in ComposeModel, shape, MuonZeRO role (as
+    muon_param_groups assigns it) and whether it trains (CSA's indexer does not)."""
 
     name: str
     shape: tuple
     role: str  # "dense", "expert_down", "expert_up", "expert_gate" or "adamw"
-    where: object
     trains: bool = True
 
     @property
     def numel(self):
         return math.prod(self.shape)
-
-
-def layer_tensors(cfg, i):
-    """Sublayer i's parameters, F's then its HyperConnection's (mhc), in module order.
-
-    F (attention): the output projection [H*D, C], an RMSNorm, cp_compress.CompressedAttention
-    (its compressor's positional bias ape [m, sets, C] declared no_muon: AdamW's). F (MoE): a
-    router [E, C], expert stacks [E, hidden, C] (gate, up) and [E, C, hidden] (down), an RMSNorm.
-    Roles: 2-D matrices are Muon's ("dense"), expert stacks each an expert role; norms, mHC's
-    gates and static biases and the attention sink are AdamW's."""
-    n, C, H, D = cfg.n_hc, cfg.dim, cfg.heads, cfg.head_dim
-    f, kind = f"sublayers.{i}.", sublayer_kind(i)
-    if kind == "moe":
-        E, h = cfg.n_experts, cfg.expert_hidden
-        out = [Tensor(f + "router", (E, C), "dense", i),
-               Tensor(f + "w_gate", (E, h, C), "expert_gate", i),
-               Tensor(f + "w_up", (E, h, C), "expert_up", i),
-               Tensor(f + "w_down", (E, C, h), "expert_down", i),
-               Tensor(f + "norm.weight", (C,), "adamw", i)]  # fmt: skip
-    else:
-        csa, a = kind == "csa", f + "core.attention."
-        sets, ch = (2, D + cfg.index_dim) if csa else (1, D)
-        ratio = cfg.csa_ratio if csa else cfg.hca_ratio
-        out = [Tensor(f + "wo", (H * D, C), "dense", i),
-               Tensor(f + "norm.weight", (C,), "adamw", i),
-               Tensor(a + "wq", (C, H * D), "dense", i),
-               Tensor(a + "wkv_window", (C, D), "dense", i),
-               Tensor(a + "wkv_compress", (C, sets * ch), "dense", i),
-               Tensor(a + "wgate_compress", (C, sets * ch), "dense", i),
-               Tensor(a + "ape", (ratio, sets, ch), "adamw", i),
-               Tensor(a + "sink", (H,), "adamw", i),
-               Tensor(a + "norm_window", (D,), "adamw", i),
-               Tensor(a + "norm_compress", (D,), "adamw", i)]  # fmt: skip
-        if csa:
-            Hi, Di = cfg.index_heads, cfg.index_dim
-            out += [Tensor(a + "wq_index", (C, Hi * Di), "dense", i, trains=False),
-                    Tensor(a + "w_index", (C, Hi), "dense", i, trains=False),
-                    Tensor(a + "norm_index", (Di,), "adamw", i, trains=False)]  # fmt: skip
-    hc = f"hcs.{i}."
-    return out + [Tensor(hc + "proj", (n * C, 2 * n + n * n), "dense", i),
-                  Tensor(hc + "gate", (3,), "adamw", i),
-                  Tensor(hc + "bias_pre", (n,), "adamw", i),
-                  Tensor(hc + "bias_post", (n,), "adamw", i),
-                  Tensor(hc + "bias_res", (n, n), "adamw", i)]  # fmt: skip
-
-
-def stage_tensors(cfg, pp, stage):
-    """The parameters pipeline stage `stage` of `pp` holds, in the order its optimizer sees them
-    (stage_parameters): its sublayers (mhc.stage_layers), the embedding on the first stage, the
-    HyperHead (mhc), final RMSNorm and LM head on the last."""
-    first, stop = mhc.stage_layers(cfg.n_layers, pp, stage)
-    out = [t for i in range(first, stop) for t in layer_tensors(cfg, i)]
-    if stage == 0:
-        out.append(Tensor("embed.weight", (cfg.vocab, cfg.dim), "adamw", "first"))
-    if stage == pp - 1:
-        n, C = cfg.n_hc, cfg.dim
-        out += [Tensor("hyper_head.proj", (n * C, n), "dense", "last"),
-                Tensor("hyper_head.gate", (1,), "adamw", "last"),
-                Tensor("hyper_head.bias", (n,), "adamw", "last"),
-                Tensor("norm.weight", (C,), "adamw", "last"),
-                Tensor("lm_head.weight", (cfg.vocab, C), "adamw", "last")]  # fmt: skip
-    return out
-
-
-def model_tensors(cfg):
-    """Every parameter of the model (one stage holds them all)."""
-    return stage_tensors(cfg, 1, 0)
-
-
-def muon_plan(tensors, group_size):
-    """MuonZeRO's own plan (muon_zero.plan_muon) over the ranks that hold one stage: the trained
-    dense matrices in parameter order, experts flattened as V4 does (all downs, ups, gates)."""
-    trained = [t for t in tensors if t.trains]
-    dense = [t.shape for t in trained if t.role == "dense"]
-    experts = [t.shape[1:] for role in muon_zero.EXPERT_ROLES for t in trained if t.role == role
-               for _ in range(t.shape[0])]  # fmt: skip
-    return muon_zero.plan_muon(dense, experts, group_size)
 
 
 @dataclass(frozen=True)
@@ -704,282 +686,15 @@ def link_bytes(cfg, where, plan, tensors, grad_sync="bf16_sr"):
     ### END SOLUTION
 
 
-def owned_state_bytes(plan, tensors, group_rank):
-    """MuonZeRO.state_bytes on this rank: fp32 momentum of the matrices it owns in the plan (no
-    padding: buffers are per run), and AdamW's two fp32 moments of every trained AdamW tensor."""
-    dense, experts = plan.owned(group_rank)
-    owned = [plan.dense_shapes[i] for i in dense] + [plan.expert_shapes[i] for i in experts]
-    adamw = sum(t.numel for t in tensors if t.role == "adamw" and t.trains)
-    return (sum(map(math.prod, owned)) + 2 * adamw) * FP32
-
-
 @dataclass(frozen=True)
 class PlanSizes:
-    """The sizes link_bytes and owned_state_bytes read from a MuonPlan, computed once (a plan's
-    properties walk every matrix; V4 has tens of thousands of experts)."""
+    """The sizes link_bytes reads from MuonZeRO's plan (muon_zero.MuonPlan), and the elements each
+    group rank owns (its momentum); compose_budget.plan_sizes reads them from plan_muon's plan."""
 
     zero_width: int
-    dense_bucket_numel: int
-    expert_chunk_numel: int
+    dense_bucket_numel: int  # the largest dense bucket: every bucket is padded to it
+    expert_chunk_numel: int  # the largest expert run: every run is padded to it
     owned_numel: tuple  # per group rank: elements of the matrices it owns
-
-    @classmethod
-    def of(cls, plan):
-        dense = [sum(math.prod(plan.dense_shapes[i]) for i in b) for b in plan.dense_buckets]
-        prefix = [0]
-        for shape in plan.expert_shapes:
-            prefix.append(prefix[-1] + math.prod(shape))
-        experts = [prefix[b] - prefix[a] for a, b in plan.expert_ranges] if plan.expert_shapes \
-            else [0] * plan.world_size  # fmt: skip
-        owned = tuple(dense[r % plan.zero_width] + experts[r] for r in range(plan.world_size))
-        return cls(plan.zero_width, max(dense, default=0), max(experts, default=0), owned)
-
-
-def recompute_block(cfg, layers):
-    """L_r of mHC's selective recomputation on a stage of `layers` sublayers: compose's own field
-    if it sets one, else mhc.default_recompute_block; the "fused" variant is L_r = 1."""
-    if getattr(cfg, "variant", "optimised") == "fused":
-        return 1
-    return getattr(cfg, "recompute_block", None) or mhc.default_recompute_block(cfg.n_hc, layers)
-
-
-def f_saved_elements(cfg, kind, cp):
-    """Elements F's autograd graph keeps per sequence of s = T/cp tokens on one rank (fp32 unless
-    noted; bytes returned), with tensor_ckpt forgetting the normalised input and the MoE's
-    activation outputs. The F input h is counted with the mHC terms (layer_saved_bytes).
-
-    MoE (every expert applied densely, as muon_zero.TinyMoE): the router softmax and the gate
-    weights [E], the gate pre-activation (silu's input), the up projection and their product
-    [E, hidden], the three-operand einsum's intermediate (product x w_down) [E, C], the top-k's
-    and the scatter's int64 indices; the forgotten silu output is rebuilt in backward.
-    Attention (cp_compress, the CP path): q [H, D]; the window K/V before its norm [D] and
-    1/rms; the compressor's pooling windows and their softmax [entries, rows, channels] (rows =
-    2m with CSA's overlap, m for HCA; at most s/m entries); the pooled buffer [s/m + 1,
-    channels] before the entry norm; the gathered entries [T/m, channels]; keys = selected
-    entries + window rows [K, D] per query and the softmax [H, K + 1] (K = min(top_k, T/m) +
-    window for CSA, T/m + window for HCA) with its bool mask; the attention output [H, D] the
-    output projection keeps. CSA's indexer adds q_index [Hi, Di], w_index [Hi], relu(scores)
-    [Hi, T/m], the sort's int64 order [T/m] and the top-k's int64 indices."""
-    s, T, D, H = cfg.seq_len // cp, cfg.seq_len, cfg.head_dim, cfg.heads
-    if kind == "moe":
-        E, h = cfg.n_experts, cfg.expert_hidden
-        return s * ((2 * E + 3 * E * h + E * cfg.dim) * FP32 + 2 * cfg.experts_per_token * INT64)
-    csa = kind == "csa"
-    ratio = cfg.csa_ratio if csa else cfg.hca_ratio
-    ch = D + (cfg.index_dim if csa else 0)
-    rows = 2 * ratio if csa else ratio
-    N = T // ratio
-    K = (min(cfg.top_k, N) if csa else N) + cfg.window
-    fp32 = s * (H * D + D + 1) + 2 * (s // ratio) * rows * ch + (s // ratio + 1) * (ch + 2)
-    fp32 += N * ch + s * (K * D + H * (K + 1) + H * D)
-    other = s * K * BOOL
-    if csa:
-        Hi, Di = cfg.index_heads, cfg.index_dim
-        fp32 += s * (Hi * Di + Hi + Hi * N)
-        other += s * (N + min(cfg.top_k, N)) * INT64
-    return fp32 * FP32 + other
-
-
-def layer_saved_bytes(cfg, cp):
-    """Per sublayer i, bytes one micro-batch keeps on one CP rank besides the block inputs: mHC's
-    per-layer share (RecomputedBlock: F's output f and input h [C], and mix_in's kept A, B, C,
-    x W and 1/rms, 2 n^2 + 4 n + 1 numbers per token) plus F's graph (f_saved_elements)."""
-    n, b, s = cfg.n_hc, cfg.batch // cfg.n_micro, cfg.seq_len // cp
-    mixing = s * (2 * cfg.dim + 2 * n * n + 4 * n + 1) * FP32
-    return {i: b * (mixing + f_saved_elements(cfg, sublayer_kind(i), cp))
-            for i in range(cfg.n_layers)}  # fmt: skip
-
-
-def activation_bytes(cfg, where, saved=None):
-    """Peak bytes of activations on rank `where`, in the middle of its last forward.
-
-    One micro-batch keeps: every recompute block's input (the n-lane stream, [b, s, n, C]; on the
-    first stage the first block's input is the embedding, C per token, as mhc.embed_stream makes
-    a stride-0 view), layer_saved_bytes per sublayer, on the last stage the HyperHead's kept
-    (2n + 1 per token), the final norm's input, 1/rms and output and the log-softmax [vocab], on
-    a stage that sends forward its output stream. 1F1B keeps min(pp - p, n_micro) micro-batches
-    in flight (mhc.one_f_one_b); StageLinks keeps each sent tensor until the step ends, so the
-    streams (and gradients) sent for the micro-batches already finished stay too, and one
-    receive per direction is posted ahead. On top, the temporaries of the F running at the peak
-    (what the recorder counts with activations): an MoE's forgotten silu output [b, s, E,
-    hidden], alive until its forward ends. saved: layer_saved_bytes(cfg, cp), if computed."""
-    pp, p, cp = where.pp, where.p, where.cp
-    b, s, n, C = cfg.batch // cfg.n_micro, cfg.seq_len // cp, cfg.n_hc, cfg.dim
-    stream = micro_stream_bytes(cfg, cp)
-    first, stop = mhc.stage_layers(cfg.n_layers, pp, p)
-    blocks = len(mhc.recompute_blocks(first, stop, recompute_block(cfg, stop - first)))
-    per_micro = blocks * stream - (p == 0) * (stream - b * s * C * FP32)
-    saved = layer_saved_bytes(cfg, cp) if saved is None else saved
-    per_micro += sum(v for i, v in saved.items() if first <= i < stop)
-    if p == pp - 1:
-        per_micro += b * s * (2 * n + 1 + 3 * C + 1 + cfg.vocab) * FP32
-    else:
-        per_micro += stream  # held_out, and the send's reference
-    in_flight = min(pp - p, cfg.n_micro)
-    finished = cfg.n_micro - in_flight
-    sent_held = finished * stream * ((p < pp - 1) + (p > 0))
-    posted = stream * ((p > 0) + (p < pp - 1))
-    moe = any(sublayer_kind(i) == "moe" for i in range(first, stop))
-    transient = moe * b * s * cfg.n_experts * cfg.expert_hidden * FP32
-    return in_flight * per_micro + sent_held + posted + transient
-
-
-@dataclass
-class LayoutBudget:
-    """One factorisation pp x cp x dp of the world: what each rank holds and sends, the peak, an
-    estimated step time, whether it fits, and why it cannot run at all (problem)."""
-
-    pp: int
-    cp: int
-    dp: int
-    held: list = None  # per global rank: {memory category: bytes}
-    sent: list = None  # per global rank: {link: bytes per step}
-    peak_bytes: int = 0  # the largest rank's sum of held bytes
-    step_s: float = math.inf  # communication time alone (see link_seconds)
-    fits: bool = False
-    problem: str = ""
-
-    @property
-    def name(self):
-        return f"{self.pp}x{self.cp}x{self.dp}"
-
-
-def layout_problem(cfg, pp, cp):
-    """Why the chapters refuse this pipeline or CP size for cfg ("" when they accept it)."""
-    if cfg.n_layers % pp:
-        return f"pp={pp} does not divide {cfg.n_layers} sublayers"
-    if cfg.n_micro < pp:
-        return f"1F1B needs n_micro >= pp ({cfg.n_micro} < {pp})"
-    if cfg.batch % cfg.n_micro:
-        return f"batch {cfg.batch} does not split into {cfg.n_micro} micro-batches"
-    s = cfg.seq_len // cp
-    if cfg.seq_len % cp:
-        return f"cp={cp} does not divide T={cfg.seq_len}"
-    for ratio, overlap in ((cfg.csa_ratio, True), (cfg.hca_ratio, False)):
-        if s % ratio:
-            return f"T/cp={s} is not a multiple of m={ratio}"
-        if cp > 1 and cp_compress.halo_rows(ratio, overlap) > s:
-            return f"T/cp={s} is shorter than the halo for m={ratio}"
-    if cp > 1 and cfg.window - 1 > s:
-        return f"T/cp={s} is shorter than the window's {cfg.window - 1} rows"
-    return ""
-
-
-def link_seconds(sent, where, ranks_per_node, intra_bw, inter_bw):
-    """Seconds rank `where` spends sending sent[link] bytes, one link after another at its
-    bandwidth: intra-node when every peer of that link's group shares its node, else inter-node.
-    Leaves out compute, overlap of communication with compute, per-message latency, the pipeline
-    bubble and ranks of one node contending for one inter-node link."""
-    pp, cp, dp = where.pp, where.cp, where.dp
-
-    def node(p, c, d):
-        return Rank(p, c, d, pp, cp, dp).rank // ranks_per_node
-
-    me = node(where.p, where.c, where.d)
-    # nodes hold consecutive ranks: a group is on one node when its first and last ranks are
-    ends = {
-        "pp_send": [node(q, where.c, where.d) for q in (where.p - 1, where.p + 1) if 0 <= q < pp],
-        "cp_halo": [node(where.p, 0, where.d), node(where.p, cp - 1, where.d)],
-        "grad_reduce_scatter": [node(where.p, 0, 0), node(where.p, cp - 1, dp - 1)],
-    }
-    ends["cp_gather"], ends["param_all_gather"] = ends["cp_halo"], ends["grad_reduce_scatter"]
-    return sum(
-        sent[link] / (intra_bw if all(n == me for n in ends[link]) else inter_bw) for link in SENT
-    )
-
-
-def factorisations(world):
-    """Every (pp, cp, dp) with pp * cp * dp = world, each once, pp first then cp ascending."""
-    return [(p, c, world // (p * c)) for p in range(1, world + 1) if world % p == 0
-            for c in range(1, world // p + 1) if (world // p) % c == 0]  # fmt: skip
-
-
-def check_budget_inputs(world, device_bytes, intra_bw, inter_bw, ranks_per_node, grad_sync):
-    if grad_sync not in ("bf16_sr", "fp32"):
-        raise ValueError(f"grad_sync must be 'bf16_sr' or 'fp32' (MuonZeRO's), got {grad_sync!r}")
-    for name, value in (("world", world), ("ranks_per_node", ranks_per_node)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    for name, value in (("device_bytes", device_bytes), ("intra_bw", intra_bw),
-                        ("inter_bw", inter_bw)):  # fmt: skip
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"{name} must be a number > 0 (bytes, bytes per second), got "
-                             f"{value!r}")  # fmt: skip
-
-
-def layout_budget(cfg, pp, cp, dp, device_bytes, intra_bw, inter_bw, ranks_per_node,
-                  grad_sync="bf16_sr"):  # fmt: skip
-    """The prediction for one layout (LayoutBudget); a layout the chapters refuse keeps its
-    problem and no numbers."""
-    out = LayoutBudget(pp, cp, dp, problem=layout_problem(cfg, pp, cp))
-    if out.problem:
-        return out
-    out.held, out.sent = [None] * (pp * cp * dp), [None] * (pp * cp * dp)
-    seconds, saved = [], layer_saved_bytes(cfg, cp)
-    for p in range(pp):
-        tensors = stage_tensors(cfg, pp, p)
-        plan = PlanSizes.of(muon_plan(tensors, cp * dp))
-        numel = sum(t.numel for t in tensors)
-        trained = sum(t.numel for t in tensors if t.trains)
-        adamw = sum(t.numel for t in tensors if t.role == "adamw" and t.trains)
-        activations = activation_bytes(cfg, Rank(p, 0, 0, pp, cp, dp), saved)
-        for c in range(cp):
-            sent = link_bytes(cfg, Rank(p, c, 0, pp, cp, dp), plan, tensors, grad_sync)
-            for d in range(dp):
-                where = Rank(p, c, d, pp, cp, dp)
-                out.held[where.rank] = {
-                    "parameters": numel * FP32,
-                    "gradients": trained * FP32,  # every .grad, fp32, kept through the step
-                    "optimizer": (plan.owned_numel[where.group_rank] + 2 * adamw) * FP32,
-                    "activations": activations,  # the same on every rank of a stage
-                }
-                out.sent[where.rank] = dict(sent)  # link_bytes does not depend on d
-                seconds.append(link_seconds(sent, where, ranks_per_node, intra_bw, inter_bw))
-    out.peak_bytes = max(sum(h.values()) for h in out.held)
-    out.step_s, out.fits = max(seconds), out.peak_bytes <= device_bytes
-    return out
-
-
-def budget_table(cfg, world, device_bytes, intra_bw, inter_bw, ranks_per_node=8,
-                 grad_sync="bf16_sr"):  # fmt: skip
-    """Every factorisation of `world` ranks, predicted and ranked: the layouts that fit first,
-    fastest first (communication time), then those that do not fit (smallest peak first), then
-    those the chapters refuse. device_bytes per device; bandwidths in bytes per second;
-    grad_sync: MuonZeRO's ("bf16_sr", V4's, or "fp32")."""
-    check_budget_inputs(world, device_bytes, intra_bw, inter_bw, ranks_per_node, grad_sync)
-    rows = [layout_budget(cfg, pp, cp, dp, device_bytes, intra_bw, inter_bw, ranks_per_node,
-                          grad_sync)
-            for pp, cp, dp in factorisations(world)]  # fmt: skip
-    return sorted(rows, key=lambda r: (bool(r.problem), not r.fits, r.step_s if r.fits else 0,
-                                       r.peak_bytes, r.pp, r.cp))  # fmt: skip
-
-
-def human_bytes(n):
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
-
-
-def format_budget(rows):
-    """The ranked table, one line per layout: the largest rank's bytes by category, the busiest
-    rank's bytes per link, the communication time and the verdict."""
-    head = ["pp x cp x dp", "params", "grads", "optim", "activ", "peak", *SENT, "comm ms",
-            "verdict"]  # fmt: skip
-    lines = [head]
-    for r in rows:
-        if r.problem:
-            lines.append([r.name] + ["-"] * (len(head) - 2) + [f"cannot run: {r.problem}"])
-            continue
-        held = [human_bytes(max(h[k] for h in r.held)) for k in HELD]
-        sent = [human_bytes(max(s[k] for s in r.sent)) for k in SENT]
-        verdict = "fits" if r.fits else "DOES NOT FIT"
-        lines.append([r.name, *held, human_bytes(r.peak_bytes), *sent, f"{1e3 * r.step_s:.3g}",
-                      verdict])  # fmt: skip
-    widths = [max(len(row[k]) for row in lines if len(row) > k) for k in range(len(head) - 1)]
-    return "\n".join(
-        "  ".join(cell.rjust(w) for cell, w in zip(row, widths)) + "  " + row[-1] for row in lines
-    )
 
 
 # ---- appendix: checkpoints, saved at one layout and resumed at any other -------------------------
@@ -1006,8 +721,11 @@ def checkpoint_options():
 def latest_checkpoint(root):
     """-> (step, path, compose.json's record) of the newest complete checkpoint in root, or
     ValueError. A step-<k>.tmp (a save that did not finish) is never read."""
-    steps = [int(n[5:]) for n in os.listdir(root) if n.startswith("step-") and n[5:].isdigit()] \
-        if os.path.isdir(root) else []  # fmt: skip
+    steps = (
+        [int(n[5:]) for n in os.listdir(root) if n.startswith("step-") and n[5:].isdigit()]
+        if os.path.isdir(root)
+        else []
+    )
     if not steps:
         raise ValueError(f"--resume {root}: no complete checkpoint (a step-<k> folder) there")
     path = os.path.join(root, f"step-{max(steps)}")
@@ -1027,21 +745,29 @@ def resume_config(saved, cfg, train, pp, cp, dp):
     theirs = {**saved["config"], **saved["training"]}
     for field, value in mine.items():
         if field not in ("batch", "n_micro") and theirs.get(field) != value:
-            raise ValueError(f"--resume: the checkpoint has {field}={theirs.get(field)!r}, this "
-                             f"run {value!r}; resume with the model and settings it was saved "
-                             f"with")  # fmt: skip
+            raise ValueError(
+                f"--resume: the checkpoint has {field}={theirs.get(field)!r}, this "
+                f"run {value!r}; resume with the model and settings it was saved "
+                f"with"
+            )
     rows, step = saved["global_batch"], saved["step"]
     if rows % dp:
-        raise ValueError(f"--resume: the checkpoint's global batch of {rows} sequences does not "
-                         f"split over dp={dp} replicas")  # fmt: skip
+        raise ValueError(
+            f"--resume: the checkpoint's global batch of {rows} sequences does not "
+            f"split over dp={dp} replicas"
+        )
     batch = rows // dp
     micro = [m for m in range(min(cfg.n_micro, batch), 0, -1) if batch % m == 0 and m >= pp]
     if not micro:
-        raise ValueError(f"--resume: {batch} sequences per replica cannot fill pp={pp} stages' "
-                         f"micro-batches (1F1B needs at least pp)")  # fmt: skip
+        raise ValueError(
+            f"--resume: {batch} sequences per replica cannot fill pp={pp} stages' "
+            f"micro-batches (1F1B needs at least pp)"
+        )
     if step >= train.steps:
-        raise ValueError(f"--resume: the checkpoint is at step {step} already; --steps "
-                         f"{train.steps} asks for no more")  # fmt: skip
+        raise ValueError(
+            f"--resume: the checkpoint is at step {step} already; --steps "
+            f"{train.steps} asks for no more"
+        )
     return replace(cfg, batch=batch, n_micro=micro[0]), step
 
 
@@ -1074,8 +800,13 @@ def save_checkpoint(root, step, model, opt, cfg, train, layout):
         shutil.rmtree(tmp, ignore_errors=True)  # an earlier save that stopped half-way
         os.makedirs(tmp)
         settings = {k: _setting(getattr(train, k)) for k in RESUMED_FIELDS}
-        record = dict(step=step, layout=[layout.pp, layout.cp, layout.dp], config=asdict(cfg),
-                      global_batch=cfg.batch * layout.dp, training=settings)  # fmt: skip
+        record = dict(
+            step=step,
+            layout=[layout.pp, layout.cp, layout.dp],
+            config=asdict(cfg),
+            global_batch=cfg.batch * layout.dp,
+            training=settings,
+        )
         with open(os.path.join(tmp, "compose.json"), "w") as f:
             json.dump(record, f)
     dist.barrier()
@@ -1113,13 +844,24 @@ def count_sent_bytes(sent, where):
     and stage groups can be one group. StageLinks counts the pipeline's sends itself. A collective
     of n ranks sends what leaves this rank: all-gather (n-1) x its input, reduce-scatter and
     all-to-all (n-1)/n of it, all-reduce 2 (n-1)/n (a ring). Guard traffic and the loss: control."""
-    originals = {n: getattr(dist, n) for n in ("batch_isend_irecv", "all_gather_single",
-                 "reduce_scatter_single", "all_to_all_single", "all_reduce")}  # fmt: skip
-    links = {("forward", "batch_isend_irecv"): "cp_halo", ("forward", "all_gather_single"):
-             "cp_gather", ("forward", "reduce_scatter_single"): "cp_gather",
-             ("optimizer", "all_gather_single"): "param_all_gather",
-             ("optimizer", "all_to_all_single"): "grad_reduce_scatter",
-             ("optimizer", "all_reduce"): "grad_reduce_scatter"}  # fmt: skip
+    originals = {
+        n: getattr(dist, n)
+        for n in (
+            "batch_isend_irecv",
+            "all_gather_single",
+            "reduce_scatter_single",
+            "all_to_all_single",
+            "all_reduce",
+        )
+    }
+    links = {
+        ("forward", "batch_isend_irecv"): "cp_halo",
+        ("forward", "all_gather_single"): "cp_gather",
+        ("forward", "reduce_scatter_single"): "cp_gather",
+        ("optimizer", "all_gather_single"): "param_all_gather",
+        ("optimizer", "all_to_all_single"): "grad_reduce_scatter",
+        ("optimizer", "all_reduce"): "grad_reduce_scatter",
+    }
 
     def wrap(name, fn):
         def call(*args, **kwargs):
@@ -1127,10 +869,13 @@ def count_sent_bytes(sent, where):
                 tensors = [op.tensor for op in args[0] if op.op is dist.isend]
                 n, share = 2, 1.0  # point to point: what it sends
             else:
-                tensors, n = [args[1] if "single" in name else args[0]], dist.get_world_size(
-                    kwargs.get("group"))  # fmt: skip
+                tensors, n = (
+                    [args[1] if "single" in name else args[0]],
+                    dist.get_world_size(kwargs.get("group")),
+                )
                 share = {"all_gather_single": n - 1, "all_reduce": 2 * (n - 1) / n}.get(
-                    name, (n - 1) / n)  # fmt: skip
+                    name, (n - 1) / n
+                )
             small = name == "all_reduce" and not (
                 args[0].is_floating_point() and args[0].numel() > 1
             )
@@ -1166,9 +911,11 @@ def check_layout(cfg, pp, cp, dp, world):
         )
     s, m = cfg.seq_len // cp, math.lcm(cfg.csa_ratio, cfg.hca_ratio)
     if cfg.seq_len % cp or s % m or s < cfg.window - 1:
-        raise ValueError(f"seq_len={cfg.seq_len} over cp={cp} ranks gives {cfg.seq_len / cp:g} "
-                         f"tokens per rank; it must be a multiple of both ratios m ({m}) and "
-                         f">= window - 1 = {cfg.window - 1}")  # fmt: skip
+        raise ValueError(
+            f"seq_len={cfg.seq_len} over cp={cp} ranks gives {cfg.seq_len / cp:g} "
+            f"tokens per rank; it must be a multiple of both ratios m ({m}) and "
+            f">= window - 1 = {cfg.window - 1}"
+        )
 
 
 class StepRecorder:
@@ -1235,7 +982,9 @@ class StepRecorder:
         }
 
 
-def parse_args(argv=None):
+def parse_args(argv=None, fits=None):
+    """The options, checked; fits(parser, args, world): compose_budget.check_fits, the predicted
+    peak against the machine, run at the door by the command line."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     count = launch.at_least(1)
     parser = argparse.ArgumentParser(
@@ -1247,29 +996,65 @@ def parse_args(argv=None):
     add("--cp", type=count, default=1, help="context-parallel ranks per sequence (1)")
     add("--dp", type=count, default=None, help="data-parallel replicas (world / (pp * cp))")
     add("--steps", type=count, default=4, help="training steps (4)")
-    add("--record", type=launch.at_least(0), default=2, help="first steps recorded for memory "
-        "(2; recorded steps are not timed)")  # fmt: skip
+    add(
+        "--record",
+        type=launch.at_least(0),
+        default=2,
+        help="first steps recorded for memory (2; recorded steps are not timed)",
+    )
     add("--layers", type=count, default=12, help="sublayers L; pp must divide it (12)")
     add("--seq-len", type=count, default=None, help="tokens per sequence T (256; 192 at cp=3)")
-    add("--v4", action="store_true", help="V4's numerics: bf16 stochastic-rounding gradient sync "
-        "and bf16 Newton-Schulz (default: fp32)")  # fmt: skip
-    add("--float64", action="store_true", help="float64 parameters, exact gradient sync and "
+    add(
+        "--v4",
+        action="store_true",
+        help="V4's numerics: bf16 stochastic-rounding gradient sync "
+        "and bf16 Newton-Schulz (default: fp32)",
+    )
+    add(
+        "--float64",
+        action="store_true",
+        help="float64 parameters, exact gradient sync and "
         "float64 Newton-Schulz: --check then agrees to rounding (~1e-12), not fp32's amplified "
-        "noise")  # fmt: skip
-    add("--allow-nonfinite", action="store_true", help="keep training when a loss or gradient "
-        "is not finite (default: every rank stops, naming the step and where)")  # fmt: skip
-    add("--check", action="store_true", help="also train the one-process reference on rank 0 and "
-        "print the largest difference")  # fmt: skip
+        "noise",
+    )
+    add(
+        "--allow-nonfinite",
+        action="store_true",
+        help="keep training when a loss or gradient "
+        "is not finite (default: every rank stops, naming the step and where)",
+    )
+    add(
+        "--check",
+        action="store_true",
+        help="also train the one-process reference on rank 0 and print the largest difference",
+    )
     add("--json", metavar="PATH", help="write every rank's record here (rank 0)")
-    add("--save", metavar="DIR", help="write a checkpoint into DIR after the last step (and every "
-        "--save-every steps), resumable at any layout")  # fmt: skip
-    add("--save-every", type=count, default=None, metavar="K", help="with --save: also every K "
-        "steps")  # fmt: skip
-    add("--resume", metavar="DIR", help="continue DIR's newest checkpoint up to --steps in all, "
-        "on this layout; the global batch stays the checkpoint's")  # fmt: skip
+    add(
+        "--save",
+        metavar="DIR",
+        help="write a checkpoint into DIR after the last step (and every "
+        "--save-every steps), resumable at any layout",
+    )
+    add(
+        "--save-every",
+        type=count,
+        default=None,
+        metavar="K",
+        help="with --save: also every K steps",
+    )
+    add(
+        "--resume",
+        metavar="DIR",
+        help="continue DIR's newest checkpoint up to --steps in all, "
+        "on this layout; the global batch stays the checkpoint's",
+    )
     add("--seed", type=int, default=0, help="seed of weights and data (0)")
-    add("--device-memory", type=launch.positive, default=80.0, help="GiB per device, for the "
-        "budget table (80)")  # fmt: skip
+    add(
+        "--device-memory",
+        type=launch.positive,
+        default=80.0,
+        help="GiB per device, for the budget table (80)",
+    )
     add("--intra-bw", type=launch.positive, default=100.0, help="GB/s within a node (100)")
     add("--inter-bw", type=launch.positive, default=25.0, help="GB/s between nodes (25)")
     args = launch.check_launch_options(parser, launch.add_launch_options(parser).parse_args(argv))
@@ -1291,27 +1076,24 @@ def parse_args(argv=None):
     except ValueError as err:
         parser.error(str(err))
     check_outputs(parser, args, world)
+    if fits is not None:
+        fits(parser, args, world)
     if args.resume and int(os.environ.get("RANK", "0")) == 0:  # the run's first line
         pp, cp, dp = saved["layout"]
-        print(f"resumed step {args.start} saved at {pp}x{cp}x{dp}, now "
-              f"{args.pp}x{args.cp}x{args.dp}", flush=True)  # fmt: skip
+        print(
+            f"resumed step {args.start} saved at {pp}x{cp}x{dp}, now {args.pp}x{args.cp}x{args.dp}",
+            flush=True,
+        )
     return args
 
 
 def check_outputs(parser, args, world):
     """What would fail late, as one-line usage errors before any work: a --json or --save folder
-    that is missing or not writable, and a layout whose predicted peak (budget_table's) cannot
-    fit."""
+    that is missing or not writable."""
     for option, path in (("--json", args.json), ("--save", args.save)):
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         if path and (not os.path.isdir(folder) or not os.access(folder, os.W_OK)):
             parser.error(f"{option} {path}: the folder {folder} is missing or not writable")
-    grad_sync = "bf16_sr" if args.v4 else "fp32"
-    budget = layout_budget(args.cfg, args.pp, args.cp, args.dp, args.device_bytes, args.intra_bw,
-                           args.inter_bw, world, grad_sync)  # fmt: skip
-    scale = 2 if args.float64 else 1  # every tensor the budget counts doubles in float64
-    where = f"compose at {args.pp}x{args.cp}x{args.dp}, T={args.cfg.seq_len}"
-    launch.check_fits(parser, args, scale * budget.peak_bytes, where)
 
 
 def training(args):
@@ -1319,25 +1101,51 @@ def training(args):
     sync, ns = ("bf16_sr", torch.bfloat16) if args.v4 else ("fp32", torch.float32)
     sync = "exact" if args.float64 else sync  # "fp32" is MuonZeRO's old name of "exact"
     dtype = torch.float64 if args.float64 else torch.float32
-    return Training(args.steps, grad_sync=sync, ns_dtype=torch.float64 if args.float64 else ns,
-                    seed=args.seed, dtype=dtype, allow_nonfinite=args.allow_nonfinite)  # fmt: skip
+    return Training(
+        args.steps,
+        grad_sync=sync,
+        ns_dtype=torch.float64 if args.float64 else ns,
+        seed=args.seed,
+        dtype=dtype,
+        allow_nonfinite=args.allow_nonfinite,
+    )
 
 
 def demo(args, rank, world, device):
     cfg = args.cfg
     train = training(args)
-    launch.say(f"layout pp={args.pp} x cp={args.cp} x dp={args.dp}: {cfg.n_layers} layers "
-               f"(CSA, MoE, HCA, MoE, ...), C={cfg.dim}, n_hc={cfg.n_hc}, T={cfg.seq_len} "
-               f"({cfg.seq_len // args.cp} per CP rank), {cfg.batch} sequences per replica in "
-               f"{cfg.n_micro} micro-batches; gradient sync {train.grad_sync}")  # fmt: skip
-    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    rows = budget_table(cfg, world, args.device_bytes, args.intra_bw, args.inter_bw,
-                        ranks_per_node, "bf16_sr" if args.v4 else "fp32")  # fmt: skip
-    launch.say(format_budget(rows))
+    launch.say(
+        f"layout pp={args.pp} x cp={args.cp} x dp={args.dp}: {cfg.n_layers} layers "
+        f"(CSA, MoE, HCA, MoE, ...), C={cfg.dim}, n_hc={cfg.n_hc}, T={cfg.seq_len} "
+        f"({cfg.seq_len // args.cp} per CP rank), {cfg.batch} sequences per replica in "
+        f"{cfg.n_micro} micro-batches; gradient sync {train.grad_sync}"
+    )
+    budget = getattr(args, "budget", None)  # compose_budget, when the command line runs
+    if budget:
+        ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        rows = budget.budget_table(
+            cfg,
+            world,
+            args.device_bytes,
+            args.intra_bw,
+            args.inter_bw,
+            ranks_per_node,
+            "bf16_sr" if args.v4 else "fp32",
+        )
+        launch.say(budget.format_budget(rows))
     recorder = StepRecorder(min(args.record, args.steps - args.start), device)
-    losses, params, layout, *_ = run_layout(cfg, train, args.pp, args.cp, args.dp, device,
-                                            recorder, args.save, args.save_every or 0,
-                                            args.resume)  # fmt: skip
+    losses, params, layout, *_ = run_layout(
+        cfg,
+        train,
+        args.pp,
+        args.cp,
+        args.dp,
+        device,
+        recorder,
+        args.save,
+        args.save_every or 0,
+        args.resume,
+    )
     for ran, loss in enumerate(losses):
         took = recorder.step_s[ran]
         launch.say(
@@ -1349,19 +1157,26 @@ def demo(args, rank, world, device):
     dist.gather_object(mine, records, dst=0)
     timelines = [None] * world if rank == 0 else None
     dist.gather_object(recorder.timeline, timelines, dst=0)
-    predicted = next(row for row in rows if row.name == f"{args.pp}x{args.cp}x{args.dp}")
-    launch.say(f"\nmeasured / predicted by the budget: MiB held at the peak, KiB sent per step\n"
-               f"{'rank':>4} {'p,c,d':>6} {'peak':>13} " + " ".join(f"{k:>13}" for k in HELD)
-               + "   " + " ".join(SENT))  # fmt: skip
-    for r in records or []:
-        held, want = r["held_bytes"], predicted.held[r["rank"]]
-        pair = lambda got, bytes_, unit: f"{got / unit:.1f}/{bytes_ / unit:.1f}"  # noqa: E731
-        cells = " ".join(f"{pair(held.get(k, 0), want[k], 2**20):>13}" for k in HELD)
-        sent = " ".join(pair(r["sent_bytes"][k], predicted.sent[r["rank"]][k], 2**10)
-                        for k in SENT)  # fmt: skip
-        peak = pair(max(r["peak_bytes"], default=0), sum(want.values()), 2**20)
-        launch.say(f"{r['rank']:>4} {','.join(map(str, r['coords'])):>6} {peak:>13} {cells}   "
-                   f"{sent}")  # fmt: skip
+    if budget:
+        predicted = next(row for row in rows if row.name == f"{args.pp}x{args.cp}x{args.dp}")
+        launch.say(
+            f"\nmeasured / predicted by the budget: MiB held at the peak, KiB sent per step\n"
+            f"{'rank':>4} {'p,c,d':>6} {'peak':>13} "
+            + " ".join(f"{k:>13}" for k in budget.HELD)
+            + "   "
+            + " ".join(SENT)
+        )
+        for r in records or []:
+            held, want = r["held_bytes"], predicted.held[r["rank"]]
+            pair = lambda got, bytes_, unit: f"{got / unit:.1f}/{bytes_ / unit:.1f}"  # noqa: E731
+            cells = " ".join(f"{pair(held.get(k, 0), want[k], 2**20):>13}" for k in budget.HELD)
+            sent = " ".join(
+                pair(r["sent_bytes"][k], predicted.sent[r["rank"]][k], 2**10) for k in SENT
+            )
+            peak = pair(max(r["peak_bytes"], default=0), sum(want.values()), 2**20)
+            launch.say(
+                f"{r['rank']:>4} {','.join(map(str, r['coords'])):>6} {peak:>13} {cells}   {sent}"
+            )
     if args.check:
         gathered = [None] * world if rank == 0 else None
         dist.gather_object({n: p.cpu() for n, p in params.items()}, gathered, dst=0)
@@ -1370,8 +1185,10 @@ def demo(args, rank, world, device):
             got = {n: t for g in gathered for n, t in g.items()}
             diff = max((got[n] - ref[n]).abs().max().item() for n in got)
             start = dict(make_model(cfg, 1, train.seed).to(dtype=train.dtype).named_parameters())
-            change = sum(((got[n] - ref[n]) ** 2).sum() for n in got) ** 0.5 / sum(
-                ((ref[n] - start[n].detach()) ** 2).sum() for n in got) ** 0.5  # fmt: skip
+            change = (
+                sum(((got[n] - ref[n]) ** 2).sum() for n in got) ** 0.5
+                / sum(((ref[n] - start[n].detach()) ** 2).sum() for n in got) ** 0.5
+            )
             loss = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses[-len(losses) :]))
             print(
                 f"\nagainst the one-process reference: losses within {loss:.1e} (relative), "
@@ -1392,7 +1209,11 @@ def demo(args, rank, world, device):
 
 
 if __name__ == "__main__":
+    import compose_budget  # it sizes this model (it imports compose): loaded only at the door
+
     try:
-        launch.run(demo, parse_args())
+        args = parse_args(fits=compose_budget.check_fits)
+        args.budget = compose_budget
+        launch.run(demo, args)
     except (Refused, launch.Stopped) as err:  # the same line on every rank, no traceback
         raise SystemExit(str(err)) from None

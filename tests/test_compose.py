@@ -31,6 +31,7 @@ import torch
 from harness import RankFailure, RankTimeout, run_ranks
 
 import compose
+import compose_budget
 
 STEPS = 3
 # every sublayer kind on 4 layers (CSA, MoE, HCA, MoE); T = 64 shards over 2 or 4 CP ranks, 96
@@ -195,7 +196,7 @@ def test_non_finite_stops_every_rank_naming_the_step_and_where(where):
 @pytest.mark.parametrize("argv", [["--seq-len", "100000000"], ["--json", "/missing/dir/o.json"]])
 def test_options_that_would_fail_late_are_refused_first(argv, capsys):
     with pytest.raises(SystemExit) as stop:
-        compose.parse_args(argv)
+        compose.parse_args(argv, fits=compose_budget.check_fits)
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert stop.value.code == 2 and "error:" in err, f"exit {stop.value.code}: {err}"
     assert argv[1] in err, f"the error does not name {argv[1]}: {err}"

@@ -1,4 +1,5 @@
-"""The budget (compose.py section 5) against the chapters' own objects, never against itself.
+"""The budget (compose_budget.py, compose.link_bytes) against the chapters' own objects, never
+against itself.
 
 Parameters: the nn.Module built here from mhc and cp_compress modules, tensor by tensor. Optimizer
 state and gradient traffic: MuonZeRO itself on gloo ranks (its state_bytes and its shards' chunk
@@ -10,7 +11,6 @@ comparison is exact.
 import dataclasses
 import itertools
 import math
-import types
 
 import pytest
 import torch
@@ -18,20 +18,21 @@ import torch.nn as nn
 from harness import run_ranks
 
 import compose
+import compose_budget
 import cp_compress as cpc
 import mhc
 import muon_zero as mz
 
 CFG = compose.ComposeConfig()
 ODD = dataclasses.replace(
-    CFG, dim=32, n_hc=3, heads=2, head_dim=8, index_heads=2, index_dim=8, n_experts=3,
-    expert_hidden=48, vocab=100, window=8, top_k=8,
+    CFG, dim=32, n_hc=3, n_heads=2, head_dim=8, index_heads=2, index_dim=8, n_experts=3,
+    expert_hidden=48, vocab_size=100, window=8, top_k=8,
 )  # fmt: skip
 
 
 # ---- the model, built from the chapters' modules -------------------------------------------------
-# compose.make_model and compose.stage_parameters once compose.py holds the model; until then the
-# same modules, built here from mhc and cp_compress under the same names.
+# The budget reads compose's own model (built on the meta device) and compose.stage_parameters; the
+# proof is the same modules, built here from mhc and cp_compress under the same names.
 
 
 class AttentionF(nn.Module):
@@ -40,11 +41,11 @@ class AttentionF(nn.Module):
     def __init__(self, cfg, kind):
         super().__init__()
         ratio = {"csa": cfg.csa_ratio, "hca": cfg.hca_ratio}[kind]
-        self.wo = nn.Parameter(torch.randn(cfg.heads * cfg.head_dim, cfg.dim))
+        self.wo = nn.Parameter(torch.randn(cfg.n_heads * cfg.head_dim, cfg.dim))
         self.norm = mhc.RMSNorm(cfg.dim)
         self.core = nn.Module()
         self.core.attention = cpc.CompressedAttention(
-            kind, cfg.dim, cfg.heads, cfg.head_dim, ratio, cfg.window, cfg.top_k,
+            kind, cfg.dim, cfg.n_heads, cfg.head_dim, ratio, cfg.window, cfg.top_k,
             cfg.index_heads, cfg.index_dim,
         )  # fmt: skip
         self.core.attention.ape.no_muon = True  # a positional bias [m, sets, C], not an expert
@@ -70,25 +71,24 @@ class Model(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         kinds = [compose.sublayer_kind(i) for i in range(cfg.n_layers)]
-        self.embed = nn.Embedding(cfg.vocab, cfg.dim)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.sublayers = nn.ModuleList(
             MoEF(cfg) if k == "moe" else AttentionF(cfg, k) for k in kinds
         )
         self.hcs = nn.ModuleList(mhc.HyperConnection(cfg.n_hc, cfg.dim) for _ in kinds)
         self.hyper_head = mhc.HyperHead(cfg.n_hc, cfg.dim)
         self.norm = mhc.RMSNorm(cfg.dim)
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
 
 def make_model(cfg):
-    return compose.make_model(cfg) if hasattr(compose, "make_model") else Model(cfg)
+    torch.manual_seed(0)
+    return Model(cfg)
 
 
 def held_modules(model, pp, stage):
-    """What stage `stage` of `pp` trains, as compose.stage_parameters gives it."""
-    if hasattr(compose, "stage_parameters"):
-        layout = types.SimpleNamespace(pp=pp, coords=(stage, 0, 0))
-        return compose.stage_parameters(model, layout)[0]
+    """What stage `stage` of `pp` trains: its sublayers (mhc.stage_layers), the embedding on the
+    first stage, the HyperHead, norm and LM head on the last."""
     first, stop = mhc.stage_layers(len(model.hcs), pp, stage)
     held = nn.ModuleDict({f"layer{i}": nn.ModuleList([model.sublayers[i], model.hcs[i]])
                           for i in range(first, stop)})  # fmt: skip
@@ -121,10 +121,10 @@ def roles_of(model, held):
 def test_model_tensors_are_the_modules_parameters(cfg):
     model = make_model(cfg)
     real = {n: (tuple(p.shape), p.requires_grad) for n, p in model.named_parameters()}
-    predicted = {t.name: (t.shape, t.trains) for t in compose.model_tensors(cfg)}
+    predicted = {t.name: (t.shape, t.trains) for t in compose_budget.model_tensors(cfg)}
     assert predicted == real, "names, shapes or trained flags differ"
     assert sum(p.numel() for p in model.parameters()) == sum(
-        t.numel for t in compose.model_tensors(cfg)
+        t.numel for t in compose_budget.model_tensors(cfg)
     )
 
 
@@ -135,7 +135,7 @@ def test_stage_tensors_are_what_the_stage_trains(cfg, pp):
     names = {id(p): n for n, p in model.named_parameters()}
     for stage in range(pp):
         held = held_modules(model, pp, stage)
-        predicted = compose.stage_tensors(cfg, pp, stage)
+        predicted = compose_budget.stage_tensors(cfg, pp, stage)
         assert [t.name for t in predicted] == [names[id(p)] for p in held.parameters()], (
             f"stage {stage} of {pp}: other tensors, or another order"
         )
@@ -144,8 +144,8 @@ def test_stage_tensors_are_what_the_stage_trains(cfg, pp):
 
 def test_parameter_bytes_per_rank_are_the_stage_modules():
     model = make_model(CFG)
-    for pp, cp, dp in compose.factorisations(4):
-        row = compose.layout_budget(CFG, pp, cp, dp, 2**40, 1e9, 1e9, 4)
+    for pp, cp, dp in compose_budget.factorisations(4):
+        row = compose_budget.layout_budget(CFG, pp, cp, dp, 2**40, 1e9, 1e9, 4)
         for rank, held in enumerate(row.held):
             params = list(held_modules(model, pp, rank // (cp * dp)).parameters())
             assert held["parameters"] == 4 * sum(p.numel() for p in params)
@@ -164,7 +164,7 @@ def test_plan_equals_muonzeros_plan_of_the_module():
             experts = [tuple(p.shape[1:]) for role in mz.EXPERT_ROLES
                        for p in groups.get(role, []) for _ in range(p.shape[0])]  # fmt: skip
             want = mz.plan_muon(dense, experts, group)
-            got = compose.muon_plan(compose.stage_tensors(CFG, pp, stage), group)
+            got = compose_budget.muon_plan(compose_budget.stage_tensors(CFG, pp, stage), group)
             assert got == want
 
 
@@ -192,7 +192,7 @@ def check_muonzero(rank, world, pp, stage, grad_sync):
 )
 def test_optimizer_and_gradient_bytes_equal_muonzeros(pp, cp, dp, grad_sync):
     group, item = cp * dp, 2 if grad_sync == "bf16_sr" else 4
-    row = compose.layout_budget(CFG, pp, cp, dp, 2**40, 1e9, 1e9, 4, grad_sync)
+    row = compose_budget.layout_budget(CFG, pp, cp, dp, 2**40, 1e9, 1e9, 4, grad_sync)
     for stage in range(pp):
         results = run_ranks(check_muonzero, group, args=(pp, stage, grad_sync), timeout=180)
         for group_rank, (state_bytes, chunks, adamw) in enumerate(results):
@@ -227,7 +227,7 @@ def test_pp_send_equals_what_the_pipeline_sends():
     cfg = dataclasses.replace(CFG, dim=16, seq_len=8, n_hc=4, n_layers=3, batch=batch,
                               n_micro=n_micro, csa_ratio=4, hca_ratio=8, window=4)  # fmt: skip
     stream = torch.empty(batch // n_micro, cfg.seq_len, cfg.n_hc, cfg.dim)
-    row = compose.layout_budget(cfg, 3, 1, 1, 2**40, 1e9, 1e9, 4)
+    row = compose_budget.layout_budget(cfg, 3, 1, 1, 2**40, 1e9, 1e9, 4)
     for stage, (forward, backward) in enumerate(counted):
         assert row.sent[stage]["pp_send"] == forward + backward
     middle = counted[1]
@@ -247,7 +247,7 @@ def cp_layers(cfg, first, stop):
 @pytest.mark.parametrize("pp,cp", [(1, 2), (1, 4), (2, 2), (3, 1)])
 def test_cp_bytes_equal_the_chapters_count(cfg, pp, cp):
     dp = 1
-    row = compose.layout_budget(cfg, pp, cp, dp, 2**40, 1e9, 1e9, 4)
+    row = compose_budget.layout_budget(cfg, pp, cp, dp, 2**40, 1e9, 1e9, 4)
     s = cfg.seq_len // cp
     for p, c in itertools.product(range(pp), range(cp)):
         first, stop = mhc.stage_layers(cfg.n_layers, pp, p)
@@ -266,7 +266,7 @@ def test_cp_bytes_equal_the_chapters_count(cfg, pp, cp):
 def test_cp_halo_is_halo_rows_of_raw_rows():
     """One CSA and one HCA layer per stage at pp = 6: the halo is halo_rows x the row's bytes."""
     cfg = dataclasses.replace(CFG, batch=6, n_micro=6)
-    row = compose.layout_budget(cfg, 6, 2, 1, 2**40, 1e9, 1e9, 4)
+    row = compose_budget.layout_budget(cfg, 6, 2, 1, 2**40, 1e9, 1e9, 4)
     rows = {"csa": 2 * cfg.csa_ratio - 1, "hca": cfg.hca_ratio - 1}
     row_bytes = {"csa": 2 * 2 * (cfg.head_dim + cfg.index_dim) * 4, "hca": 2 * cfg.head_dim * 4}
     window = (cfg.window - 1) * cfg.head_dim * 4
@@ -281,29 +281,29 @@ def test_cp_halo_is_halo_rows_of_raw_rows():
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 6, 8, 12, 16])
 def test_every_factorisation_listed_once(world):
-    rows = compose.budget_table(CFG, world, 2**30, 1e10, 1e9, 4)
+    rows = compose_budget.budget_table(CFG, world, 2**30, 1e10, 1e9, 4)
     got = [(r.pp, r.cp, r.dp) for r in rows]
     want = [t for t in itertools.product(range(1, world + 1), repeat=3) if math.prod(t) == world]
     assert sorted(got) == sorted(want) and len(set(got)) == len(got)
 
 
 def test_ranking_fits_first_then_time():
-    rows = compose.budget_table(CFG, 4, 16 * 2**20, 1e10, 1e9, 2)
+    rows = compose_budget.budget_table(CFG, 4, 16 * 2**20, 1e10, 1e9, 2)
     verdicts = [(bool(r.problem), not r.fits) for r in rows]
     assert verdicts == sorted(verdicts), "runnable layouts that fit come first"
     fitting = [r.step_s for r in rows if r.fits and not r.problem]
     assert fitting == sorted(fitting)
     assert any(not r.fits for r in rows) and any(r.fits for r in rows)
     assert all(r.peak_bytes <= 16 * 2**20 for r in rows if r.fits)
-    table = compose.format_budget(rows)
+    table = compose_budget.format_budget(rows)
     assert len(table.splitlines()) == len(rows) + 1 and "DOES NOT FIT" in table
 
 
 def test_refused_layouts_say_why():
-    rows = {r.name: r for r in compose.budget_table(CFG, 3, 2**30, 1e10, 1e9, 4)}
+    rows = {r.name: r for r in compose_budget.budget_table(CFG, 3, 2**30, 1e10, 1e9, 4)}
     assert "cp=3" in rows["1x3x1"].problem  # T = 256 does not split into 3
     long = dataclasses.replace(CFG, n_layers=10)
-    rows = {r.name: r for r in compose.budget_table(long, 4, 2**30, 1e10, 1e9, 4)}
+    rows = {r.name: r for r in compose_budget.budget_table(long, 4, 2**30, 1e10, 1e9, 4)}
     assert "pp=4" in rows["4x1x1"].problem and not rows["2x2x1"].problem
 
 
@@ -312,7 +312,7 @@ def test_monotonic_sanity():
         return max(h[key] for h in row.held)
 
     def at(pp, cp, dp, cfg=CFG):
-        return compose.layout_budget(cfg, pp, cp, dp, 2**40, 1e10, 1e9, 4)
+        return compose_budget.layout_budget(cfg, pp, cp, dp, 2**40, 1e10, 1e9, 4)
 
     assert (
         worst(at(1, 1, 4), "optimizer")
@@ -337,14 +337,16 @@ def test_monotonic_sanity():
     assert all(v == 0 for s in one.sent for v in s.values()) and one.step_s == 0
     lanes = dataclasses.replace(CFG, n_hc=8)
     assert worst(at(2, 1, 1, lanes), "activations") > worst(at(2, 1, 1), "activations")
-    slow = compose.layout_budget(CFG, 1, 2, 2, 2**40, 1e10, 1e8, 2)
-    fast = compose.layout_budget(CFG, 1, 2, 2, 2**40, 1e10, 1e9, 2)
+    slow = compose_budget.layout_budget(CFG, 1, 2, 2, 2**40, 1e10, 1e8, 2)
+    fast = compose_budget.layout_budget(CFG, 1, 2, 2, 2**40, 1e10, 1e9, 2)
     assert slow.step_s > fast.step_s  # the grad group spans two nodes of 2 ranks
 
 
 def test_first_stage_holds_the_most_micro_batches():
     """Stages 0 and 2 hold the same kinds of sublayer (CSA, MoE); 1F1B keeps 4 and 2 in flight."""
-    row = compose.layout_budget(dataclasses.replace(CFG, n_layers=8), 4, 1, 1, 2**40, 1, 1, 4)
+    row = compose_budget.layout_budget(
+        dataclasses.replace(CFG, n_layers=8), 4, 1, 1, 2**40, 1, 1, 4
+    )
     acts = [h["activations"] for h in row.held]
     assert acts[0] > acts[2] and acts[1] > acts[3]
 
@@ -358,4 +360,4 @@ def test_bad_input_raises_a_clear_error():
     ):
         args = dict(world=4, device_bytes=2**30, intra_bw=1e10, inter_bw=1e9, ranks_per_node=4)
         with pytest.raises(ValueError, match=word):
-            compose.budget_table(CFG, **{**args, **kwargs})
+            compose_budget.budget_table(CFG, **{**args, **kwargs})

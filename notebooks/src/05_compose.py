@@ -44,6 +44,7 @@ import torch
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 
 import compose
+import compose_budget
 from memory.memory_timeline import COLORS, MiB
 from memory.plots import plot_timelines
 from notebooks.checks import check, number, one_of
@@ -148,8 +149,8 @@ plt.show()
 # model are reduced. Every layout moves different bytes over different links.
 #
 # ## 2. The budget of every layout of 4 ranks
-# `compose.budget_table` predicts, for each factorisation, what each rank holds and sends, from
-# the tensors the chapters make (each formula names them in its docstring): parameters and
+# `compose_budget.budget_table` predicts, for each factorisation, what each rank holds and sends,
+# from the tensors the chapters make (each formula names them in its docstring): parameters and
 # gradients of the rank's stage in fp32, MuonZeRO's momentum for the matrices its plan gives the
 # rank plus AdamW's two moments, and the activations of the micro-batches in flight. A layout
 # **fits** when its largest rank's sum stays under the device memory. The communication time
@@ -165,15 +166,15 @@ cfg = compose.ComposeConfig()
 print(f"the capstone model: {cfg.n_layers} sublayers (CSA, MoE, HCA, MoE, ...), C = {cfg.dim}, "
       f"n_hc = {cfg.n_hc}, T = {cfg.seq_len}, {cfg.batch} sequences per replica in "
       f"{cfg.n_micro} micro-batches; "
-      f"{sum(t.numel for t in compose.model_tensors(cfg)):,} parameters")  # fmt: skip
+      f"{sum(t.numel for t in compose_budget.model_tensors(cfg)):,} parameters")  # fmt: skip
 toy_device = 16 * MiB  # a small device, so that the table has a layout that does not fit
-rows = compose.budget_table(cfg, 4, toy_device, 10 * GB, 1 * GB, ranks_per_node=2)
+rows = compose_budget.budget_table(cfg, 4, toy_device, 10 * GB, 1 * GB, ranks_per_node=2)
 print(
     f"device {toy_device / MiB:.0f} MiB; intra-node 10 GB/s, inter-node 1 GB/s, 2 ranks per "
     "node (assumed); gradients sent in bf16 (grad_sync, below); columns: the largest rank's "
     "bytes, the busiest rank's bytes per step\n"
 )
-print(compose.format_budget(rows))
+print(compose_budget.format_budget(rows))
 print(
     f"\nfit in {toy_device / MiB:.0f} MiB: {', '.join(r.name for r in rows if r.fits)}; "
     f"do not: {', '.join(r.name for r in rows if not r.fits)}"
@@ -216,7 +217,7 @@ answer_layouts_12 = None  # the number of (pp, cp, dp) with pp * cp * dp = 12
 check(
     "answer_layouts_12",
     answer_layouts_12,
-    number(len(compose.factorisations(12)), unit="layouts",
+    number(len(compose_budget.factorisations(12)), unit="layouts",
            hint="12 = 2 x 2 x 3: count how the two 2s and the 3 can be dealt to three "
            "dimensions (order matters)"),
 )  # fmt: skip
@@ -232,7 +233,7 @@ answer_stage1_bytes = None  # bytes stage 1 sends per step (an int)
 
 # %%
 # check: answer_stage1_bytes
-pipeline8 = compose.layout_budget(cfg, 4, 2, 1, toy_device, 10 * GB, 1 * GB, 2)
+pipeline8 = compose_budget.layout_budget(cfg, 4, 2, 1, toy_device, 10 * GB, 1 * GB, 2)
 stage1_rank = (1 * 2 + 0) * 1 + 0  # rank (p, c, d) = (1, 0, 0): (p·cp + c)·dp + d
 check(
     "answer_stage1_bytes",
@@ -253,7 +254,7 @@ answer_peak_1x8x1 = None  # MiB on the fullest rank of 1 x 8 x 1 (a number)
 
 # %%
 # check: answer_peak_1x8x1
-cp8 = compose.layout_budget(cfg, 1, 8, 1, toy_device, 10 * GB, 1 * GB, 2)
+cp8 = compose_budget.layout_budget(cfg, 1, 8, 1, toy_device, 10 * GB, 1 * GB, 2)
 check(
     "answer_peak_1x8x1",
     answer_peak_1x8x1,
@@ -271,7 +272,7 @@ check(
 
 # %%
 per_node = 2  # edit: 4 puts every rank on one node
-for r in compose.budget_table(cfg, 4, toy_device, 10 * GB, 1 * GB, ranks_per_node=per_node):
+for r in compose_budget.budget_table(cfg, 4, toy_device, 10 * GB, 1 * GB, ranks_per_node=per_node):
     print(f"{r.name}: comm {r.step_s * 1e3:.2f} ms, {'fits' if r.fits else 'does not fit'}")
 
 # %%
@@ -279,7 +280,7 @@ answer_one_node_factor = None  # comm time at 2 per node / comm time at 4 per no
 
 # %%
 # check: answer_one_node_factor
-comm = {n: next(r.step_s for r in compose.budget_table(cfg, 4, toy_device, 10 * GB, 1 * GB,
+comm = {n: next(r.step_s for r in compose_budget.budget_table(cfg, 4, toy_device, 10 * GB, 1 * GB,
                                                        ranks_per_node=n) if r.name == "1x4x1")
         for n in (2, 4)}  # fmt: skip
 check(
@@ -342,14 +343,14 @@ print(f"with CP, the gradient reduce-scatter alone is at least {ratio:.1f} x the
 
 # %%
 v4 = dataclasses.replace(
-    cfg, vocab=129280, dim=4096, n_layers=88, seq_len=8192, batch=8, n_micro=8, heads=64,
+    cfg, vocab_size=129280, dim=4096, n_layers=88, seq_len=8192, batch=8, n_micro=8, n_heads=64,
     head_dim=512, csa_ratio=4, hca_ratio=128, window=128, top_k=512, index_heads=64,
     index_dim=128, n_experts=256, experts_per_token=6, expert_hidden=2048,
 )  # fmt: skip
-v4_params = sum(t.numel for t in compose.model_tensors(v4))
+v4_params = sum(t.numel for t in compose_budget.model_tensors(v4))
 print(f"V4-scale model: {v4_params / 1e9:.1f} B parameters (V4-Flash: 284 B)")
 stage("V4-scale budget of 256 ranks")
-v4_rows = compose.budget_table(v4, 256, 141 * GB, 450 * GB, 50 * GB, ranks_per_node=8)
+v4_rows = compose_budget.budget_table(v4, 256, 141 * GB, 450 * GB, 50 * GB, ranks_per_node=8)
 stage("done")
 runnable = [r for r in v4_rows if not r.problem]
 print(
@@ -357,7 +358,7 @@ print(
     f"{sum(r.fits for r in runnable)} fit in 141 GB, "
     f"{sum(r.peak_bytes <= 80 * GB for r in runnable)} in 80 GB; the five smallest peaks:\n"
 )
-print(compose.format_budget(sorted(runnable, key=lambda r: r.peak_bytes)[:5]))
+print(compose_budget.format_budget(sorted(runnable, key=lambda r: r.peak_bytes)[:5]))
 
 # %%
 best = {}
@@ -365,8 +366,8 @@ for r in runnable:
     if r.pp not in best or r.peak_bytes < best[r.pp].peak_bytes:
         best[r.pp] = r
 deep = {  # deeper pipelines on 8 CP ranks each, one sequence per micro-batch (1F1B: n_micro >= pp)
-    pp: compose.layout_budget(dataclasses.replace(v4, batch=pp, n_micro=pp), pp, 8, 1, 141 * GB,
-                              450 * GB, 50 * GB, 8)
+    pp: compose_budget.layout_budget(dataclasses.replace(v4, batch=pp, n_micro=pp), pp, 8, 1,
+                                     141 * GB, 450 * GB, 50 * GB, 8)
     for pp in (11, 22, 44)
 }  # fmt: skip
 print(", ".join(f"{r.name} ({r.pp * r.cp} ranks): peak {r.peak_bytes / GiB:.0f} GiB"
@@ -416,7 +417,7 @@ answer_v4_pp = None  # a pipeline depth
 # %%
 # check: answer_v4_pp
 depths = [pp for pp in (1, 2, 4, 8, 11, 22, 44, 88)
-          if max(8 * sum(t.numel for t in compose.stage_tensors(v4, pp, p))
+          if max(8 * sum(t.numel for t in compose_budget.stage_tensors(v4, pp, p))
                  for p in range(pp)) <= 80 * GB]  # fmt: skip
 check(
     "answer_v4_pp",
@@ -482,12 +483,14 @@ for (pp, cp, dp), run in RUNS.items():
 # %%
 for (pp, cp, dp), run in RUNS.items():
     cfg_run = compose.ComposeConfig(**run["config"])
-    predicted = compose.layout_budget(cfg_run, pp, cp, dp, 2**40, 10 * GB, 1 * GB, 4, "fp32")
+    predicted = compose_budget.layout_budget(cfg_run, pp, cp, dp, 2**40, 10 * GB, 1 * GB, 4, "fp32")
     print(f"layout {pp} x {cp} x {dp}: MiB held, measured / predicted (peak: step 2's)")
-    print(f"{'rank':>4}  {'peak':>13}  " + "  ".join(f"{k:>13}" for k in compose.HELD))
+    print(f"{'rank':>4}  {'peak':>13}  " + "  ".join(f"{k:>13}" for k in compose_budget.HELD))
     for r in run["ranks"]:
         mine = predicted.held[r["rank"]]
-        cells = [f"{r['held_bytes'][k] / MiB:6.2f}/{mine[k] / MiB:6.2f}" for k in compose.HELD]
+        cells = [
+            f"{r['held_bytes'][k] / MiB:6.2f}/{mine[k] / MiB:6.2f}" for k in compose_budget.HELD
+        ]
         peak = f"{max(r['peak_bytes']) / MiB:6.2f}/{sum(mine.values()) / MiB:6.2f}"
         print(f"{r['rank']:>4}  {peak:>13}  " + "  ".join(f"{c:>13}" for c in cells))
     exact = all(r["sent_bytes"][k] == predicted.sent[r["rank"]][k]
@@ -503,7 +506,7 @@ if RUNS:
     for key, color in CATEGORY_COLOR.items():
         for (pp, cp, dp), run in RUNS.items():
             cfg_run = compose.ComposeConfig(**run["config"])
-            predicted = compose.layout_budget(cfg_run, pp, cp, dp, 2**40, 1, 1, 4, "fp32")
+            predicted = compose_budget.layout_budget(cfg_run, pp, cp, dp, 2**40, 1, 1, 4, "fp32")
             got = [r["held_bytes"][key] / MiB for r in run["ranks"]]
             want = [predicted.held[r["rank"]][key] / MiB for r in run["ranks"]]
             ax.scatter(want, got, color=color, marker="o" if pp == 2 else "s", s=30,

@@ -90,9 +90,9 @@ def test_layout_groups_of_larger_meshes_rank_by_rank():
 
 # ---- link_bytes -------------------------------------------------------------------------------
 
-CFG = dict(dim=64, n_layers=12, seq_len=256, batch=4, n_micro=4, n_hc=4, heads=4, head_dim=16,
+CFG = dict(dim=64, n_layers=12, seq_len=256, batch=4, n_micro=4, n_hc=4, n_heads=4, head_dim=16,
            csa_ratio=4, hca_ratio=16, window=16, index_dim=16)  # fmt: skip
-ODD = CFG | dict(dim=32, n_hc=3, heads=2, head_dim=8, index_dim=8, window=8, seq_len=192,
+ODD = CFG | dict(dim=32, n_hc=3, n_heads=2, head_dim=8, index_dim=8, window=8, seq_len=192,
                  batch=6, n_micro=3)  # fmt: skip
 # MuonZeRO's plan as link_bytes reads it (compose.PlanSizes), for a group of G ranks
 PLAN = dict(dense_bucket_numel=12_345, expert_chunk_numel=6_789)

@@ -64,7 +64,7 @@ def link_bytes(queries):
     for fields, where, plan, tensors, grad_sync in queries:
         cfg = compose.ComposeConfig(**fields)
         sizes = compose.PlanSizes(**plan, owned_numel=())
-        held = [compose.Tensor(n, tuple(s), role, 0, on) for n, s, role, on in tensors]
+        held = [compose.ParamSpec(n, tuple(s), role, on) for n, s, role, on in tensors]
         sent = compose.link_bytes(cfg, compose.Rank(*where), sizes, held, grad_sync)
         out.append(dict(sent))
     return out

@@ -1,0 +1,385 @@
+"""The budget of compose.py: which layout pp x cp x dp fits, what each rank holds, what each link
+carries, before anything runs.
+
+A pure function of the configuration and the machine: no process, no tensor. Every byte below is
+derived from a tensor the chapters make (named in each docstring), so compose's measured peaks
+(memory_timeline) and counted bytes can be set beside it rank by rank. What each link carries
+per step is compose.link_bytes; this module adds what each rank holds and ranks the layouts.
+
+    python -c "import compose, compose_budget as b; print(b.format_budget(b.budget_table(
+        compose.ComposeConfig(), 4, 80 * 2**30, 100e9, 25e9)))"
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+import compose
+import cp_compress
+import launch
+import mhc
+import muon_zero
+from compose import (
+    FP32,
+    SENT,
+    ParamSpec,
+    PlanSizes,
+    Rank,
+    link_bytes,
+    micro_stream_bytes,
+    sublayer_kind,
+)
+
+HELD = ("parameters", "gradients", "optimizer", "activations")  # bytes a rank holds
+INT64, BOOL = 8, 1  # bytes per element
+
+
+def meta_model(cfg):
+    """compose's model on the meta device: every parameter's shape, name and requires_grad, no
+    memory and no arithmetic (torchtitan sizes its models the same way)."""
+    with torch.device("meta"):
+        return compose.ComposeModel(cfg)
+
+
+def stage_tensors(cfg, pp, stage, model=None):
+    """The parameters pipeline stage `stage` of `pp` holds (compose.stage_parameters), in the
+    order its optimizer sees them, each with the role muon_zero.muon_param_groups gives it.
+    model: meta_model(cfg), if already built."""
+    model = meta_model(cfg) if model is None else model
+    where = compose.Layout(pp, 1, 1, (stage, 0, 0), None, None, None)  # stage_parameters: p, pp
+    held, _ = compose.stage_parameters(model, where)
+    names = {id(p): n for n, p in model.named_parameters()}
+    roles = {id(p): g["role"] for g in muon_zero.muon_param_groups(held) for p in g["params"]}
+    return [
+        ParamSpec(names[id(p)], tuple(p.shape), roles[id(p)], p.requires_grad)
+        for p in held.parameters()
+    ]
+
+
+def model_tensors(cfg):
+    """Every parameter of the model (one stage holds them all)."""
+    return stage_tensors(cfg, 1, 0)
+
+
+def muon_plan(tensors, group_size):
+    """MuonZeRO's own plan (muon_zero.plan_muon) over the ranks that hold one stage: the trained
+    dense matrices in parameter order, experts flattened as V4 does (all downs, ups, gates)."""
+    trained = [t for t in tensors if t.trains]
+    dense = [t.shape for t in trained if t.role == "dense"]
+    experts = [
+        t.shape[1:]
+        for role in muon_zero.EXPERT_ROLES
+        for t in trained
+        if t.role == role
+        for _ in range(t.shape[0])
+    ]
+    return muon_zero.plan_muon(dense, experts, group_size)
+
+
+def plan_sizes(plan):
+    """What link_bytes and the optimizer's bytes read from MuonZeRO's plan (compose.PlanSizes):
+    its padded bucket and chunk, and per group rank the elements of the matrices it owns."""
+    owned = []
+    for rank in range(plan.world_size):
+        dense, experts = plan.owned(rank)
+        owned.append(
+            sum(math.prod(plan.dense_shapes[i]) for i in dense)
+            + sum(math.prod(plan.expert_shapes[i]) for i in experts)
+        )
+    return PlanSizes(
+        plan.zero_width, plan.dense_bucket_numel, plan.expert_chunk_numel, tuple(owned)
+    )
+
+
+def f_saved_elements(cfg, kind, cp):
+    """Elements F's autograd graph keeps per sequence of s = T/cp tokens on one rank (fp32 unless
+    noted; bytes returned), with tensor_ckpt forgetting the normalised input and the MoE's
+    activation outputs. The F input h is counted with the mHC terms (layer_saved_bytes).
+
+    MoE (every expert applied densely, as muon_zero.TinyMoE): the router softmax and the gate
+    weights [E], the gate pre-activation (silu's input), the up projection and their product
+    [E, hidden], the three-operand einsum's intermediate (product x w_down) [E, C], the top-k's
+    and the scatter's int64 indices; the forgotten silu output is rebuilt in backward.
+    Attention (cp_compress, the CP path): q [H, D]; the window K/V before its norm [D] and
+    1/rms; the compressor's pooling windows and their softmax [entries, rows, channels] (rows =
+    2m with CSA's overlap, m for HCA; at most s/m entries); the pooled buffer [s/m + 1,
+    channels] before the entry norm; the gathered entries [T/m, channels]; keys = selected
+    entries + window rows [K, D] per query and the softmax [H, K + 1] (K = min(top_k, T/m) +
+    window for CSA, T/m + window for HCA) with its bool mask; the attention output [H, D] the
+    output projection keeps. CSA's indexer adds q_index [Hi, Di], w_index [Hi], relu(scores)
+    [Hi, T/m], the sort's int64 order [T/m] and the top-k's int64 indices."""
+    s, T, D, H = cfg.seq_len // cp, cfg.seq_len, cfg.head_dim, cfg.n_heads
+    if kind == "moe":
+        E, h = cfg.n_experts, cfg.expert_hidden
+        return s * ((2 * E + 3 * E * h + E * cfg.dim) * FP32 + 2 * cfg.experts_per_token * INT64)
+    csa = kind == "csa"
+    ratio = cfg.csa_ratio if csa else cfg.hca_ratio
+    ch = D + (cfg.index_dim if csa else 0)
+    rows = 2 * ratio if csa else ratio
+    N = T // ratio
+    K = (min(cfg.top_k, N) if csa else N) + cfg.window
+    fp32 = s * (H * D + D + 1) + 2 * (s // ratio) * rows * ch + (s // ratio + 1) * (ch + 2)
+    fp32 += N * ch + s * (K * D + H * (K + 1) + H * D)
+    other = s * K * BOOL
+    if csa:
+        Hi, Di = cfg.index_heads, cfg.index_dim
+        fp32 += s * (Hi * Di + Hi + Hi * N)
+        other += s * (N + min(cfg.top_k, N)) * INT64
+    return fp32 * FP32 + other
+
+
+def layer_saved_bytes(cfg, cp):
+    """Per sublayer i, bytes one micro-batch keeps on one CP rank besides the block inputs: mHC's
+    per-layer share (RecomputedBlock: F's output f and input h [C], and mix_in's kept A, B, C,
+    x W and 1/rms, 2 n^2 + 4 n + 1 numbers per token) plus F's graph (f_saved_elements)."""
+    n, b, s = cfg.n_hc, cfg.batch // cfg.n_micro, cfg.seq_len // cp
+    mixing = s * (2 * cfg.dim + 2 * n * n + 4 * n + 1) * FP32
+    return {
+        i: b * (mixing + f_saved_elements(cfg, sublayer_kind(i), cp)) for i in range(cfg.n_layers)
+    }
+
+
+def activation_bytes(cfg, where, saved=None):
+    """Peak bytes of activations on rank `where`, in the middle of its last forward.
+
+    One micro-batch keeps: every recompute block's input (the n-lane stream, [b, s, n, C]; on the
+    first stage the first block's input is the embedding, C per token, as mhc.embed_stream makes
+    a stride-0 view), layer_saved_bytes per sublayer, on the last stage the HyperHead's kept
+    (2n + 1 per token), the final norm's input, 1/rms and output and the log-softmax [vocab], on
+    a stage that sends forward its output stream. 1F1B keeps min(pp - p, n_micro) micro-batches
+    in flight (mhc.one_f_one_b); StageLinks keeps each sent tensor until the step ends, so the
+    streams (and gradients) sent for the micro-batches already finished stay too, and one
+    receive per direction is posted ahead. On top, the temporaries of the F running at the peak
+    (what the recorder counts with activations): an MoE's forgotten silu output [b, s, E,
+    hidden], alive until its forward ends. saved: layer_saved_bytes(cfg, cp), if computed."""
+    pp, p, cp = where.pp, where.p, where.cp
+    b, s, n, C = cfg.batch // cfg.n_micro, cfg.seq_len // cp, cfg.n_hc, cfg.dim
+    stream = micro_stream_bytes(cfg, cp)
+    first, stop = mhc.stage_layers(cfg.n_layers, pp, p)
+    blocks = len(
+        mhc.recompute_blocks(first, stop, mhc.default_recompute_block(cfg.n_hc, stop - first))
+    )
+    per_micro = blocks * stream - (p == 0) * (stream - b * s * C * FP32)
+    saved = layer_saved_bytes(cfg, cp) if saved is None else saved
+    per_micro += sum(v for i, v in saved.items() if first <= i < stop)
+    if p == pp - 1:
+        per_micro += b * s * (2 * n + 1 + 3 * C + 1 + cfg.vocab_size) * FP32
+    else:
+        per_micro += stream  # held_out, and the send's reference
+    in_flight = min(pp - p, cfg.n_micro)
+    finished = cfg.n_micro - in_flight
+    sent_held = finished * stream * ((p < pp - 1) + (p > 0))
+    posted = stream * ((p > 0) + (p < pp - 1))
+    moe = any(sublayer_kind(i) == "moe" for i in range(first, stop))
+    transient = moe * b * s * cfg.n_experts * cfg.expert_hidden * FP32
+    return in_flight * per_micro + sent_held + posted + transient
+
+
+@dataclass
+class LayoutBudget:
+    """One factorisation pp x cp x dp of the world: what each rank holds and sends, the peak, an
+    estimated step time, whether it fits, and why it cannot run at all (problem)."""
+
+    pp: int
+    cp: int
+    dp: int
+    held: list = None  # per global rank: {memory category: bytes}
+    sent: list = None  # per global rank: {link: bytes per step}
+    peak_bytes: int = 0  # the largest rank's sum of held bytes
+    step_s: float = math.inf  # communication time alone (see link_seconds)
+    fits: bool = False
+    problem: str = ""
+
+    @property
+    def name(self):
+        return f"{self.pp}x{self.cp}x{self.dp}"
+
+
+def layout_problem(cfg, pp, cp):
+    """Why the chapters refuse this pipeline or CP size for cfg ("" when they accept it)."""
+    if cfg.n_layers % pp:
+        return f"pp={pp} does not divide {cfg.n_layers} sublayers"
+    if cfg.n_micro < pp:
+        return f"1F1B needs n_micro >= pp ({cfg.n_micro} < {pp})"
+    if cfg.batch % cfg.n_micro:
+        return f"batch {cfg.batch} does not split into {cfg.n_micro} micro-batches"
+    s = cfg.seq_len // cp
+    if cfg.seq_len % cp:
+        return f"cp={cp} does not divide T={cfg.seq_len}"
+    for ratio, overlap in ((cfg.csa_ratio, True), (cfg.hca_ratio, False)):
+        if s % ratio:
+            return f"T/cp={s} is not a multiple of m={ratio}"
+        if cp > 1 and cp_compress.halo_rows(ratio, overlap) > s:
+            return f"T/cp={s} is shorter than the halo for m={ratio}"
+    if cp > 1 and cfg.window - 1 > s:
+        return f"T/cp={s} is shorter than the window's {cfg.window - 1} rows"
+    return ""
+
+
+def link_seconds(sent, where, ranks_per_node, intra_bw, inter_bw):
+    """Seconds rank `where` spends sending sent[link] bytes, one link after another at its
+    bandwidth: intra-node when every peer of that link's group shares its node, else inter-node.
+    Leaves out compute, overlap of communication with compute, per-message latency, the pipeline
+    bubble and ranks of one node contending for one inter-node link."""
+    pp, cp, dp = where.pp, where.cp, where.dp
+
+    def node(p, c, d):
+        return Rank(p, c, d, pp, cp, dp).rank // ranks_per_node
+
+    me = node(where.p, where.c, where.d)
+    # nodes hold consecutive ranks: a group is on one node when its first and last ranks are
+    ends = {
+        "pp_send": [node(q, where.c, where.d) for q in (where.p - 1, where.p + 1) if 0 <= q < pp],
+        "cp_halo": [node(where.p, 0, where.d), node(where.p, cp - 1, where.d)],
+        "grad_reduce_scatter": [node(where.p, 0, 0), node(where.p, cp - 1, dp - 1)],
+    }
+    ends["cp_gather"], ends["param_all_gather"] = ends["cp_halo"], ends["grad_reduce_scatter"]
+    return sum(
+        sent[link] / (intra_bw if all(n == me for n in ends[link]) else inter_bw) for link in SENT
+    )
+
+
+def factorisations(world):
+    """Every (pp, cp, dp) with pp * cp * dp = world, each once, pp first then cp ascending."""
+    return [
+        (p, c, world // (p * c))
+        for p in range(1, world + 1)
+        if world % p == 0
+        for c in range(1, world // p + 1)
+        if (world // p) % c == 0
+    ]
+
+
+def check_budget_inputs(world, device_bytes, intra_bw, inter_bw, ranks_per_node, grad_sync):
+    if grad_sync not in ("bf16_sr", "fp32"):
+        raise ValueError(f"grad_sync must be 'bf16_sr' or 'fp32' (MuonZeRO's), got {grad_sync!r}")
+    for name, value in (("world", world), ("ranks_per_node", ranks_per_node)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    for name, value in (
+        ("device_bytes", device_bytes),
+        ("intra_bw", intra_bw),
+        ("inter_bw", inter_bw),
+    ):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(
+                f"{name} must be a number > 0 (bytes, bytes per second), got {value!r}"
+            )
+
+
+def layout_budget(
+    cfg, pp, cp, dp, device_bytes, intra_bw, inter_bw, ranks_per_node, grad_sync="bf16_sr"
+):
+    """The prediction for one layout (LayoutBudget); a layout the chapters refuse keeps its
+    problem and no numbers."""
+    out = LayoutBudget(pp, cp, dp, problem=layout_problem(cfg, pp, cp))
+    if out.problem:
+        return out
+    out.held, out.sent = [None] * (pp * cp * dp), [None] * (pp * cp * dp)
+    seconds, saved, model = [], layer_saved_bytes(cfg, cp), meta_model(cfg)
+    for p in range(pp):
+        tensors = stage_tensors(cfg, pp, p, model)
+        plan = plan_sizes(muon_plan(tensors, cp * dp))
+        numel = sum(t.numel for t in tensors)
+        trained = sum(t.numel for t in tensors if t.trains)
+        adamw = sum(t.numel for t in tensors if t.role == "adamw" and t.trains)
+        activations = activation_bytes(cfg, Rank(p, 0, 0, pp, cp, dp), saved)
+        for c in range(cp):
+            sent = link_bytes(cfg, Rank(p, c, 0, pp, cp, dp), plan, tensors, grad_sync)
+            for d in range(dp):
+                where = Rank(p, c, d, pp, cp, dp)
+                out.held[where.rank] = {
+                    "parameters": numel * FP32,
+                    "gradients": trained * FP32,  # every .grad, fp32, kept through the step
+                    "optimizer": (plan.owned_numel[where.group_rank] + 2 * adamw) * FP32,
+                    "activations": activations,  # the same on every rank of a stage
+                }
+                out.sent[where.rank] = dict(sent)  # link_bytes does not depend on d
+                seconds.append(link_seconds(sent, where, ranks_per_node, intra_bw, inter_bw))
+    out.peak_bytes = max(sum(h.values()) for h in out.held)
+    out.step_s, out.fits = max(seconds), out.peak_bytes <= device_bytes
+    return out
+
+
+def budget_table(
+    cfg, world, device_bytes, intra_bw, inter_bw, ranks_per_node=8, grad_sync="bf16_sr"
+):
+    """Every factorisation of `world` ranks, predicted and ranked: the layouts that fit first,
+    fastest first (communication time), then those that do not fit (smallest peak first), then
+    those the chapters refuse. device_bytes per device; bandwidths in bytes per second;
+    grad_sync: MuonZeRO's ("bf16_sr", V4's, or "fp32")."""
+    check_budget_inputs(world, device_bytes, intra_bw, inter_bw, ranks_per_node, grad_sync)
+    rows = [
+        layout_budget(cfg, pp, cp, dp, device_bytes, intra_bw, inter_bw, ranks_per_node, grad_sync)
+        for pp, cp, dp in factorisations(world)
+    ]
+    return sorted(
+        rows,
+        key=lambda r: (
+            bool(r.problem),
+            not r.fits,
+            r.step_s if r.fits else 0,
+            r.peak_bytes,
+            r.pp,
+            r.cp,
+        ),
+    )
+
+
+def human_bytes(n):
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def format_budget(rows):
+    """The ranked table, one line per layout: the largest rank's bytes by category, the busiest
+    rank's bytes per link, the communication time and the verdict."""
+    head = [
+        "pp x cp x dp",
+        "params",
+        "grads",
+        "optim",
+        "activ",
+        "peak",
+        *SENT,
+        "comm ms",
+        "verdict",
+    ]
+    lines = [head]
+    for r in rows:
+        if r.problem:
+            lines.append([r.name] + ["-"] * (len(head) - 2) + [f"cannot run: {r.problem}"])
+            continue
+        held = [human_bytes(max(h[k] for h in r.held)) for k in HELD]
+        sent = [human_bytes(max(s[k] for s in r.sent)) for k in SENT]
+        verdict = "fits" if r.fits else "DOES NOT FIT"
+        lines.append(
+            [r.name, *held, human_bytes(r.peak_bytes), *sent, f"{1e3 * r.step_s:.3g}", verdict]
+        )
+    widths = [max(len(row[k]) for row in lines if len(row) > k) for k in range(len(head) - 1)]
+    return "\n".join(
+        "  ".join(cell.rjust(w) for cell, w in zip(row, widths)) + "  " + row[-1] for row in lines
+    )
+
+
+def check_fits(parser, args, world):
+    """compose's command line, at its door: a layout whose predicted peak cannot fit this machine
+    is a one-line usage error before any work (launch.check_fits)."""
+    grad_sync = "bf16_sr" if args.v4 else "fp32"
+    budget = layout_budget(
+        args.cfg,
+        args.pp,
+        args.cp,
+        args.dp,
+        args.device_bytes,
+        args.intra_bw,
+        args.inter_bw,
+        world,
+        grad_sync,
+    )
+    scale = 2 if args.float64 else 1  # every tensor the budget counts doubles in float64
+    where = f"compose at {args.pp}x{args.cp}x{args.dp}, T={args.cfg.seq_len}"
+    launch.check_fits(parser, args, scale * budget.peak_bytes, where)
