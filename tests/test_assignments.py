@@ -583,8 +583,7 @@ def test_student_files_import(tmp_path):
 @pytest.fixture(scope="module")
 def graded():
     found = grade.collect(ROOT)
-    if not found:  # while the chapters move to tests/graded/
-        pytest.skip("no graded test under tests/graded/ yet (the chapters' are being converted)")
+    assert found, "no graded test under tests/graded/: the grader would grade nothing"
     return found
 
 
