@@ -62,7 +62,6 @@ SLOW = [
     ("test_cp_matches_plain_sdpa_attention", {"world_size": (1, 4)}),
     ("test_pipeline_equals_single_process", {"world_size": (1, 4)}),
     ("test_pipeline_is_safe_under_nccls_rules", {"world_size": (4,)}),
-    ("test_matches_single_process_references_world4", None),
     ("test_collective_across_ranks", {"world_size": (4, 6)}),
     ("test_every_layout_equals_one_process", None),  # compose: every factorisation of 1-4
     ("test_one_rank_raises_mid_step_every_rank_says_so", None),  # compose: waits out an abort

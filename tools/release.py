@@ -51,6 +51,7 @@ SUPPORT = (
     "requirements-test.txt",
     "pytest.ini",
     "pyproject.toml",
+    "tests/graded/__init__.py",
     "tests/graded/conftest.py",
     "tests/graded/probes/__init__.py",
     "tools/grade.py",
