@@ -283,7 +283,7 @@ def layout_budget(
         plan = plan_sizes(muon_plan(tensors, cp * dp))
         numel = sum(t.numel for t in tensors)
         trained = sum(t.numel for t in tensors if t.trains)
-        adamw = sum(t.numel for t in tensors if t.role == "adamw" and t.trains)
+        adamw_numel = sum(t.numel for t in tensors if t.trains and t.role == "adamw")
         activations = activation_bytes(cfg, Rank(p, 0, 0, pp, cp, dp), saved)
         for c in range(cp):
             sent = link_bytes(cfg, Rank(p, c, 0, pp, cp, dp), plan, tensors, grad_sync)
@@ -292,7 +292,7 @@ def layout_budget(
                 out.held[where.rank] = {
                     "parameters": numel * FP32,
                     "gradients": trained * FP32,  # every .grad, fp32, kept through the step
-                    "optimizer": (plan.owned_numel[where.group_rank] + 2 * adamw) * FP32,
+                    "optimizer": (plan.owned_numel[where.group_rank] + 2 * adamw_numel) * FP32,
                     "activations": activations,  # the same on every rank of a stage
                 }
                 out.sent[where.rank] = dict(sent)  # link_bytes does not depend on d
