@@ -13,6 +13,7 @@ full student build fails every graded test. The per-region check (each region st
 import ast
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -326,7 +327,9 @@ def test_submission_shadows_the_reference_and_a_hang_scores_zero(tmp_path):
     scores = {t["name"].split("::")[-1]: t["score"] for t in results["tests"]}
     assert scores == {"test_double": 2, "test_total_on_ranks": 0, "test_total_under_torchrun": 0}
     hung = next(t["output"] for t in results["tests"] if "on_ranks" in t["name"])
-    assert hung.startswith("did not finish in 10 s; it was at fake.py line 23 in total"), hung
+    # the loop has two lines (while, pass): the stack is sampled on either
+    hung_at = re.match(r"did not finish in 10 s; it was at fake.py line (23|24) in total", hung)
+    assert hung_at, hung
     assert "still running: test_total_on_ranks (3 s)" in out  # the grader names a slow test
     # and nothing of it runs on: torchrun starts each worker in a session of its own, which a
     # process-group kill misses (its two spinning workers once outlived the suite)
