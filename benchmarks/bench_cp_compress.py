@@ -159,7 +159,7 @@ def measure(rank, world, layer_name, total, device, reps=3):
 
 
 def rank_profile(rank, world, layer_name, total, record=True):
-    """For the notebook (run under tests/harness.run_ranks): per method, this rank's bytes sent and,
+    """For the notebook (run under spawn.run_ranks): per method, this rank's bytes sent and,
     with `record`, the memory timeline of one forward+backward step."""
     layer, s, cu, x = build_inputs(rank, world, layer_name, total)
     out = {}

@@ -313,7 +313,7 @@ def pipeline_profile(
     rank, world, cfg, batch, n_micro, repeats=2, modes=("blocking", "posted ahead")
 ):
     """One rank of a 1F1B pipeline of the optimised mHC over the process group already set up
-    (tests.harness's run_ranks starts the ranks; notebook 02b calls it): one model, its stream
+    (spawn.run_ranks starts the ranks; notebook 02b calls it): one model, its stream
     exchange in each of `modes` in turn, `repeats` steps each after a warm-up step; then
     the link alone: one micro-batch's stream sent 0 -> 1 and back, 10 times.
     -> {mode: (median s per step of the slowest stage, median s this stage

@@ -69,7 +69,7 @@ def v4_flash_inventory(layers=range(43), hidden=4096, heads=64, head_dim=512, q_
 
 
 def record_rank_timeline(rank, world, zero_width=None, steps=2, optimizer="muon_zero"):
-    """One rank's memory timeline for the notebook (on W gloo ranks via tests/harness.py, or alone).
+    """One rank's memory timeline for the notebook (on W gloo ranks via spawn.py, or alone).
 
     optimizer: "muon_zero" (sharded; at world 1 this is replicated Muon) or "adamw" (torch's).
     """
@@ -356,7 +356,7 @@ def _agreement_torch(steps=5):
 
 def bench_agreement():
     """Table 6: relative error of the parameter change after 5 steps, max over tensors."""
-    from tests.harness import run_ranks
+    from spawn import run_ranks
 
     torch.manual_seed(0)
     start = {n: p.detach().clone() for n, p in mz.TinyMoE().named_parameters()}

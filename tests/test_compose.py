@@ -28,10 +28,10 @@ from dataclasses import replace
 
 import pytest
 import torch
-from harness import RankFailure, RankTimeout, run_ranks
 
 import compose
 import compose_budget
+from spawn import RankFailure, RankTimeout, run_ranks
 
 STEPS = 3
 # every sublayer kind on 4 layers (CSA, MoE, HCA, MoE); T = 64 shards over 2 or 4 CP ranks, 96

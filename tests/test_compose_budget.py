@@ -15,13 +15,13 @@ import math
 import pytest
 import torch
 import torch.nn as nn
-from harness import run_ranks
 
 import compose
 import compose_budget
 import cp_compress as cpc
 import mhc
 import muon_zero as mz
+from spawn import run_ranks
 
 CFG = compose.ComposeConfig()
 ODD = dataclasses.replace(

@@ -18,9 +18,9 @@ import shutil
 
 import pytest
 import torch
-from harness import RankFailure, run_ranks, run_torchrun
 
 import compose
+from spawn import RankFailure, run_ranks, run_torchrun
 
 # CLI-expressible (--layers 4 --seq-len 128): every sublayer kind, whole HCA entries per document
 CFG = compose.ComposeConfig(n_layers=4, seq_len=128)

@@ -1,7 +1,7 @@
 """cp_compress.py against the public DeepSeek-V4 attention (transformers): same weights, same
 numbers.
 
-The comparison itself lives in tests/oracle_v4_attention.py (notebook 03 prints it as a table); each
+The comparison itself lives in oracles/v4_attention.py (notebook 03 prints it as a table); each
 row carries its tolerance and why (fp32: 1e-6 on entries, 1e-5 on indexer scores, integers exact).
 One document only: the public code pools across document boundaries, cp_compress does not (on
 purpose), so packed batches are compared against the project's own full-sequence reference instead.
@@ -12,10 +12,9 @@ import torch
 
 pytest.importorskip("transformers.models.deepseek_v4")
 
-from oracle_v4_attention import comparison_rows, random_v4_attention, v4_config  # noqa: E402
-
 import cp_compress as cpc  # noqa: E402
 from interop.v4_attention import V4_NOT_LOADED, from_v4_state_dict  # noqa: E402
+from oracles.v4_attention import comparison_rows, random_v4_attention, v4_config  # noqa: E402
 
 
 @pytest.fixture(scope="module")

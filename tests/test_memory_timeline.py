@@ -13,8 +13,6 @@ from torch.utils._pytree import tree_flatten
 
 matplotlib.use("Agg")
 
-from harness import run_ranks  # noqa: E402
-
 from memory import memory_timeline  # noqa: E402
 from memory.allocator_model import CachingAllocatorModel, SimulatedOutOfMemoryError  # noqa: E402
 from memory.memory_timeline import (  # noqa: E402
@@ -24,6 +22,7 @@ from memory.memory_timeline import (  # noqa: E402
     predicted_optimizer_state_bytes,
 )
 from memory.plots import plot_timeline, plot_timelines  # noqa: E402
+from spawn import run_ranks  # noqa: E402
 
 MiB = 2**20
 

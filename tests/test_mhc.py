@@ -15,9 +15,9 @@ sandbox and compare against references computed in the grading process.
 
 import pytest
 import torch
-from harness import RankFailure, RankTimeout, run_ranks, run_torchrun
 
 import mhc
+from spawn import RankFailure, RankTimeout, run_ranks, run_torchrun
 
 SMALL = dict(vocab_size=64, seq_len=8, dim=16, n_heads=2, n_hc=4)
 EPS = 1e-6

@@ -11,10 +11,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-import oracle_v4_mhc  # noqa: E402
-
 import mhc  # noqa: E402
 from interop import v4_mhc  # noqa: E402
+from oracles import v4_mhc as oracle_v4_mhc  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

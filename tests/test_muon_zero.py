@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from harness import RankFailure, run_ranks, run_torchrun
 
 import muon_zero as mz
 from benchmarks import bench_muon_zero as bench
+from spawn import RankFailure, run_ranks, run_torchrun
 
 VOCAB, DIM, HIDDEN, EXPERTS, FFN = 16, 12, 20, 5, 8
 GLOBAL_BATCH, SEQ, STEPS = 12, 6, 5  # 12 samples split evenly over 1, 2, 3 and 4 ranks

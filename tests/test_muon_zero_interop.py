@@ -38,7 +38,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
-from harness import run_ranks
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -49,6 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
 import launch
 import muon_zero as mz
 from memory.memory_timeline import MemoryTimeline
+from spawn import run_ranks
 
 VOCAB, EXPERTS = 16, 5
 GLOBAL_BATCH, SEQ, SAVED_AT, STEPS = 12, 6, 3, 5  # 12 samples split evenly over 1-4 ranks

@@ -10,7 +10,8 @@ import os
 import sys
 
 import pytest
-from harness import run_torchrun
+
+from spawn import run_torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))

@@ -63,7 +63,7 @@ def test_student_repository_holds_what_a_student_needs_and_nothing_private(kit):
     private = ["tests/mistakes/", "tests/test_assignments.py", "tests/test_release.py"]
     private += ["tools/release.py", "notebooks/src/", "ASSIGNMENTS.md", "tests/mistakes"]
     private += ["tests/alternatives"]
-    private += ["tests/oracle_v4_", "tests/attacks", "tests/graded/test_sandbox.py"]
+    private += ["oracles", "tests/attacks", "tests/graded/test_sandbox.py"]
     for path in private:
         assert not any(n.startswith(path) for n in names), f"{path} must not be released"
     assert not any("__pycache__" in n or n.endswith(".pyc") for n in names)

@@ -14,9 +14,9 @@ import sys
 import time
 
 import pytest
-from harness import ROOT, free_port, kill_tree
 
 import launch
+from spawn import ROOT, free_port, kill_tree
 
 TIMEOUT_S = 4
 # after its timeout a rank waits for the ranks still answering until none has come for

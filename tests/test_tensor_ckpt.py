@@ -12,16 +12,16 @@ on the whole batch, where the batch sum is split differently (fp32, rtol 1e-5).
 import copy
 import warnings
 
-import harness as tc_harness
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from harness import run_ranks, run_torchrun
 
+import spawn
 import tensor_ckpt as tc
 from benchmarks.ckpt_meters import activation_bytes as meter_bytes
 from memory.memory_timeline import MemoryTimeline
+from spawn import run_ranks, run_torchrun
 from tensor_ckpt import checkpoint_tensors, flops_text, forget
 
 B, T, C, H = 2, 16, 32, 4
@@ -436,7 +436,7 @@ FIELD_OF_FAULT = {
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_a_rank_that_raises_mid_step_is_reported_not_waited_for(world_size):
     bad = world_size - 1
-    with pytest.raises(tc_harness.RankFailure) as err:
+    with pytest.raises(spawn.RankFailure) as err:
         run_ranks(_replica_step, world_size, args=(bad, "raise"), timeout=60)
     assert f"rank {bad} fails mid-step" in err.value.errors[bad]
 

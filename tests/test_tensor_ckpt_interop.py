@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from harness import run_ranks
 
 import tensor_ckpt as tc
 from benchmarks.ckpt_meters import saved_by_graph
+from spawn import run_ranks
 from tensor_ckpt import checkpoint_tensors, forget
 
 B, T, C, H = 2, 8, 32, 4

@@ -185,7 +185,7 @@ def pytest_runtest_makereport(item, call):
     if report.failed and type(error).__name__ == "StudentCodeError":  # sandbox.py's
         report.grade_student = (str(error), tuple(getattr(error, "stubs", ())))
     errors = getattr(getattr(call.excinfo, "value", None), "errors", None)
-    if report.failed and isinstance(errors, dict) and errors:  # harness.RankFailure
+    if report.failed and isinstance(errors, dict) and errors:  # spawn.RankFailure
         rank = min(errors)
         first = exception_of(errors[rank])
         same = [r for r in errors if r != rank and exception_of(errors[r]) == first]

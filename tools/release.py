@@ -66,8 +66,8 @@ PRIVATE = (
     "tests/mistakes",
     "tests/alternatives",
     "tests/notebook_answers.py",
-    "tests/oracle_v4_mhc.py",
-    "tests/oracle_v4_attention.py",
+    "oracles/v4_mhc.py",
+    "oracles/v4_attention.py",
 )
 # what grading on Gradescope does not import (the notebooks' kernel, the linter)
 NOT_FOR_GRADING = ("jupyter", "jupytext", "nbclient", "nbformat", "ipykernel", "ruff")

@@ -281,7 +281,7 @@ check(
 
 # %%
 try:  # transformers is a test-only dependency: without it this cell says so and moves on
-    from tests.oracle_v4_mhc import comparison_rows
+    from oracles.v4_mhc import comparison_rows
 except ImportError as missing:
     comparison_rows = None
     print(f"the comparison needs Hugging Face transformers (with DeepSeek-V4): {missing}")

@@ -36,7 +36,7 @@ from benchmarks import bench_cp_compress as bench
 from memory.memory_timeline import MiB
 from memory.plots import plot_timelines
 from notebooks.checks import check, number
-from tests.harness import run_ranks, run_torchrun
+from spawn import run_ranks, run_torchrun
 
 plt.rcParams.update({"figure.dpi": 110, "font.size": 10})
 torch.set_num_threads(2)
@@ -388,7 +388,7 @@ stage("done")
 
 # %%
 try:  # transformers is a test-only dependency: without it this cell says so and moves on
-    from tests.oracle_v4_attention import comparison_rows
+    from oracles.v4_attention import comparison_rows
 except ImportError as err:
     comparison_rows = None
     print(f"the comparison needs Hugging Face transformers (with DeepSeek-V4): {err}")

@@ -48,7 +48,7 @@ import compose_budget
 from memory.memory_timeline import COLORS, MiB
 from memory.plots import plot_timelines
 from notebooks.checks import check, number, one_of
-from tests.harness import run_torchrun
+from spawn import run_torchrun
 
 plt.rcParams.update({"figure.dpi": 110, "font.size": 10})
 torch.set_num_threads(2)

@@ -13,7 +13,7 @@ Sinkhorn sums reassociate), 1e-5 for streams after several layers (values ~1-10,
 depth); float64 1e-12. V4 casts to fp32 with .float() (its model runs in bf16): for the float64
 comparison .float() is made to keep float64 tensors as they are, so the same code runs in float64.
 
-    from tests.oracle_v4_mhc import comparison_rows    # notebook 02a: the table
+    from oracles.v4_mhc import comparison_rows    # notebook 02a: the table
 """
 
 import contextlib

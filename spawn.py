@@ -1,6 +1,6 @@
 """Multi-rank test harness: run one function on W real gloo processes.
 
-    from harness import run_ranks, run_torchrun
+    from spawn import run_ranks, run_torchrun
     results = run_ranks(my_check, world_size=4, args=(seed,))   # my_check(rank, world_size, seed)
 
 Each rank is a real process with its own gloo process group (free TCP port per run, a timeout on the
@@ -32,14 +32,6 @@ _CONTEXT = None
 def _context():
     global _CONTEXT
     if _CONTEXT is None:
-        # the fork server copies this sys.path once, when it starts: a graded submission must be
-        # first then, whatever a module imported since has put in front of it
-        submission = os.environ.get("GRADE_SUBMISSION")
-        if submission:
-            submission = os.path.abspath(submission)
-            if submission in sys.path:
-                sys.path.remove(submission)
-            sys.path.insert(0, submission)
         _CONTEXT = mp.get_context("forkserver")
         _CONTEXT.set_forkserver_preload(["torch", "torch.distributed"])
     return _CONTEXT
@@ -167,15 +159,7 @@ def run_ranks(fn, world_size, args=(), kwargs=None, timeout=120.0):
     return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def resolve_file(file):
-    """The path torchrun runs for ``file``: the submission's copy when grading, else the root's."""
-    submission = os.environ.get("GRADE_SUBMISSION")
-    if submission and os.path.exists(os.path.join(submission, file)):
-        return os.path.abspath(os.path.join(submission, file))
-    return os.path.join(ROOT, file)
+ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
 def descendants(pid):
@@ -216,8 +200,7 @@ def kill_tree(pid):
 def run_torchrun(file, nproc=4, args=(), timeout=300.0, env=None, check=True):
     """Run ``torchrun --nproc_per_node=nproc file args`` as a subprocess; return CompletedProcess.
 
-    ``file`` is relative to the repository root. When grading, a file of that name in the
-    submission folder (GRADE_SUBMISSION) runs instead of the reference's.
+    ``file`` is relative to the repository root.
 
     stdout and stderr come back together in ``.stdout``. With ``check`` a non-zero exit raises an
     AssertionError that carries the whole output, so the failing rank's traceback shows in pytest.
@@ -229,7 +212,7 @@ def run_torchrun(file, nproc=4, args=(), timeout=300.0, env=None, check=True):
         f"--nproc_per_node={nproc}",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-        resolve_file(file),
+        os.path.join(ROOT, file),
         *map(str, args),
     ]
     # CUDA_VISIBLE_DEVICES="" pins the suite to gloo on the CPU even where GPUs exist

@@ -21,7 +21,7 @@ scores (sums over heads of O(1) products, taken in a different order; measured ~
 run cannot do better than fp32: V4 computes its compressor softmax, its RMSNorm and its indexer
 scores in fp32 whatever the input dtype. Integer quantities (visibility, top-k) match exactly.
 
-    from tests.oracle_v4_attention import comparison_rows
+    from oracles.v4_attention import comparison_rows
     rows = comparison_rows()   # [{quantity, max_abs_diff, tolerance}, ...]
 """
 

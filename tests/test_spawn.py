@@ -6,7 +6,8 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from harness import RankFailure, RankTimeout, run_ranks, run_torchrun
+
+from spawn import RankFailure, RankTimeout, run_ranks, run_torchrun
 
 
 def _all_reduce_rank_ids(rank, world_size):
