@@ -16,7 +16,7 @@ it reruns the subgraph (with the forward's generator state) and rebuilds every s
 view of the one recomputed storage. What cannot be recomputed exactly is refused, with the fix.
 Under torch.compile the same plan becomes the compiler's recompute policy.
 
-    model = checkpoint_tensors(Block(dim, heads), (x,))  # Block's forward calls forget(...)
+    model = checkpoint_tensors(MarkedLayer(dim, heads), (x,))  # its forward calls forget(...)
     print(model.plan)  # per forgotten tensor: recompute ops, their cost, bytes freed
     torch.compile(model)  # forgets the same tensors: the partitioner recomputes them
 
@@ -802,7 +802,7 @@ def mib_text(nbytes):  # MiB, or KiB below one MiB
 
 
 # ---- 7. Demo: a transformer block stack with V4-style marks, trained data-parallel ---------------
-class Block(nn.Module):
+class MarkedLayer(nn.Module):
     """Pre-norm transformer layer, marked V4-style: forget what is large and cheap, keep matmuls."""
 
     def __init__(self, dim, n_heads, mlp_ratio=4):
@@ -852,7 +852,7 @@ def parse_args(argv=None):
 
 
 def demo(args, rank, world, device):
-    blocks = nn.Sequential(*[Block(args.dim, args.heads) for _ in range(args.layers)])
+    blocks = nn.Sequential(*[MarkedLayer(args.dim, args.heads) for _ in range(args.layers)])
     model = nn.Sequential(
         OrderedDict(
             embed=nn.Embedding(args.vocab, args.dim),

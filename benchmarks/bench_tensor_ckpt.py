@@ -4,13 +4,13 @@
     .venv/bin/python benchmarks/bench_tensor_ckpt.py --reps 5   # 8 min
     .venv/bin/python benchmarks/bench_tensor_ckpt.py --quick    # smaller, for a smoke test
 
-Model: 4 pre-norm transformer layers (tensor_ckpt.Block: LayerNorm, causal SDPA attention, GELU
-MLP 4x), C = 256, 4 heads, T = 256, batch 8, fp32. Variants:
+Model: 4 pre-norm transformer layers (tensor_ckpt.MarkedLayer: LayerNorm, causal SDPA attention,
+GELU MLP 4x), C = 256, 4 heads, T = 256, batch 8, fp32. Variants:
   none          no checkpointing
   module        torch.utils.checkpoint around every layer (non-reentrant): keep only layer inputs
   SAC           selective activation checkpointing per layer, policy "save every matmul and
                 attention output, recompute the rest" (create_selective_checkpoint_contexts)
-  tensor_ckpt   the V4-style marks in Block: forget the two norm outputs and the GELU output
+  tensor_ckpt   the V4-style marks in MarkedLayer: forget the two norm outputs and the GELU output
   min-cut b=1   torch.compile's min-cut rematerialisation (the partitioner Inductor uses), default
                 budget: it already recomputes cheap pointwise ops it finds worth it
   min-cut b=X   the same with torch._functorch.config.activation_memory_budget = X, X found by
@@ -251,7 +251,7 @@ def main():
     dim, heads, seq, batch, layers = (64, 4, 64, 4, 2) if args.quick else (256, 4, 256, 8, 4)
     reps = 2 if args.quick else args.reps
     torch.manual_seed(0)
-    stack = nn.Sequential(*[tc.Block(dim, heads) for _ in range(layers)]).to(device)
+    stack = nn.Sequential(*[tc.MarkedLayer(dim, heads) for _ in range(layers)]).to(device)
     x = torch.randn(batch, seq, dim, device=device, requires_grad=True)
     grad = torch.randn(batch, seq, dim, device=device)
     say(

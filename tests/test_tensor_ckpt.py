@@ -388,7 +388,7 @@ def test_an_empty_example_batch_is_refused():
 def test_forgetting_a_view_of_attention_warns_with_the_op_and_its_flops():
     x = torch.randn(B, T, C, requires_grad=True)
     with pytest.warns(UserWarning) as record:
-        ckpt = checkpoint_tensors(tc.Block(C, H), (x,), names=["reshape"])
+        ckpt = checkpoint_tensors(tc.MarkedLayer(C, H), (x,), names=["reshape"])
     text = str(record[0].message)
     flops = ckpt.plan.units[0].op_flops
     sdpa = dict(flops)["scaled_dot_product_attention"]
@@ -396,7 +396,7 @@ def test_forgetting_a_view_of_attention_warns_with_the_op_and_its_flops():
     assert flops_text(sdpa) in text and sdpa > 0
     with warnings.catch_warnings():  # the V4 marks recompute no matmul: no warning
         warnings.simplefilter("error")
-        checkpoint_tensors(tc.Block(C, H), (x,))
+        checkpoint_tensors(tc.MarkedLayer(C, H), (x,))
 
 
 # -------------------------------------------------------------------------------------------------
@@ -405,7 +405,7 @@ def test_forgetting_a_view_of_attention_warns_with_the_op_and_its_flops():
 
 
 def _replica_step(rank, world_size, bad_rank, fault):
-    """One data-parallel step of tc.Block; ``bad_rank`` gets ``fault``."""
+    """One data-parallel step of tc.MarkedLayer; ``bad_rank`` gets ``fault``."""
     torch.manual_seed(0)
     seq, dtype, lr, seed = T, torch.float32, 1e-3, 0
     if rank == bad_rank:
@@ -414,7 +414,7 @@ def _replica_step(rank, world_size, bad_rank, fault):
         lr = 2e-3 if fault == "lr" else lr
         seed = 1 if fault == "init" else seed
     torch.manual_seed(seed)
-    model = tc.Block(C, H).to(dtype)
+    model = tc.MarkedLayer(C, H).to(dtype)
     x = torch.randn(B, seq, C, dtype=dtype)
     ddp = tc.checkpoint_data_parallel(model, (x,), dict(lr=lr))
     out = ddp(x)

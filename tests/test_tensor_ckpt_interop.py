@@ -74,7 +74,7 @@ class Graphs:
 @pytest.mark.parametrize("model", ["block", pytest.param("dropout", marks=pytest.mark.slow)])
 def test_compiled_aot_eager_is_bitwise_with_the_plain_eager_model_and_forgets(model):
     torch.manual_seed(0)
-    module = (tc.Block(C, H) if model == "block" else DropoutMLP()).train()
+    module = (tc.MarkedLayer(C, H) if model == "block" else DropoutMLP()).train()
     x = torch.randn(B, T, C)
     ckpt = checkpoint_tensors(module, (x,))
     graphs = Graphs("aot_eager")
@@ -97,7 +97,7 @@ def test_compiled_aot_eager_is_bitwise_with_the_plain_eager_model_and_forgets(mo
 @pytest.mark.slow
 def test_compiled_inductor_equals_the_plain_model_in_float64():
     torch.manual_seed(0)
-    stack = nn.Sequential(tc.Block(C, H), tc.Block(C, H)).double()
+    stack = nn.Sequential(tc.MarkedLayer(C, H), tc.MarkedLayer(C, H)).double()
     x = torch.randn(B, T, C, dtype=torch.float64)
     graphs = Graphs("inductor")
     ours = outputs_and_grads(
@@ -268,7 +268,7 @@ def _steps_without_agreement(rank, world_size):
     import launch
 
     torch.manual_seed(0)
-    model, x = tc.Block(C, H), torch.randn(B, T, C) + rank
+    model, x = tc.MarkedLayer(C, H), torch.randn(B, T, C) + rank
     ddp = tc.checkpoint_data_parallel(model, (x,), {"lr": 1e-3})
 
     def refuse(*args, **kwargs):

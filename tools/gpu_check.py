@@ -120,7 +120,7 @@ def timeline(png, device):
     import memory.memory_timeline as mt
     import memory.plots as mt_plots
 
-    class Block(nn.Module):
+    class PlainLayer(nn.Module):
         def __init__(self, d, heads):
             super().__init__()
             self.heads = heads
@@ -139,7 +139,8 @@ def timeline(png, device):
     torch.manual_seed(0)
     vocab, d, seq, batch = 4096, 128, 128, (16 if device == "cuda" else 2)
     embed = nn.Embedding(vocab, d)
-    model = nn.Sequential(embed, Block(d, 4), Block(d, 4), nn.LayerNorm(d), nn.Linear(d, vocab))
+    layers = (PlainLayer(d, 4), PlainLayer(d, 4))
+    model = nn.Sequential(embed, *layers, nn.LayerNorm(d), nn.Linear(d, vocab))
     model = model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, vocab, (batch, seq + 1), device=device)

@@ -66,11 +66,10 @@ PRIVATE = (
     "tests/mistakes",
     "tests/alternatives",
     "tests/notebook_answers.py",
-    "oracles/v4_mhc.py",
-    "oracles/v4_attention.py",
+    "oracles",
 )
 # what grading on Gradescope does not import (the notebooks' kernel, the linter)
-NOT_FOR_GRADING = ("jupyter", "jupytext", "nbclient", "nbformat", "ipykernel", "ruff")
+NOT_FOR_GRADING = ("jupyter", "jupytext", "nbclient", "nbformat", "ipykernel", "ruff", "nbstripout")
 STAMP = ".release"  # marks a folder this script wrote, so it may be written again
 
 
@@ -159,20 +158,17 @@ def notebooks(root=ROOT):
 
 
 def strip_notebook(src, dst):
-    """Copy a notebook with every output and execution count removed.
+    """Copy a notebook with every output and execution count removed (nbstripout, as a git
+    filter would).
 
     A reference notebook's outputs are the reference solution's results (the numbers a check cell
     expects, the plots a student is asked to predict): none is released."""
     import nbformat
+    from nbstripout import strip_output
 
     nb = nbformat.read(src, as_version=4)
-    for cell in nb.cells:
-        if cell.cell_type == "code":
-            cell.outputs = []
-            cell.execution_count = None
-        cell.metadata.pop("execution", None)
-    nb.metadata.pop("widgets", None)
-    nbformat.write(nb, dst)
+    extra = ["metadata.widgets", "cell.metadata.execution"]
+    nbformat.write(strip_output(nb, False, False, True, extra_keys=extra), dst)
 
 
 def _region_rows(out, regions, root):

@@ -138,7 +138,7 @@ plt.show()
 
 
 # %%
-class Block(nn.Module):
+class PlainLayer(nn.Module):
     def __init__(self, d, heads):
         super().__init__()
         self.heads = heads
@@ -159,7 +159,7 @@ class TinyGPT(nn.Module):
     def __init__(self, vocab=4096, d=128, heads=4, layers=2, seq=128):
         super().__init__()
         self.embed, self.pos = nn.Embedding(vocab, d), nn.Parameter(torch.zeros(seq, d))
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(PlainLayer(d, heads) for _ in range(layers))
         self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
 
     def forward(self, idx, targets):

@@ -182,14 +182,14 @@ plt.show()
 # trace is run once on example inputs to learn which nodes share a storage, which storages
 # autograd saves, and each op's matmul FLOPs.
 #
-# The layer below (`tensor_ckpt.Block`) is a pre-norm transformer layer with V4's three marks:
+# The layer below (`tensor_ckpt.MarkedLayer`) is a pre-norm transformer layer with V4's three marks:
 # the two LayerNorm outputs and the GELU output, for a batch of 4 sequences of 128 tokens, width
 # 128, fp32. The plan says, per forgotten storage, what it frees and what backward re-runs.
 
 # %%
 torch.manual_seed(0)
 C, HEADS, T, BATCH = 128, 4, 128, 4
-block = tc.Block(C, HEADS)
+block = tc.MarkedLayer(C, HEADS)
 x = torch.randn(BATCH, T, C, requires_grad=True)
 ckpt = tc.checkpoint_tensors(block, (x,))
 print(ckpt.plan)
@@ -297,7 +297,7 @@ legend = [
     Line2D([], [], marker="o", ls="", color=PLAIN, ms=8, label="other op"),
 ]
 ax.legend(handles=legend, loc="lower right", frameon=False)
-ax.set_title("One Block, traced by FX: execution order top to bottom, arcs are data edges")
+ax.set_title("One MarkedLayer, traced by FX: execution order top to bottom, arcs are data edges")
 fig.tight_layout()
 plt.show()
 
@@ -366,7 +366,8 @@ check("answer_fc2_bytes", answer_fc2_bytes, judge_fc2)
 # Autograd lets you intercept every tensor it saves. `torch.autograd.graph.saved_tensors_hooks(
 # pack, unpack)` calls `pack(t)` in forward each time an op saves a tensor `t`, and stores
 # whatever `pack` returns; in backward it calls `unpack` on that to get the tensor back. Those are
-# **saved-tensor hooks**. The cell below only watches: it counts what one plain Block forward saves.
+# **saved-tensor hooks**. The cell below only watches: it counts what one plain MarkedLayer
+# forward saves.
 
 # %%
 seen = []
@@ -382,7 +383,7 @@ with torch.autograd.graph.saved_tensors_hooks(watch, lambda t: t):
 given = {p.untyped_storage().data_ptr() for p in [x, *block.parameters()]}
 made = {ptr: n for ptr, n in seen if ptr not in given}
 print(
-    f"one Block forward: autograd saved {len(seen)} tensors in {len({p for p, _ in seen})} "
+    f"one MarkedLayer forward: autograd saved {len(seen)} tensors in {len({p for p, _ in seen})} "
     f"storages; {len(made)} of the storages were made by the forward, "
     f"{sum(made.values()) / MiB:.2f} MiB (the rest are the input and the weights); the meter "
     f"of benchmarks/ckpt_meters.py finds {plain_held / MiB:.2f} MiB alive after the forward"
@@ -405,7 +406,7 @@ for fn in (block, ckpt):
     grads.append([p.grad.clone() for p in block.parameters()])
 same = all(torch.equal(a, b) for a, b in zip(*grads))
 print(
-    f"gradients bitwise equal to the plain Block's: {same}; one backward ran "
+    f"gradients bitwise equal to the plain layer's: {same}; one backward ran "
     f"{ckpt.recomputations} recompute subgraphs, for {len(ckpt.plan.units)} forgotten storages"
 )
 block.zero_grad(set_to_none=True)
@@ -577,7 +578,7 @@ answer_lowest_peak = None  # the variant's name (a string)
 # %%
 stage("recording one step of each variant, two layers")
 torch.manual_seed(0)
-stack = nn.Sequential(*[tc.Block(C, HEADS) for _ in range(2)])
+stack = nn.Sequential(*[tc.MarkedLayer(C, HEADS) for _ in range(2)])
 grad = torch.randn(BATCH, T, C)
 timelines, held_after_forward, rerun_flops = {}, {}, {}
 plain_flops = bench.backward_work(stack, x, grad)[0]
@@ -669,7 +670,7 @@ depths, by_depth = [2, 4, 8], {name: [peak / MiB] for name, peak in peaks.items(
 for depth in depths[1:]:  # two layers were recorded above
     stage(f"{depth} layers")
     torch.manual_seed(0)
-    deep = nn.Sequential(*[tc.Block(C, HEADS) for _ in range(depth)])
+    deep = nn.Sequential(*[tc.MarkedLayer(C, HEADS) for _ in range(depth)])
     for name, fn in bench.variants(deep, x).items():
         by_depth[name].append(bench.memory(deep, fn, x, grad)[2].peak() / MiB)
 fig, ax = plt.subplots(figsize=(8, 3.8))
@@ -689,7 +690,7 @@ for i, depth in enumerate(depths):
         f"{depth} layers: peak below none's by {below['tensor_ckpt']:.2f} MiB (tensor_ckpt), "
         f"{below['module']:.2f} MiB (module)"
     )
-layer_params = sum(p.untyped_storage().nbytes() for p in tc.Block(C, HEADS).parameters())
+layer_params = sum(p.untyped_storage().nbytes() for p in tc.MarkedLayer(C, HEADS).parameters())
 slopes = {name: (ys[-1] - ys[0]) / (depths[-1] - depths[0]) for name, ys in by_depth.items()}
 print("peak per added layer: " + ", ".join(f"{n} {v:.2f} MiB" for n, v in slopes.items()))
 print(
