@@ -17,7 +17,7 @@
 #
 # Course syllabus: topic **10, composing a parallelism layout from a memory and bandwidth budget**
 # (data, pipeline and shard dimensions interact non-linearly). The graded exercise is the budget's
-# `link_bytes` in `compose.py` ([assignment 6 in ASSIGNMENTS.md][a6]):
+# `link_bytes` in `compose_budget.py` ([assignment 6 in ASSIGNMENTS.md][a6]):
 # what each link carries per step. It composes the four chapters: notebooks 01 (MuonZeRO), 02a
 # and 02b (mHC and its pipeline), 03 (compressed attention under CP) and 04 (tensor
 # checkpointing). Terms in bold are defined where they first appear and in the
@@ -302,7 +302,7 @@ check(
 # link's bars across layouts, not stacked bands.
 
 # %%
-links = compose.SENT
+links = compose_budget.SENT
 fig, ax = plt.subplots(figsize=(10, 3.6))
 width = 0.8 / len(links)
 for k, link in enumerate(links):
@@ -494,10 +494,10 @@ for (pp, cp, dp), run in RUNS.items():
         peak = f"{max(r['peak_bytes']) / MiB:6.2f}/{sum(mine.values()) / MiB:6.2f}"
         print(f"{r['rank']:>4}  {peak:>13}  " + "  ".join(f"{c:>13}" for c in cells))
     exact = all(r["sent_bytes"][k] == predicted.sent[r["rank"]][k]
-                for r in run["ranks"] for k in compose.SENT)  # fmt: skip
+                for r in run["ranks"] for k in compose_budget.SENT)  # fmt: skip
     counted = run["ranks"][0]["sent_bytes"]
     print("rank 0 bytes per step, counted / predicted: " + ", ".join(
-        f"{k} {counted[k]:,}/{predicted.sent[0][k]:,}" for k in compose.SENT))  # fmt: skip
+        f"{k} {counted[k]:,}/{predicted.sent[0][k]:,}" for k in compose_budget.SENT))  # fmt: skip
     print(f"every link of every rank counted exactly as predicted: {exact}\n")
 
 # %%
