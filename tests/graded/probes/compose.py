@@ -1,5 +1,6 @@
 """Probes for tests/graded/test_compose.py: they run the regions of compose.py and compose_budget.py
-in a worker and return what came out as plain values (group ranks, byte counts); the tests decide."""
+in a worker and return what came out as plain values (group ranks, byte counts); the tests
+decide."""
 
 import datetime
 import types
