@@ -11,18 +11,18 @@ hold the same stage (C x D of them), never over the pipeline; tensor checkpointi
 forgetting per stage, inside F, around collectives FX cannot trace. The seams are where bugs live.
 
 The fix: one mesh, the chapters' own functions, one proof. `init_device_mesh` gives the pipeline
-its forward link, the CP group and the stage group (the backward link is a second group over
-the same pipeline ranks); mhc.pipeline_step runs 1F1B with
-selective recomputation, cp_compress's protocol runs in every attention F, MuonZeRO steps each
-stage, tensor_ckpt forgets normalised inputs and activation outputs. K steps at every layout equal
+its forward link, the CP group and the stage group (the backward link is a second group over the
+same pipeline ranks); mhc.pipeline_step runs 1F1B with selective recomputation, cp_compress's
+protocol runs in every attention F, MuonZeRO steps each stage, tensor_ckpt forgets normalised
+inputs and activation outputs. K steps at every layout equal
 K steps of `reference_training`: one process, none of the four techniques, torch.optim.Muon + AdamW.
-Before running, compose_budget (its own module, pure) predicts every layout's bytes per rank and
-per link, from link_bytes (section 5) and the model built on the meta device; the demo prints it
-beside what it measures.
+Beside it: compose_budget.py predicts every layout's bytes per rank and per link before anything
+runs, compose_checkpoint.py saves at one layout and resumes at any other, and
+benchmarks/bench_compose.py sets what a run measures beside the prediction.
 
     python compose.py                                                  # one process
     torchrun --nproc_per_node=4 compose.py --pp 2 --cp 2 --dp 1        # any P*C*D = world
-    torchrun --nproc_per_node=4 compose.py --steps 3 --json out.json   # per-rank records
+    torchrun --nproc_per_node=2 compose.py --pp 2 --check              # against the reference
     torchrun --nproc_per_node=2 compose.py --pp 2 --steps 2 --save ckpt  # a checkpoint ...
     python compose.py --steps 4 --resume ckpt --check                  # ... resumed anywhere
     python compose.py --help
@@ -46,6 +46,8 @@ import launch
 import mhc
 import muon_zero
 import tensor_ckpt
+from guards import compose_guard  # the agreement of every step: Refused, one line on every rank
+from guards.compose_guard import Refused
 from tensor_ckpt import forget
 
 
@@ -100,19 +102,10 @@ class Attention(nn.Module):
         super().__init__()
         ratio = cfg.csa_ratio if kind == "csa" else cfg.hca_ratio
         self.norm = mhc.RMSNorm(cfg.dim)
-        self.core = Compressed(
-            cp_compress.CompressedAttention(
-                kind,
-                cfg.dim,
-                cfg.n_heads,
-                cfg.head_dim,
-                ratio,
-                cfg.window,
-                cfg.top_k,
-                cfg.index_heads,
-                cfg.index_dim,
-            )
-        )
+        self.core = Compressed(cp_compress.CompressedAttention(
+            kind, cfg.dim, cfg.n_heads, cfg.head_dim, ratio, cfg.window, cfg.top_k,
+            cfg.index_heads, cfg.index_dim,
+        ))  # fmt: skip
         self.wo = nn.Parameter(torch.randn(cfg.n_heads * cfg.head_dim, cfg.dim) / cfg.dim**0.5)
 
     def forward(self, x):
@@ -298,16 +291,11 @@ def build_optimizer(model, layout, train):
             g["lr"] = train.lr_adamw
         groups += [g] if g["params"] else []
     return muon_zero.MuonZeRO(
-        groups,
-        lr=train.lr_muon,
-        weight_decay=train.weight_decay,
-        ns_coefficients=muon_zero.STANDARD_NS_COEFFICIENTS,
-        update_rms=0.2,
-        ns_dtype=train.ns_dtype,
-        grad_sync=train.grad_sync,
-        process_group=layout.stage_group,
+        groups, lr=train.lr_muon, weight_decay=train.weight_decay,
+        ns_coefficients=muon_zero.STANDARD_NS_COEFFICIENTS, update_rms=0.2,
+        ns_dtype=train.ns_dtype, grad_sync=train.grad_sync, process_group=layout.stage_group,
         seed=train.seed,
-    )
+    )  # fmt: skip
 
 
 def plan_forgetting(model, layout, cfg):
@@ -324,7 +312,7 @@ def plan_forgetting(model, layout, cfg):
         )
 
 
-# ---- 3. One training step on the layout -------------------------------------------------------
+# ---- 3. One training step on the layout, and the run -------------------------------------------
 
 
 def local_batch(tokens, cfg, layout):
@@ -337,70 +325,10 @@ def local_batch(tokens, cfg, layout):
     return idx.contiguous(), targets.contiguous()
 
 
-class Refused(ValueError):
-    """A run every rank stops with the same one line (a batch that differs where it must agree, a
-    loss or gradient that is not finite): each rank decides it from the same gathered numbers."""
-
-
-def replica_digest(tokens, cfg, layout):
-    """48 bits of sha256 over this replica's rows [batch, T + 1]: the same on every stage and CP
-    shard of a replica (exact in a float64)."""
-    d = layout.coords[2]
-    rows = tokens[d * cfg.batch : (d + 1) * cfg.batch].contiguous()
-    return float(int(launch.weights_digest([("rows", rows)])[:12], 16))
-
-
-def first_nonfinite(model, device):
-    """The position in model.named_parameters() of the first parameter this rank holds whose
-    gradient is not finite, else inf: one tensor, no host copy."""
-    flags = [(i, p.grad) for i, (_, p) in enumerate(model.named_parameters()) if p.grad is not None]
-    if not flags:
-        return torch.tensor(math.inf, device=device, dtype=torch.float64)
-    finite = torch.stack([g.isfinite().all() for _, g in flags])
-    where = torch.tensor([i for i, _ in flags], device=device, dtype=torch.float64)
-    return torch.where(finite, math.inf, where).min()
-
-
-def check_step(step, gathered, cfg, layout, model, allow_nonfinite):
-    """Every rank's (replica digest, loss, first non-finite gradient), gathered: the same verdict
-    on every rank. -> the loss summed over the ranks, or Refused."""
-    digest, loss, bad = gathered.T.tolist()
-    for d in range(layout.dp):  # rank (p * cp + c) * dp + d: stages and CP shards of replica d
-        ranks = list(range(d, len(digest), layout.dp))
-        values = {digest[r] for r in ranks}
-        if len(values) > 1:
-            held = ", ".join(f"rank {r} {int(digest[r]):012x}" for r in ranks)
-            raise Refused(
-                f"compose: step {step}: the stages and CP shards of replica d={d} hold different "
-                f"batches ({held}); every rank of a replica must draw the same rows"
-            )
-    total = sum(loss)
-    if allow_nonfinite:
-        return total
-    if not math.isfinite(total):
-        raise Refused(
-            f"compose: step {step}: the loss is {total} (not finite); --allow-nonfinite keeps going"
-        )
-    if math.isfinite(first := min(bad)):
-        name = next(n for i, (n, _) in enumerate(model.named_parameters()) if i == first)
-        rank = bad.index(first)
-        raise Refused(
-            f"compose: step {step}: the gradient of {name} is not finite (rank {rank}); "
-            f"--allow-nonfinite keeps going"
-        )
-    return total
-
-
 def train_step(
-    model,
-    opt,
-    tokens,
-    cfg,
-    layout,
-    phase=lambda name: contextlib.nullcontext(),
-    step=1,
+    model, opt, tokens, cfg, layout, phase=lambda name: contextlib.nullcontext(), step=1,
     allow_nonfinite=False,
-):
+):  # fmt: skip
     """1F1B over the stages (CP inside every attention F), then MuonZeRO over the stage group.
     Every rank's loss is its tokens' mean; the optimizer averages over the C x D ranks of equal
     token counts: the mean over the whole batch, as one process. Before the update, one all-gather
@@ -412,102 +340,11 @@ def train_step(
         loss, stats = mhc.pipeline_step(
             model, idx, targets, cfg.n_micro, "optimised", groups=layout.pipeline
         )
-    mine = loss.detach() if loss is not None else torch.zeros((), device=device)
-    digest = torch.tensor(replica_digest(tokens, cfg, layout), device=device, dtype=torch.float64)
-    numbers = torch.stack([digest, mine.double(), first_nonfinite(model, device)])
-    gathered = [torch.empty_like(numbers) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, numbers)  # only the last stage's C x D ranks add a loss
-    total = check_step(step, torch.stack(gathered).cpu(), cfg, layout, model, allow_nonfinite)
+    total = compose_guard.agree(step, tokens, cfg, layout, model, loss, allow_nonfinite)
     with phase("optimizer"):
         opt.step()
         opt.zero_grad(set_to_none=True)
     return total / (layout.cp * layout.dp), stats
-
-
-# ---- 4. The reference: one process, none of the four techniques --------------------------------
-
-
-def reference_optimizers(model, train):
-    """torch.optim.Muon on every matrix (each expert its own) + torch.optim.AdamW on embeddings,
-    the LM head, biases, norms and the attention's positional bias. -> (optimizers, experts):
-    experts maps each stack to its per-expert leaves (views into it)."""
-    muon, adamw, experts = [], [], {}
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        plain = (
-            name.startswith(("embed.", "lm_head."))
-            or name.rsplit(".", 1)[-1].startswith(("bias", "ape"))
-            or p.ndim < 2
-        )
-        if plain:
-            adamw.append(p)
-        elif p.ndim == 3:
-            experts[p] = [p.detach()[e] for e in range(p.shape[0])]
-            muon += experts[p]
-        else:
-            muon.append(p)
-    return [
-        torch.optim.Muon(
-            muon,
-            lr=train.lr_muon,
-            weight_decay=train.weight_decay,
-            momentum=0.95,
-            nesterov=True,
-            adjust_lr_fn="match_rms_adamw",
-        ),
-        torch.optim.AdamW(
-            adamw, lr=train.lr_adamw, betas=(0.9, 0.95), eps=1e-8, weight_decay=train.weight_decay
-        ),
-    ], experts
-
-
-@contextlib.contextmanager
-def newton_schulz_in(dtype):
-    """torch.optim.Muon computes Newton-Schulz in bf16; for the fp32 proof, the same iteration
-    in `dtype` (its code with the one cast changed)."""
-    import torch.optim._muon as tm
-
-    bf16 = tm._zeropower_via_newtonschulz
-
-    def ns(grad, coefficients, steps, eps):
-        a, b, c = coefficients
-        X = grad.to(dtype)
-        X = X.T if grad.size(0) > grad.size(1) else X
-        X = X / X.norm().clamp(min=eps)
-        for _ in range(steps):
-            A = X @ X.T
-            X = torch.addmm(X, torch.addmm(A, A, A, beta=b, alpha=c), X, beta=a)
-        return X.T if grad.size(0) > grad.size(1) else X
-
-    tm._zeropower_via_newtonschulz = bf16 if dtype == torch.bfloat16 else ns
-    try:
-        yield
-    finally:
-        tm._zeropower_via_newtonschulz = bf16
-
-
-def reference_training(cfg, dp, train, device="cpu"):
-    """K steps on one process of the whole batch (dp replicas' rows): plain mHC layers, attention
-    over the whole sequence, the MoE as written, nothing forgotten. -> (losses, parameters)."""
-    model = make_model(cfg, 1, train.seed).to(device, train.dtype)
-    model.attend(documents(cfg).to(device))
-    opts, experts = reference_optimizers(model, train)
-    losses = []
-    with newton_schulz_in(train.ns_dtype):
-        for step in range(train.steps):
-            tokens = batch_tokens(cfg, cfg.batch * dp, step, train.seed).to(device)
-            loss = model(tokens[:, :-1], tokens[:, 1:])
-            loss.backward()
-            for stack, leaves in experts.items():
-                for e, leaf in enumerate(leaves):
-                    leaf.grad = stack.grad[e]
-            for opt in opts:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            model.zero_grad(set_to_none=True)  # the stacks themselves are in no optimizer
-            losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def run_layout(
@@ -551,6 +388,85 @@ def run_layout(
         losses.append(loss)
     names = {id(p): n for n, p in model.named_parameters()}
     return losses, {names[id(p)]: p.detach() for p in held.parameters()}, layout, model, opt
+
+
+# ---- 4. The reference: one process, none of the four techniques --------------------------------
+
+
+def reference_optimizers(model, train):
+    """torch.optim.Muon on every matrix (each expert its own) + torch.optim.AdamW on embeddings,
+    the LM head, biases, norms and the attention's positional bias. -> (optimizers, experts):
+    experts maps each stack to its per-expert leaves (views into it)."""
+    muon, adamw, experts = [], [], {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        plain = (
+            name.startswith(("embed.", "lm_head."))
+            or name.rsplit(".", 1)[-1].startswith(("bias", "ape"))
+            or p.ndim < 2
+        )
+        if plain:
+            adamw.append(p)
+        elif p.ndim == 3:
+            experts[p] = [p.detach()[e] for e in range(p.shape[0])]
+            muon += experts[p]
+        else:
+            muon.append(p)
+    return [
+        torch.optim.Muon(muon, lr=train.lr_muon, weight_decay=train.weight_decay, momentum=0.95,
+                         nesterov=True, adjust_lr_fn="match_rms_adamw"),
+        torch.optim.AdamW(adamw, lr=train.lr_adamw, betas=(0.9, 0.95), eps=1e-8,
+                          weight_decay=train.weight_decay),
+    ], experts  # fmt: skip
+
+
+@contextlib.contextmanager
+def newton_schulz_in(dtype):
+    """torch.optim.Muon computes Newton-Schulz in bf16; for the fp32 proof, the same iteration
+    in `dtype` (its code with the one cast changed)."""
+    import torch.optim._muon as tm  # torch has no public option for Muon's Newton-Schulz dtype
+
+    bf16 = tm._zeropower_via_newtonschulz
+
+    def ns(grad, coefficients, steps, eps):
+        a, b, c = coefficients
+        X = grad.to(dtype)
+        X = X.T if grad.size(0) > grad.size(1) else X
+        X = X / X.norm().clamp(min=eps)
+        for _ in range(steps):
+            A = X @ X.T
+            X = torch.addmm(X, torch.addmm(A, A, A, beta=b, alpha=c), X, beta=a)
+        return X.T if grad.size(0) > grad.size(1) else X
+
+    tm._zeropower_via_newtonschulz = bf16 if dtype == torch.bfloat16 else ns
+    try:
+        yield
+    finally:
+        tm._zeropower_via_newtonschulz = bf16
+
+
+def reference_training(cfg, dp, train, device="cpu"):
+    """K steps on one process of the whole batch (dp replicas' rows): plain mHC layers, attention
+    over the whole sequence, the MoE as written, nothing forgotten. -> (losses, parameters)."""
+    model = make_model(cfg, 1, train.seed).to(device, train.dtype)
+    model.attend(documents(cfg).to(device))
+    opts, experts = reference_optimizers(model, train)
+    losses = []
+    with newton_schulz_in(train.ns_dtype):
+        for step in range(train.steps):
+            tokens = batch_tokens(cfg, cfg.batch * dp, step, train.seed).to(device)
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+            loss.backward()
+            for stack, leaves in experts.items():
+                for e, leaf in enumerate(leaves):
+                    leaf.grad = stack.grad[e]
+            for opt in opts:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=True)  # the stacks themselves are in no optimizer
+            losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 # ---- 5. The command line: validation at the door, the demo -----------------------------------
