@@ -2,9 +2,9 @@
 carries, before anything runs.
 
 A pure function of the configuration and the machine: no process, no tensor. Every byte below is
-derived from a tensor the chapters make (named in each docstring), so compose's measured peaks
-(memory_timeline) and counted bytes can be set beside it rank by rank: link_bytes says what each
-link carries per step, the rest what each rank holds, and budget_table ranks the layouts.
+derived from a tensor the chapters make (named in each docstring), so the peaks and bytes
+benchmarks/bench_compose.py measures can be set beside it rank by rank: link_bytes says what
+each link carries per step, the rest what each rank holds, and budget_table ranks the layouts.
 
     python -c "import compose, compose_budget as b; print(b.format_budget(b.budget_table(
         compose.ComposeConfig(), 4, 80 * 2**30, 100e9, 25e9)))"
@@ -485,7 +485,7 @@ def format_budget(rows):
 
 
 def check_fits(parser, args, world):
-    """compose's command line, at its door: a layout whose predicted peak cannot fit this machine
+    """benchmarks/bench_compose.py's door: a layout whose predicted peak cannot fit this machine
     is a one-line usage error before any work (launch.check_fits)."""
     grad_sync = "bf16_sr" if args.v4 else "fp32"
     budget = layout_budget(
