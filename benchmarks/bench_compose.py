@@ -24,7 +24,8 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # this checkout's files, before any other on the path
 import compose  # noqa: E402
 import compose_budget  # noqa: E402
 import launch  # noqa: E402
