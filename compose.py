@@ -11,18 +11,18 @@ hold the same stage (C x D of them), never over the pipeline; tensor checkpointi
 forgetting per stage, inside F, around collectives FX cannot trace. The seams are where bugs live.
 
 The fix: one mesh, the chapters' own functions, one proof. `init_device_mesh` gives the pipeline
-its forward link, the CP group and the stage group (the backward link is a second group over
-the same pipeline ranks); mhc.pipeline_step runs 1F1B with
-selective recomputation, cp_compress's protocol runs in every attention F, MuonZeRO steps each
-stage, tensor_ckpt forgets normalised inputs and activation outputs. K steps at every layout equal
+its forward link, the CP group and the stage group (the backward link is a second group over the
+same pipeline ranks); mhc.pipeline_step runs 1F1B with selective recomputation, cp_compress's
+protocol runs in every attention F, MuonZeRO steps each stage, tensor_ckpt forgets normalised
+inputs and activation outputs. K steps at every layout equal
 K steps of `reference_training`: one process, none of the four techniques, torch.optim.Muon + AdamW.
-Before running, compose_budget (its own module, pure) predicts every layout's bytes per rank and
-per link, from link_bytes (section 5) and the model built on the meta device; the demo prints it
-beside what it measures.
+Beside it: compose_budget.py predicts every layout's bytes per rank and per link before anything
+runs, compose_checkpoint.py saves at one layout and resumes at any other, and
+benchmarks/bench_compose.py sets what a run measures beside the prediction.
 
     python compose.py                                                  # one process
     torchrun --nproc_per_node=4 compose.py --pp 2 --cp 2 --dp 1        # any P*C*D = world
-    torchrun --nproc_per_node=4 compose.py --steps 3 --json out.json   # per-rank records
+    torchrun --nproc_per_node=2 compose.py --pp 2 --check              # against the reference
     torchrun --nproc_per_node=2 compose.py --pp 2 --steps 2 --save ckpt  # a checkpoint ...
     python compose.py --steps 4 --resume ckpt --check                  # ... resumed anywhere
     python compose.py --help
@@ -31,21 +31,23 @@ beside what it measures.
 import argparse
 import contextlib
 import functools
-import json
 import math
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import compose_checkpoint
 import cp_compress
 import launch
 import mhc
 import muon_zero
 import tensor_ckpt
+from guards import compose_guard  # the agreement of every step: Refused, one line on every rank
+from guards.compose_guard import Refused
 from tensor_ckpt import forget
 
 
@@ -100,19 +102,10 @@ class Attention(nn.Module):
         super().__init__()
         ratio = cfg.csa_ratio if kind == "csa" else cfg.hca_ratio
         self.norm = mhc.RMSNorm(cfg.dim)
-        self.core = Compressed(
-            cp_compress.CompressedAttention(
-                kind,
-                cfg.dim,
-                cfg.n_heads,
-                cfg.head_dim,
-                ratio,
-                cfg.window,
-                cfg.top_k,
-                cfg.index_heads,
-                cfg.index_dim,
-            )
-        )
+        self.core = Compressed(cp_compress.CompressedAttention(
+            kind, cfg.dim, cfg.n_heads, cfg.head_dim, ratio, cfg.window, cfg.top_k,
+            cfg.index_heads, cfg.index_dim,
+        ))  # fmt: skip
         self.wo = nn.Parameter(torch.randn(cfg.n_heads * cfg.head_dim, cfg.dim) / cfg.dim**0.5)
 
     def forward(self, x):
@@ -298,16 +291,11 @@ def build_optimizer(model, layout, train):
             g["lr"] = train.lr_adamw
         groups += [g] if g["params"] else []
     return muon_zero.MuonZeRO(
-        groups,
-        lr=train.lr_muon,
-        weight_decay=train.weight_decay,
-        ns_coefficients=muon_zero.STANDARD_NS_COEFFICIENTS,
-        update_rms=0.2,
-        ns_dtype=train.ns_dtype,
-        grad_sync=train.grad_sync,
-        process_group=layout.stage_group,
+        groups, lr=train.lr_muon, weight_decay=train.weight_decay,
+        ns_coefficients=muon_zero.STANDARD_NS_COEFFICIENTS, update_rms=0.2,
+        ns_dtype=train.ns_dtype, grad_sync=train.grad_sync, process_group=layout.stage_group,
         seed=train.seed,
-    )
+    )  # fmt: skip
 
 
 def plan_forgetting(model, layout, cfg):
@@ -324,7 +312,7 @@ def plan_forgetting(model, layout, cfg):
         )
 
 
-# ---- 3. One training step on the layout -------------------------------------------------------
+# ---- 3. One training step on the layout, and the run -------------------------------------------
 
 
 def local_batch(tokens, cfg, layout):
@@ -337,70 +325,10 @@ def local_batch(tokens, cfg, layout):
     return idx.contiguous(), targets.contiguous()
 
 
-class Refused(ValueError):
-    """A run every rank stops with the same one line (a batch that differs where it must agree, a
-    loss or gradient that is not finite): each rank decides it from the same gathered numbers."""
-
-
-def replica_digest(tokens, cfg, layout):
-    """48 bits of sha256 over this replica's rows [batch, T + 1]: the same on every stage and CP
-    shard of a replica (exact in a float64)."""
-    d = layout.coords[2]
-    rows = tokens[d * cfg.batch : (d + 1) * cfg.batch].contiguous()
-    return float(int(launch.weights_digest([("rows", rows)])[:12], 16))
-
-
-def first_nonfinite(model, device):
-    """The position in model.named_parameters() of the first parameter this rank holds whose
-    gradient is not finite, else inf: one tensor, no host copy."""
-    flags = [(i, p.grad) for i, (_, p) in enumerate(model.named_parameters()) if p.grad is not None]
-    if not flags:
-        return torch.tensor(math.inf, device=device, dtype=torch.float64)
-    finite = torch.stack([g.isfinite().all() for _, g in flags])
-    where = torch.tensor([i for i, _ in flags], device=device, dtype=torch.float64)
-    return torch.where(finite, math.inf, where).min()
-
-
-def check_step(step, gathered, cfg, layout, model, allow_nonfinite):
-    """Every rank's (replica digest, loss, first non-finite gradient), gathered: the same verdict
-    on every rank. -> the loss summed over the ranks, or Refused."""
-    digest, loss, bad = gathered.T.tolist()
-    for d in range(layout.dp):  # rank (p * cp + c) * dp + d: stages and CP shards of replica d
-        ranks = list(range(d, len(digest), layout.dp))
-        values = {digest[r] for r in ranks}
-        if len(values) > 1:
-            held = ", ".join(f"rank {r} {int(digest[r]):012x}" for r in ranks)
-            raise Refused(
-                f"compose: step {step}: the stages and CP shards of replica d={d} hold different "
-                f"batches ({held}); every rank of a replica must draw the same rows"
-            )
-    total = sum(loss)
-    if allow_nonfinite:
-        return total
-    if not math.isfinite(total):
-        raise Refused(
-            f"compose: step {step}: the loss is {total} (not finite); --allow-nonfinite keeps going"
-        )
-    if math.isfinite(first := min(bad)):
-        name = next(n for i, (n, _) in enumerate(model.named_parameters()) if i == first)
-        rank = bad.index(first)
-        raise Refused(
-            f"compose: step {step}: the gradient of {name} is not finite (rank {rank}); "
-            f"--allow-nonfinite keeps going"
-        )
-    return total
-
-
 def train_step(
-    model,
-    opt,
-    tokens,
-    cfg,
-    layout,
-    phase=lambda name: contextlib.nullcontext(),
-    step=1,
+    model, opt, tokens, cfg, layout, phase=lambda name: contextlib.nullcontext(), step=1,
     allow_nonfinite=False,
-):
+):  # fmt: skip
     """1F1B over the stages (CP inside every attention F), then MuonZeRO over the stage group.
     Every rank's loss is its tokens' mean; the optimizer averages over the C x D ranks of equal
     token counts: the mean over the whole batch, as one process. Before the update, one all-gather
@@ -412,16 +340,54 @@ def train_step(
         loss, stats = mhc.pipeline_step(
             model, idx, targets, cfg.n_micro, "optimised", groups=layout.pipeline
         )
-    mine = loss.detach() if loss is not None else torch.zeros((), device=device)
-    digest = torch.tensor(replica_digest(tokens, cfg, layout), device=device, dtype=torch.float64)
-    numbers = torch.stack([digest, mine.double(), first_nonfinite(model, device)])
-    gathered = [torch.empty_like(numbers) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, numbers)  # only the last stage's C x D ranks add a loss
-    total = check_step(step, torch.stack(gathered).cpu(), cfg, layout, model, allow_nonfinite)
+    total = compose_guard.agree(step, tokens, cfg, layout, model, loss, allow_nonfinite)
     with phase("optimizer"):
         opt.step()
         opt.zero_grad(set_to_none=True)
     return total / (layout.cp * layout.dp), stats
+
+
+def run_layout(
+    cfg, train, pp, cp, dp, device=torch.device("cpu"), on_step=None, save=None, save_every=0,
+    resume=None,
+):  # fmt: skip
+    """Training steps up to train.steps on the layout, inside a process group of pp * cp * dp
+    ranks. on_step(step, layout, model, opt, run) wraps each step (run(phase) trains it). save:
+    a folder for checkpoints, written every save_every steps (0: never) and after the last;
+    resume: one whose newest checkpoint this run continues (cfg's batch then follows the saved
+    global batch; compose_checkpoint). -> (the global losses of the steps run, this stage's
+    parameters {name: tensor}, layout, model, optimizer)."""
+    start, checkpoint = 0, None
+    if resume:
+        start, checkpoint, cfg, _ = compose_checkpoint.resume_from(resume, cfg, train, pp, cp, dp)
+    layout = layout_groups(pp, cp, dp, device.type)
+    model = make_model(cfg, cp, train.seed).to(device, train.dtype)
+    model.attend(documents(cfg).to(device), layout.cp_group)
+    plan_forgetting(model, layout, cfg)
+    opt = build_optimizer(model, layout, train)
+    held, _ = stage_parameters(model, layout)
+    if checkpoint:
+        compose_checkpoint.load_checkpoint(checkpoint, model, held, opt)
+    losses = []
+    for step in range(start, train.steps):
+        tokens = batch_tokens(cfg, cfg.batch * dp, step, train.seed)
+        run = functools.partial(
+            train_step, model, opt, tokens, cfg, layout, step=step + 1,
+            allow_nonfinite=train.allow_nonfinite,
+        )  # fmt: skip
+        try:
+            loss, _ = on_step(step, layout, model, opt, run) if on_step else run()
+            if save and (step + 1 == train.steps or save_every and (step + 1) % save_every == 0):
+                compose_checkpoint.save_checkpoint(
+                    save, step + 1, model, held, opt, cfg, train, layout
+                )
+        except Refused:  # every rank decided it from the same numbers: none is left waiting
+            raise
+        except Exception as err:
+            launch.stop_together(err, f"compose: step {step + 1}")
+        losses.append(loss)
+    names = {id(p): n for n, p in model.named_parameters()}
+    return losses, {names[id(p)]: p.detach() for p in held.parameters()}, layout, model, opt
 
 
 # ---- 4. The reference: one process, none of the four techniques --------------------------------
@@ -448,25 +414,18 @@ def reference_optimizers(model, train):
         else:
             muon.append(p)
     return [
-        torch.optim.Muon(
-            muon,
-            lr=train.lr_muon,
-            weight_decay=train.weight_decay,
-            momentum=0.95,
-            nesterov=True,
-            adjust_lr_fn="match_rms_adamw",
-        ),
-        torch.optim.AdamW(
-            adamw, lr=train.lr_adamw, betas=(0.9, 0.95), eps=1e-8, weight_decay=train.weight_decay
-        ),
-    ], experts
+        torch.optim.Muon(muon, lr=train.lr_muon, weight_decay=train.weight_decay, momentum=0.95,
+                         nesterov=True, adjust_lr_fn="match_rms_adamw"),
+        torch.optim.AdamW(adamw, lr=train.lr_adamw, betas=(0.9, 0.95), eps=1e-8,
+                          weight_decay=train.weight_decay),
+    ], experts  # fmt: skip
 
 
 @contextlib.contextmanager
 def newton_schulz_in(dtype):
     """torch.optim.Muon computes Newton-Schulz in bf16; for the fp32 proof, the same iteration
     in `dtype` (its code with the one cast changed)."""
-    import torch.optim._muon as tm
+    import torch.optim._muon as tm  # torch has no public option for Muon's Newton-Schulz dtype
 
     bf16 = tm._zeropower_via_newtonschulz
 
@@ -510,389 +469,7 @@ def reference_training(cfg, dp, train, device="cpu"):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def run_layout(
-    cfg,
-    train,
-    pp,
-    cp,
-    dp,
-    device=torch.device("cpu"),
-    on_step=None,
-    save=None,
-    save_every=0,
-    resume=None,
-):
-    """Training steps up to train.steps on the layout, inside a process group of pp * cp * dp
-    ranks. on_step(step, layout, model, opt, run) wraps each step (run(phase) trains it). save:
-    a folder for checkpoints, written every save_every steps (0: never) and after the last;
-    resume: one whose newest checkpoint this run continues (cfg's batch then follows the saved
-    global batch). -> (the global losses of the steps run, this stage's parameters {name:
-    tensor}, layout, model, optimizer)."""
-    start, checkpoint = 0, None
-    if resume:
-        start, checkpoint, saved = latest_checkpoint(resume)
-        cfg, start = resume_config(saved, cfg, train, pp, cp, dp)
-    layout = layout_groups(pp, cp, dp, device.type)
-    model = make_model(cfg, cp, train.seed).to(device, train.dtype)
-    model.attend(documents(cfg).to(device), layout.cp_group)
-    plan_forgetting(model, layout, cfg)
-    opt = build_optimizer(model, layout, train)
-    if checkpoint:
-        load_checkpoint(checkpoint, model, opt, layout)
-    losses = []
-    for step in range(start, train.steps):
-        tokens = batch_tokens(cfg, cfg.batch * dp, step, train.seed)
-        run = functools.partial(
-            train_step,
-            model,
-            opt,
-            tokens,
-            cfg,
-            layout,
-            step=step + 1,
-            allow_nonfinite=train.allow_nonfinite,
-        )
-        try:
-            loss, _ = on_step(step, layout, model, opt, run) if on_step else run()
-            if save and (step + 1 == train.steps or save_every and (step + 1) % save_every == 0):
-                save_checkpoint(save, step + 1, model, opt, cfg, train, layout)
-        except Refused:  # every rank decided it from the same numbers: none is left waiting
-            raise
-        except Exception as err:
-            launch.stop_together(err, f"compose: step {step + 1}")
-        losses.append(loss)
-    held, _ = stage_parameters(model, layout)
-    names = {id(p): n for n, p in model.named_parameters()}
-    return losses, {names[id(p)]: p.detach() for p in held.parameters()}, layout, model, opt
-
-
-# ---- 5. What each link carries per step -------------------------------------------------------
-# A pure function of the configuration, a rank's place and MuonZeRO's plan: no process, no tensor.
-# compose_budget sets it beside what each rank holds and ranks the layouts that fit.
-
-SENT = ("pp_send", "cp_halo", "cp_gather", "grad_reduce_scatter", "param_all_gather")
-FP32, BF16 = 4, 2  # bytes per element
-
-
-def sublayer_kind(i):
-    """Sublayer i's F: CSA attention when i % 4 == 0, HCA when i % 4 == 2, an MoE MLP when odd."""
-    return "moe" if i % 2 else ("csa" if i % 4 == 0 else "hca")
-
-
-@dataclass(frozen=True)
-class ParamSpec:
-    """One parameter as the budget sees it: its name in ComposeModel, shape, MuonZeRO role (as
-    muon_param_groups assigns it) and whether it trains (CSA's indexer does not)."""
-
-    name: str
-    shape: tuple
-    role: str  # "dense", "expert_down", "expert_up", "expert_gate" or "adamw"
-    trains: bool = True
-
-    @property
-    def numel(self):
-        return math.prod(self.shape)
-
-
-@dataclass(frozen=True)
-class Rank:
-    """Where a rank sits in the (pp, cp, dp) mesh; global rank = (p * cp + c) * dp + d."""
-
-    p: int
-    c: int
-    d: int
-    pp: int
-    cp: int
-    dp: int
-
-    @property
-    def rank(self):
-        return (self.p * self.cp + self.c) * self.dp + self.d
-
-    @property
-    def group_rank(self):
-        """Its rank in the stage's MuonZeRO group, the flattened ("cp", "dp") sub-mesh."""
-        return self.c * self.dp + self.d
-
-
-def micro_stream_bytes(cfg, cp):
-    """One micro-batch's n-lane stream on one CP rank, [B/n_micro, T/cp, n_hc, C] fp32: what a
-    stage sends the next (mhc.StageLinks) and the gradient it gets back."""
-    return cfg.batch // cfg.n_micro * (cfg.seq_len // cp) * cfg.n_hc * cfg.dim * FP32
-
-
-def halo_bytes(cfg, kind):
-    """Bytes one attention layer sends the next CP rank per sequence in forward: the compressor's
-    halo (cp_compress.halo_rows raw rows of kv and gate logits, [rows, 2, sets, channels]) and the
-    sliding window's window - 1 raw K/V rows [D] (CompressedAttention.context_parallel)."""
-    csa = kind == "csa"
-    sets, ch = (2, cfg.head_dim + cfg.index_dim) if csa else (1, cfg.head_dim)
-    ratio = cfg.csa_ratio if csa else cfg.hca_ratio
-    rows = cp_compress.halo_rows(ratio, csa)
-    return (rows * 2 * sets * ch + (cfg.window - 1) * cfg.head_dim) * FP32
-
-
-def gather_buffer_bytes(cfg, kind, cp):
-    """One rank's stage-2 buffer per attention layer and sequence: s/m + 1 entries of the
-    compressor's channels (D, plus the indexer's Di under CSA), fp32."""
-    csa = kind == "csa"
-    ch = cfg.head_dim + (cfg.index_dim if csa else 0)
-    ratio = cfg.csa_ratio if csa else cfg.hca_ratio
-    return (cfg.seq_len // cp // ratio + 1) * ch * FP32
-
-
-def link_bytes(cfg, where, plan, tensors, grad_sync="bf16_sr"):
-    """Bytes rank `where` (a Rank) sends per training step on each link, {link: bytes}.
-
-    pp_send: n_micro micro-batch streams to the next stage (forward) and as many gradients to the
-        previous one (backward); an end stage sends in one direction only.
-    cp_halo: per attention layer of the stage and per sequence of every micro-batch, halo_bytes to
-        the next CP rank in forward (not from the last) and their gradient back in backward (not
-        from CP rank 0).
-    cp_gather: the stage-2 all-gather of the buffer to the cp - 1 others in forward, and its
-        reduce-scatter in backward (the same bytes).
-    grad_reduce_scatter: MuonZeRO's all-to-all of the packed gradient chunks, one to each of the
-        other G - 1 peers (dense buckets over the zero width, expert runs over the group), in
-        bf16 under grad_sync "bf16_sr" (fp32 under "fp32"); plus AdamW's fp32 all-reduce of the
-        trained AdamW tensors, 2 (G-1)/G of their size (a ring).
-    param_all_gather: every updated fp32 chunk to the other peers.
-    """
-    # hint: count each collective from the sender's side; a pipeline end has one neighbour, CP's
-    # ends one halo direction; the gradient's payload dtype follows grad_sync
-    ### BEGIN SOLUTION
-    pp, cp, G = where.pp, where.cp, where.cp * where.dp
-    micro = micro_stream_bytes(cfg, cp)
-    directions = (where.p < pp - 1) + (where.p > 0)
-    sent = dict.fromkeys(SENT, 0)
-    sent["pp_send"] = directions * cfg.n_micro * micro
-
-    sequences = cfg.n_micro * (cfg.batch // cfg.n_micro)
-    first, stop = mhc.stage_layers(cfg.n_layers, pp, where.p)
-    for kind in (sublayer_kind(i) for i in range(first, stop)):
-        if kind == "moe" or cp == 1:
-            continue
-        halo_directions = (where.c < cp - 1) + (where.c > 0)
-        sent["cp_halo"] += sequences * halo_directions * halo_bytes(cfg, kind)
-        sent["cp_gather"] += sequences * 2 * (cp - 1) * gather_buffer_bytes(cfg, kind, cp)
-
-    grad_item = BF16 if grad_sync == "bf16_sr" else FP32
-    Z = plan.zero_width
-    dense, experts = plan.dense_bucket_numel, plan.expert_chunk_numel
-    adamw = sum(t.numel for t in tensors if t.role == "adamw" and t.trains)
-    sent["grad_reduce_scatter"] = ((Z - 1) * dense + (G - 1) * experts) * grad_item
-    sent["grad_reduce_scatter"] += 2 * (G - 1) * adamw * FP32 // G
-    sent["param_all_gather"] = ((Z - 1) * dense + (G - 1) * experts) * FP32
-    return sent
-    ### END SOLUTION
-
-
-@dataclass(frozen=True)
-class PlanSizes:
-    """The sizes link_bytes reads from MuonZeRO's plan (muon_zero.MuonPlan), and the elements each
-    group rank owns (its momentum); compose_budget.plan_sizes reads them from plan_muon's plan."""
-
-    zero_width: int
-    dense_bucket_numel: int  # the largest dense bucket: every bucket is padded to it
-    expert_chunk_numel: int  # the largest expert run: every run is padded to it
-    owned_numel: tuple  # per group rank: elements of the matrices it owns
-
-
-# ---- appendix: checkpoints, saved at one layout and resumed at any other -------------------------
-# torch.distributed.checkpoint, torchtitan's recipe: every rank hands dcp.save what it holds, under
-# names that do not depend on the layout (the model's own: "sublayers.3.w_up", never a stage's),
-# and MuonZeRO's state through get_optimizer_state_dict (each matrix's momentum from its owner);
-# dcp.load fills whatever the new layout holds. Beside it, compose.json: the step (the data
-# position: batch_tokens draws step k's rows from (seed, k) alone), the layout, the global batch
-# and the settings a resume must match. A checkpoint is DIR/step-<k>: written as step-<k>.tmp and
-# renamed by rank 0 once every rank has written its share, so it is complete or absent.
-
-RESUMED_FIELDS = ("seed", "dtype", "grad_sync", "ns_dtype", "lr_muon", "lr_adamw", "weight_decay")
-OPTIM = None  # StateDictOptions, made on first use: param groups keyed by parameter name
-
-
-def checkpoint_options():
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    global OPTIM
-    OPTIM = OPTIM or StateDictOptions(flatten_optimizer_state_dict=True)
-    return OPTIM
-
-
-def latest_checkpoint(root):
-    """-> (step, path, compose.json's record) of the newest complete checkpoint in root, or
-    ValueError. A step-<k>.tmp (a save that did not finish) is never read."""
-    steps = (
-        [int(n[5:]) for n in os.listdir(root) if n.startswith("step-") and n[5:].isdigit()]
-        if os.path.isdir(root)
-        else []
-    )
-    if not steps:
-        raise ValueError(f"--resume {root}: no complete checkpoint (a step-<k> folder) there")
-    path = os.path.join(root, f"step-{max(steps)}")
-    with open(os.path.join(path, "compose.json")) as f:
-        return max(steps), path, json.load(f)
-
-
-def _setting(value):
-    return str(value) if isinstance(value, torch.dtype) else value
-
-
-def resume_config(saved, cfg, train, pp, cp, dp):
-    """The configuration that continues `saved` (compose.json) on pp x cp x dp: the model's fields
-    and train's settings must match (ValueError naming the first that differs); the global batch
-    stays the checkpoint's, each of the dp replicas taking its share. -> (cfg, start step)."""
-    mine = {**asdict(cfg), **{k: _setting(getattr(train, k)) for k in RESUMED_FIELDS}}
-    theirs = {**saved["config"], **saved["training"]}
-    for field, value in mine.items():
-        if field not in ("batch", "n_micro") and theirs.get(field) != value:
-            raise ValueError(
-                f"--resume: the checkpoint has {field}={theirs.get(field)!r}, this "
-                f"run {value!r}; resume with the model and settings it was saved "
-                f"with"
-            )
-    rows, step = saved["global_batch"], saved["step"]
-    if rows % dp:
-        raise ValueError(
-            f"--resume: the checkpoint's global batch of {rows} sequences does not "
-            f"split over dp={dp} replicas"
-        )
-    batch = rows // dp
-    micro = [m for m in range(min(cfg.n_micro, batch), 0, -1) if batch % m == 0 and m >= pp]
-    if not micro:
-        raise ValueError(
-            f"--resume: {batch} sequences per replica cannot fill pp={pp} stages' "
-            f"micro-batches (1F1B needs at least pp)"
-        )
-    if step >= train.steps:
-        raise ValueError(
-            f"--resume: the checkpoint is at step {step} already; --steps "
-            f"{train.steps} asks for no more"
-        )
-    return replace(cfg, batch=batch, n_micro=micro[0]), step
-
-
-def checkpoint_state(model, layout, opt, whole=False):
-    """What dcp.save writes from this rank and dcp.load fills: this stage's parameters (whole:
-    every parameter, as every rank builds the whole model and the pipeline compares it) under
-    the model's names, MuonZeRO's state (a collective: on a fresh optimizer torch takes one empty
-    step), torch's generator."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    held, _ = stage_parameters(model, layout)
-    names = {id(p): n for n, p in model.named_parameters()}
-    params = model.parameters() if whole else held.parameters()
-    return {
-        "model": {names[id(p)]: p.detach() for p in params},
-        "optim": get_optimizer_state_dict(model, opt, options=checkpoint_options()),
-        "rng": torch.get_rng_state(),
-    }
-
-
-def save_checkpoint(root, step, model, opt, cfg, train, layout):
-    """DIR/step-<step>, complete or absent; the older ones are removed once it is visible."""
-    import shutil
-
-    import torch.distributed.checkpoint as dcp
-
-    rank, final = dist.get_rank(), os.path.join(root, f"step-{step}")
-    tmp = final + ".tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # an earlier save that stopped half-way
-        os.makedirs(tmp)
-        settings = {k: _setting(getattr(train, k)) for k in RESUMED_FIELDS}
-        record = dict(
-            step=step,
-            layout=[layout.pp, layout.cp, layout.dp],
-            config=asdict(cfg),
-            global_batch=cfg.batch * layout.dp,
-            training=settings,
-        )
-        with open(os.path.join(tmp, "compose.json"), "w") as f:
-            json.dump(record, f)
-    dist.barrier()
-    dcp.save(checkpoint_state(model, layout, opt), checkpoint_id=tmp)
-    dist.barrier()  # every rank's share is on disk
-    if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        for name in os.listdir(root):
-            if name.startswith("step-") and name[5:].isdigit() and int(name[5:]) != step:
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-    dist.barrier()
-
-
-def load_checkpoint(path, model, opt, layout):
-    """Fill this rank's stage and optimizer from the checkpoint at path, whatever its layout."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-    state = checkpoint_state(model, layout, opt, whole=True)
-    dcp.load(state, checkpoint_id=path)  # the parameters in place; the optimizer's template
-    set_optimizer_state_dict(model, opt, state["optim"], options=checkpoint_options())
-    torch.set_rng_state(state["rng"])
-
-
-# ---- appendix: counted bytes, validation, the demo ----------------------------------------------
-
-LINKS = ("pp_send", "cp_halo", "cp_gather", "grad_reduce_scatter", "param_all_gather", "control")
-
-
-@contextlib.contextmanager
-def count_sent_bytes(sent, where):
-    """Count, where each call is made, the bytes this rank sends, into sent {link: bytes}; where()
-    names the phase ("forward": the pipeline's CP traffic, "optimizer": MuonZeRO's), as the CP
-    and stage groups can be one group. StageLinks counts the pipeline's sends itself. A collective
-    of n ranks sends what leaves this rank: all-gather (n-1) x its input, reduce-scatter and
-    all-to-all (n-1)/n of it, all-reduce 2 (n-1)/n (a ring). Guard traffic and the loss: control."""
-    originals = {
-        n: getattr(dist, n)
-        for n in (
-            "batch_isend_irecv",
-            "all_gather_single",
-            "reduce_scatter_single",
-            "all_to_all_single",
-            "all_reduce",
-        )
-    }
-    links = {
-        ("forward", "batch_isend_irecv"): "cp_halo",
-        ("forward", "all_gather_single"): "cp_gather",
-        ("forward", "reduce_scatter_single"): "cp_gather",
-        ("optimizer", "all_gather_single"): "param_all_gather",
-        ("optimizer", "all_to_all_single"): "grad_reduce_scatter",
-        ("optimizer", "all_reduce"): "grad_reduce_scatter",
-    }
-
-    def wrap(name, fn):
-        def call(*args, **kwargs):
-            if name == "batch_isend_irecv":
-                tensors = [op.tensor for op in args[0] if op.op is dist.isend]
-                n, share = 2, 1.0  # point to point: what it sends
-            else:
-                tensors, n = (
-                    [args[1] if "single" in name else args[0]],
-                    dist.get_world_size(kwargs.get("group")),
-                )
-                share = {"all_gather_single": n - 1, "all_reduce": 2 * (n - 1) / n}.get(
-                    name, (n - 1) / n
-                )
-            small = name == "all_reduce" and not (
-                args[0].is_floating_point() and args[0].numel() > 1
-            )
-            link = "control" if small else links.get((where(), name), "control")
-            for t in tensors:
-                sent[link] = sent.get(link, 0) + int(t.numel() * t.element_size() * share)
-            return fn(*args, **kwargs)
-
-        return call
-
-    for name, fn in originals.items():
-        setattr(dist, name, wrap(name, fn))
-    try:
-        yield sent
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
+# ---- 5. The command line: validation at the door, the demo -----------------------------------
 
 
 def check_layout(cfg, pp, cp, dp, world):
@@ -918,302 +495,147 @@ def check_layout(cfg, pp, cp, dp, world):
         )
 
 
-class StepRecorder:
-    """on_step for run_layout: the first `record` steps it runs (after a resume, too) under
-    memory_timeline's recorder (peaks, categories), the others timed; every step's sent bytes
-    counted per link."""
-
-    def __init__(self, record, device):
-        from memory.memory_timeline import MemoryTimeline
-
-        self.make, self.record, self.device = MemoryTimeline, record, device
-        self.timeline, self.step_s, self.sent = None, [], []
-
-    def __call__(self, step, layout, model, opt, run):
-        sent, where = {}, ["control"]
-
-        @contextlib.contextmanager
-        def phase(name):  # what the meter is counting, and the recorder's phase
-            where[0] = name
-            with self.timeline.phase(name, ran + 1) if recording else contextlib.nullcontext():
-                yield
-            where[0] = "control"
-
-        ran = len(self.step_s)  # steps this run has taken: a resumed run starts at its own 1
-        recording = ran < self.record
-        if recording and self.timeline is None:  # this stage's weights; others' not counted
-            held, _ = stage_parameters(model, layout)
-            self.timeline = self.make(held, opt, self.device)
-            self.recording = self.timeline.record()
-            self.recording.__enter__()
-        with count_sent_bytes(sent, lambda: where[0]):
-            began = mhc.clock(self.device)
-            out = run(phase)
-            took = mhc.clock(self.device) - began
-        self.step_s.append(None if recording else took)  # the recorder runs Python per op
-        if recording:
-            self.timeline.tag(opt.local_state_tensors(), "optimizer_state")  # momenta too
-            if ran + 1 == self.record:
-                self.recording.__exit__(None, None, None)
-        stats = out[1]  # StageLinks counts the pipeline's sends itself
-        sent["pp_send"] = stats.bytes_sent_forward + stats.bytes_sent_backward
-        self.sent.append(sent)
-        return out
-
-    def summary(self, rank, coords, losses):
-        tl, steps = self.timeline, range(1, self.record + 1)
-        held = {}
-        if tl is not None:
-            busy = tl.series("activations") + tl.series("temporaries")
-            held = {
-                "parameters": tl.peak("parameters"),
-                "gradients": tl.peak("gradients"),
-                "optimizer": tl.peak("optimizer_state"),
-                "activations": max(int(busy[a:b].max()) for a, b in tl.window(phase="forward")),
-            }
-        return {
-            "rank": rank,
-            "coords": list(coords),
-            "losses": losses,
-            "step_s": self.step_s,
-            "peak_bytes": [tl.peak(step=s) for s in steps] if tl is not None else [],
-            "held_bytes": held,
-            "sent_bytes": {k: self.sent[-1].get(k, 0) for k in LINKS},
-        }
+def least_bytes(cfg, pp, cp, item=4):
+    """A lower bound of one rank's peak: one micro-batch's n-lane stream [B/n_micro, T/cp, n, C]
+    kept for each of the stage's layers, plus the last stage's logits [B/n_micro, T/cp, vocab]."""
+    tokens = cfg.batch // cfg.n_micro * (cfg.seq_len // cp)
+    return tokens * (cfg.n_layers // pp * cfg.n_hc * cfg.dim + cfg.vocab_size) * item
 
 
-def parse_args(argv=None, fits=None):
-    """The options, checked; fits(parser, args, world): compose_budget.check_fits, the predicted
-    peak against the machine, run at the door by the command line."""
+def parse_args(argv=None, parser=None):
+    """The options, checked at the door: the layout, a resume, an output folder and a size this
+    machine cannot hold are one-line usage errors. parser: one to extend (a benchmark's)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     count = launch.at_least(1)
-    parser = argparse.ArgumentParser(
-        description="The four chapters in one V4-like decoder, on "
-        "the layout --pp x --cp x --dp of the torchrun ranks."
+    parser = parser or argparse.ArgumentParser(
+        description="The four chapters in one V4-like decoder, on the layout --pp x --cp x --dp "
+        "of the torchrun ranks."
     )
     add = parser.add_argument
     add("--pp", type=count, default=1, help="pipeline stages (1)")
     add("--cp", type=count, default=1, help="context-parallel ranks per sequence (1)")
     add("--dp", type=count, default=None, help="data-parallel replicas (world / (pp * cp))")
     add("--steps", type=count, default=4, help="training steps (4)")
-    add(
-        "--record",
-        type=launch.at_least(0),
-        default=2,
-        help="first steps recorded for memory (2; recorded steps are not timed)",
-    )
     add("--layers", type=count, default=12, help="sublayers L; pp must divide it (12)")
     add("--seq-len", type=count, default=None, help="tokens per sequence T (256; 192 at cp=3)")
-    add(
-        "--v4",
-        action="store_true",
-        help="V4's numerics: bf16 stochastic-rounding gradient sync "
-        "and bf16 Newton-Schulz (default: fp32)",
-    )
-    add(
-        "--float64",
-        action="store_true",
-        help="float64 parameters, exact gradient sync and "
+    add("--v4", action="store_true", help="V4's numerics: bf16 stochastic-rounding gradient "
+        "sync and bf16 Newton-Schulz (default: fp32)")  # fmt: skip
+    add("--float64", action="store_true", help="float64 parameters, exact gradient sync and "
         "float64 Newton-Schulz: --check then agrees to rounding (~1e-12), not fp32's amplified "
-        "noise",
-    )
-    add(
-        "--allow-nonfinite",
-        action="store_true",
-        help="keep training when a loss or gradient "
-        "is not finite (default: every rank stops, naming the step and where)",
-    )
-    add(
-        "--check",
-        action="store_true",
-        help="also train the one-process reference on rank 0 and print the largest difference",
-    )
-    add("--json", metavar="PATH", help="write every rank's record here (rank 0)")
-    add(
-        "--save",
-        metavar="DIR",
-        help="write a checkpoint into DIR after the last step (and every "
-        "--save-every steps), resumable at any layout",
-    )
-    add(
-        "--save-every",
-        type=count,
-        default=None,
-        metavar="K",
-        help="with --save: also every K steps",
-    )
-    add(
-        "--resume",
-        metavar="DIR",
-        help="continue DIR's newest checkpoint up to --steps in all, "
-        "on this layout; the global batch stays the checkpoint's",
-    )
+        "noise")  # fmt: skip
+    add("--allow-nonfinite", action="store_true", help="keep training when a loss or gradient "
+        "is not finite (default: every rank stops, naming the step and where)")  # fmt: skip
+    add("--check", action="store_true", help="also train the one-process reference on rank 0 "
+        "and print the largest difference")  # fmt: skip
+    add("--save", metavar="DIR", help="write a checkpoint into DIR after the last step (and "
+        "every --save-every steps), resumable at any layout")  # fmt: skip
+    add("--save-every", type=count, default=None, metavar="K", help="with --save: also every K "
+        "steps")  # fmt: skip
+    add("--resume", metavar="DIR", help="continue DIR's newest checkpoint up to --steps in all, "
+        "on this layout; the global batch stays the checkpoint's")  # fmt: skip
     add("--seed", type=int, default=0, help="seed of weights and data (0)")
-    add(
-        "--device-memory",
-        type=launch.positive,
-        default=80.0,
-        help="GiB per device, for the budget table (80)",
-    )
-    add("--intra-bw", type=launch.positive, default=100.0, help="GB/s within a node (100)")
-    add("--inter-bw", type=launch.positive, default=25.0, help="GB/s between nodes (25)")
     args = launch.check_launch_options(parser, launch.add_launch_options(parser).parse_args(argv))
     args.dp = args.dp or max(1, world // (args.pp * args.cp))
-    args.device_bytes = int(args.device_memory * 2**30)
-    args.intra_bw, args.inter_bw = args.intra_bw * 1e9, args.inter_bw * 1e9  # bytes per second
     args.seq_len = args.seq_len or (192 if args.cp == 3 else 256)  # whole blocks per rank
     args.cfg = ComposeConfig(n_layers=args.layers, seq_len=args.seq_len)
     if args.v4 and args.float64:
         parser.error("--v4 (bf16 numerics) and --float64 exclude each other")
     if args.save_every and not args.save:
         parser.error("--save-every K needs --save DIR")
-    args.start = 0
+    folder = os.path.dirname(os.path.abspath(args.save)) if args.save else None
+    if args.save and (not os.path.isdir(folder) or not os.access(folder, os.W_OK)):
+        parser.error(f"--save {args.save}: the folder {folder} is missing or not writable")
+    args.start, resumed = 0, None
     try:
         if args.resume:
-            args.start, _, saved = latest_checkpoint(args.resume)
-            args.cfg, _ = resume_config(saved, args.cfg, training(args), args.pp, args.cp, args.dp)
+            args.start, _, args.cfg, resumed = compose_checkpoint.resume_from(
+                args.resume, args.cfg, training(args), args.pp, args.cp, args.dp
+            )
         check_layout(args.cfg, args.pp, args.cp, args.dp, world)
     except ValueError as err:
         parser.error(str(err))
-    check_outputs(parser, args, world)
-    if fits is not None:
-        fits(parser, args, world)
-    if args.resume and int(os.environ.get("RANK", "0")) == 0:  # the run's first line
-        pp, cp, dp = saved["layout"]
-        print(
-            f"resumed step {args.start} saved at {pp}x{cp}x{dp}, now {args.pp}x{args.cp}x{args.dp}",
-            flush=True,
-        )
+    need = least_bytes(args.cfg, args.pp, args.cp, 8 if args.float64 else 4)
+    where = f"compose at {args.pp}x{args.cp}x{args.dp}, --seq-len {args.cfg.seq_len}"
+    launch.check_fits(parser, args, need, where)
+    if resumed and int(os.environ.get("RANK", "0")) == 0:  # the run's first line
+        pp, cp, dp = resumed
+        print(f"resumed step {args.start} saved at {pp}x{cp}x{dp}, now "
+              f"{args.pp}x{args.cp}x{args.dp}", flush=True)  # fmt: skip
     return args
-
-
-def check_outputs(parser, args, world):
-    """What would fail late, as one-line usage errors before any work: a --json or --save folder
-    that is missing or not writable."""
-    for option, path in (("--json", args.json), ("--save", args.save)):
-        folder = os.path.dirname(os.path.abspath(path)) if path else None
-        if path and (not os.path.isdir(folder) or not os.access(folder, os.W_OK)):
-            parser.error(f"{option} {path}: the folder {folder} is missing or not writable")
 
 
 def training(args):
     """The Training the options ask for: V4's bf16 numerics, fp32 (default) or float64."""
     sync, ns = ("bf16_sr", torch.bfloat16) if args.v4 else ("fp32", torch.float32)
     sync = "exact" if args.float64 else sync  # "fp32" is MuonZeRO's old name of "exact"
-    dtype = torch.float64 if args.float64 else torch.float32
     return Training(
         args.steps,
         grad_sync=sync,
         ns_dtype=torch.float64 if args.float64 else ns,
         seed=args.seed,
-        dtype=dtype,
+        dtype=torch.float64 if args.float64 else torch.float32,
         allow_nonfinite=args.allow_nonfinite,
     )
 
 
-def demo(args, rank, world, device):
+def describe(args, train):
+    """The demo's first line: the layout and the model."""
     cfg = args.cfg
+    return (
+        f"layout pp={args.pp} x cp={args.cp} x dp={args.dp}: {cfg.n_layers} layers (CSA, MoE, "
+        f"HCA, MoE, ...), C={cfg.dim}, n_hc={cfg.n_hc}, T={cfg.seq_len} ({cfg.seq_len // args.cp} "
+        f"per CP rank), {cfg.batch} sequences per replica in {cfg.n_micro} micro-batches; "
+        f"gradient sync {train.grad_sync}"
+    )
+
+
+def check_against_reference(cfg, dp, train, losses, params, rank, world):
+    """--check: every rank's parameters gathered on rank 0, which trains reference_training and
+    prints the largest differences of the losses, the parameters and their change."""
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object({n: p.cpu() for n, p in params.items()}, gathered, dst=0)
+    if rank != 0:
+        return
+    ref_losses, ref = reference_training(cfg, dp, train)
+    got = {n: t for g in gathered for n, t in g.items()}
+    diff = max((got[n] - ref[n]).abs().max().item() for n in got)
+    start = dict(make_model(cfg, 1, train.seed).to(dtype=train.dtype).named_parameters())
+    change = (
+        sum(((got[n] - ref[n]) ** 2).sum() for n in got) ** 0.5
+        / sum(((ref[n] - start[n].detach()) ** 2).sum() for n in got) ** 0.5
+    )
+    loss = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses[-len(losses) :]))
+    print(
+        f"\nagainst the one-process reference: losses within {loss:.1e} (relative), "
+        f"parameters within {diff:.1e} (largest absolute difference), their change "
+        f"within {change:.1e} of its norm",
+        flush=True,
+    )
+
+
+def demo(args, rank, world, device):
     train = training(args)
-    launch.say(
-        f"layout pp={args.pp} x cp={args.cp} x dp={args.dp}: {cfg.n_layers} layers "
-        f"(CSA, MoE, HCA, MoE, ...), C={cfg.dim}, n_hc={cfg.n_hc}, T={cfg.seq_len} "
-        f"({cfg.seq_len // args.cp} per CP rank), {cfg.batch} sequences per replica in "
-        f"{cfg.n_micro} micro-batches; gradient sync {train.grad_sync}"
-    )
-    budget = getattr(args, "budget", None)  # compose_budget, when the command line runs
-    if budget:
-        ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        rows = budget.budget_table(
-            cfg,
-            world,
-            args.device_bytes,
-            args.intra_bw,
-            args.inter_bw,
-            ranks_per_node,
-            "bf16_sr" if args.v4 else "fp32",
-        )
-        launch.say(budget.format_budget(rows))
-    recorder = StepRecorder(min(args.record, args.steps - args.start), device)
-    losses, params, layout, *_ = run_layout(
-        cfg,
-        train,
-        args.pp,
-        args.cp,
-        args.dp,
-        device,
-        recorder,
-        args.save,
-        args.save_every or 0,
-        args.resume,
-    )
-    for ran, loss in enumerate(losses):
-        took = recorder.step_s[ran]
-        launch.say(
-            f"step {args.start + ran + 1}: loss {loss:.4f}, "
-            + ("memory recorded (not timed)" if took is None else f"{1e3 * took:.0f} ms")
-        )
-    mine = recorder.summary(rank, layout.coords, losses)
-    records = [None] * world if rank == 0 else None
-    dist.gather_object(mine, records, dst=0)
-    timelines = [None] * world if rank == 0 else None
-    dist.gather_object(recorder.timeline, timelines, dst=0)
-    if budget:
-        predicted = next(row for row in rows if row.name == f"{args.pp}x{args.cp}x{args.dp}")
-        launch.say(
-            f"\nmeasured / predicted by the budget: MiB held at the peak, KiB sent per step\n"
-            f"{'rank':>4} {'p,c,d':>6} {'peak':>13} "
-            + " ".join(f"{k:>13}" for k in budget.HELD)
-            + "   "
-            + " ".join(SENT)
-        )
-        for r in records or []:
-            held, want = r["held_bytes"], predicted.held[r["rank"]]
-            pair = lambda got, bytes_, unit: f"{got / unit:.1f}/{bytes_ / unit:.1f}"  # noqa: E731
-            cells = " ".join(f"{pair(held.get(k, 0), want[k], 2**20):>13}" for k in budget.HELD)
-            sent = " ".join(
-                pair(r["sent_bytes"][k], predicted.sent[r["rank"]][k], 2**10) for k in SENT
-            )
-            peak = pair(max(r["peak_bytes"], default=0), sum(want.values()), 2**20)
-            launch.say(
-                f"{r['rank']:>4} {','.join(map(str, r['coords'])):>6} {peak:>13} {cells}   {sent}"
-            )
+    launch.say(describe(args, train))
+    step_s = []
+
+    def timed(step, layout, model, opt, run):
+        began = mhc.clock(device)
+        out = run()
+        step_s.append(mhc.clock(device) - began)
+        return out
+
+    losses, params, *_ = run_layout(
+        args.cfg, train, args.pp, args.cp, args.dp, device, timed, args.save,
+        args.save_every or 0, args.resume,
+    )  # fmt: skip
+    for ran, (loss, took) in enumerate(zip(losses, step_s)):
+        launch.say(f"step {args.start + ran + 1}: loss {loss:.4f}, {1e3 * took:.0f} ms")
     if args.check:
-        gathered = [None] * world if rank == 0 else None
-        dist.gather_object({n: p.cpu() for n, p in params.items()}, gathered, dst=0)
-        if rank == 0:
-            ref_losses, ref = reference_training(cfg, args.dp, train)
-            got = {n: t for g in gathered for n, t in g.items()}
-            diff = max((got[n] - ref[n]).abs().max().item() for n in got)
-            start = dict(make_model(cfg, 1, train.seed).to(dtype=train.dtype).named_parameters())
-            change = (
-                sum(((got[n] - ref[n]) ** 2).sum() for n in got) ** 0.5
-                / sum(((ref[n] - start[n].detach()) ** 2).sum() for n in got) ** 0.5
-            )
-            loss = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses[-len(losses) :]))
-            print(
-                f"\nagainst the one-process reference: losses within {loss:.1e} (relative), "
-                f"parameters within {diff:.1e} (largest absolute difference), their change "
-                f"within {change:.1e} of its norm",
-                flush=True,
-            )
-    if rank == 0 and args.json:
-        base = os.path.splitext(args.json)[0]
-        for r, tl in zip(records, timelines):
-            if tl is not None:
-                r["timeline"] = f"{base}.rank{r['rank']}.timeline.pt"
-                torch.save(tl, r["timeline"])
-        layout_json = {"pp": args.pp, "cp": args.cp, "dp": args.dp}
-        with open(args.json, "w") as f:
-            json.dump({"layout": layout_json, "config": asdict(cfg), "ranks": records}, f)
-        print(f"wrote {args.json}", flush=True)
+        check_against_reference(args.cfg, args.dp, train, losses, params, rank, world)
 
 
 if __name__ == "__main__":
-    import compose_budget  # it sizes this model (it imports compose): loaded only at the door
-
     try:
-        args = parse_args(fits=compose_budget.check_fits)
-        args.budget = compose_budget
-        launch.run(demo, args)
+        launch.run(demo, parse_args())
     except (Refused, launch.Stopped) as err:  # the same line on every rank, no traceback
         raise SystemExit(str(err)) from None

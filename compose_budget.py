@@ -2,9 +2,9 @@
 carries, before anything runs.
 
 A pure function of the configuration and the machine: no process, no tensor. Every byte below is
-derived from a tensor the chapters make (named in each docstring), so compose's measured peaks
-(memory_timeline) and counted bytes can be set beside it rank by rank. What each link carries
-per step is compose.link_bytes; this module adds what each rank holds and ranks the layouts.
+derived from a tensor the chapters make (named in each docstring), so the peaks and bytes
+benchmarks/bench_compose.py measures can be set beside it rank by rank: link_bytes says what
+each link carries per step, the rest what each rank holds, and budget_table ranks the layouts.
 
     python -c "import compose, compose_budget as b; print(b.format_budget(b.budget_table(
         compose.ComposeConfig(), 4, 80 * 2**30, 100e9, 25e9)))"
@@ -20,19 +20,138 @@ import cp_compress
 import launch
 import mhc
 import muon_zero
-from compose import (
-    FP32,
-    SENT,
-    ParamSpec,
-    PlanSizes,
-    Rank,
-    link_bytes,
-    micro_stream_bytes,
-    sublayer_kind,
-)
 
 HELD = ("parameters", "gradients", "optimizer", "activations")  # bytes a rank holds
-INT64, BOOL = 8, 1  # bytes per element
+FP32, BF16, INT64, BOOL = 4, 2, 8, 1  # bytes per element
+
+
+# ---- What each link carries per step --------------------------------------------------------
+# A pure function of the configuration, a rank's place and MuonZeRO's plan: no process, no tensor.
+
+SENT = ("pp_send", "cp_halo", "cp_gather", "grad_reduce_scatter", "param_all_gather")
+
+
+def sublayer_kind(i):
+    """Sublayer i's F: CSA attention when i % 4 == 0, HCA when i % 4 == 2, an MoE MLP when odd."""
+    return "moe" if i % 2 else ("csa" if i % 4 == 0 else "hca")
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter as the budget sees it: its name in ComposeModel, shape, MuonZeRO role (as
+    muon_param_groups assigns it) and whether it trains (CSA's indexer does not)."""
+
+    name: str
+    shape: tuple
+    role: str  # "dense", "expert_down", "expert_up", "expert_gate" or "adamw"
+    trains: bool = True
+
+    @property
+    def numel(self):
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Rank:
+    """Where a rank sits in the (pp, cp, dp) mesh; global rank = (p * cp + c) * dp + d."""
+
+    p: int
+    c: int
+    d: int
+    pp: int
+    cp: int
+    dp: int
+
+    @property
+    def rank(self):
+        return (self.p * self.cp + self.c) * self.dp + self.d
+
+    @property
+    def group_rank(self):
+        """Its rank in the stage's MuonZeRO group, the flattened ("cp", "dp") sub-mesh."""
+        return self.c * self.dp + self.d
+
+
+def micro_stream_bytes(cfg, cp):
+    """One micro-batch's n-lane stream on one CP rank, [B/n_micro, T/cp, n_hc, C] fp32: what a
+    stage sends the next (mhc.StageLinks) and the gradient it gets back."""
+    return cfg.batch // cfg.n_micro * (cfg.seq_len // cp) * cfg.n_hc * cfg.dim * FP32
+
+
+def halo_bytes(cfg, kind):
+    """Bytes one attention layer sends the next CP rank per sequence in forward: the compressor's
+    halo (cp_compress.halo_rows raw rows of kv and gate logits, [rows, 2, sets, channels]) and the
+    sliding window's window - 1 raw K/V rows [D] (CompressedAttention.context_parallel)."""
+    csa = kind == "csa"
+    sets, ch = (2, cfg.head_dim + cfg.index_dim) if csa else (1, cfg.head_dim)
+    ratio = cfg.csa_ratio if csa else cfg.hca_ratio
+    rows = cp_compress.halo_rows(ratio, csa)
+    return (rows * 2 * sets * ch + (cfg.window - 1) * cfg.head_dim) * FP32
+
+
+def gather_buffer_bytes(cfg, kind, cp):
+    """One rank's stage-2 buffer per attention layer and sequence: s/m + 1 entries of the
+    compressor's channels (D, plus the indexer's Di under CSA), fp32."""
+    csa = kind == "csa"
+    ch = cfg.head_dim + (cfg.index_dim if csa else 0)
+    ratio = cfg.csa_ratio if csa else cfg.hca_ratio
+    return (cfg.seq_len // cp // ratio + 1) * ch * FP32
+
+
+def link_bytes(cfg, where, plan, tensors, grad_sync="bf16_sr"):
+    """Bytes rank `where` (a Rank) sends per training step on each link, {link: bytes}.
+
+    pp_send: n_micro micro-batch streams to the next stage (forward) and as many gradients to the
+        previous one (backward); an end stage sends in one direction only.
+    cp_halo: per attention layer of the stage and per sequence of every micro-batch, halo_bytes to
+        the next CP rank in forward (not from the last) and their gradient back in backward (not
+        from CP rank 0).
+    cp_gather: the stage-2 all-gather of the buffer to the cp - 1 others in forward, and its
+        reduce-scatter in backward (the same bytes).
+    grad_reduce_scatter: MuonZeRO's all-to-all of the packed gradient chunks, one to each of the
+        other G - 1 peers (dense buckets over the zero width, expert runs over the group), in
+        bf16 under grad_sync "bf16_sr" (fp32 under "fp32"); plus AdamW's fp32 all-reduce of the
+        trained AdamW tensors, 2 (G-1)/G of their size (a ring).
+    param_all_gather: every updated fp32 chunk to the other peers.
+    """
+    # hint: count each collective from the sender's side; a pipeline end has one neighbour, CP's
+    # ends one halo direction; the gradient's payload dtype follows grad_sync
+    ### BEGIN SOLUTION
+    pp, cp, G = where.pp, where.cp, where.cp * where.dp
+    micro = micro_stream_bytes(cfg, cp)
+    directions = (where.p < pp - 1) + (where.p > 0)
+    sent = dict.fromkeys(SENT, 0)
+    sent["pp_send"] = directions * cfg.n_micro * micro
+
+    sequences = cfg.n_micro * (cfg.batch // cfg.n_micro)
+    first, stop = mhc.stage_layers(cfg.n_layers, pp, where.p)
+    for kind in (sublayer_kind(i) for i in range(first, stop)):
+        if kind == "moe" or cp == 1:
+            continue
+        halo_directions = (where.c < cp - 1) + (where.c > 0)
+        sent["cp_halo"] += sequences * halo_directions * halo_bytes(cfg, kind)
+        sent["cp_gather"] += sequences * 2 * (cp - 1) * gather_buffer_bytes(cfg, kind, cp)
+
+    grad_item = BF16 if grad_sync == "bf16_sr" else FP32
+    Z = plan.zero_width
+    dense, experts = plan.dense_bucket_numel, plan.expert_chunk_numel
+    adamw = sum(t.numel for t in tensors if t.role == "adamw" and t.trains)
+    sent["grad_reduce_scatter"] = ((Z - 1) * dense + (G - 1) * experts) * grad_item
+    sent["grad_reduce_scatter"] += 2 * (G - 1) * adamw * FP32 // G
+    sent["param_all_gather"] = ((Z - 1) * dense + (G - 1) * experts) * FP32
+    return sent
+    ### END SOLUTION
+
+
+@dataclass(frozen=True)
+class PlanSizes:
+    """The sizes link_bytes reads from MuonZeRO's plan (muon_zero.MuonPlan), and the elements each
+    group rank owns (its momentum); plan_sizes reads them from plan_muon's plan."""
+
+    zero_width: int
+    dense_bucket_numel: int  # the largest dense bucket: every bucket is padded to it
+    expert_chunk_numel: int  # the largest expert run: every run is padded to it
+    owned_numel: tuple  # per group rank: elements of the matrices it owns
 
 
 def meta_model(cfg):
@@ -78,7 +197,7 @@ def muon_plan(tensors, group_size):
 
 
 def plan_sizes(plan):
-    """What link_bytes and the optimizer's bytes read from MuonZeRO's plan (compose.PlanSizes):
+    """What link_bytes and the optimizer's bytes read from MuonZeRO's plan (PlanSizes):
     its padded bucket and chunk, and per group rank the elements of the matrices it owns."""
     owned = []
     for rank in range(plan.world_size):
@@ -366,7 +485,7 @@ def format_budget(rows):
 
 
 def check_fits(parser, args, world):
-    """compose's command line, at its door: a layout whose predicted peak cannot fit this machine
+    """benchmarks/bench_compose.py's door: a layout whose predicted peak cannot fit this machine
     is a one-line usage error before any work (launch.check_fits)."""
     grad_sync = "bf16_sr" if args.v4 else "fp32"
     budget = layout_budget(

@@ -1,4 +1,4 @@
-"""The budget (compose_budget.py, compose.link_bytes) against the chapters' own objects, never
+"""The budget (compose_budget.py, link_bytes included) against the chapters' own objects, never
 against itself.
 
 Parameters: the nn.Module built here from mhc and cp_compress modules, tensor by tensor. Optimizer
@@ -70,7 +70,7 @@ class MoEF(nn.Module):
 class Model(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        kinds = [compose.sublayer_kind(i) for i in range(cfg.n_layers)]
+        kinds = [compose_budget.sublayer_kind(i) for i in range(cfg.n_layers)]
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.sublayers = nn.ModuleList(
             MoEF(cfg) if k == "moe" else AttentionF(cfg, k) for k in kinds
@@ -239,8 +239,8 @@ def test_pp_send_equals_what_the_pipeline_sends():
 
 def cp_layers(cfg, first, stop):
     """The stage's attention layers as the chapter's modules (stage_bytes reads their sizes)."""
-    return [AttentionF(cfg, compose.sublayer_kind(i)).core.attention for i in range(first, stop)
-            if compose.sublayer_kind(i) != "moe"]  # fmt: skip
+    kinds = [compose_budget.sublayer_kind(i) for i in range(first, stop)]
+    return [AttentionF(cfg, kind).core.attention for kind in kinds if kind != "moe"]
 
 
 @pytest.mark.parametrize("cfg", [CFG, ODD], ids=["default", "odd-sizes"])
@@ -271,7 +271,7 @@ def test_cp_halo_is_halo_rows_of_raw_rows():
     row_bytes = {"csa": 2 * 2 * (cfg.head_dim + cfg.index_dim) * 4, "hca": 2 * cfg.head_dim * 4}
     window = (cfg.window - 1) * cfg.head_dim * 4
     for stage in range(6):
-        kind = compose.sublayer_kind(2 * stage)
+        kind = compose_budget.sublayer_kind(2 * stage)
         expected = cfg.batch * (rows[kind] * row_bytes[kind] + window)
         assert row.sent[2 * stage]["cp_halo"] == expected  # CP rank 0: forward only
 

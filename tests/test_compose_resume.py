@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import compose
+import compose_checkpoint
 from spawn import RankFailure, run_ranks, run_torchrun
 
 # CLI-expressible (--layers 4 --seq-len 128): every sublayer kind, whole HCA entries per document
@@ -126,7 +127,7 @@ def test_a_save_stopped_half_way_leaves_the_previous_checkpoint(saved, tmp_path,
     with pytest.raises(RankFailure):
         run_ranks(_stopped_while_saving, 2, args=(root, how), timeout=20)
     assert f"step-{SAVED + 1}.tmp" in os.listdir(root), "the stopped save never began"
-    step, path, record = compose.latest_checkpoint(root)
+    step, path, record = compose_checkpoint.latest_checkpoint(root)
     assert (step, record["step"]) == (SAVED, SAVED), (
         f"after a save stopped at step {SAVED + 1}, the newest complete checkpoint is {path}"
     )
@@ -162,16 +163,14 @@ def test_the_first_line_says_what_was_resumed(saved, capsys, monkeypatch):
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "resumed step 2 saved at 2x1x1, now 1x1x2", out
     with pytest.raises(ValueError, match="no complete checkpoint"):
-        compose.latest_checkpoint(os.path.join(saved, "step-9.tmp"))
+        compose_checkpoint.latest_checkpoint(os.path.join(saved, "step-9.tmp"))
 
 
 def test_cli_saves_at_four_ranks_and_resumes_on_one_with_check(tmp_path):
     """torchrun at 2x2x1 --save, then `python compose.py --resume --check` on one process."""
     root = str(tmp_path / "run")
-    run_torchrun("compose.py", 4, CLI + ["--pp", "2", "--cp", "2", "--steps", "2", "--save", root,
-                                         "--record", "0"])  # fmt: skip
-    out = run_torchrun("compose.py", 1, CLI + ["--steps", "4", "--resume", root, "--check",
-                                               "--record", "0"]).stdout  # fmt: skip
+    run_torchrun("compose.py", 4, CLI + ["--pp", "2", "--cp", "2", "--steps", "2", "--save", root])
+    out = run_torchrun("compose.py", 1, CLI + ["--steps", "4", "--resume", root, "--check"]).stdout
     assert out.splitlines()[0] == "resumed step 2 saved at 2x2x1, now 1x1x1", out
     change = float(out.split("their change within ")[1].split()[0])
     assert change < TOL, f"resumed on one process: {change:.2e} of the change off (float64)"

@@ -26,7 +26,7 @@ SMALL = {
     "mhc.py": ["--steps", "2", "--layers", "4", "--dim", "32", "--seq-len", "8"],
     "cp_compress.py": ["--seq-per-rank", "64", "--m-hca", "16"],
     "muon_zero.py": ["--steps", "2", "--seq", "8"],
-    "compose.py": ["--steps", "2", "--record", "0", "--layers", "4", "--seq-len", "64"],
+    "compose.py": ["--steps", "2", "--layers", "4", "--seq-len", "64"],
 }
 CASES = {  # id: (file, extra arguments, the operation the last rank stops in[, ranks (2)])
     "compose --pp 2, in the pipeline's sends": (

@@ -46,6 +46,7 @@ ASSIGNMENT_FILES = (
     "tensor_ckpt.py",
     "memory/memory_timeline.py",
     "compose.py",
+    "compose_budget.py",
 )
 BEGIN, END, HINT = "### BEGIN SOLUTION", "### END SOLUTION", "# hint:"
 REGION_TABLE = os.path.join("tools", "regions.json")  # the student repository's, written by release

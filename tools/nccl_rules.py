@@ -231,7 +231,7 @@ def record(out, file, args):
 # The smallest demo of each file that still runs every collective and point-to-point path at
 # N = 1..4 (the replay cares about the order and sizes of calls, not about training quality).
 DEMO_ARGS = {
-    "compose.py": ["--steps", "2", "--record", "0", "--layers", "4", "--seq-len", "64"],
+    "compose.py": ["--steps", "2", "--layers", "4", "--seq-len", "64"],
     "muon_zero.py": ["--steps", "2", "--seq", "8"],
     "mhc.py": ["--steps", "1", "--layers", "12", "--dim", "32", "--seq-len", "8", "--batch", "24"],
     "cp_compress.py": ["--seq-per-rank", "128", "--m-hca", "16"],

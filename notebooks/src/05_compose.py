@@ -17,7 +17,7 @@
 #
 # Course syllabus: topic **10, composing a parallelism layout from a memory and bandwidth budget**
 # (data, pipeline and shard dimensions interact non-linearly). The graded exercise is the budget's
-# `link_bytes` in `compose.py` ([assignment 6 in ASSIGNMENTS.md][a6]):
+# `link_bytes` in `compose_budget.py` ([assignment 6 in ASSIGNMENTS.md][a6]):
 # what each link carries per step. It composes the four chapters: notebooks 01 (MuonZeRO), 02a
 # and 02b (mHC and its pipeline), 03 (compressed attention under CP) and 04 (tensor
 # checkpointing). Terms in bold are defined where they first appear and in the
@@ -302,7 +302,7 @@ check(
 # link's bars across layouts, not stacked bands.
 
 # %%
-links = compose.SENT
+links = compose_budget.SENT
 fig, ax = plt.subplots(figsize=(10, 3.6))
 width = 0.8 / len(links)
 for k, link in enumerate(links):
@@ -428,10 +428,11 @@ check(
 
 # %% [markdown]
 # ## 5. Two layouts run here, against the prediction
-# `compose.py` trains the model on a layout of torchrun ranks, records the first steps with
-# memory_timeline's recorder (this stage's parameters, gradients, optimizer state, activations
-# and temporaries) and counts the bytes each collective sends where it is called. Two layouts of
-# 4 CPU ranks, 2 steps each; gradients synchronised in fp32, as in the exact proof.
+# `benchmarks/bench_compose.py` trains `compose.py`'s model on a layout of torchrun ranks (through
+# `compose.run_layout`), records the first steps with memory_timeline's recorder (this stage's
+# parameters, gradients, optimizer state, activations and temporaries) and counts the bytes each
+# collective sends where it is called. Two layouts of 4 CPU ranks, 2 steps each; gradients
+# synchronised in fp32, as in the exact proof.
 
 # %%
 RUNS = {}
@@ -439,9 +440,9 @@ out_dir = tempfile.mkdtemp()
 for layout in ((2, 2, 1), (1, 2, 2)):
     pp, cp, dp = layout
     path = os.path.join(out_dir, f"{pp}x{cp}x{dp}.json")
-    stage(f"running compose.py --pp {pp} --cp {cp} --dp {dp}")
+    stage(f"running bench_compose.py --pp {pp} --cp {cp} --dp {dp}")
     run_torchrun(
-        "compose.py",
+        "benchmarks/bench_compose.py",
         nproc=4,
         timeout=400,
         args=("--pp", pp, "--cp", cp, "--dp", dp, "--steps", 2, "--json", path),
@@ -453,7 +454,7 @@ stage("both layouts ran")
 # %% [markdown]
 # **Reading a pipeline's timeline.** The recorder of notebook 00 files a tensor as an
 # *activation* when a forward pass made it and it is still alive when the backward that needs it
-# begins, and as a *temporary* when it is freed before. `compose.py` marks the whole 1F1B step as
+# begins, and as a *temporary* when it is freed before. The benchmark marks the whole 1F1B step as
 # one forward phase, forwards and backwards interleaved; inside it the recorder notices each time
 # autograd's backward starts (the next micro-batch's backward), and files what the forwards so far
 # left alive as activations, just as at the end of a plain forward phase. So the red band below
@@ -494,10 +495,10 @@ for (pp, cp, dp), run in RUNS.items():
         peak = f"{max(r['peak_bytes']) / MiB:6.2f}/{sum(mine.values()) / MiB:6.2f}"
         print(f"{r['rank']:>4}  {peak:>13}  " + "  ".join(f"{c:>13}" for c in cells))
     exact = all(r["sent_bytes"][k] == predicted.sent[r["rank"]][k]
-                for r in run["ranks"] for k in compose.SENT)  # fmt: skip
+                for r in run["ranks"] for k in compose_budget.SENT)  # fmt: skip
     counted = run["ranks"][0]["sent_bytes"]
     print("rank 0 bytes per step, counted / predicted: " + ", ".join(
-        f"{k} {counted[k]:,}/{predicted.sent[0][k]:,}" for k in compose.SENT))  # fmt: skip
+        f"{k} {counted[k]:,}/{predicted.sent[0][k]:,}" for k in compose_budget.SENT))  # fmt: skip
     print(f"every link of every rank counted exactly as predicted: {exact}\n")
 
 # %%
@@ -593,31 +594,33 @@ plt.show()
 # **global batch** (the sequences of one step, over all replicas) stays the checkpoint's.
 #
 # Below, 2 steps on two pipeline stages (2 x 1 x 1, two torchrun ranks), saved; 2 more resumed on
-# one plain process, `python compose.py`, with `--check`, which also trains the one-process
-# reference of all 4 steps (torch.optim.Muon + AdamW, none of the four techniques) and prints the
-# largest difference; and, to plot against, 4 uninterrupted steps at 2 x 1 x 1. In float64, so that
-# the agreement is rounding's (~1e-12), not fp32's amplified noise; the resume repeats `--float64`
-# because a resume must use the settings the checkpoint was saved with. The checkpoint's folder
-# holds one file per saving rank (`__0_0.distcp` is rank 0's: stage 0's parameters and state),
-# dcp's index of where each tensor lies (`.metadata`) and `compose.json`.
+# one plain process with `--check`, which also trains the one-process reference of all 4 steps
+# (torch.optim.Muon + AdamW, none of the four techniques) and prints the largest difference; and, to
+# plot against, 4 uninterrupted steps at 2 x 1 x 1. In float64, so that the agreement is rounding's
+# (~1e-12), not fp32's amplified noise; the resume repeats `--float64` because a resume must use the
+# settings the checkpoint was saved with. The checkpoint's folder holds one file per saving rank
+# (`__0_0.distcp` is rank 0's: stage 0's parameters and state), dcp's index of where each tensor
+# lies (`.metadata`) and `compose.json`. The runs go through `benchmarks/bench_compose.py`, which
+# takes every option of compose.py and writes each rank's losses to `--json`.
 
 # %%
 ROOT = os.path.dirname(os.path.abspath(compose.__file__))
 ckpt = os.path.join(out_dir, "ckpt")
 SMALL = ("--float64", "--record", 0)  # float64 for the proof; no memory recording, for speed
+BENCH = "benchmarks/bench_compose.py"  # compose.py's options, and --json for the losses
 stage("2 steps at 2 x 1 x 1, saved")
-run_torchrun("compose.py", nproc=2, timeout=300, args=("--pp", 2, "--steps", 2, "--save", ckpt,
+run_torchrun(BENCH, nproc=2, timeout=300, args=("--pp", 2, "--steps", 2, "--save", ckpt,
              "--json", os.path.join(out_dir, "saved.json"), *SMALL))  # fmt: skip
 stage("2 more steps on one process, resumed")
 resumed = subprocess.run(
-    [sys.executable, "compose.py", "--steps", "4", "--resume", ckpt, "--check", "--json",
+    [sys.executable, BENCH, "--steps", "4", "--resume", ckpt, "--check", "--json",
      os.path.join(out_dir, "resumed.json"), *map(str, SMALL)],
     cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""),
     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
 )  # fmt: skip
 assert resumed.returncode == 0, resumed.stdout
 stage("4 uninterrupted steps at 2 x 1 x 1")
-run_torchrun("compose.py", nproc=2, timeout=300, args=("--pp", 2, "--steps", 4, "--json",
+run_torchrun(BENCH, nproc=2, timeout=300, args=("--pp", 2, "--steps", 4, "--json",
              os.path.join(out_dir, "whole.json"), *SMALL))  # fmt: skip
 stage("done")
 saved_at = os.path.join(ckpt, "step-2")

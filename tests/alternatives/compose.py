@@ -1,4 +1,4 @@
-"""Correct bodies for compose.py's regions, each written unlike the reference."""
+"""Correct bodies for the regions of compose.py and compose_budget.py, each unlike the reference."""
 
 from tests.alternatives import Alternative
 
@@ -27,7 +27,7 @@ return Layout(pp, cp, dp, (p, c, d), pipeline, cp_group, stage_group)
 """,
     ),
     Alternative(
-        region="compose.link_bytes",
+        region="compose_budget.link_bytes",
         name="per-direction sums, layers filtered first",
         body="""
 ### BEGIN SOLUTION

@@ -1,7 +1,8 @@
-"""Graded tests of compose.py: layout_groups (the mesh's process groups) and link_bytes (what each
-link carries per step). The probes (tests/graded/probes/compose.py) run the student's code in a
-worker and hand back group ranks and byte counts; every expected value is worked out here: the
-mesh's groups by enumerating its coordinates, the bytes from the tensors' shapes.
+"""Graded tests of compose.py's layout_groups (the mesh's process groups) and compose_budget.py's
+link_bytes (what each link carries per step). The probes (tests/graded/probes/compose.py) run the
+student's code in a worker and hand back group ranks and byte counts; every expected value is
+worked out here: the mesh's groups by enumerating its coordinates, the bytes from the tensors'
+shapes.
 
 layout_groups runs on 2 real gloo ranks (4 in the ungraded tier) and, for the meshes of 4 and 8
 ranks whose dimensions' order shows, rank by rank on torch's fake process group in one process.
@@ -94,7 +95,7 @@ CFG = dict(dim=64, n_layers=12, seq_len=256, batch=4, n_micro=4, n_hc=4, n_heads
            csa_ratio=4, hca_ratio=16, window=16, index_dim=16)  # fmt: skip
 ODD = CFG | dict(dim=32, n_hc=3, n_heads=2, head_dim=8, index_dim=8, window=8, seq_len=192,
                  batch=6, n_micro=3)  # fmt: skip
-# MuonZeRO's plan as link_bytes reads it (compose.PlanSizes), for a group of G ranks
+# MuonZeRO's plan as link_bytes reads it (compose_budget.PlanSizes), for a group of G ranks
 PLAN = dict(dense_bucket_numel=12_345, expert_chunk_numel=6_789)
 TENSORS = [("sublayers.0.norm.weight", (64,), "adamw", True),
            ("hcs.0.bias_res", (4, 4), "adamw", True),
@@ -117,7 +118,7 @@ def link_bytes(*queries):
 
 def stage_kinds(cfg, pp, p):
     """The sublayer kinds stage p of pp holds: an equal contiguous share of the layers, CSA at
-    i % 4 == 0, HCA at i % 4 == 2, MoE at odd i (compose.sublayer_kind)."""
+    i % 4 == 0, HCA at i % 4 == 2, MoE at odd i (compose_budget.sublayer_kind)."""
     share = cfg["n_layers"] // pp
     return ["moe" if i % 2 else "csa" if i % 4 == 0 else "hca"
             for i in range(p * share, (p + 1) * share)]  # fmt: skip
@@ -151,7 +152,7 @@ def halo_per_direction(cfg, kind):
     return FP32 * (compressor + (cfg["window"] - 1) * cfg["head_dim"])
 
 
-@pytest.mark.grade(points=2, solution="compose.link_bytes", needs=LINK_NEEDS)
+@pytest.mark.grade(points=2, solution="compose_budget.link_bytes", needs=LINK_NEEDS)
 def test_graded_pp_send_counts_both_directions():
     cfg = CFG
     micro = cfg["batch"] // cfg["n_micro"]
@@ -179,7 +180,7 @@ def test_graded_pp_send_counts_both_directions():
             )
 
 
-@pytest.mark.grade(points=2, solution="compose.link_bytes", needs=LINK_NEEDS)
+@pytest.mark.grade(points=2, solution="compose_budget.link_bytes", needs=LINK_NEEDS)
 @pytest.mark.parametrize("cfg", [CFG, ODD], ids=["default", "odd-sizes"])
 def test_graded_cp_halo_is_the_chapters_halo(cfg):
     cases = [((1, cp, 1), 0, c) for cp in (2, 4) for c in range(cp)]
@@ -202,7 +203,7 @@ def test_graded_cp_halo_is_the_chapters_halo(cfg):
         )
 
 
-@pytest.mark.grade(points=2, solution="compose.link_bytes", needs=LINK_NEEDS)
+@pytest.mark.grade(points=2, solution="compose_budget.link_bytes", needs=LINK_NEEDS)
 def test_graded_cp_gather_is_the_buffer_to_every_peer():
     cfg = ODD
     cases = [((1, cp, 1), 0, c) for cp in (2, 4) for c in (0, cp - 1)] + [((1, 1, 1), 0, 0)]
@@ -222,7 +223,7 @@ def test_graded_cp_gather_is_the_buffer_to_every_peer():
         )
 
 
-@pytest.mark.grade(points=2, solution="compose.link_bytes", needs=LINK_NEEDS)
+@pytest.mark.grade(points=2, solution="compose_budget.link_bytes", needs=LINK_NEEDS)
 def test_graded_gradients_travel_in_bf16_parameters_in_fp32():
     cases = [((1, 1, 4), "bf16_sr"), ((2, 2, 1), "bf16_sr"), ((1, 2, 2), "bf16_sr"),
              ((1, 2, 2), "fp32"), ((4, 1, 1), "bf16_sr")]  # fmt: skip

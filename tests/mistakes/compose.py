@@ -1,4 +1,5 @@
-"""Plausible wrong bodies for compose.py's solution regions (see tests/mistakes/__init__.py)."""
+"""Plausible wrong bodies for the solution regions of compose.py and compose_budget.py (see
+tests/mistakes/__init__.py)."""
 
 from tests.mistakes import Mistake
 
@@ -100,11 +101,11 @@ return Layout(pp, cp, dp, tuple(mesh.get_coordinate()), pipeline, mesh["dp"].get
 ]
 
 
-# ==== the budget (compose.link_bytes), from the budget helper =================================
+# ==== the budget (compose_budget.link_bytes) ====================================================
 
 BUDGET_MISTAKES = [
     Mistake(
-        region="compose.link_bytes",
+        region="compose_budget.link_bytes",
         name="pp_send in one direction only (the gradients forgotten)",
         message="pp_send: an interior stage sends n_micro streams forward and n_micro gradients",
         body="""\
@@ -134,7 +135,7 @@ return sent
 """,
     ),
     Mistake(
-        region="compose.link_bytes",
+        region="compose_budget.link_bytes",
         name="the paper's m halo rows instead of halo_rows",
         message="cp_halo: per attention layer and sequence the halo is cp_compress.halo_rows",
         body="""\
@@ -167,7 +168,7 @@ return sent
 """,
     ),
     Mistake(
-        region="compose.link_bytes",
+        region="compose_budget.link_bytes",
         name="all-gather counted to all cp ranks, itself included",
         message="cp_gather: each rank sends its s/m + 1 entry buffer to the cp - 1 others",
         body="""\
@@ -197,7 +198,7 @@ return sent
 """,
     ),
     Mistake(
-        region="compose.link_bytes",
+        region="compose_budget.link_bytes",
         name="gradients sent in fp32 although grad_sync is bf16_sr",
         message="grad_reduce_scatter: MuonZeRO sends each of the G - 1 peers its padded chunk",
         body="""\
@@ -262,19 +263,19 @@ def changed(old, new):
 
 BUDGET_MISTAKES += [
     Mistake(
-        region="compose.link_bytes",
+        region="compose_budget.link_bytes",
         name="an end stage's stream over the whole sequence, not its T/cp tokens",
         message="pp_send: an end stage sends n_micro streams [B/n_micro, T/cp, n_hc, C]",
         body=changed("micro_stream_bytes(cfg, cp)", "micro_stream_bytes(cfg, 1)"),
     ),
     Mistake(
-        region="compose.link_bytes",
+        region="compose_budget.link_bytes",
         name="parameters gathered in the gradients' bf16",
         message="param_all_gather: every updated chunk goes to the G - 1 peers in fp32",
         body=changed("(G - 1) * experts) * FP32", "(G - 1) * experts) * grad_item"),
     ),
     Mistake(
-        region="compose.link_bytes",
+        region="compose_budget.link_bytes",
         name="AdamW's frozen tensors all-reduced too",
         message="grad_reduce_scatter: MuonZeRO sends each of the G - 1 peers its padded chunk",
         body=changed('t.role == "adamw" and t.trains', 't.role == "adamw"'),

@@ -1,5 +1,6 @@
-"""Probes for tests/graded/test_compose.py: they run compose.py's regions in a worker and return
-what came out as plain values (group ranks, byte counts); the tests decide."""
+"""Probes for tests/graded/test_compose.py: they run the regions of compose.py and compose_budget.py
+in a worker and return what came out as plain values (group ranks, byte counts); the tests
+decide."""
 
 import datetime
 import types
@@ -7,6 +8,7 @@ import types
 import torch.distributed as dist
 
 import compose
+import compose_budget
 import launch
 
 
@@ -57,14 +59,14 @@ def layouts_on_a_fake_world(world_size, shapes):
 
 
 def link_bytes(queries):
-    """compose.link_bytes for each query: (config fields, (p, c, d, pp, cp, dp), plan sizes
+    """compose_budget.link_bytes for each query: (config fields, (p, c, d, pp, cp, dp), plan sizes
     {zero_width, dense_bucket_numel, expert_chunk_numel}, tensors [(name, shape, role, trains)],
-    grad_sync). The plan is handed over as layout_budget hands it (compose.PlanSizes)."""
+    grad_sync). The plan is handed over as layout_budget hands it (compose_budget.PlanSizes)."""
     out = []
     for fields, where, plan, tensors, grad_sync in queries:
         cfg = compose.ComposeConfig(**fields)
-        sizes = compose.PlanSizes(**plan, owned_numel=())
-        held = [compose.ParamSpec(n, tuple(s), role, on) for n, s, role, on in tensors]
-        sent = compose.link_bytes(cfg, compose.Rank(*where), sizes, held, grad_sync)
+        sizes = compose_budget.PlanSizes(**plan, owned_numel=())
+        held = [compose_budget.ParamSpec(n, tuple(s), role, on) for n, s, role, on in tensors]
+        sent = compose_budget.link_bytes(cfg, compose_budget.Rank(*where), sizes, held, grad_sync)
         out.append(dict(sent))
     return out
