@@ -102,10 +102,9 @@ class Attention(nn.Module):
         super().__init__()
         ratio = cfg.csa_ratio if kind == "csa" else cfg.hca_ratio
         self.norm = mhc.RMSNorm(cfg.dim)
-        self.core = Compressed(cp_compress.CompressedAttention(
-            kind, cfg.dim, cfg.n_heads, cfg.head_dim, ratio, cfg.window, cfg.top_k,
-            cfg.index_heads, cfg.index_dim,
-        ))  # fmt: skip
+        sizes = (cfg.n_heads, cfg.head_dim, ratio, cfg.window, cfg.top_k, cfg.index_heads)
+        core = cp_compress.CompressedAttention(kind, cfg.dim, *sizes, cfg.index_dim)
+        self.core = Compressed(core)
         self.wo = nn.Parameter(torch.randn(cfg.n_heads * cfg.head_dim, cfg.dim) / cfg.dim**0.5)
 
     def forward(self, x):
@@ -261,8 +260,7 @@ def layout_groups(pp, cp, dp, device_type="cpu"):
     backward, _ = launch.new_subgroups_by_enumeration(pipelines)
     pipeline = {"forward": mesh["pp"].get_group(), "backward": backward}
     stage, _ = launch.new_subgroups_by_enumeration(mesh.mesh.flatten(1).tolist())  # p's C x D
-    return Layout(pp, cp, dp, tuple(mesh.get_coordinate()), pipeline, mesh["cp"].get_group(),
-                  stage)  # fmt: skip
+    return Layout(pp, cp, dp, tuple(mesh.get_coordinate()), pipeline, mesh["cp"].get_group(), stage)
     ### END SOLUTION
 
 
@@ -291,11 +289,16 @@ def build_optimizer(model, layout, train):
             g["lr"] = train.lr_adamw
         groups += [g] if g["params"] else []
     return muon_zero.MuonZeRO(
-        groups, lr=train.lr_muon, weight_decay=train.weight_decay,
-        ns_coefficients=muon_zero.STANDARD_NS_COEFFICIENTS, update_rms=0.2,
-        ns_dtype=train.ns_dtype, grad_sync=train.grad_sync, process_group=layout.stage_group,
+        groups,
+        lr=train.lr_muon,
+        weight_decay=train.weight_decay,
+        ns_coefficients=muon_zero.STANDARD_NS_COEFFICIENTS,
+        update_rms=0.2,
+        ns_dtype=train.ns_dtype,
+        grad_sync=train.grad_sync,
+        process_group=layout.stage_group,
         seed=train.seed,
-    )  # fmt: skip
+    )
 
 
 def plan_forgetting(model, layout, cfg):
@@ -325,16 +328,13 @@ def local_batch(tokens, cfg, layout):
     return idx.contiguous(), targets.contiguous()
 
 
-def train_step(
-    model, opt, tokens, cfg, layout, phase=lambda name: contextlib.nullcontext(), step=1,
-    allow_nonfinite=False,
-):  # fmt: skip
+def train_step(model, opt, tokens, cfg, layout, phase=None, step=1, allow_nonfinite=False):
     """1F1B over the stages (CP inside every attention F), then MuonZeRO over the stage group.
     Every rank's loss is its tokens' mean; the optimizer averages over the C x D ranks of equal
     token counts: the mean over the whole batch, as one process. Before the update, one all-gather
     of three numbers per rank checks that every rank of a replica trained on the same rows and
     that the loss and gradients are finite (Refused). -> (that mean, PipelineStats)."""
-    device = model.embed.weight.device
+    device, phase = model.embed.weight.device, phase or (lambda name: contextlib.nullcontext())
     idx, targets = (t.to(device) for t in local_batch(tokens, cfg, layout))
     with phase("forward"):  # 1F1B interleaves forwards and backwards: one phase
         loss, stats = mhc.pipeline_step(
@@ -348,9 +348,8 @@ def train_step(
 
 
 def run_layout(
-    cfg, train, pp, cp, dp, device=torch.device("cpu"), on_step=None, save=None, save_every=0,
-    resume=None,
-):  # fmt: skip
+    cfg, train, pp, cp, dp, device="cpu", on_step=None, save=None, save_every=0, resume=None
+):
     """Training steps up to train.steps on the layout, inside a process group of pp * cp * dp
     ranks. on_step(step, layout, model, opt, run) wraps each step (run(phase) trains it). save:
     a folder for checkpoints, written every save_every steps (0: never) and after the last;
@@ -360,6 +359,7 @@ def run_layout(
     start, checkpoint = 0, None
     if resume:
         start, checkpoint, cfg, _ = compose_checkpoint.resume_from(resume, cfg, train, pp, cp, dp)
+    device = torch.device(device)
     layout = layout_groups(pp, cp, dp, device.type)
     model = make_model(cfg, cp, train.seed).to(device, train.dtype)
     model.attend(documents(cfg).to(device), layout.cp_group)
@@ -371,10 +371,8 @@ def run_layout(
     losses = []
     for step in range(start, train.steps):
         tokens = batch_tokens(cfg, cfg.batch * dp, step, train.seed)
-        run = functools.partial(
-            train_step, model, opt, tokens, cfg, layout, step=step + 1,
-            allow_nonfinite=train.allow_nonfinite,
-        )  # fmt: skip
+        settings = dict(step=step + 1, allow_nonfinite=train.allow_nonfinite)
+        run = functools.partial(train_step, model, opt, tokens, cfg, layout, **settings)
         try:
             loss, _ = on_step(step, layout, model, opt, run) if on_step else run()
             if save and (step + 1 == train.steps or save_every and (step + 1) % save_every == 0):
@@ -414,11 +412,18 @@ def reference_optimizers(model, train):
         else:
             muon.append(p)
     return [
-        torch.optim.Muon(muon, lr=train.lr_muon, weight_decay=train.weight_decay, momentum=0.95,
-                         nesterov=True, adjust_lr_fn="match_rms_adamw"),
-        torch.optim.AdamW(adamw, lr=train.lr_adamw, betas=(0.9, 0.95), eps=1e-8,
-                          weight_decay=train.weight_decay),
-    ], experts  # fmt: skip
+        torch.optim.Muon(
+            muon,
+            lr=train.lr_muon,
+            weight_decay=train.weight_decay,
+            momentum=0.95,
+            nesterov=True,
+            adjust_lr_fn="match_rms_adamw",
+        ),
+        torch.optim.AdamW(
+            adamw, lr=train.lr_adamw, betas=(0.9, 0.95), eps=1e-8, weight_decay=train.weight_decay
+        ),
+    ], experts
 
 
 @contextlib.contextmanager
@@ -518,21 +523,14 @@ def parse_args(argv=None, parser=None):
     add("--steps", type=count, default=4, help="training steps (4)")
     add("--layers", type=count, default=12, help="sublayers L; pp must divide it (12)")
     add("--seq-len", type=count, default=None, help="tokens per sequence T (256; 192 at cp=3)")
-    add("--v4", action="store_true", help="V4's numerics: bf16 stochastic-rounding gradient "
-        "sync and bf16 Newton-Schulz (default: fp32)")  # fmt: skip
-    add("--float64", action="store_true", help="float64 parameters, exact gradient sync and "
-        "float64 Newton-Schulz: --check then agrees to rounding (~1e-12), not fp32's amplified "
-        "noise")  # fmt: skip
-    add("--allow-nonfinite", action="store_true", help="keep training when a loss or gradient "
-        "is not finite (default: every rank stops, naming the step and where)")  # fmt: skip
-    add("--check", action="store_true", help="also train the one-process reference on rank 0 "
-        "and print the largest difference")  # fmt: skip
-    add("--save", metavar="DIR", help="write a checkpoint into DIR after the last step (and "
-        "every --save-every steps), resumable at any layout")  # fmt: skip
-    add("--save-every", type=count, default=None, metavar="K", help="with --save: also every K "
-        "steps")  # fmt: skip
-    add("--resume", metavar="DIR", help="continue DIR's newest checkpoint up to --steps in all, "
-        "on this layout; the global batch stays the checkpoint's")  # fmt: skip
+    flag = functools.partial(add, action="store_true")
+    flag("--v4", help="V4's numerics: bf16 stochastic-rounding sync, bf16 Newton-Schulz")
+    flag("--float64", help="float64 weights, exact sync and Newton-Schulz: --check to ~1e-12")
+    flag("--allow-nonfinite", help="keep going past a non-finite loss or gradient (else stop)")
+    flag("--check", help="also train the one-process reference on rank 0; print the differences")
+    add("--save", metavar="DIR", help="checkpoint into DIR after the last step, resumable anywhere")
+    add("--save-every", type=count, default=None, metavar="K", help="with --save: every K steps")
+    add("--resume", metavar="DIR", help="continue DIR's newest checkpoint up to --steps in all")
     add("--seed", type=int, default=0, help="seed of weights and data (0)")
     args = launch.check_launch_options(parser, launch.add_launch_options(parser).parse_args(argv))
     args.dp = args.dp or max(1, world // (args.pp * args.cp))
@@ -559,8 +557,8 @@ def parse_args(argv=None, parser=None):
     launch.check_fits(parser, args, need, where)
     if resumed and int(os.environ.get("RANK", "0")) == 0:  # the run's first line
         pp, cp, dp = resumed
-        print(f"resumed step {args.start} saved at {pp}x{cp}x{dp}, now "
-              f"{args.pp}x{args.cp}x{args.dp}", flush=True)  # fmt: skip
+        now = f"{args.pp}x{args.cp}x{args.dp}"
+        print(f"resumed step {args.start} saved at {pp}x{cp}x{dp}, now {now}", flush=True)
     return args
 
 
@@ -624,10 +622,10 @@ def demo(args, rank, world, device):
         step_s.append(mhc.clock(device) - began)
         return out
 
+    saving = dict(save=args.save, save_every=args.save_every or 0, resume=args.resume)
     losses, params, *_ = run_layout(
-        args.cfg, train, args.pp, args.cp, args.dp, device, timed, args.save,
-        args.save_every or 0, args.resume,
-    )  # fmt: skip
+        args.cfg, train, args.pp, args.cp, args.dp, device, timed, **saving
+    )
     for ran, (loss, took) in enumerate(zip(losses, step_s)):
         launch.say(f"step {args.start + ran + 1}: loss {loss:.4f}, {1e3 * took:.0f} ms")
     if args.check:

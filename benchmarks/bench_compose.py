@@ -159,11 +159,9 @@ def parse_args(argv=None):
         "memory and bytes per link measured against compose_budget's prediction."
     )
     add = parser.add_argument
-    add("--record", type=launch.at_least(0), default=2,
-        help="first steps recorded for memory (2; recorded steps are not timed)")  # fmt: skip
+    add("--record", type=launch.at_least(0), default=2, help="first steps recorded, not timed (2)")
     add("--json", metavar="PATH", help="write every rank's record here (rank 0)")
-    add("--device-memory", type=launch.positive, default=80.0,
-        help="GiB per device, for the budget table (80)")  # fmt: skip
+    add("--device-memory", type=launch.positive, default=80.0, help="GiB per device (80)")
     add("--intra-bw", type=launch.positive, default=100.0, help="GB/s within a node (100)")
     add("--inter-bw", type=launch.positive, default=25.0, help="GB/s between nodes (25)")
     args = compose.parse_args(argv, parser)
@@ -213,10 +211,9 @@ def main(args, rank, world, device):
     )
     launch.say(compose_budget.format_budget(rows))
     recorder = StepRecorder(min(args.record, args.steps - args.start), device)
-    losses, params, layout, *_ = compose.run_layout(
-        cfg, train, args.pp, args.cp, args.dp, device, recorder, args.save,
-        args.save_every or 0, args.resume,
-    )  # fmt: skip
+    saving = dict(save=args.save, save_every=args.save_every or 0, resume=args.resume)
+    run = compose.run_layout(cfg, train, args.pp, args.cp, args.dp, device, recorder, **saving)
+    losses, params, layout, *_ = run
     for ran, (loss, took) in enumerate(zip(losses, recorder.step_s)):
         when = "memory recorded (not timed)" if took is None else f"{1e3 * took:.0f} ms"
         launch.say(f"step {args.start + ran + 1}: loss {loss:.4f}, {when}")
