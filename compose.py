@@ -14,8 +14,8 @@ The fix: one mesh, the chapters' own functions, one proof. `init_device_mesh` gi
 its forward link, the CP group and the stage group (the backward link is a second group over the
 same pipeline ranks); mhc.pipeline_step runs 1F1B with selective recomputation, cp_compress's
 protocol runs in every attention F, MuonZeRO steps each stage, tensor_ckpt forgets normalised
-inputs and activation outputs. K steps at every layout equal
-K steps of `reference_training`: one process, none of the four techniques, torch.optim.Muon + AdamW.
+inputs and activation outputs. K steps at every layout equal K steps of `reference_training`: one
+process, none of the four techniques, torch.optim.Muon + AdamW.
 Beside it: compose_budget.py predicts every layout's bytes per rank and per link before anything
 runs, compose_checkpoint.py saves at one layout and resumes at any other, and
 benchmarks/bench_compose.py sets what a run measures beside the prediction.
