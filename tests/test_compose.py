@@ -105,6 +105,7 @@ def test_layout_equals_one_process_in_fp32():
     assert param_err < 1e-2, f"{layout}: parameters differ from one process by {param_err:.2e}"
 
 
+@pytest.mark.slow  # every factorisation of 1-4 ranks; the default tier has DEFAULT's
 @pytest.mark.parametrize("layout", LAYOUTS, ids=_ids(LAYOUTS))
 def test_every_layout_equals_one_process(layout):
     loss_err, param_err = compare(layout, compose.Training(STEPS, **FP64))
@@ -220,6 +221,7 @@ def _one_rank_raises(rank, world, pp, cp, dp):
     compose.run_layout(cfg, train, pp, cp, dp, on_step=on_step)
 
 
+@pytest.mark.slow  # the other ranks wait out an abort
 @pytest.mark.parametrize("world", [2, 4])
 def test_one_rank_raises_mid_step_every_rank_says_so(world):
     layout = (2, 1, 1) if world == 2 else (2, 2, 1)

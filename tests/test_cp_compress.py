@@ -430,7 +430,10 @@ def _equivalence(rank, world_size):
     return checked
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize(
+    "world_size",
+    [pytest.param(1, marks=pytest.mark.slow), 2, 3, pytest.param(4, marks=pytest.mark.slow)],
+)
 def test_cp_equals_single_device_reference(world_size):
     results = ranks(_equivalence, world_size, timeout=120)
     assert all(len(r) == 10 for r in results)  # 2 layer kinds x 5 layouts on every rank
@@ -558,7 +561,7 @@ def _guard_all_cases(rank, world_size):
     return messages
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_guard_every_rank_raises_the_same_error_naming_the_cause(world_size):
     results = run_ranks(_guard_all_cases, world_size, timeout=60)
     for case, expected in GUARD_CASES.items():
@@ -578,7 +581,7 @@ def _one_case(rank, world_size, case):
     layer.context_parallel(x, cu)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize(
     "case", ["feature dim", "cu_seqlens", "init", "2-D cu_seqlens on one rank"]
 )
@@ -621,7 +624,7 @@ def _raise_mid_step(rank, world_size):
     layer.context_parallel(x, cu)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_fault_matrix_one_rank_raises_mid_step(world_size):
     """(a) one rank raises inside the protocol: the harness reports it well within the timeout."""
     t0 = time.monotonic()

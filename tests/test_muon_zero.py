@@ -351,15 +351,16 @@ def check_mismatch(rank, world, field):
     return None
 
 
-@pytest.mark.parametrize("world", [2, 3])
+# at 2 ranks: lr, init and shape stay in the default tier; the other fields are slow cases
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize(
     "field, words",
     [
         ("lr", "lr"),
-        ("adamw_lr", "lr"),
+        pytest.param("adamw_lr", "lr", marks=pytest.mark.slow),
         ("init", "initial values"),
         ("shape", "shape"),
-        ("dtype", "float32"),
+        pytest.param("dtype", "float32", marks=pytest.mark.slow),
     ],
 )
 def test_every_rank_refuses_a_mismatch(field, words, world):

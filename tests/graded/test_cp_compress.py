@@ -447,10 +447,10 @@ def test_cp_gradients_equal_plain_attention(world_size):
 @pytest.mark.parametrize(
     "world_size",
     [
-        1,
+        pytest.param(1, marks=pytest.mark.slow),
         2,
         pytest.param(3, marks=pytest.mark.ungraded),
-        pytest.param(4, marks=pytest.mark.ungraded),
+        pytest.param(4, marks=(pytest.mark.ungraded, pytest.mark.slow)),
     ],
 )
 def test_cp_matches_plain_sdpa_attention(world_size):
