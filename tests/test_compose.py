@@ -31,6 +31,8 @@ import torch
 
 import compose
 import compose_budget
+import cp_compress
+import muon_zero
 from spawn import RankFailure, RankTimeout, run_ranks
 
 STEPS = 3
@@ -68,11 +70,12 @@ def reference(pp, cp, dp, train):
     return REFERENCES[key]
 
 
-def compare(layout, train=compose.Training(STEPS)):
+def compare(layout, train=compose.Training(STEPS), on_ranks=train_on_layout):
     """-> (max relative loss error, relative parameter-change error), over every rank, against
-    the reference with the same numerics and the default learning rates."""
+    the reference with the same numerics and the default learning rates. on_ranks: the rank
+    function that trains the layout (a variant injects a mistake on the distributed side only)."""
     pp, cp, dp = layout
-    results = run_ranks(train_on_layout, pp * cp * dp, args=(*layout, train), timeout=300)
+    results = run_ranks(on_ranks, pp * cp * dp, args=(*layout, train), timeout=300)
     ref_losses, ref_params = reference(pp, cp, dp, train)
     start = dict(compose.make_model(config(pp, cp)).to(dtype=train.dtype).named_parameters())
     loss_err = max(abs(a - b) / abs(b) for losses, _ in results for a, b in zip(losses, ref_losses))
@@ -123,6 +126,42 @@ def test_float64_check_fails_a_learning_rate_one_percent_off(wrong):
     assert param_err > 100 * FP64_TOL, (
         f"a learning rate 1% off ({wrong}) passes as {param_err:.2e}: the check is blind"
     )
+
+
+def train_without_the_halos_gradient(rank, world, pp, cp, dp, train):
+    """train_on_layout with CP's halos detached: their gradient never reaches the previous rank."""
+    exchange = cp_compress.halo_from_previous
+    cp_compress.halo_from_previous = lambda x, rows, group=None: exchange(x, rows, group).detach()
+    return train_on_layout(rank, world, pp, cp, dp, train)
+
+
+def train_without_weight_decay_on_one_matrix(rank, world, pp, cp, dp, train):
+    """train_on_layout with the first trained Muon matrix in a param group of weight decay 0."""
+    split = muon_zero.muon_param_groups
+
+    def muon_param_groups(model):
+        groups = split(model)
+        dense = next(g for g in groups if g["role"] == "dense")
+        one = next(p for p in dense["params"] if p.requires_grad)
+        dense["params"] = [p for p in dense["params"] if p is not one]
+        return [*groups, {"params": [one], "role": "dense", "weight_decay": 0.0}]
+
+    muon_zero.muon_param_groups = muon_param_groups
+    return train_on_layout(rank, world, pp, cp, dp, train)
+
+
+# the same layout without the mistake passes: test_layout_equals_one_process[pp1_cp2_dp1]
+@pytest.mark.parametrize(
+    "mistake", [train_without_the_halos_gradient, train_without_weight_decay_on_one_matrix]
+)
+def test_float64_check_fails_a_mistake_on_the_distributed_side(mistake):
+    """The float64 comparison can fail on 2 CP ranks: a dropped halo gradient, or one Muon
+    matrix without weight decay."""
+    _, param_err = compare((1, 2, 1), compose.Training(STEPS, **FP64), on_ranks=mistake)
+    assert param_err > 100 * FP64_TOL, (
+        f"{mistake.__name__} passes as {param_err:.2e} (tolerance {FP64_TOL:g}): the check is blind"
+    )
+    print(f"{mistake.__name__}: parameters {param_err:.2e} off")
 
 
 def test_v4_numerics_within_bf16():
