@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from graded.references_cp_compress import close, layouts, naive_compress
 
 import cp_compress as cpc
 from benchmarks.bench_cp_compress import allgather_baseline
@@ -29,41 +30,6 @@ from spawn import RankFailure, run_ranks
 S = 24  # tokens per rank: a multiple of m = 4 (CSA) and m' = 8 (HCA in tests)
 M, M_HCA = 4, 8
 WINDOW, TOP_K = 6, 5
-
-
-def close(actual, expected, what, rel=1e-5):
-    """fp32 agreement: max |cp - ref| <= rel * max |ref| (see the module docstring)."""
-    assert actual.shape == expected.shape, (
-        f"{what}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
-    )
-    scale = max(expected.abs().max().item(), 1e-30)
-    err = (actual - expected).abs().max().item()
-    assert err <= rel * scale, f"{what}: max |cp - ref| = {err:.3e} > {rel:g} * {scale:.3e}"
-
-
-def layouts(world_size, s, ratio):
-    """cu_seqlens with document boundaries everywhere that matters for this world size."""
-    T = world_size * s
-    boundaries = list(range(s, T, s)) or [s // 2]  # one rank: still test an inner boundary
-    worst_overlap = {
-        b - (2 * ratio - 1) for b in boundaries
-    }  # a block ending at b needs 2m-1 rows back
-    worst_straddle = {b - (ratio - 1) for b in boundaries}  # a document starting m-1 before b
-    on_boundary = set(boundaries)
-    short_docs = {b + 2 for b in boundaries} | {b + 3 for b in boundaries}  # a 1-token document
-    g = torch.Generator().manual_seed(world_size * 100 + ratio)
-    random_cuts = set(torch.randint(1, T, (T // 8,), generator=g).tolist())
-    out = []
-    for cuts in (
-        set(),
-        worst_overlap,
-        worst_straddle | short_docs,
-        on_boundary | {1, 2},
-        random_cuts,
-    ):
-        cuts = sorted({c for c in cuts if 0 < c < T} | {0, T})
-        out.append(torch.tensor(cuts))
-    return out
 
 
 def make_layer(kind):
@@ -138,27 +104,6 @@ def test_local_entry_rows_worst_case():
     assert prev_h is None and (own_h + 8 - 3).tolist() == [[5, 6, 7, 8], [9, 10, 11, 12]]
 
 
-def _naive_compress(kv, score, ape, cu, m, overlap):
-    """Scalar loops, entry by entry and channel by channel: a third, independent implementation."""
-    T, _, C = kv.shape
-    out = torch.zeros(T // m, C, dtype=torch.float64)
-    n = 0
-    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        for j in range((b - a) // m):
-            for c in range(C):
-                rows = [(a + j * m + i, 0, i) for i in range(m)]
-                if overlap and j > 0:
-                    rows += [(a + (j - 1) * m + i, 1, i) for i in range(m)]
-                logits = [float(score[p, k, c] + ape[i, k, c]) for p, k, i in rows]
-                z = sum(math.exp(v - max(logits)) for v in logits)
-                out[n, c] = sum(
-                    math.exp(v - max(logits)) / z * float(kv[p, k, c])
-                    for v, (p, k, i) in zip(logits, rows)
-                )
-            n += 1
-    return out.float()
-
-
 @pytest.mark.parametrize("overlap", [True, False])
 def test_compress_reference_matches_scalar_loops(overlap):
     g = torch.Generator().manual_seed(0)
@@ -169,7 +114,7 @@ def test_compress_reference_matches_scalar_loops(overlap):
     got = cpc.compress_reference(kv, score, ape, cu, 4, overlap)
     assert got.shape == (6, 3)
     assert got[4:].abs().max() == 0  # 4 valid entries, zero padding at the tail
-    close(got, _naive_compress(kv, score, ape, cu, 4, overlap), "compress_reference")
+    close(got, naive_compress(kv, score, ape, cu, 4, overlap), "compress_reference")
 
 
 def test_index_scores_and_top_k():
