@@ -184,7 +184,12 @@ def _other_batch_on_rank_1(rank, world, pp, cp, dp, at_step):
         return ("refused", str(err))
 
 
-@pytest.mark.parametrize("layout", [(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["pp", "cp", "dp"])
+# the refusal along cp stays in the default tier, along pp it is a slow case
+@pytest.mark.parametrize(
+    "layout",
+    [pytest.param((2, 1, 1), marks=pytest.mark.slow), (1, 2, 1), (1, 1, 2)],
+    ids=["pp", "cp", "dp"],
+)
 def test_a_rank_with_another_batch(layout):
     """Along the pipeline and CP every rank of a replica holds the same rows: one that differs is
     refused (at step 2, after the pipeline's own first-step check), with the same line on every

@@ -397,7 +397,9 @@ def check_one_rank_raises_mid_step(rank, world):
     opt.step()
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize(
+    "world", [2, pytest.param(3, marks=pytest.mark.slow)]
+)  # every fault at 2 ranks stays
 def test_one_rank_raising_mid_step_fails_fast(world):
     """Fault matrix (a): a failure is reported as that rank's error, well within the timeout."""
     start = time.monotonic()
@@ -515,7 +517,9 @@ def check_resume(rank, world):
     return out
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize(
+    "world", [1, 2, pytest.param(3, marks=pytest.mark.slow)]
+)  # 2 ranks: 5 dense matrices split unevenly
 def test_resume_is_exact_in_every_sync_mode(world):
     for rank, r in enumerate(run_ranks(check_resume, world, timeout=120)):
         bad = [k for k, ok in r.items() if not ok]
