@@ -53,6 +53,7 @@ SUPPORT = (
     "pyproject.toml",
     "tests/graded/__init__.py",
     "tests/graded/conftest.py",
+    "tests/graded/models_memory_timeline.py",
     "tests/graded/models_muon_zero.py",
     "tests/graded/references_cp_compress.py",
     "tests/graded/probes/__init__.py",
