@@ -47,7 +47,7 @@ lint: venv-test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# Two tiers (tests/conftest.py says which tests are slow, and why): `make test` lints, then runs
+# Two tiers (each test file marks its slow cases, and says why): `make test` lints, then runs
 # the default tier, one representative of every slow part; `make test-slow` the rest (CI runs
 # both). One line per test as it finishes, the ten slowest, then the tier's wall time.
 test: lint

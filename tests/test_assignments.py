@@ -601,6 +601,7 @@ def test_every_region_has_a_graded_test(graded):
     assert not unknown, f"graded tests name regions that do not exist: {unknown}"
 
 
+@pytest.mark.slow  # the all-stubs grading
 @needs_regions
 def test_full_student_build_fails_every_graded_test(tmp_path, graded):
     staged, _, _ = grade.stage(str(tmp_path / "empty"), ROOT, str(tmp_path / "student"))

@@ -30,6 +30,8 @@ import pytest
 import torch
 
 import compose
+import cp_compress
+import muon_zero
 from spawn import RankFailure, RankTimeout, run_ranks
 
 STEPS = 3
@@ -67,11 +69,12 @@ def reference(pp, cp, dp, train):
     return REFERENCES[key]
 
 
-def compare(layout, train=compose.Training(STEPS)):
+def compare(layout, train=compose.Training(STEPS), on_ranks=train_on_layout):
     """-> (max relative loss error, relative parameter-change error), over every rank, against
-    the reference with the same numerics and the default learning rates."""
+    the reference with the same numerics and the default learning rates. on_ranks: the rank
+    function that trains the layout (a variant injects a mistake on the distributed side only)."""
     pp, cp, dp = layout
-    results = run_ranks(train_on_layout, pp * cp * dp, args=(*layout, train), timeout=300)
+    results = run_ranks(on_ranks, pp * cp * dp, args=(*layout, train), timeout=300)
     ref_losses, ref_params = reference(pp, cp, dp, train)
     start = dict(compose.make_model(config(pp, cp)).to(dtype=train.dtype).named_parameters())
     loss_err = max(abs(a - b) / abs(b) for losses, _ in results for a, b in zip(losses, ref_losses))
@@ -104,6 +107,7 @@ def test_layout_equals_one_process_in_fp32():
     assert param_err < 1e-2, f"{layout}: parameters differ from one process by {param_err:.2e}"
 
 
+@pytest.mark.slow  # every factorisation of 1-4 ranks; the default tier has DEFAULT's
 @pytest.mark.parametrize("layout", LAYOUTS, ids=_ids(LAYOUTS))
 def test_every_layout_equals_one_process(layout):
     loss_err, param_err = compare(layout, compose.Training(STEPS, **FP64))
@@ -121,6 +125,42 @@ def test_float64_check_fails_a_learning_rate_one_percent_off(wrong):
     assert param_err > 100 * FP64_TOL, (
         f"a learning rate 1% off ({wrong}) passes as {param_err:.2e}: the check is blind"
     )
+
+
+def train_without_the_halos_gradient(rank, world, pp, cp, dp, train):
+    """train_on_layout with CP's halos detached: their gradient never reaches the previous rank."""
+    exchange = cp_compress.halo_from_previous
+    cp_compress.halo_from_previous = lambda x, rows, group=None: exchange(x, rows, group).detach()
+    return train_on_layout(rank, world, pp, cp, dp, train)
+
+
+def train_without_weight_decay_on_one_matrix(rank, world, pp, cp, dp, train):
+    """train_on_layout with the first trained Muon matrix in a param group of weight decay 0."""
+    split = muon_zero.muon_param_groups
+
+    def muon_param_groups(model):
+        groups = split(model)
+        dense = next(g for g in groups if g["role"] == "dense")
+        one = next(p for p in dense["params"] if p.requires_grad)
+        dense["params"] = [p for p in dense["params"] if p is not one]
+        return [*groups, {"params": [one], "role": "dense", "weight_decay": 0.0}]
+
+    muon_zero.muon_param_groups = muon_param_groups
+    return train_on_layout(rank, world, pp, cp, dp, train)
+
+
+# the same layout without the mistake passes: test_layout_equals_one_process[pp1_cp2_dp1]
+@pytest.mark.parametrize(
+    "mistake", [train_without_the_halos_gradient, train_without_weight_decay_on_one_matrix]
+)
+def test_float64_check_fails_a_mistake_on_the_distributed_side(mistake):
+    """The float64 comparison can fail on 2 CP ranks: a dropped halo gradient, or one Muon
+    matrix without weight decay."""
+    _, param_err = compare((1, 2, 1), compose.Training(STEPS, **FP64), on_ranks=mistake)
+    assert param_err > 100 * FP64_TOL, (
+        f"{mistake.__name__} passes as {param_err:.2e} (tolerance {FP64_TOL:g}): the check is blind"
+    )
+    print(f"{mistake.__name__}: parameters {param_err:.2e} off")
 
 
 def test_v4_numerics_within_bf16():
@@ -143,7 +183,12 @@ def _other_batch_on_rank_1(rank, world, pp, cp, dp, at_step):
         return ("refused", str(err))
 
 
-@pytest.mark.parametrize("layout", [(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["pp", "cp", "dp"])
+# the refusal along cp stays in the default tier, along pp it is a slow case
+@pytest.mark.parametrize(
+    "layout",
+    [pytest.param((2, 1, 1), marks=pytest.mark.slow), (1, 2, 1), (1, 1, 2)],
+    ids=["pp", "cp", "dp"],
+)
 def test_a_rank_with_another_batch(layout):
     """Along the pipeline and CP every rank of a replica holds the same rows: one that differs is
     refused (at step 2, after the pipeline's own first-step check), with the same line on every
@@ -219,6 +264,7 @@ def _one_rank_raises(rank, world, pp, cp, dp):
     compose.run_layout(cfg, train, pp, cp, dp, on_step=on_step)
 
 
+@pytest.mark.slow  # the other ranks wait out an abort
 @pytest.mark.parametrize("world", [2, 4])
 def test_one_rank_raises_mid_step_every_rank_says_so(world):
     layout = (2, 1, 1) if world == 2 else (2, 2, 1)

@@ -118,7 +118,7 @@ def test_a_resume_without_the_optimizer_state_fails_the_check(saved, reference):
     )
 
 
-@pytest.mark.parametrize("how", ["raises", "dies"])
+@pytest.mark.parametrize("how", ["raises", pytest.param("dies", marks=pytest.mark.slow)])
 def test_a_save_stopped_half_way_leaves_the_previous_checkpoint(saved, tmp_path, how):
     """A rank that raises in its save (every rank stops) or dies there (its peer waits out the
     process-group timeout: the slow tier): step-3.tmp stays incomplete, step-2 the newest."""
@@ -166,6 +166,7 @@ def test_the_first_line_says_what_was_resumed(saved, capsys, monkeypatch):
         compose_checkpoint.latest_checkpoint(os.path.join(saved, "step-9.tmp"))
 
 
+@pytest.mark.slow
 def test_cli_saves_at_four_ranks_and_resumes_on_one_with_check(tmp_path):
     """torchrun at 2x2x1 --save, then `python compose.py --resume --check` on one process."""
     root = str(tmp_path / "run")
@@ -176,6 +177,7 @@ def test_cli_saves_at_four_ranks_and_resumes_on_one_with_check(tmp_path):
     assert change < TOL, f"resumed on one process: {change:.2e} of the change off (float64)"
 
 
+@pytest.mark.slow
 def test_saved_at_2x2x1_resumed_at_1x1x4(tmp_path, reference):
     root = str(tmp_path / "run")
     run_ranks(_train, 4, args=((2, 2, 1), SAVED, root), timeout=300)

@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from graded.references_cp_compress import close, layouts, naive_compress
 
 import cp_compress as cpc
 from benchmarks.bench_cp_compress import allgather_baseline
@@ -29,41 +30,6 @@ from spawn import RankFailure, run_ranks
 S = 24  # tokens per rank: a multiple of m = 4 (CSA) and m' = 8 (HCA in tests)
 M, M_HCA = 4, 8
 WINDOW, TOP_K = 6, 5
-
-
-def close(actual, expected, what, rel=1e-5):
-    """fp32 agreement: max |cp - ref| <= rel * max |ref| (see the module docstring)."""
-    assert actual.shape == expected.shape, (
-        f"{what}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
-    )
-    scale = max(expected.abs().max().item(), 1e-30)
-    err = (actual - expected).abs().max().item()
-    assert err <= rel * scale, f"{what}: max |cp - ref| = {err:.3e} > {rel:g} * {scale:.3e}"
-
-
-def layouts(world_size, s, ratio):
-    """cu_seqlens with document boundaries everywhere that matters for this world size."""
-    T = world_size * s
-    boundaries = list(range(s, T, s)) or [s // 2]  # one rank: still test an inner boundary
-    worst_overlap = {
-        b - (2 * ratio - 1) for b in boundaries
-    }  # a block ending at b needs 2m-1 rows back
-    worst_straddle = {b - (ratio - 1) for b in boundaries}  # a document starting m-1 before b
-    on_boundary = set(boundaries)
-    short_docs = {b + 2 for b in boundaries} | {b + 3 for b in boundaries}  # a 1-token document
-    g = torch.Generator().manual_seed(world_size * 100 + ratio)
-    random_cuts = set(torch.randint(1, T, (T // 8,), generator=g).tolist())
-    out = []
-    for cuts in (
-        set(),
-        worst_overlap,
-        worst_straddle | short_docs,
-        on_boundary | {1, 2},
-        random_cuts,
-    ):
-        cuts = sorted({c for c in cuts if 0 < c < T} | {0, T})
-        out.append(torch.tensor(cuts))
-    return out
 
 
 def make_layer(kind):
@@ -138,27 +104,6 @@ def test_local_entry_rows_worst_case():
     assert prev_h is None and (own_h + 8 - 3).tolist() == [[5, 6, 7, 8], [9, 10, 11, 12]]
 
 
-def _naive_compress(kv, score, ape, cu, m, overlap):
-    """Scalar loops, entry by entry and channel by channel: a third, independent implementation."""
-    T, _, C = kv.shape
-    out = torch.zeros(T // m, C, dtype=torch.float64)
-    n = 0
-    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        for j in range((b - a) // m):
-            for c in range(C):
-                rows = [(a + j * m + i, 0, i) for i in range(m)]
-                if overlap and j > 0:
-                    rows += [(a + (j - 1) * m + i, 1, i) for i in range(m)]
-                logits = [float(score[p, k, c] + ape[i, k, c]) for p, k, i in rows]
-                z = sum(math.exp(v - max(logits)) for v in logits)
-                out[n, c] = sum(
-                    math.exp(v - max(logits)) / z * float(kv[p, k, c])
-                    for v, (p, k, i) in zip(logits, rows)
-                )
-            n += 1
-    return out.float()
-
-
 @pytest.mark.parametrize("overlap", [True, False])
 def test_compress_reference_matches_scalar_loops(overlap):
     g = torch.Generator().manual_seed(0)
@@ -169,7 +114,7 @@ def test_compress_reference_matches_scalar_loops(overlap):
     got = cpc.compress_reference(kv, score, ape, cu, 4, overlap)
     assert got.shape == (6, 3)
     assert got[4:].abs().max() == 0  # 4 valid entries, zero padding at the tail
-    close(got, _naive_compress(kv, score, ape, cu, 4, overlap), "compress_reference")
+    close(got, naive_compress(kv, score, ape, cu, 4, overlap), "compress_reference")
 
 
 def test_index_scores_and_top_k():
@@ -430,7 +375,10 @@ def _equivalence(rank, world_size):
     return checked
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize(
+    "world_size",
+    [pytest.param(1, marks=pytest.mark.slow), 2, 3, pytest.param(4, marks=pytest.mark.slow)],
+)
 def test_cp_equals_single_device_reference(world_size):
     results = ranks(_equivalence, world_size, timeout=120)
     assert all(len(r) == 10 for r in results)  # 2 layer kinds x 5 layouts on every rank
@@ -558,7 +506,7 @@ def _guard_all_cases(rank, world_size):
     return messages
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_guard_every_rank_raises_the_same_error_naming_the_cause(world_size):
     results = run_ranks(_guard_all_cases, world_size, timeout=60)
     for case, expected in GUARD_CASES.items():
@@ -578,7 +526,7 @@ def _one_case(rank, world_size, case):
     layer.context_parallel(x, cu)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize(
     "case", ["feature dim", "cu_seqlens", "init", "2-D cu_seqlens on one rank"]
 )
@@ -621,7 +569,7 @@ def _raise_mid_step(rank, world_size):
     layer.context_parallel(x, cu)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_fault_matrix_one_rank_raises_mid_step(world_size):
     """(a) one rank raises inside the protocol: the harness reports it well within the timeout."""
     t0 = time.monotonic()

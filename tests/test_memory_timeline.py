@@ -13,6 +13,8 @@ from torch.utils._pytree import tree_flatten
 
 matplotlib.use("Agg")
 
+from graded.models_memory_timeline import small_model  # noqa: E402
+
 from memory import memory_timeline  # noqa: E402
 from memory.allocator_model import CachingAllocatorModel, SimulatedOutOfMemoryError  # noqa: E402
 from memory.memory_timeline import (  # noqa: E402
@@ -25,17 +27,6 @@ from memory.plots import plot_timeline, plot_timelines  # noqa: E402
 from spawn import run_ranks  # noqa: E402
 
 MiB = 2**20
-
-
-def small_model(device="cpu"):
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(256, 1024),
-        nn.GELU(),
-        nn.Linear(1024, 256),
-        nn.LayerNorm(256),
-        nn.Linear(256, 256),
-    ).to(device)
 
 
 def train(model, opt, x, steps, tl=None):

@@ -422,7 +422,9 @@ def _recorded_p2p_rank(rank, world_size, overlap):
     return ops
 
 
-@pytest.mark.parametrize("world_size,overlap", [(2, True), (2, False), (4, True)])
+@pytest.mark.parametrize(
+    "world_size,overlap", [(2, True), (2, False), pytest.param(4, True, marks=pytest.mark.slow)]
+)
 def test_pipeline_is_safe_under_nccls_rules(world_size, overlap):
     """Issue 14.1: NCCL runs a pair's sends and receives in issue order on one stream, ignores
     tags and does not buffer sends. Safe if every (link, rank pair) carries data one way only and
@@ -522,7 +524,7 @@ FIELDS = {"init": "initial parameters", "dtype": "parameter dtype", "shape": "id
           "block": "block (L_r)", "n_micro": "n_micro", "batch": "batch (sha256"}  # fmt: skip
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("what", list(FIELDS))
 def test_fault_matrix_different_input_on_one_rank(world_size, what):
     messages = run_ranks(_differing_rank, world_size, args=(what,), timeout=60)
@@ -564,7 +566,7 @@ def _failing_rank(rank, world_size):
     mhc.pipeline_step(model, *batch(0, size=8), n_micro=4)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_fault_matrix_one_rank_raises_mid_step(world_size):
     with pytest.raises(RankFailure) as failure:
         run_ranks(_failing_rank, world_size, timeout=60)

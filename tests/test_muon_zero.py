@@ -6,65 +6,29 @@ Tolerance of a resumed run against the uninterrupted one (relative error of the 
 ||Δ_test - Δ_ref|| / ||Δ_ref||), fp32 NS and fp32 gradient sync: 1e-5, fp32 reassociation only.
 """
 
-import math
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from graded.models_muon_zero import (
+    ADAMW,
+    DENSE,
+    DIM,
+    EXPERT,
+    GLOBAL_BATCH,
+    batch,
+    forward_loss,
+    make_params,
+)
 
 import muon_zero as mz
 from benchmarks import bench_muon_zero as bench
 from spawn import RankFailure, run_ranks, run_torchrun
 
-VOCAB, DIM, HIDDEN, EXPERTS, FFN = 16, 12, 20, 5, 8
-GLOBAL_BATCH, SEQ, STEPS = 12, 6, 5  # 12 samples split evenly over 1, 2, 3 and 4 ranks
+STEPS = 5
 LR_MUON, LR_ADAM = 0.05, 0.01
 FP32_TOL = 1e-5
-
-# Dense matrices: tall, wide, square twice (a same-shape pair for batched NS), the router; 5 of
-# them, which divides neither 2, 3 nor 4. Expert stacks of 5 experts: 15 matrices, divides 3 only.
-DENSE = {
-    "w_in": (HIDDEN, DIM),
-    "w_out": (DIM, HIDDEN),
-    "w_sq1": (DIM, DIM),
-    "w_sq2": (DIM, DIM),
-    "router": (EXPERTS, DIM),
-}
-EXPERT = {"gate": (EXPERTS, FFN, DIM), "up": (EXPERTS, FFN, DIM), "down": (EXPERTS, DIM, FFN)}
-ADAMW = {"embed": (VOCAB, DIM), "norm": (DIM,), "head": (VOCAB, DIM)}
-
-
-def make_params(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    shapes = {**DENSE, **EXPERT, **ADAMW}
-    P = {k: torch.randn(s, generator=g) / math.sqrt(s[-1]) for k, s in shapes.items()}
-    P["norm"] = 1 + 0.1 * torch.randn(DIM, generator=g)
-    return P
-
-
-def forward_loss(P, tokens, targets):
-    """A small MoE block; P's expert entries: 3-D tensors or lists of 2-D leaves (the reference)."""
-    E = {k: (torch.stack(P[k]) if isinstance(P[k], list) else P[k]) for k in EXPERT}
-    x = P["embed"][tokens]  # [B, T, D]
-    x = x + torch.tanh(x @ P["w_in"].T) @ P["w_out"].T
-    x = x + torch.tanh(x @ P["w_sq1"].T) @ P["w_sq2"].T
-    route = torch.sigmoid(
-        x @ P["router"].T
-    )  # [B, T, E]; softmax would leave the router gradient rank-deficient
-    h = F.silu(torch.einsum("btd,efd->btef", x, E["gate"])) * torch.einsum(
-        "btd,efd->btef", x, E["up"]
-    )
-    x = x + torch.einsum("btef,edf,bte->btd", h, E["down"], route)
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * P["norm"]
-    return F.cross_entropy((x @ P["head"].T).flatten(0, 1), targets.flatten())
-
-
-def batch(step):
-    g = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
-    return tokens[:, :-1], tokens[:, 1:]
 
 
 def leaves(P):
@@ -351,15 +315,16 @@ def check_mismatch(rank, world, field):
     return None
 
 
-@pytest.mark.parametrize("world", [2, 3])
+# at 2 ranks: lr, init and shape stay in the default tier; the other fields are slow cases
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize(
     "field, words",
     [
         ("lr", "lr"),
-        ("adamw_lr", "lr"),
+        pytest.param("adamw_lr", "lr", marks=pytest.mark.slow),
         ("init", "initial values"),
         ("shape", "shape"),
-        ("dtype", "float32"),
+        pytest.param("dtype", "float32", marks=pytest.mark.slow),
     ],
 )
 def test_every_rank_refuses_a_mismatch(field, words, world):
@@ -432,7 +397,9 @@ def check_one_rank_raises_mid_step(rank, world):
     opt.step()
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize(
+    "world", [2, pytest.param(3, marks=pytest.mark.slow)]
+)  # every fault at 2 ranks stays
 def test_one_rank_raising_mid_step_fails_fast(world):
     """Fault matrix (a): a failure is reported as that rank's error, well within the timeout."""
     start = time.monotonic()
@@ -550,7 +517,9 @@ def check_resume(rank, world):
     return out
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize(
+    "world", [1, 2, pytest.param(3, marks=pytest.mark.slow)]
+)  # 2 ranks: 5 dense matrices split unevenly
 def test_resume_is_exact_in_every_sync_mode(world):
     for rank, r in enumerate(run_ranks(check_resume, world, timeout=120)):
         bad = [k for k, ok in r.items() if not ok]

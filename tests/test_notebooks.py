@@ -50,7 +50,15 @@ def test_every_source_has_a_notebook_and_back():
     assert committed == _names(SOURCES), "each notebooks/src/NN_*.py has one notebooks/NN_*.ipynb"
 
 
-@pytest.mark.parametrize("source", SOURCES, ids=_names(SOURCES))
+# every notebook but 00, the quickest, re-executes in the slow tier
+@pytest.mark.parametrize(
+    "source",
+    [
+        pytest.param(s, marks=() if os.path.basename(s).startswith("00_") else pytest.mark.slow)
+        for s in SOURCES
+    ],
+    ids=_names(SOURCES),
+)
 def test_notebook_reexecutes(source):
     path = os.path.join(NOTEBOOKS, _names([source])[0] + ".ipynb")
     nb = nbformat.read(path, as_version=4)

@@ -16,7 +16,10 @@ def _all_reduce_rank_ids(rank, world_size):
     return rank, world_size, t.item(), os.getpid()
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize(
+    "world_size",
+    [1, 2, 3, pytest.param(4, marks=pytest.mark.slow), pytest.param(6, marks=pytest.mark.slow)],
+)
 def test_collective_across_ranks(world_size):
     results = run_ranks(_all_reduce_rank_ids, world_size)
     assert [r[0] for r in results] == list(range(world_size))

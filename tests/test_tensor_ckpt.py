@@ -433,7 +433,7 @@ FIELD_OF_FAULT = {
 }
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_a_rank_that_raises_mid_step_is_reported_not_waited_for(world_size):
     bad = world_size - 1
     with pytest.raises(spawn.RankFailure) as err:
@@ -453,7 +453,7 @@ def _every_fault(rank, world_size):
     return seen
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_a_rank_with_different_input_makes_every_rank_raise_the_same_error(world_size):
     seen = run_ranks(_every_fault, world_size, timeout=90)  # a hang would be a RankTimeout
     for fault, field in FIELD_OF_FAULT.items():

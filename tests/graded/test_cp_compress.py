@@ -10,69 +10,17 @@ while every mistake of the catalogue is off by 1e-2 or more. Entry counts, visib
 boundary-value check are integers or copies and must match exactly.
 """
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
 from sandbox import StudentCodeError, call, on_ranks
 
+from graded.references_cp_compress import close, layouts, naive_compress, shard
+
 S = 24  # tokens per rank: a multiple of m = 4 (CSA) and m' = 8 (HCA in tests)
 M, M_HCA = 4, 8
 WINDOW, TOP_K = 6, 10**3  # top_k above the entry count: every visible entry is attended
 D = 8  # head_dim
-
-
-def close(actual, expected, what, rel=1e-5):
-    """max |got - ref| <= rel * max |ref| (see the module docstring)."""
-    assert tuple(actual.shape) == tuple(expected.shape), (
-        f"{what}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
-    )
-    scale = max(expected.abs().max().item(), 1e-30)
-    err = (actual.double() - expected.double()).abs().max().item()
-    assert err <= rel * scale, f"{what}: max |got - ref| = {err:.3e} > {rel:g} * {scale:.3e}"
-
-
-def layouts(world_size, s, ratio):
-    """cu_seqlens with document boundaries everywhere that matters for this world size."""
-    T = world_size * s
-    boundaries = list(range(s, T, s)) or [s // 2]  # one rank: still test an inner boundary
-    worst_overlap = {b - (2 * ratio - 1) for b in boundaries}  # a block ending at b: 2m-1 back
-    worst_straddle = {b - (ratio - 1) for b in boundaries}  # a document starting m-1 before b
-    short_docs = {b + 2 for b in boundaries} | {b + 3 for b in boundaries}  # a 1-token document
-    g = torch.Generator().manual_seed(world_size * 100 + ratio)
-    random_cuts = set(torch.randint(1, T, (T // 8,), generator=g).tolist())
-    out = []
-    for cuts in (set(), worst_overlap, worst_straddle | short_docs, set(boundaries) | {1, 2},
-                 random_cuts):  # fmt: skip
-        out.append(torch.tensor(sorted({c for c in cuts if 0 < c < T} | {0, T})))
-    return out
-
-
-def shard(t, world_size, rank):
-    s = t.shape[0] // world_size
-    return t[rank * s : (rank + 1) * s]
-
-
-def _naive_compress(kv, score, ape, cu, m, overlap):
-    """Scalar loops, entry by entry and channel by channel (float64)."""
-    T, _, C = kv.shape
-    out = torch.zeros(T // m, C, dtype=torch.float64)
-    n = 0
-    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        for j in range((b - a) // m):
-            for c in range(C):
-                rows = [(a + j * m + i, 0, i) for i in range(m)]
-                if overlap and j > 0:
-                    rows += [(a + (j - 1) * m + i, 1, i) for i in range(m)]
-                logits = [float(score[p, k, c] + ape[i, k, c]) for p, k, i in rows]
-                z = sum(math.exp(v - max(logits)) for v in logits)
-                out[n, c] = sum(
-                    math.exp(v - max(logits)) / z * float(kv[p, k, c])
-                    for v, (p, k, i) in zip(logits, rows)
-                )
-            n += 1
-    return out
 
 
 def entry_windows(cu, m, overlap):
@@ -193,7 +141,7 @@ def test_compress_local_on_one_rank_matches_reference(overlap):
         f"the buffer holds the {n} valid entries first and zero rows after (padding at the tail): "
         f"rows {n}..{slots - 1} are not zero (max |row| = {tail:.3e})"
     )
-    expected = _naive_compress(kv, score, ape, cu, m, overlap)[:n]
+    expected = naive_compress(kv, score, ape, cu, m, overlap)[:n]
     scale = expected.abs().max().item()
     errors = (buf[:n].double() - expected).abs().amax(dim=1)
     bad = [e for e in range(n) if errors[e] > 1e-5 * scale]
@@ -447,10 +395,10 @@ def test_cp_gradients_equal_plain_attention(world_size):
 @pytest.mark.parametrize(
     "world_size",
     [
-        1,
+        pytest.param(1, marks=pytest.mark.slow),
         2,
         pytest.param(3, marks=pytest.mark.ungraded),
-        pytest.param(4, marks=pytest.mark.ungraded),
+        pytest.param(4, marks=(pytest.mark.ungraded, pytest.mark.slow)),
     ],
 )
 def test_cp_matches_plain_sdpa_attention(world_size):

@@ -440,11 +440,11 @@ def check_pipeline(results, ref_steps, world_size):
 @pytest.mark.parametrize(
     "world_size,overlap",
     [
-        (1, True),
+        pytest.param(1, True, marks=pytest.mark.slow),
         (2, True),
         (2, False),
         pytest.param(3, True, marks=pytest.mark.ungraded),
-        pytest.param(4, True, marks=pytest.mark.ungraded),
+        pytest.param(4, True, marks=(pytest.mark.ungraded, pytest.mark.slow)),
     ],
 )
 def test_pipeline_equals_single_process(world_size, overlap):

@@ -23,11 +23,18 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from sandbox import call, on_ranks
 
-VOCAB, DIM, HIDDEN, EXPERTS, FFN = 16, 12, 20, 5, 8
-GLOBAL_BATCH, SEQ, STEPS = 12, 6, 5  # 12 samples split evenly over 1, 2, 3 and 4 ranks
+from graded.models_muon_zero import (
+    ADAMW,
+    DENSE,
+    EXPERT,
+    batch,
+    forward_loss,
+    make_params,
+)
+
+STEPS = 5
 LR_MUON, LR_ADAM = 0.05, 0.01
 FP32_TOL, BF16_TOL, GRAD_TOL = 1e-5, 1e-2, 1e-4
 # bf16 Newton-Schulz (V4's 10 iterations) against the same iteration in fp64, on matrices with
@@ -48,46 +55,6 @@ SHARDED_NEEDS = tuple(
 )  # fmt: skip
 ungraded = pytest.mark.ungraded
 WORLDS = [1, 2, pytest.param(3, marks=ungraded), pytest.param(4, marks=ungraded)]
-
-# Dense matrices: tall, wide, square twice (a same-shape pair for batched NS), the router; 5 of
-# them, which divides neither 2, 3 nor 4. Expert stacks of 5 experts: 15 matrices, divides 3 only.
-DENSE = {
-    "w_in": (HIDDEN, DIM),
-    "w_out": (DIM, HIDDEN),
-    "w_sq1": (DIM, DIM),
-    "w_sq2": (DIM, DIM),
-    "router": (EXPERTS, DIM),
-}
-EXPERT = {"gate": (EXPERTS, FFN, DIM), "up": (EXPERTS, FFN, DIM), "down": (EXPERTS, DIM, FFN)}
-ADAMW = {"embed": (VOCAB, DIM), "norm": (DIM,), "head": (VOCAB, DIM)}
-
-
-def make_params(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    shapes = {**DENSE, **EXPERT, **ADAMW}
-    P = {k: torch.randn(s, generator=g) / math.sqrt(s[-1]) for k, s in shapes.items()}
-    P["norm"] = 1 + 0.1 * torch.randn(DIM, generator=g)
-    return P
-
-
-def forward_loss(P, tokens, targets):
-    """A small MoE block; P's expert entries: 3-D tensors or lists of 2-D leaves."""
-    E = {k: (torch.stack(P[k]) if isinstance(P[k], list) else P[k]) for k in EXPERT}
-    x = P["embed"][tokens]  # [B, T, D]
-    x = x + torch.tanh(x @ P["w_in"].T) @ P["w_out"].T
-    x = x + torch.tanh(x @ P["w_sq1"].T) @ P["w_sq2"].T
-    route = torch.sigmoid(x @ P["router"].T)  # softmax would leave the router rank-deficient
-    h = F.silu(torch.einsum("btd,efd->btef", x, E["gate"]))
-    h = h * torch.einsum("btd,efd->btef", x, E["up"])
-    x = x + torch.einsum("btef,edf,bte->btd", h, E["down"], route)
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * P["norm"]
-    return F.cross_entropy((x @ P["head"].T).flatten(0, 1), targets.flatten())
-
-
-def batch(step):
-    g = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
-    return tokens[:, :-1], tokens[:, 1:]
 
 
 BATCHES = [batch(s) for s in range(STEPS)]
