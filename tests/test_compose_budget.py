@@ -25,8 +25,18 @@ from spawn import run_ranks
 
 CFG = compose.ComposeConfig()
 ODD = dataclasses.replace(
-    CFG, dim=32, n_hc=3, n_heads=2, head_dim=8, index_heads=2, index_dim=8, n_experts=3,
-    expert_hidden=48, vocab_size=100, window=8, top_k=8,
+    CFG,
+    dim=32,
+    n_hc=3,
+    n_heads=2,
+    head_dim=8,
+    index_heads=2,
+    index_dim=8,
+    n_experts=3,
+    expert_hidden=48,
+    vocab_size=100,
+    window=8,
+    top_k=8,
 )
 
 
