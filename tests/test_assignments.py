@@ -301,6 +301,8 @@ def test_grader_on_a_fake_repository(tmp_path):
     assert all("NotImplementedError" in t["output"] for t in results["tests"]), out
 
 
+# slow: two gradings and a hang waited out; graded/test_sandbox.py's hang test stays
+@pytest.mark.slow
 def test_submission_shadows_the_reference_and_a_hang_scores_zero(tmp_path):
     repo = _fake_repo(tmp_path / "repo")
     broken = tmp_path / "broken"
@@ -657,6 +659,8 @@ ALTERNATIVES = [
 """
 
 
+# slow: the mistakes check's test stays, and CI runs make grade-alternatives
+@pytest.mark.slow
 def test_alternatives_check_keeps_correct_bodies_and_names_a_wrong_one(tmp_path):
     repo = _fake_repo(tmp_path / "repo", PURE, PURE_TESTS, "pure", PURE_PROBES)
     os.makedirs(tmp_path / "repo" / "tests" / "alternatives")

@@ -597,6 +597,8 @@ def test_demo_arguments_are_checked_before_any_work(monkeypatch, capsys):
         assert word in err[-1] and "Traceback" not in "".join(err), err
 
 
+# slow: the demo on 2 stages stays (test_nccl_rules replays it)
+@pytest.mark.slow
 def test_demo_runs_under_torchrun_on_three_stages():
     args = ["--dim", "32", "--layers", "6", "--steps", "2", "--batch", "12"]
     out = run_torchrun("mhc.py", nproc=3, args=args, timeout=300).stdout
