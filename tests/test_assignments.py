@@ -27,6 +27,8 @@ sys.path.insert(0, TOOLS)
 import assignments  # noqa: E402
 import grade  # noqa: E402
 
+from tests.mistakes import Mistake  # noqa: E402
+
 FAKE = '''\
 """A fake technique file."""
 
@@ -536,6 +538,37 @@ def test_mistakes_check_splices_each_body_and_matches_its_message(tmp_path):
     assert "no first line contains 'twice'" in lines[2] and "got 7" in lines[2], out
     code, out = _grade("--root", repo, "--check-mistakes", "pure.ramp")
     assert code == 1 and "no mistakes catalogued" in out, out
+
+
+EDITED_MISTAKES = """\
+from tests.mistakes import Mistake
+
+MISTAKES = [
+    Mistake(region="pure.double", name="triples", message="double(3) must be 6",
+            edits=(("2 * x", "3 * x"),)),
+    Mistake(region="pure.double", name="stale", message="double(3) must be 6",
+            edits=(("return 5 * x", "return x"),)),
+]
+"""
+
+
+def test_mistakes_check_applies_edits_and_names_an_edit_that_no_longer_applies(tmp_path):
+    repo = _fake_repo(tmp_path / "repo", PURE, PURE_TESTS, "pure", PURE_PROBES)
+    (tmp_path / "repo" / "tests" / "mistakes" / "pure.py").write_text(EDITED_MISTAKES)
+    code, out = _grade("--root", repo, "--check-mistakes", "pure.double")
+    assert code == 1, out
+    lines = [line for line in out.splitlines() if " / " in line]
+    assert len(lines) == 2, out
+    assert lines[0].startswith("ok     pure.double / triples: 1 of 1 tests fail"), out
+    assert lines[1].startswith("DEFECT pure.double / stale: the mistake no longer applies"), out
+    assert "'return 5 * x' not found in the reference" in lines[1], out
+
+
+def test_a_mistake_takes_a_body_or_edits_not_both():
+    with pytest.raises(ValueError, match="exactly one of `body`"):
+        Mistake(region="pure.double", name="both", message="m", body="x", edits=(("a", "b"),))
+    with pytest.raises(ValueError, match="exactly one of `body`"):
+        Mistake(region="pure.double", name="neither", message="m")
 
 
 def test_assignments_never_overwrites_a_students_edits(tmp_path, capsys):

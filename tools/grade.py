@@ -761,6 +761,25 @@ def tests_of(graded, qualname):
     ]
 
 
+def apply_edits(reference, edits):
+    """``reference`` (a region body at indentation 0) with each (old, new) of ``edits`` replaced
+    in turn; raises ValueError naming an ``old`` that is missing or occurs more than once."""
+    for old, new in edits:
+        count = reference.count(old)
+        if count != 1:
+            where = "not found in" if count == 0 else f"found {count} times in"
+            raise ValueError(f"the mistake no longer applies: {old!r} {where} the reference")
+        reference = reference.replace(old, new)
+    return reference
+
+
+def mistake_body(root, region, mistake):
+    """The body ``mistake`` splices into ``region``: its own, or the reference's with its edits."""
+    if mistake.body is not None:
+        return mistake.body
+    return apply_edits(textwrap.dedent(reference_body(root, region)), mistake.edits)
+
+
 def check_mistakes(root, which, per_test_s, overall_s):
     """Splice each catalogued mistake into the reference; it must lose points, and a failing
     test's first line must contain its message. Prints one line per mistake; returns exit code."""
@@ -780,8 +799,14 @@ def check_mistakes(root, which, per_test_s, overall_s):
             why = "no such region" if region is None else "no graded test names or needs it"
             print(f"DEFECT {label}: {why}", flush=True)
             continue
+        try:
+            body = mistake_body(root, region, m)
+        except ValueError as e:
+            defects += 1
+            print(f"DEFECT {label}: {e}", flush=True)
+            continue
         with tempfile.TemporaryDirectory() as staged:
-            stage_with(staged, root, [(region, m.body)])
+            stage_with(staged, root, [(region, body)])
             run = run_graded(
                 root, staged, tests, per_test_s, overall_s, True, stop_on=m.message
             )  # the run stops at the first failure that shows the message: the rest cannot undo it
