@@ -337,11 +337,12 @@ def solution_signatures(root=ROOT):
         for name in files_of(tmp):
             with open(os.path.join(tmp, name)) as f:
                 given.update(line.strip() for line in f)
-    signatures = {}
+    signatures, references = {}, {}
     where = {os.path.basename(f): f for f in assignments.assignment_files(root)}
     for r in assignments.all_regions(root):
         with open(os.path.join(root, where[r.file])) as f:
             lines = f.read().splitlines()
+        references[r.qualname] = "\n".join(line.strip() for line in lines[r.begin - 1 : r.end])
         for number in range(r.begin, r.end - 1):  # 0-based: the lines between the markers
             text = lines[number].strip()
             if _significant(text) and not _given(text, given):
@@ -349,7 +350,8 @@ def solution_signatures(root=ROOT):
     for path in private_files(root):
         with open(os.path.join(root, path)) as f:
             tree = ast.parse(f.read())
-        for kind, body in catalogued_bodies(tree):  # a catalogue's wrong or correct bodies
+        bodies = [*catalogued_bodies(tree), *edited_lines(tree, references)]
+        for kind, body in bodies:  # a catalogue's wrong or correct bodies
             for text in body.splitlines():
                 text = text.strip()
                 if _significant(text) and not _given(text, given):
@@ -457,6 +459,22 @@ def catalogued_bodies(tree):
             for keyword in node.keywords:
                 if keyword.arg == "body" and isinstance(keyword.value, ast.Constant):
                     yield kind, str(keyword.value.value)
+
+
+def edited_lines(tree, references):
+    """(kind, text) of the lines each `Mistake(edits=...)` record writes into its region that the
+    reference does not hold (its wrong lines); references: {region: its lines, stripped}."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "Mistake":
+            fields = {k.arg: k.value for k in node.keywords}
+            if "edits" not in fields or not isinstance(fields.get("region"), ast.Constant):
+                continue
+            reference = references.get(fields["region"].value, "")
+            body = "\n".join(line.strip() for line in reference.splitlines())
+            for old, new in ast.literal_eval(fields["edits"]):
+                body = body.replace(old.strip(), "\n".join(n.strip() for n in new.splitlines()))
+            kept = set(reference.splitlines())
+            yield RECORDS["Mistake"], "\n".join(t for t in body.splitlines() if t not in kept)
 
 
 def notebook_answers(tree):
