@@ -368,6 +368,7 @@ def _processes_running(text):
     return found
 
 
+@pytest.mark.slow  # the grading tools: CI runs them in full (grade-check, -mistakes, -fit)
 def test_region_check_finds_ungraded_regions_and_weak_tests(tmp_path):
     source = FAKE.replace("def helper():\n    return 1", "def helper():\n    ### BEGIN SOLUTION\n"
                           "    return 1\n    ### END SOLUTION")  # fmt: skip
@@ -380,6 +381,7 @@ def test_region_check_finds_ungraded_regions_and_weak_tests(tmp_path):
     assert "ok   fake.Summer.total: 2 of 2 graded tests fail" in out
 
 
+@pytest.mark.slow  # the grading tools: CI runs them in full (grade-check, -mistakes, -fit)
 def test_feedback_leads_with_the_message_and_blames_the_needed_region(tmp_path):
     repo = _fake_repo(tmp_path / "repo", PURE, PURE_TESTS, "pure", PURE_PROBES)
     wrong = PURE.replace("return 2 * x", "return 3 * x").replace(
@@ -453,6 +455,7 @@ def test_blocked_by_names_the_root_cause_and_never_a_tests_own_region():
     }
 
 
+@pytest.mark.slow  # the grading tools: CI runs them in full (grade-check, -mistakes, -fit)
 def test_an_ungraded_case_is_not_collected_as_graded(tmp_path):
     tests = (
         PURE_TESTS
@@ -470,6 +473,7 @@ def test_double_cases(n):
     assert not any(n.endswith("test_double_cases[4]") for n in nodeids), nodeids
 
 
+@pytest.mark.slow  # the grading tools: CI runs them in full (grade-check, -mistakes, -fit)
 def test_blocked_by_asks_a_regions_test_run_alone_first():
     # p is wrong and fails its test run alone; the whole-pipeline tests of p and q need each
     # other: q's is blocked by p, p's shows its own failure, in whichever order they are asked
@@ -491,6 +495,7 @@ def test_blocked_by_asks_a_regions_test_run_alone_first():
         }
 
 
+@pytest.mark.slow  # the grading tools: CI runs them in full (grade-check, -mistakes, -fit)
 def test_only_one_region_and_an_import_failure(tmp_path):
     repo = _fake_repo(tmp_path / "repo", PURE, PURE_TESTS, "pure", PURE_PROBES)
     broken = PURE.replace("import torch", "import torch\ndef broken(:")
@@ -523,6 +528,7 @@ MISTAKES = [
 """
 
 
+@pytest.mark.slow  # the grading tools: CI runs them in full (grade-check, -mistakes, -fit)
 def test_mistakes_check_splices_each_body_and_matches_its_message(tmp_path):
     repo = _fake_repo(tmp_path / "repo", PURE, PURE_TESTS, "pure", PURE_PROBES)
     (tmp_path / "repo" / "tests" / "mistakes" / "pure.py").write_text(MISTAKES)
@@ -571,6 +577,7 @@ def test_a_mistake_takes_a_body_or_edits_not_both():
         Mistake(region="pure.double", name="neither", message="m")
 
 
+@pytest.mark.slow  # the grading tools: CI runs them in full (grade-check, -mistakes, -fit)
 def test_assignments_never_overwrites_a_students_edits(tmp_path, capsys):
     repo = _fake_repo(tmp_path / "repo", PURE, PURE_TESTS, "pure", PURE_PROBES)
     out = tmp_path / "student"

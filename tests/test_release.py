@@ -289,6 +289,7 @@ def _check_schema(results):
     assert results["score"] == sum(t["score"] for t in results["tests"])
 
 
+@pytest.mark.slow  # the grading tools: CI runs them in full (grade-check, -mistakes, -fit)
 def test_autograder_grades_one_assignment_as_gradescope_runs_it(kit, tmp_path):
     """The zip unpacked in a folder standing in for /autograder, one graded file's tests kept:
     the reference's file scores every point of it."""
@@ -303,6 +304,7 @@ def test_autograder_grades_one_assignment_as_gradescope_runs_it(kit, tmp_path):
     assert all(stem in t["name"] for t in results["tests"])
 
 
+@pytest.mark.slow  # the grading tools: CI runs them in full (grade-check, -mistakes, -fit)
 def test_autograder_writes_a_result_when_grading_breaks(kit, tmp_path):
     root = tmp_path / "autograder"
     with zipfile.ZipFile(kit[1]) as z:
