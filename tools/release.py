@@ -337,12 +337,11 @@ def solution_signatures(root=ROOT):
         for name in files_of(tmp):
             with open(os.path.join(tmp, name)) as f:
                 given.update(line.strip() for line in f)
-    signatures, references = {}, {}
+    signatures = {}
     where = {os.path.basename(f): f for f in assignments.assignment_files(root)}
     for r in assignments.all_regions(root):
         with open(os.path.join(root, where[r.file])) as f:
             lines = f.read().splitlines()
-        references[r.qualname] = "\n".join(line.strip() for line in lines[r.begin - 1 : r.end])
         for number in range(r.begin, r.end - 1):  # 0-based: the lines between the markers
             text = lines[number].strip()
             if _significant(text) and not _given(text, given):
@@ -350,14 +349,18 @@ def solution_signatures(root=ROOT):
     for path in private_files(root):
         with open(os.path.join(root, path)) as f:
             tree = ast.parse(f.read())
-        bodies = [*catalogued_bodies(tree), *edited_lines(tree, references)]
-        for kind, body in bodies:  # a catalogue's wrong or correct bodies
+        for kind, body in catalogued_bodies(tree):  # a catalogue's wrong or correct bodies
             for text in body.splitlines():
                 text = text.strip()
                 if _significant(text) and not _given(text, given):
                     signatures.setdefault(text, f"{kind} in {path}")
         for variable, answer in notebook_answers(tree):  # the line a filled-in exercise holds
             signatures.setdefault(f"{variable} = {answer}", f"the answer to {variable} ({path})")
+    for body in edited_lines(root):
+        for text in body.splitlines():
+            text = text.strip()
+            if _significant(text) and not _given(text, given):
+                signatures.setdefault(text, f"{RECORDS['Mistake']} in tests/mistakes")
     return signatures
 
 
@@ -461,20 +464,22 @@ def catalogued_bodies(tree):
                     yield kind, str(keyword.value.value)
 
 
-def edited_lines(tree, references):
-    """(kind, text) of the lines each `Mistake(edits=...)` record writes into its region that the
-    reference does not hold (its wrong lines); references: {region: its lines, stripped}."""
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "Mistake":
-            fields = {k.arg: k.value for k in node.keywords}
-            if "edits" not in fields or not isinstance(fields.get("region"), ast.Constant):
-                continue
-            reference = references.get(fields["region"].value, "")
-            body = "\n".join(line.strip() for line in reference.splitlines())
-            for old, new in ast.literal_eval(fields["edits"]):
-                body = body.replace(old.strip(), "\n".join(n.strip() for n in new.splitlines()))
-            kept = set(reference.splitlines())
-            yield RECORDS["Mistake"], "\n".join(t for t in body.splitlines() if t not in kept)
+def edited_lines(root):
+    """The lines each mistake written as `edits` puts into its region that the reference does not
+    hold (its wrong lines), as check-mistakes splices them (tools/grade.py's mistake_body)."""
+    import grade
+
+    regions = {r.qualname: r for r in assignments.all_regions(root)}
+    for m in grade.load_mistakes(root):
+        region = regions.get(m.region)
+        if m.body is not None or region is None:
+            continue
+        kept = {line.strip() for line in grade.reference_body(root, region).splitlines()}
+        try:
+            body = grade.mistake_body(root, region, m)
+        except ValueError:  # an edit that no longer applies: check-mistakes names it
+            continue
+        yield "\n".join(line for line in body.splitlines() if line.strip() not in kept)
 
 
 def notebook_answers(tree):
