@@ -4,9 +4,10 @@ Default tier: the release's file list, the regions' table the stubbed files need
 (no line of any solution region, no private answer, no function with a region's token shape, in
 any released file, notebooks and the zip included; and the search itself finds a line planted in a
 file, a notebook output and the zip, and a region's body renamed into a helper), the autograder's
-layout, and the autograder run as Gradescope runs it on one graded file. Slow tier: the student
-repository after `git init`, graded by its own Makefile's command (zero points; the reference's
-files copied over it: full marks), and the whole autograder against an upload nested in a folder.
+layout, the autograder run as Gradescope runs it on one graded file, and the cgroup run's list of
+processes that outlive it. Slow tier: the student repository after `git init`, graded by its own
+Makefile's command (zero points; the reference's files copied over it: full marks), and the whole
+autograder against an upload nested in a folder.
 """
 
 import json
@@ -408,3 +409,19 @@ def test_the_grading_figures_in_the_docs_are_the_ones_checked():
         assert "650 MB" in text and "6 minutes" in text, name
         stale = re.findall(r"\d+(?:\.\d+)? GB(?: or more)?\)?[^.]*(?:grading|autograder)", text)
         assert not [s for s in stale if "141 GB" not in s and "80 or" not in s], (name, stale)
+
+
+def test_the_limited_run_names_a_process_that_outlives_its_command():
+    """The attacks' proof that nothing is left to rewrite results.json: run_limited lists what is
+    still in the cgroup when the command returns (a detached process included), and not the
+    processes that ended with it."""
+    if os.geteuid() != 0:
+        pytest.skip("a cgroup of its own needs root")
+    import measure_grading
+
+    detached = ["bash", "-c", "setsid sleep 60 >/dev/null 2>&1 & echo started"]
+    code, out, peaks, _ = measure_grading.run_limited(detached, 2**30, 1.0)
+    assert code == 0 and "started" in out, out
+    assert len(peaks["left"]) == 1, f"the detached sleep was not seen: {peaks['left']}"
+    _, _, peaks, _ = measure_grading.run_limited(["bash", "-c", "sleep 0.2 & wait"], 2**30, 1.0)
+    assert peaks["left"] == [], f"a process that ended was listed as left: {peaks['left']}"

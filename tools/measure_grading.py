@@ -129,8 +129,18 @@ def cgroup(memory_bytes, cpus, name=None):
                 os.rmdir(path)
 
 
+def _left_in(group, wait_s=2.0):
+    """The processes still in ``group`` once those killed a moment ago have had ``wait_s`` to go."""
+    end = time.monotonic() + wait_s
+    while group.procs() and time.monotonic() < end:
+        time.sleep(0.05)
+    return group.procs()
+
+
 def run_limited(cmd, memory_bytes, cpus, env=None, cwd=None, timeout=900):
-    """Run ``cmd`` in a fresh control group; returns (exit code, output, peaks dict, seconds)."""
+    """Run ``cmd`` in a fresh control group; returns (exit code, output, peaks dict, seconds).
+    ``peaks["left"]``: the processes still in the group after ``cmd`` returned (each its child
+    or grandchild, wherever it moved in the process tree), before they are killed."""
     with cgroup(memory_bytes, cpus) as group:
         peaks = {"working_set": 0, "rss": 0, "usage": 0}
         done = threading.Event()
@@ -167,7 +177,7 @@ def run_limited(cmd, memory_bytes, cpus, env=None, cwd=None, timeout=900):
         sampler.join()
         final = group.stats()
         peaks.update(final_max_usage=final["max_usage"], oom_kills=final["oom_kills"])
-        peaks.update(failcnt=final["failcnt"], cpu_s=final["cpu_s"])
+        peaks.update(failcnt=final["failcnt"], cpu_s=final["cpu_s"], left=_left_in(group))
         return proc.returncode, "".join(lines), peaks, seconds
 
 

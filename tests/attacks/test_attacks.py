@@ -7,8 +7,9 @@ which imports alpha as compose.py imports the chapters), released with tools/rel
 zip set up with setup.sh into a fresh virtualenv (its own Python, no development .pth; the sandbox
 user made) as root, as Gradescope does. Every attack is then graded by run_autograder, as root,
 inside a memory cgroup: its score is at most the honest score of the same files, beta.py scores in
-full, results.json is written and never rewritten afterwards, no process of the sandbox user is
-left, and no hidden file's text reaches the feedback.
+full, results.json is written and no process outlives run_autograder in the cgroup (none is left
+to rewrite it), none of the sandbox user's anywhere, and no hidden file's text reaches the
+feedback.
 
 GRADE_ATTACK_VENV names a venv setup.sh made already (to try the attacks again quickly).
 """
@@ -21,7 +22,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 import zipfile
 
 import pytest
@@ -37,6 +37,7 @@ import sandbox  # noqa: E402
 ATTACKS = sorted(f[:-3] for f in os.listdir(HERE) if f.endswith(".py") and f != "test_attacks.py")
 SECRET = "HIDDEN-REFERENCE-TEXT-3141"
 MEMORY = 1536 * 2**20  # the cgroup every run is graded in (a memory hog stops there)
+TIMEOUT_S = 150  # run_autograder's limit, well above the two-file course's honest grading
 
 ALPHA = '''\
 """alpha: two graded functions, one of them on every rank."""
@@ -216,7 +217,8 @@ def _alpha(course, target):
 
 def _grade(autograder, alpha_text):
     """run_autograder on alpha.py = ``alpha_text`` and beta.py's reference, as root, in a
-    memory cgroup; returns (results, results again 5 s later, output, seconds)."""
+    memory cgroup; returns (results, the processes left in the cgroup when run_autograder
+    returned, output, seconds)."""
     source, venv, course = autograder
     root = tempfile.mkdtemp(prefix="autograder-")
     os.chmod(root, 0o755)
@@ -228,20 +230,16 @@ def _grade(autograder, alpha_text):
         f.write(alpha_text)
     shutil.copy(os.path.join(course, "beta.py"), os.path.join(root, "submission", "beta.py"))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GRADE_", "PYTHON"))}
-    env.update(AUTOGRADER_ROOT=root, AUTOGRADER_VENV=venv, AUTOGRADER_TIMEOUT_S="400")
+    env.update(AUTOGRADER_ROOT=root, AUTOGRADER_VENV=venv, AUTOGRADER_TIMEOUT_S=str(TIMEOUT_S))
     env.update(GRADE_IMPORT_S="15")
     try:
-        code, out, _, seconds = measure_grading.run_limited(
+        code, out, peaks, seconds = measure_grading.run_limited(
             ["bash", os.path.join(root, "source", "run_autograder")], MEMORY, 2.0, env=env
         )
         assert code == 0, out[-3000:]
         path = os.path.join(root, "results", "results.json")
         with open(path) as f:
-            first = json.load(f)
-        time.sleep(5)  # a process left behind would rewrite it now
-        with open(path) as f:
-            again = json.load(f)
-        return first, again, out, seconds
+            return json.load(f), peaks["left"], out, seconds
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -278,8 +276,8 @@ def test_an_attack_scores_no_more_than_the_honest_files(autograder, honest, name
     text, target, where = _attack(name)
     alpha = _alpha(autograder[2], target)
     hostile = text + "\n" + alpha if where == "prefix" else alpha + "\n" + text
-    results, again, out, seconds = _grade(autograder, hostile)
-    assert results == again, "results.json changed after the grading ended"
+    results, left, out, seconds = _grade(autograder, hostile)
+    assert not left, f"processes outlived run_autograder (one could rewrite results.json): {left}"
     assert results["score"] <= honest[target], (results["score"], honest[target], out[-3000:])
     scores = _by_file(results)
     assert scores.get("beta") == (3, 3), f"beta.py lost points to {name}: {scores}\n{out[-3000:]}"
@@ -288,4 +286,4 @@ def test_an_attack_scores_no_more_than_the_honest_files(autograder, honest, name
     uid = pwd.getpwnam(sandbox.USER).pw_uid
     left = [p for p in sandbox._pids() if sandbox._owner(p) == uid]
     assert not left, f"processes of {sandbox.USER} outlived the grading: {left}"
-    assert seconds < 400 + 60, seconds
+    assert seconds < TIMEOUT_S + 60, seconds
