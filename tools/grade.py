@@ -27,6 +27,7 @@ once, at the end, after every process of the grading has been killed.
 
 import argparse
 import ast
+import contextlib
 import ctypes
 import glob
 import importlib.util
@@ -304,9 +305,11 @@ def run_graded(
     only=None,
     stop_on=None,
     names=None,
+    zygote=None,
 ):
     """Stage the assignment files in ``files_dir`` and run the graded tests (or ``nodeids``),
-    one pytest session per graded file. Returns a Run."""
+    one pytest session per graded file. ``zygote``: one_zygote's, kept for the next run (else one
+    of its own, closed at the end). Returns a Run."""
     start = time.time()
     _protect_self()
     names = names or assignment_files(root)
@@ -321,10 +324,14 @@ def run_graded(
         env["GRADE_STOP_ON"] = stop_on
     keys = ("GRADE_STAGE", "GRADE_PROBES", "GRADE_SCRATCH", "GRADE_ZYGOTE")
     saved = {k: os.environ.get(k) for k in keys}
-    env["GRADE_ZYGOTE"] = os.path.join(where.private, "zygote.sock")
+    reused = zygote is not None and zygote.alive()
+    env["GRADE_ZYGOTE"] = zygote.path if reused else os.path.join(where.private, "zygote.sock")
     os.environ.update({k: env[k] for k in keys})
     graded, results, notes = [], {}, []
-    shared = sandbox.shared_zygote(env["GRADE_ZYGOTE"], sandbox.preload_for(root))
+    if reused:
+        shared = zygote
+    else:
+        shared = sandbox.shared_zygote(env["GRADE_ZYGOTE"], sandbox.preload_for(root))
     try:
         broken = sandbox.import_check([_module(n) for n in names], IMPORT_S)
         sandbox.close()
@@ -375,8 +382,9 @@ def run_graded(
                 break
     finally:
         sandbox.close()
-        shared.close()
-        kill_everything()
+        if not reused:
+            shared.close()
+        kill_everything(keep=(shared.proc.pid,) if reused else ())
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -389,6 +397,20 @@ def run_graded(
         g, o = oom[0]
         notes.insert(0, _oom_line(g["nodeid"], first_line(o.output)))
     return Run(graded, results, time.time() - start, notes, broken)
+
+
+@contextlib.contextmanager
+def one_zygote(root):
+    """A zygote for many run_graded calls (the checks grade once per region or mistake): torch
+    is imported once for all of them; a run that finds it dead starts its own."""
+    folder = tempfile.mkdtemp(prefix="grade-zygote-")  # this user's alone, as the socket must be
+    zygote = sandbox.shared_zygote(os.path.join(folder, "zygote.sock"), sandbox.preload_for(root))
+    zygote.path = os.path.join(folder, "zygote.sock")
+    try:
+        yield zygote
+    finally:
+        zygote.close()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _oom_line(nodeid, first):
@@ -676,24 +698,25 @@ def check_regions(root, per_test_s, overall_s, only=None):
         return 0
     graded = collect(root)
     bad, start = [], time.monotonic()
-    for qualname in dict.fromkeys(r.qualname for r in regions):
-        tests = [g["nodeid"] for g in graded if qualname in g["solutions"]]
-        if not tests:
-            bad.append(f"{qualname}: no graded test names it")
-            print(f"FAIL {qualname}: no graded test names it", flush=True)
-            continue
-        with tempfile.TemporaryDirectory() as staged:
-            write_student(staged, root, only={qualname})
-            run = run_graded(root, staged, tests, per_test_s, overall_s, True)
-        seconds = run.seconds
-        passing = [t for t in tests if result_of(run.results, t).passed]
-        verdict = "FAIL" if passing else "ok  "
-        print(
-            f"{verdict} {qualname}: {len(tests) - len(passing)} of {len(tests)} graded tests "
-            f"fail against its stub ({seconds:.0f} s)",
-            flush=True,
-        )
-        bad += [f"{qualname}: {t} passes against the stub" for t in passing]
+    with one_zygote(root) as zygote:  # torch imported once for every grading below
+        for qualname in dict.fromkeys(r.qualname for r in regions):
+            tests = [g["nodeid"] for g in graded if qualname in g["solutions"]]
+            if not tests:
+                bad.append(f"{qualname}: no graded test names it")
+                print(f"FAIL {qualname}: no graded test names it", flush=True)
+                continue
+            with tempfile.TemporaryDirectory() as staged:
+                write_student(staged, root, only={qualname})
+                run = run_graded(root, staged, tests, per_test_s, overall_s, True, zygote=zygote)
+            seconds = run.seconds
+            passing = [t for t in tests if result_of(run.results, t).passed]
+            verdict = "FAIL" if passing else "ok  "
+            print(
+                f"{verdict} {qualname}: {len(tests) - len(passing)} of {len(tests)} graded tests "
+                f"fail against its stub ({seconds:.0f} s)",
+                flush=True,
+            )
+            bad += [f"{qualname}: {t} passes against the stub" for t in passing]
     print(f"\ncheck-regions: {len(regions)} regions in {time.monotonic() - start:.0f} s")
     for line in bad:
         print("DEFECT", line)
@@ -790,43 +813,53 @@ def check_mistakes(root, which, per_test_s, overall_s):
     regions = {r.qualname: r for r in all_regions(root)}
     graded = collect(root)
     defects, start = 0, time.monotonic()
-    for m in mistakes:
-        label = f"{m.region} / {m.name}"
-        region = regions.get(m.region)
-        tests = tests_of(graded, m.region)  # its own first
-        if region is None or not tests:
-            defects += 1
-            why = "no such region" if region is None else "no graded test names or needs it"
-            print(f"DEFECT {label}: {why}", flush=True)
-            continue
-        try:
-            body = mistake_body(root, region, m)
-        except ValueError as e:
-            defects += 1
-            print(f"DEFECT {label}: {e}", flush=True)
-            continue
-        with tempfile.TemporaryDirectory() as staged:
-            stage_with(staged, root, [(region, body)])
-            run = run_graded(
-                root, staged, tests, per_test_s, overall_s, True, stop_on=m.message
-            )  # the run stops at the first failure that shows the message: the rest cannot undo it
-        results, seconds = run.results, run.seconds
-        ran = [t for t in tests if t in results and results[t].ran]
-        firsts = [first_line(results[t].output) for t in ran if not results[t].passed]
-        matching = [f for f in firsts if m.message in f]
-        shown = (matching or firsts or [""])[0]
-        shown = shown if len(shown) <= 160 else shown[:157] + "..."
-        if not firsts:
-            verdict, seen = "DEFECT", "every test passes: the mistake keeps its points"
-        elif not matching:
-            verdict, seen = "DEFECT", f"no first line contains {m.message!r}; first: {shown}"
-        else:
-            verdict, seen = "ok    ", shown
-        defects += verdict == "DEFECT"
-        print(
-            f"{verdict} {label}: {len(firsts)} of {len(ran)} tests fail ({seconds:.0f} s): {seen}",
-            flush=True,
-        )
+    with one_zygote(root) as zygote:  # torch imported once for every grading below
+        for m in mistakes:
+            label = f"{m.region} / {m.name}"
+            region = regions.get(m.region)
+            tests = tests_of(graded, m.region)  # its own first
+            if region is None or not tests:
+                defects += 1
+                why = "no such region" if region is None else "no graded test names or needs it"
+                print(f"DEFECT {label}: {why}", flush=True)
+                continue
+            try:
+                body = mistake_body(root, region, m)
+            except ValueError as e:
+                defects += 1
+                print(f"DEFECT {label}: {e}", flush=True)
+                continue
+            with tempfile.TemporaryDirectory() as staged:
+                stage_with(staged, root, [(region, body)])
+                # the run stops at the first failure that shows the message: the rest cannot undo it
+                run = run_graded(
+                    root,
+                    staged,
+                    tests,
+                    per_test_s,
+                    overall_s,
+                    True,
+                    stop_on=m.message,
+                    zygote=zygote,
+                )
+            results, seconds = run.results, run.seconds
+            ran = [t for t in tests if t in results and results[t].ran]
+            firsts = [first_line(results[t].output) for t in ran if not results[t].passed]
+            matching = [f for f in firsts if m.message in f]
+            shown = (matching or firsts or [""])[0]
+            shown = shown if len(shown) <= 160 else shown[:157] + "..."
+            if not firsts:
+                verdict, seen = "DEFECT", "every test passes: the mistake keeps its points"
+            elif not matching:
+                verdict, seen = "DEFECT", f"no first line contains {m.message!r}; first: {shown}"
+            else:
+                verdict, seen = "ok    ", shown
+            defects += verdict == "DEFECT"
+            print(
+                f"{verdict} {label}: {len(firsts)} of {len(ran)} tests fail "
+                f"({seconds:.0f} s): {seen}",
+                flush=True,
+            )
     print(
         f"\ncheck-mistakes: {len(mistakes)} mistakes, {defects} defects, "
         f"in {time.monotonic() - start:.0f} s"
