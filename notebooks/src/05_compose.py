@@ -416,8 +416,9 @@ answer_v4_pp = None  # a pipeline depth
 
 # %%
 # check: answer_v4_pp
+v4_meta = compose_budget.meta_model(v4)  # built once: every depth's stages are cut from it
 depths = [pp for pp in (1, 2, 4, 8, 11, 22, 44, 88)
-          if max(8 * sum(t.numel for t in compose_budget.stage_tensors(v4, pp, p))
+          if max(8 * sum(t.numel for t in compose_budget.stage_tensors(v4, pp, p, v4_meta))
                  for p in range(pp)) <= 80 * GB]  # fmt: skip
 check(
     "answer_v4_pp",

@@ -74,6 +74,7 @@ def triple(x):
     ### END SOLUTION
 '''
 
+# each call's timeout is short (an honest call takes well under a second): a hang costs only that
 TEST_ALPHA = """\
 import pytest
 import torch
@@ -83,7 +84,7 @@ from sandbox import call, on_ranks
 @pytest.mark.grade(points=2, solution="alpha.double")
 def test_double():
     x = torch.arange(4.0)
-    assert torch.equal(call("alpha:double", x), 2 * x), "double(x) must be 2 x"
+    assert torch.equal(call("alpha:double", x, timeout=20), 2 * x), "double(x) must be 2 x"
 
 
 @pytest.mark.grade(points=3, solution="alpha.total")
@@ -113,12 +114,12 @@ from sandbox import call
 
 @pytest.mark.grade(points=2, solution="beta.triple")
 def test_triple():
-    assert call("beta:triple", 5) == 15, "triple(5) must be 15"
+    assert call("beta:triple", 5, timeout=20) == 15, "triple(5) must be 15"
 
 
 @pytest.mark.grade(points=1, solution="beta.triple")
 def test_triple_of_a_tensor():
-    assert torch.equal(call("beta:triple", torch.ones(3)), torch.full((3,), 3.0))
+    assert torch.equal(call("beta:triple", torch.ones(3), timeout=20), torch.full((3,), 3.0))
 """
 
 PROBE_BETA = """\
