@@ -45,6 +45,8 @@ import sys
 import tempfile
 import time
 
+from sandbox_child import descendants  # the zygote kills what is below it with the same walk
+
 TOOLS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TOOLS)
 CHILD = os.path.join(TOOLS, "sandbox_child.py")
@@ -125,25 +127,6 @@ def mode_line():
 
 
 # ---- killing what a call left ----
-
-
-def descendants(pid):
-    """Every process below ``pid`` (Linux /proc)."""
-    children = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(parent, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        below = children.get(todo.pop(), [])
-        found += below
-        todo += below
-    return found
 
 
 def kill_tree(pid):

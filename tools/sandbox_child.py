@@ -310,7 +310,8 @@ def _worker(request, out_fd, result_fd):
 SITE_PATH = []  # the zygote's sys.path without its own folder: the interpreter's and the venv's
 
 
-def _descendants(pid):
+def descendants(pid):
+    """Every process below ``pid`` (Linux /proc); tools/sandbox.py kills with it too."""
     children = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -364,7 +365,7 @@ def _processes_of(uid):
 
 def _kill_all(uid):
     for _ in range(20):
-        below = _descendants(os.getpid())
+        below = descendants(os.getpid())
         if uid is not None:
             kill_user(uid)
         for pid in below:
@@ -373,9 +374,9 @@ def _kill_all(uid):
             except OSError:
                 pass
         _reap({}, None)
-        if not _descendants(os.getpid()):
+        if not descendants(os.getpid()):
             return 0
-    return len(_descendants(os.getpid()))
+    return len(descendants(os.getpid()))
 
 
 def _reap(workers, sock):
