@@ -15,35 +15,12 @@ sandbox and compare against references computed in the grading process.
 
 import pytest
 import torch
+from graded.probes.mhc import batch, build  # the graded tests' model, built the same way
 
 import mhc
 from spawn import RankFailure, RankTimeout, run_ranks, run_torchrun
 
-SMALL = dict(vocab_size=64, seq_len=8, dim=16, n_heads=2, n_hc=4)
 EPS = 1e-6
-
-
-def build(n_layers=6, hyper=True, seed=0, dtype=torch.float32):
-    """A small model whose HC parameters are moved away from their init, so the lanes differ and
-    every mixing gradient is large enough to check (at init the lanes are copies of each other)."""
-    torch.manual_seed(seed)
-    model = mhc.Transformer(mhc.Config(n_layers=n_layers, **SMALL), hyper=hyper).to(dtype)
-    gen = torch.Generator().manual_seed(seed + 1)
-    if hyper:
-        with torch.no_grad():
-            for hc in model.hcs:
-                hc.gate.copy_(torch.rand(3, generator=gen) * 0.5 + 0.5)
-                for p in (hc.bias_pre, hc.bias_post, hc.bias_res):
-                    p.add_(torch.randn(p.shape, generator=gen).to(dtype))
-            model.hyper_head.gate.fill_(0.7)
-            model.hyper_head.bias.add_(torch.randn(4, generator=gen).to(dtype))
-    return model
-
-
-def batch(step, size=4, seq_len=8, vocab=64):
-    gen = torch.Generator().manual_seed(100 + step)
-    data = torch.randint(0, vocab, (size, seq_len + 1), generator=gen)
-    return data[:, :-1], data[:, 1:]
 
 
 def assert_grads_close(got, ref, rtol, what=""):

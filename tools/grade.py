@@ -125,8 +125,8 @@ class Stage(NamedTuple):
 
 def make_stage(root, files_dir, names):
     """A fresh grading folder: the repository files the assignment files import, then ``names``
-    (assignment files) from ``files_dir``, and a copy of the probes. Only the scratch folder is
-    writable by the sandbox user."""
+    (assignment files) from ``files_dir``, and a copy of the probes and the models_*.py they share
+    with the tests. Only the scratch folder is writable by the sandbox user."""
     work = tempfile.mkdtemp(prefix="grading-")
     os.chmod(work, 0o755)
     stage = os.path.join(work, "stage")
@@ -137,11 +137,15 @@ def make_stage(root, files_dir, names):
         os.makedirs(os.path.join(stage, os.path.dirname(name)), exist_ok=True)
         shutil.copyfile(os.path.join(files_dir, name), os.path.join(stage, name))
     probes = os.path.join(work, "sandbox")
+    graded = os.path.join(root, "tests", "graded")
     shutil.copytree(
-        os.path.join(root, "tests", "graded", "probes"),
+        os.path.join(graded, "probes"),
         os.path.join(probes, "probes"),
         ignore=shutil.ignore_patterns("__pycache__"),
     )
+    for name in os.listdir(graded):  # the models a test and its probes share (plain torch)
+        if name.startswith("models_") and name.endswith(".py"):
+            shutil.copyfile(os.path.join(graded, name), os.path.join(probes, name))
     for folder in (stage, probes):
         for d, dirs, fs in os.walk(folder):
             os.chmod(d, 0o755)

@@ -55,6 +55,7 @@ SUPPORT = (
     "tests/graded/conftest.py",
     "tests/graded/models_memory_timeline.py",
     "tests/graded/models_muon_zero.py",
+    "tests/graded/models_tensor_ckpt.py",
     "tests/graded/references_cp_compress.py",
     "tests/graded/probes/__init__.py",
     "tools/grade.py",

@@ -1,4 +1,5 @@
-"""The small model that memory_timeline.py's tests record, graded and private alike.
+"""The small model that memory_timeline.py's tests record: the graded tests, their probes and the
+private tests alike.
 
 Five layers of known sizes (256 -> 1024 -> 256, a LayerNorm, 256 -> 256), seeded, so that its
 parameter, gradient and optimizer-state bytes follow exact formulas on any device.

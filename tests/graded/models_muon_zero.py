@@ -1,4 +1,5 @@
-"""The small MoE block that muon_zero.py's tests train, graded and private alike.
+"""The small MoE block that muon_zero.py's tests train: the graded tests, their probes and the
+private tests alike.
 
 Its matrices are sized so that no world size of 2-4 divides them evenly: 5 dense matrices and 15
 expert matrices. make_params draws them from a seed, forward_loss is the plain single-process

@@ -11,23 +11,18 @@ Each region has tests that run it alone: the probe builds what the other regions
 others' tests name it as the cause. `needs` lists the regions a test runs besides its own.
 """
 
-import weakref
-
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
-import torch.utils._pytree as pytree
 import torch.utils.checkpoint as torch_checkpoint
 from sandbox import call, on_ranks
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode
+
+from graded.models_tensor_ckpt import MODELS, B, C, H, T, measured_run
 
 # The private suite runs these in its slow tier: CI grades the reference with every graded
 # test (make grade-fit); test_sandbox.py and test_memory_timeline.py stay in its default tier.
 pytestmark = pytest.mark.slow
 
-B, T, C, H = 2, 16, 32, 4
 F32 = 4  # bytes
 REGIONS = ("forget", "storage_units", "recompute_subgraph", "LiveStorage.recompute", "pack_hook",
            "unpack_hook")  # fmt: skip
@@ -40,142 +35,12 @@ def ALL_BUT(region):
     return tuple(f"tensor_ckpt.{r}" for r in REGIONS if r != region)
 
 
-# ---- the models, unmarked (the probe's have the forget() marks), and their references ----
-class MLP(nn.Module):
-    def __init__(self, shared=False):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
-        self.fc3 = nn.Linear(4 * C, C) if shared else None
-
-    def forward(self, x):
-        h = F.gelu(self.fc1(x))
-        return self.fc2(h) + self.fc3(h) if self.fc3 is not None else self.fc2(h)
-
-
-class Attention(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.qkv, self.proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
-        self.register_buffer("future", torch.ones(T, T, dtype=torch.bool).triu(1))
-
-    def forward(self, x):
-        q, k, v = self.qkv(x).split(C, dim=-1)
-        q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) * (C // H) ** -0.5
-        att = att.masked_fill(self.future, float("-inf")).softmax(dim=-1)
-        return self.proj((att @ v).transpose(1, 2).reshape(B, T, C))
-
-
-class ViewAndBase(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc, self.out = nn.Linear(C, 2 * C), nn.Linear(C, C)
-
-    def forward(self, x):
-        h = self.fc(x)
-        return self.out(h[..., :C] * h[..., C:] + h.sin()[..., C:])
-
-
-class DropoutMLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2, self.drop = nn.Linear(C, 4 * C), nn.Linear(4 * C, C), nn.Dropout(0.3)
-
-    def forward(self, x):
-        return self.fc2(self.drop(F.gelu(self.fc1(x))))
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(C), nn.LayerNorm(C)
-        self.qkv, self.proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
-        self.fc1, self.fc2 = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
-
-    def forward(self, x):
-        b, t, c = x.shape
-        h = self.norm1(x)
-        q, k, v = self.qkv(h).view(b, t, 3, H, c // H).permute(2, 0, 3, 1, 4).unbind(0)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
-        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
-
-
-class Gate(nn.Module):
-    def forward(self, h):
-        return h * 2 if h.sum() > 0 else h
-
-
-class BranchInLeaf(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc, self.gate, self.out = nn.Linear(C, C), Gate(), nn.Linear(C, C)
-
-    def forward(self, x):
-        return self.out(self.gate(F.gelu(self.fc(x))))
-
-
-MODELS = {
-    "mlp": MLP,
-    "attention": Attention,
-    "attention_qkv": Attention,
-    "view_and_base": ViewAndBase,
-    "dropout_mlp": DropoutMLP,
-    "block": Block,
-    "stack": lambda: nn.Sequential(*[Block() for _ in range(4)]),
-    "branch_in_leaf": BranchInLeaf,
-}
-
-
+# ---- the models, unmarked (the probe passes forget() as their mark), and their references ----
 def plain(name, seed=0):
     """The unmarked model, its state (what the probe loads), and an input."""
     torch.manual_seed(seed)
     model = MODELS[name]()
     return model, model.state_dict(), torch.randn(B, T, C)
-
-
-class LiveBytes(TorchDispatchMode):
-    """Bytes of the storages ops create that are still alive, and their peak (a storage is freed
-    when its last tensor goes). Storages of ``exclude`` (inputs, parameters) are not counted."""
-
-    def __init__(self, exclude=()):
-        super().__init__()
-        self.alive, self.now, self.peak = {id(t.untyped_storage()): 0 for t in exclude}, 0, 0
-
-    def free(self, key):
-        self.now -= self.alive.pop(key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and id(s := t.untyped_storage()) not in self.alive:
-                self.alive[id(s)] = s.nbytes()
-                self.now += s.nbytes()
-                self.peak = max(self.peak, self.now)
-                weakref.finalize(s, self.free, id(s))
-        return out
-
-
-def measured_run(model, fn, x, weights):
-    """As the probe's measured_run: output, gradients (parameters, then x) of sum(out * weights),
-    bytes alive after forward, the peaks of forward and backward, backward's matmul FLOPs."""
-    x = x.detach().clone().requires_grad_()
-    params = list(model.parameters())
-    meter = LiveBytes([x, weights, *params, *model.buffers()])
-    with meter:
-        out = fn(x)
-        fwd_bytes, fwd_peak = meter.now, meter.peak
-        meter.peak = meter.now
-        with FlopCounterMode(display=False) as flops:
-            grads = torch.autograd.grad((out * weights).sum(), params + [x])
-    return {
-        "out": out.detach(),
-        "grads": list(grads),
-        "fwd_bytes": fwd_bytes,
-        "fwd_peak": fwd_peak,
-        "bwd_peak": meter.peak,
-        "bwd_flops": flops.get_total_flops(),
-    }
 
 
 def gradients(model, fn, x, weights):

@@ -2,24 +2,12 @@
 and call its functions, and return plain numbers. The verdicts are the test's."""
 
 import torch
-import torch.nn as nn
+from models_memory_timeline import small_model
 
 from memory.memory_timeline import MemoryTimeline, predicted_optimizer_state_bytes
 
 OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD,
               "Muon": torch.optim.Muon}  # fmt: skip
-
-
-def small_model(device="cpu"):
-    """The test's model (it measures the same one)."""
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(256, 1024),
-        nn.GELU(),
-        nn.Linear(1024, 256),
-        nn.LayerNorm(256),
-        nn.Linear(256, 256),
-    ).to(device)
 
 
 def activations(steps=3):

@@ -1,33 +1,18 @@
 """Probes for tests/graded/test_muon_zero.py: they run muon_zero.py's functions on the inputs the
 test gives and return plain values (tensors, numbers, strings). The verdicts are the test's.
 
-The model is the test's small MoE block (its reference runs the same one): dense matrices, expert
-stacks, and AdamW tensors; each rank trains on its slice of every global batch."""
+The model is the test's small MoE block (models_muon_zero, which the test's reference runs too):
+dense matrices, expert stacks, and AdamW tensors; each rank trains on its slice of every global
+batch."""
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from models_muon_zero import ADAMW, DENSE, forward_loss
 
 import muon_zero as mz
 
-DENSE = ("w_in", "w_out", "w_sq1", "w_sq2", "router")
-EXPERT = ("gate", "up", "down")
-ADAMW = ("embed", "norm", "head")
 NAMES = (*DENSE, "down", "up", "gate", *ADAMW)  # the optimizer's parameter order (see groups)
 LR_MUON, LR_ADAM = 0.05, 0.01
-
-
-def forward_loss(P, tokens, targets):
-    """The test's MoE block: embed, two tanh MLPs, a sigmoid-routed expert layer, RMS norm, head."""
-    x = P["embed"][tokens]  # [B, T, D]
-    x = x + torch.tanh(x @ P["w_in"].T) @ P["w_out"].T
-    x = x + torch.tanh(x @ P["w_sq1"].T) @ P["w_sq2"].T
-    route = torch.sigmoid(x @ P["router"].T)  # [B, T, E]
-    h = F.silu(torch.einsum("btd,efd->btef", x, P["gate"]))
-    h = h * torch.einsum("btd,efd->btef", x, P["up"])
-    x = x + torch.einsum("btef,edf,bte->btd", h, P["down"], route)
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * P["norm"]
-    return F.cross_entropy((x @ P["head"].T).flatten(0, 1), targets.flatten())
 
 
 def leaves(P):

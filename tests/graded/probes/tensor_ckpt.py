@@ -2,196 +2,29 @@
 return what it did (tensors, counts, names). The verdicts and the references (the plain models,
 autograd without checkpointing) live in the test.
 
-The models here are the test's, with forget() marks; ``marks=False`` builds them unmarked, so a
-probe of one region does not run forget(). Each region's probe builds the others' effects by
-hand (a LiveStorage, a ForwardCall, a stand-in storage) and reports what the region did to them.
+The models are the test's (models_tensor_ckpt), with forget() marks; ``marks=False`` builds them
+unmarked, so a probe of one region does not run forget(). Each region's probe builds the others'
+effects by hand (a LiveStorage, a ForwardCall, a stand-in storage) and reports what the region did
+to them.
 """
 
 import types
 import warnings
-import weakref
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.utils._pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+from models_tensor_ckpt import MLP, MODELS, B, C, Gate, LiveBytes, T, measured_run, unmarked
 from torch.utils.flop_counter import FlopCounterMode
 
 import tensor_ckpt as tc
 
-B, T, C, H = 2, 16, 32, 4
-
-
-def unmarked(t):
-    return t
-
-
-class Model(nn.Module):
-    def __init__(self, marks=True):
-        super().__init__()
-        self.mark = tc.forget if marks else unmarked
-
-
-class MLP(Model):
-    def __init__(self, shared=False, marks=True):
-        super().__init__(marks)
-        self.fc1, self.fc2 = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
-        self.fc3 = nn.Linear(4 * C, C) if shared else None
-
-    def forward(self, x):
-        h = self.mark(F.gelu(self.fc1(x)))
-        return self.fc2(h) + self.fc3(h) if self.fc3 is not None else self.fc2(h)
-
-
-class Attention(Model):
-    """Hand-written causal attention: splits, views, transposes and a reshape that copies."""
-
-    def __init__(self, forget_qkv=False, forget_probs=False, forget_merge=False, marks=True):
-        super().__init__(marks)
-        self.qkv, self.proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
-        self.register_buffer("future", torch.ones(T, T, dtype=torch.bool).triu(1))
-        self.forgets = (forget_qkv, forget_probs, forget_merge)
-
-    def forward(self, x):
-        qkv = self.qkv(x)
-        q, k, v = qkv.split(C, dim=-1)
-        if self.forgets[0]:
-            qkv, q = self.mark(qkv), self.mark(q)
-        q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) * (C // H) ** -0.5
-        att = att.masked_fill(self.future, float("-inf")).softmax(dim=-1)
-        if self.forgets[1]:
-            att = self.mark(att)
-        y = (att @ v).transpose(1, 2).reshape(B, T, C)
-        if self.forgets[2]:
-            y = self.mark(y)
-        return self.proj(y)
-
-
-class ViewAndBase(Model):
-    """Autograd saves the base and two views of it: one storage."""
-
-    def __init__(self, marks=True):
-        super().__init__(marks)
-        self.fc, self.out = nn.Linear(C, 2 * C), nn.Linear(C, C)
-
-    def forward(self, x):
-        h = self.mark(self.fc(x))
-        a, b = self.mark(h[..., :C]), h[..., C:]
-        return self.out(a * b + h.sin()[..., C:])
-
-
-class DropoutMLP(Model):
-    def __init__(self, marks=True):
-        super().__init__(marks)
-        self.fc1, self.fc2, self.drop = nn.Linear(C, 4 * C), nn.Linear(4 * C, C), nn.Dropout(0.3)
-
-    def forward(self, x):
-        return self.fc2(self.mark(self.drop(F.gelu(self.fc1(x)))))
-
-
-class Block(Model):
-    """Pre-norm transformer layer: the norms' and the GELU's outputs forgotten."""
-
-    def __init__(self, marks=True):
-        super().__init__(marks)
-        self.norm1, self.norm2 = nn.LayerNorm(C), nn.LayerNorm(C)
-        self.qkv, self.proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
-        self.fc1, self.fc2 = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
-
-    def forward(self, x):
-        h = self.mark(self.norm1(x))
-        b, t, c = x.shape
-        q, k, v = self.qkv(h).view(b, t, 3, H, c // H).permute(2, 0, 3, 1, 4).unbind(0)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
-        h = self.mark(self.norm2(x))
-        h = self.mark(F.gelu(self.fc1(h)))
-        return x + self.fc2(h)
-
-
-class Stack(nn.Sequential):
-    def __init__(self, marks=True):
-        super().__init__(*[Block(marks) for _ in range(4)])
-
-
-class Gate(nn.Module):
-    def forward(self, h):
-        return h * 2 if h.sum() > 0 else h
-
-
-class BranchInLeaf(Model):
-    def __init__(self, marks=True):
-        super().__init__(marks)
-        self.fc, self.gate, self.out = nn.Linear(C, C), Gate(), nn.Linear(C, C)
-
-    def forward(self, x):
-        return self.out(self.mark(self.gate(F.gelu(self.fc(x)))))
-
-
-MODELS = {
-    "mlp": MLP,
-    "mlp_shared": lambda marks=True: MLP(shared=True, marks=marks),
-    "attention": lambda marks=True: Attention(forget_probs=True, forget_merge=True, marks=marks),
-    "attention_qkv": lambda marks=True: Attention(forget_qkv=True, marks=marks),
-    "view_and_base": ViewAndBase,
-    "dropout_mlp": DropoutMLP,
-    "block": Block,
-    "stack": Stack,
-    "branch_in_leaf": BranchInLeaf,
-}
-
 
 def model_of(name, state, marks=True):
-    model = MODELS[name](marks=marks)
+    model = MODELS[name](mark=tc.forget if marks else unmarked)
     model.load_state_dict(state)
     return model
-
-
-class LiveBytes(TorchDispatchMode):
-    """Bytes of the storages ops create that are still alive, and their peak (a storage is freed
-    when its last tensor goes). Storages of ``exclude`` (inputs, parameters) are not counted."""
-
-    def __init__(self, exclude=()):
-        super().__init__()
-        self.alive, self.now, self.peak = {id(t.untyped_storage()): 0 for t in exclude}, 0, 0
-
-    def free(self, key):
-        self.now -= self.alive.pop(key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and id(s := t.untyped_storage()) not in self.alive:
-                self.alive[id(s)] = s.nbytes()
-                self.now += s.nbytes()
-                self.peak = max(self.peak, self.now)
-                weakref.finalize(s, self.free, id(s))
-        return out
-
-
-def measured_run(model, fn, x, weights):
-    """Output, gradients (parameters, then x) of sum(out * weights), and what it cost: bytes alive
-    at the end of forward, the peaks of forward and backward, backward's matmul FLOPs."""
-    x = x.detach().clone().requires_grad_()
-    params = list(model.parameters())
-    meter = LiveBytes([x, weights, *params, *model.buffers()])
-    with meter:
-        out = fn(x)
-        fwd_bytes, fwd_peak = meter.now, meter.peak
-        meter.peak = meter.now
-        with FlopCounterMode(display=False) as flops:
-            grads = torch.autograd.grad((out * weights).sum(), params + [x])
-    return {
-        "out": out.detach(),
-        "grads": list(grads),
-        "fwd_bytes": fwd_bytes,
-        "fwd_peak": fwd_peak,
-        "bwd_peak": meter.peak,
-        "bwd_flops": flops.get_total_flops(),
-    }
 
 
 def plan_summary(plan):
@@ -219,7 +52,7 @@ def plan_summary(plan):
 def forget_marks():
     """forget() run eagerly, and the forget nodes a trace of the MLP records."""
     x = torch.randn(B, T, C, requires_grad=True)
-    marks = [n for n in tc.trace(MLP()).graph.nodes if n.target is tc.forget]
+    marks = [n for n in tc.trace(MLP(mark=tc.forget)).graph.nodes if n.target is tc.forget]
     return {
         "eager_is_x": tc.forget(x) is x,
         "marked": [[a.name if isinstance(a, fx.Node) else repr(a) for a in m.args] for m in marks],
