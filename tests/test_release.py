@@ -362,12 +362,16 @@ def test_student_repository_grades_zero_then_full_marks_with_the_reference(kit, 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_autograder_grades_a_nested_upload_like_the_students_make_grade(kit, tmp_path):
-    """Every assignment file of the reference, uploaded inside a folder: full marks."""
+    """Every assignment file of the reference, uploaded inside a folder, memory_timeline.py (which
+    lives in memory/) among them: its tests score in full (grade-fit grades every file)."""
     submission = {f"alice/{os.path.basename(n)}": os.path.join(ROOT, n)
                   for n in assignments.assignment_files(ROOT)}  # fmt: skip
-    results, out = _autograder(tmp_path, kit[1], submission)
+    kept = [t for t in release.graded_test_files(ROOT) if t.endswith("test_memory_timeline.py")]
+    assert kept, "no graded test of memory_timeline.py to keep"
+    results, out = _autograder(tmp_path, kit[1], submission, kept)
     _check_schema(results)
     assert results["score"] == results["max_score"] > 0, out
+    assert all("memory_timeline" in t["name"] for t in results["tests"]), results["tests"]
     assert "alice" in results["output"]
 
 
