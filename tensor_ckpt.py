@@ -828,7 +828,6 @@ class MarkedLayer(nn.Module):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description=__doc__.splitlines()[0] + " The plan, gradients against the plain model, data-"
         "parallel training of a small LM. Measured: benchmarks/bench_tensor_ckpt.py",
     )
@@ -843,7 +842,9 @@ def parse_args(argv=None):
         ("vocab", launch.at_least(2), 64, "vocabulary"),
         ("lr", launch.positive, 3e-3, "AdamW learning rate"),
     ):
-        parser.add_argument(f"--{name}", type=kind, default=default, help=what)
+        parser.add_argument(
+            f"--{name}", type=kind, default=default, help=f"{what} (default: {default})"
+        )
     launch.add_launch_options(parser)
     args = parser.parse_args(argv)
     if args.dim % args.heads:

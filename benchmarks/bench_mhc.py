@@ -33,7 +33,7 @@ Tables, all measured in one run, 1 thread per process unless --threads:
 The paper's 6.7% is for GPUs with fused kernels overlapped in DualPipe.
 
 How far to trust table 3 (notebook 02b plots its overhead lines from the saved JSON and leaves
-this to here and the README's mHC section):
+this to here and docs/mhc.md):
   - an overhead is a difference of two step times of separate models, so it carries their noise.
     The A/A control ("control" in the JSON: control_pct, control_eager_pct) is a second residual
     model of the same work timed in the same rounds; how far it reads from the first is the

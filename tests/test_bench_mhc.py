@@ -1,5 +1,6 @@
 """The mHC benchmark's accounting: the bytes it counts per layer (the mHC paper's counts) and
-for the optimised kernels (quoted in README), and the stubs that measure the floor in the model."""
+for the optimised kernels (quoted in docs/mhc.md), and the stubs that measure the floor in the
+model."""
 
 import os
 import sys

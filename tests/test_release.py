@@ -399,14 +399,14 @@ def test_make_never_repoints_a_venv_that_belongs_to_another_checkout(tmp_path):
 
 
 def test_the_grading_figures_in_the_docs_are_the_ones_checked():
-    """README.md and ASSIGNMENTS.md state the container and the margin that `make grade-fit`
+    """docs/grading.md and ASSIGNMENTS.md state the container and the margin that `make grade-fit`
     checks (its defaults), and no other grading time or memory figure."""
     import measure_grading
 
     defaults = {a.dest: a.default for a in measure_grading.argparse_parser()._actions}
     assert (defaults["memory_mb"], defaults["cpus"]) == (768, 0.5)
     assert (defaults["max_mb"], defaults["max_s"]) == (650, 360)
-    for name in ("README.md", "ASSIGNMENTS.md"):
+    for name in ("docs/grading.md", "ASSIGNMENTS.md"):
         with open(os.path.join(ROOT, name)) as f:
             text = " ".join(f.read().split())
         assert "768 MB" in text and "half a CPU" in text, name

@@ -65,6 +65,9 @@ SUPPORT = (
     "tools/sandbox_child.py",
     "tools/venv.sh",
     "benchmarks/bench_compose.py",  # notebook 05 runs it (a subprocess: no import finds it)
+    "docs/GLOSSARY.md",  # the notebooks link to these three
+    "docs/EVIDENCE.md",
+    "docs/assignments.md",
 )
 # never released: the reference's private answers, and the V4 oracles (they hold regions' math)
 PRIVATE = (
@@ -190,14 +193,15 @@ def _region_rows(out, regions, root):
 
 
 def _assignment_prose(root):
-    """ASSIGNMENTS.md's per-assignment section (goals, what to implement, hints), if it has one."""
-    path = os.path.join(root, "ASSIGNMENTS.md")
+    """docs/assignments.md's sections (goals, what to implement, hints) under the README's
+    heading, without its title, if it exists."""
+    path = os.path.join(root, "docs", "assignments.md")
     if not os.path.exists(path):
         return ""
     with open(path) as f:
         text = f.read()
-    match = re.search(r"^## The assignments\n(.*?)(?=^## )", text, re.S | re.M)
-    return re.sub(r"^### ", "#### ", match.group(1).strip(), flags=re.M) if match else ""
+    match = re.search(r"^## .*", text, re.S | re.M)
+    return re.sub(r"^## ", "#### ", match.group(0).strip(), flags=re.M) if match else ""
 
 
 def _prepare(out):

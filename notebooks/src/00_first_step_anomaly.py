@@ -12,12 +12,16 @@
 #
 # Course syllabus: topic **01, the training memory budget** (parameters, optimizer state,
 # gradients, activations) and topic **07, ZeRO stages** (what optimizer state costs and why it is
-# the first thing to shard). The graded exercise is [assignment 1 in ASSIGNMENTS.md][a1]: you
+# the first thing to shard). The graded exercise is [assignment 1 in docs/assignments.md][a1]: you
 # write the activation category and the step-2 prediction of `memory/memory_timeline.py`. Terms
-# used here are also defined in the [README's glossary](../README.md#glossary). Steps are numbered
+# used here are also defined in the [glossary](../docs/GLOSSARY.md). Steps are numbered
 # from 1 throughout.
 #
-# [a1]: ../ASSIGNMENTS.md#1-memorymemory_timelinepy-where-a-training-steps-memory-goes
+# Every number in this notebook carries its evidence: [MEASURED] on this CPU when the notebook
+# ran, [PAPER] for DeepSeek-V4's own figures, [DERIVED] for what follows by arithmetic; the
+# [evidence ledger](../docs/EVIDENCE.md) defines the tags and says where each figure comes from.
+#
+# [a1]: ../docs/assignments.md#1-memorymemory_timelinepy-where-a-training-steps-memory-goes
 
 # %%
 import time
@@ -521,7 +525,7 @@ plt.show()
 # The jump is the optimizer state, so it scales with how much state an optimizer keeps per
 # parameter. AdamW keeps two fp32 moments. **SGD with momentum** keeps one momentum buffer per
 # parameter. **Muon** (the optimizer DeepSeek-V4 uses for its hidden matrices, see the
-# [glossary](../README.md#glossary)) keeps one momentum buffer too, but it is meant for 2-D hidden
+# [glossary](../docs/GLOSSARY.md)) keeps one momentum buffer too, but it is meant for 2-D hidden
 # matrices only, so the embedding, positional table, norms, biases and head stay with AdamW (V4
 # §2.4, the DeepSeek-V4 report's section 2.4). `torch.optim.Muon` is PyTorch's single-device Muon.
 #
@@ -648,7 +652,7 @@ print(
 
 # %% [markdown]
 # Muon's other catch is that its update is a whole-matrix operation, so ZeRO (which splits the
-# optimizer state across data-parallel ranks, see the [glossary](../README.md#glossary)) cannot
+# optimizer state across data-parallel ranks, see the [glossary](../docs/GLOSSARY.md)) cannot
 # shard its state element by element the way it shards AdamW's: the subject of `muon_zero.py` and
 # `notebooks/01_muon_zero.ipynb`.
 #

@@ -11,12 +11,16 @@
 #
 # Course syllabus: topic **07, ZeRO stages** (sharding the optimizer state), with topic **02,
 # fp16 and bf16** (the mantissa budget) and topic **06, ring all-reduce** (what a ring costs).
-# The graded exercise is [assignment 2 in ASSIGNMENTS.md][a2]: you write Newton-Schulz, the
+# The graded exercise is [assignment 2 in docs/assignments.md][a2]: you write Newton-Schulz, the
 # packing, the expert split, stochastic rounding and the sharded step of `muon_zero.py`. Terms
-# in bold are defined where they first appear and in the [README's glossary](../README.md#glossary);
+# in bold are defined where they first appear and in the [glossary](../docs/GLOSSARY.md);
 # "V4 §3.4.1" is a section of the DeepSeek-V4 technical report. Steps are numbered from 1.
 #
-# [a2]: ../ASSIGNMENTS.md#2-muon_zeropy-muons-whole-matrix-update-under-zero-sharding-v4-341
+# Every number in this notebook carries its evidence: [MEASURED] on this CPU when the notebook
+# ran, [PAPER] for DeepSeek-V4's own figures, [DERIVED] for what follows by arithmetic; the
+# [evidence ledger](../docs/EVIDENCE.md) defines the tags and says where each figure comes from.
+#
+# [a2]: ../docs/assignments.md#2-muon_zeropy-muons-whole-matrix-update-under-zero-sharding-v4-341
 
 # %%
 import time

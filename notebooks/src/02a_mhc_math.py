@@ -17,14 +17,18 @@
 #
 # Course syllabus: this half prepares topics **05, activation checkpointing** and **08, pipeline
 # parallelism**, which notebook 02b teaches. The graded exercise is [assignment 3 in
-# ASSIGNMENTS.md][a3]: you write Sinkhorn-Knopp and the mixing coefficients of `mhc.py` (this
+# docs/assignments.md][a3]: you write Sinkhorn-Knopp and the mixing coefficients of `mhc.py` (this
 # notebook), then the post-mix's backward, the recomputed block's backward, the 1F1B schedule and
 # the pipeline step (notebook 02b). Terms in bold are defined where they first appear and in the
-# [README's glossary](../README.md#glossary). "V4 §3.4.2" is a section of the DeepSeek-V4
+# [glossary](../docs/GLOSSARY.md). "V4 §3.4.2" is a section of the DeepSeek-V4
 # technical report, the paper this course follows (§3.4 is its training-infrastructure section;
 # §2.2 defines mHC). Lanes are indices, numbered from 0 as the code numbers them.
 #
-# [a3]: ../ASSIGNMENTS.md#3-mhcpy-manifold-constrained-hyper-connections-made-affordable-v4-342
+# Every number in this notebook carries its evidence: [MEASURED] on this CPU when the notebook
+# ran, [PAPER] for DeepSeek-V4's own figures, [DERIVED] for what follows by arithmetic; the
+# [evidence ledger](../docs/EVIDENCE.md) defines the tags and says where each figure comes from.
+#
+# [a3]: ../docs/assignments.md#3-mhcpy-manifold-constrained-hyper-connections-made-affordable-v4-342
 
 # %%
 import time
@@ -277,14 +281,16 @@ check(
 # experts, so only the hyper-connections are compared. The differences are a few **ulp** (unit in
 # the last place: the gap between a floating-point number and its neighbour, about 1.2e-7
 # relative in fp32 and 2.2e-16 in float64), the size of a different order of additions. This
-# needs `transformers`, a test-only dependency; without it the cell says so.
+# needs `oracles/` (the public V4 code, kept in the course repository and out of the student kit)
+# and `transformers`, a test-only dependency; without either the cell says which and moves on.
 
 # %%
-try:  # transformers is a test-only dependency: without it this cell says so and moves on
+try:  # oracles/ is not in the student kit, transformers is test-only: say which is missing
     from oracles.v4_mhc import comparison_rows
 except ImportError as missing:
     comparison_rows = None
-    print(f"the comparison needs Hugging Face transformers (with DeepSeek-V4): {missing}")
+    needs = "oracles/ (course repository only)" if missing.name == "oracles" else "transformers"
+    print(f"the comparison needs {needs}: {missing}")
 rows = comparison_rows() if comparison_rows else []
 if rows:
     print(f"{'quantity':<54} {'max |V4 - mhc.py|':>18} {'tolerance':>10}  ok")

@@ -19,15 +19,19 @@
 #
 # Course syllabus: topic **05, activation checkpointing** (selective recomputation), topic **08,
 # pipeline parallelism** (1F1B, what crosses a stage boundary) and topic **01, the training
-# memory budget**. The graded exercise is [assignment 3 in ASSIGNMENTS.md][a3]: after
+# memory budget**. The graded exercise is [assignment 3 in docs/assignments.md][a3]: after
 # Sinkhorn-Knopp and the mixing coefficients (notebook 02a), you write the post-mix's backward,
 # the recomputed block's backward, the 1F1B schedule and the pipeline step of `mhc.py`. Terms in
-# bold are defined where they first appear and in the [README's glossary](../README.md#glossary).
+# bold are defined where they first appear and in the [glossary](../docs/GLOSSARY.md).
 # "V4 §3.4.2" is a section of the DeepSeek-V4 technical report, the paper this course follows.
 # Training steps are numbered from 1; stages and micro-batches are indices, numbered from 0 as
 # the code numbers them.
 #
-# [a3]: ../ASSIGNMENTS.md#3-mhcpy-manifold-constrained-hyper-connections-made-affordable-v4-342
+# Every number in this notebook carries its evidence: [MEASURED] on this CPU when the notebook
+# ran, [PAPER] for DeepSeek-V4's own figures, [DERIVED] for what follows by arithmetic; the
+# [evidence ledger](../docs/EVIDENCE.md) defines the tags and says where each figure comes from.
+#
+# [a3]: ../docs/assignments.md#3-mhcpy-manifold-constrained-hyper-connections-made-affordable-v4-342
 
 # %%
 import json
@@ -396,7 +400,8 @@ print(
 # T = 128, batch 2, 1 thread, forward + backward, median of interleaved rounds; eager PyTorch,
 # and `torch.compile`d, F included), read here from its file because compiling takes minutes. How
 # far to trust each point (the benchmark's control runs, its floors, how much it moves from run to
-# run) is explained in `benchmarks/bench_mhc.py` and the README's mHC section, not here.
+# run) is explained in `benchmarks/bench_mhc.py` and the course repository's `docs/mhc.md`, not
+# here.
 
 # %%
 candidates = [pathlib.Path(mhc.__file__).resolve().parent, pathlib.Path.cwd().parent]
@@ -453,9 +458,9 @@ else:
 # the residual's step. Compiled (solid), the two mHC variants nearly meet: from d = 512 on, the
 # printed differences between optimised and naive are a few points either way, no more than
 # repeated runs of this benchmark move (`benchmarks/bench_mhc.py` says how far to trust a point;
-# the README's mHC section compares runs). So what the optimised path buys on this CPU is memory
-# (the last column: it keeps about a quarter of naive's extra activations under compile), not
-# time.
+# the course repository's `docs/mhc.md` compares runs). So what the optimised path buys on this
+# CPU is memory (the last column: it keeps about a quarter of naive's extra activations under
+# compile), not time.
 #
 # **Where V4's 6.7% comes from.** V4 reports a 6.7% wall-time overhead for mHC with all three
 # reductions in place, relative to an overlapped 1F1B pipeline stage, measured on its GPU

@@ -13,14 +13,18 @@
 #
 # Course syllabus: topic **10, composing a parallelism layout** (context parallelism splits the
 # sequence dimension) and topic **06, ring all-reduce and collective costs** (what each collective
-# moves). The graded exercise is [assignment 4 in ASSIGNMENTS.md][a4]: you write the halo count
-# and exchange, local compression, select-and-pad, the visibility rule and the protocol of
-# `cp_compress.py`. Terms in bold are defined where they first appear and in the [README's
-# glossary](../README.md#glossary); "V4 §3.4.3" is a section of the DeepSeek-V4 technical report.
+# moves). The graded exercise is [assignment 4 in docs/assignments.md][a4]: you write the halo
+# count and exchange, local compression, select-and-pad, the visibility rule and the protocol of
+# `cp_compress.py`. Terms in bold are defined where they first appear and in the
+# [glossary](../docs/GLOSSARY.md); "V4 §3.4.3" is a section of the DeepSeek-V4 technical report.
 # Ranks, documents, entries and steps are numbered as the code numbers them: ranks and entries
 # from 0 (they are indices), the training step from 1.
 #
-# [a4]: ../ASSIGNMENTS.md#4-cp_compresspy-context-parallelism-with-compressed-attention-v4-343
+# Every number in this notebook carries its evidence: [MEASURED] on this CPU when the notebook
+# ran, [PAPER] for DeepSeek-V4's own figures, [DERIVED] for what follows by arithmetic; the
+# [evidence ledger](../docs/EVIDENCE.md) defines the tags and says where each figure comes from.
+#
+# [a4]: ../docs/assignments.md#4-cp_compresspy-context-parallelism-with-compressed-attention-v4-343
 
 # %%
 import time
@@ -384,14 +388,17 @@ stage("done")
 # of V4's attention (the low-rank query path, **RoPE**, the rotary position embedding that turns
 # queries and keys by an angle set by their position, and the output projection) is listed in
 # `interop/v4_attention.py`'s docstring: none of it crosses a rank boundary. "Window K/V" are the
-# keys and values of the sliding window.
+# keys and values of the sliding window. This needs `oracles/` (the public V4 code, kept in the
+# course repository and out of the student kit) and `transformers`, a test-only dependency;
+# without either the cell says which and moves on.
 
 # %%
-try:  # transformers is a test-only dependency: without it this cell says so and moves on
+try:  # oracles/ is not in the student kit, transformers is test-only: say which is missing
     from oracles.v4_attention import comparison_rows
 except ImportError as err:
     comparison_rows = None
-    print(f"the comparison needs Hugging Face transformers (with DeepSeek-V4): {err}")
+    needs = "oracles/ (course repository only)" if err.name == "oracles" else "transformers"
+    print(f"the comparison needs {needs}: {err}")
 
 stage("building tiny V4 layers and comparing")
 rows = comparison_rows() if comparison_rows else []

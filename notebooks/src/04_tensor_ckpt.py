@@ -16,12 +16,16 @@
 # Course syllabus: topic **05, activation checkpointing**, with topic **01, the training memory
 # budget** (activations are its largest part) and topic **03, the cost of a step** (backward costs
 # about twice the forward; a recompute adds to it). The graded exercise is [assignment 5 in
-# ASSIGNMENTS.md][a5]: you write `forget`, the storage units, the recompute subgraph, the recompute
-# and the two hooks of `tensor_ckpt.py`. Terms in bold are defined where they first appear and in
-# the [README's glossary](../README.md#glossary); "V4 §3.4.4" is a section of the DeepSeek-V4
+# docs/assignments.md][a5]: you write `forget`, the storage units, the recompute subgraph, the
+# recompute and the two hooks of `tensor_ckpt.py`. Terms in bold are defined where they first
+# appear and in the [glossary](../docs/GLOSSARY.md); "V4 §3.4.4" is a section of the DeepSeek-V4
 # technical report. Steps are numbered from 1.
 #
-# [a5]: ../ASSIGNMENTS.md#5-tensor_ckptpy-checkpointing-single-tensors-not-layers-v4-344
+# Every number in this notebook carries its evidence: [MEASURED] on this CPU when the notebook
+# ran, [PAPER] for DeepSeek-V4's own figures, [DERIVED] for what follows by arithmetic; the
+# [evidence ledger](../docs/EVIDENCE.md) defines the tags and says where each figure comes from.
+#
+# [a5]: ../docs/assignments.md#5-tensor_ckptpy-checkpointing-single-tensors-not-layers-v4-344
 
 # %%
 import operator

@@ -16,15 +16,20 @@
 #    loss curve and the one-process reference that nothing was lost at the break.
 #
 # Course syllabus: topic **10, composing a parallelism layout from a memory and bandwidth budget**
-# (data, pipeline and shard dimensions interact non-linearly). The graded exercise is the budget's
-# `link_bytes` in `compose_budget.py` ([assignment 6 in ASSIGNMENTS.md][a6]):
-# what each link carries per step. It composes the four chapters: notebooks 01 (MuonZeRO), 02a
-# and 02b (mHC and its pipeline), 03 (compressed attention under CP) and 04 (tensor
-# checkpointing). Terms in bold are defined where they first appear and in the
-# [README's glossary](../README.md#glossary).
+# (data, pipeline and shard dimensions interact non-linearly). The graded exercise
+# ([assignment 6 in docs/assignments.md][a6]) has two regions: `layout_groups` in `compose.py`
+# (the mesh's process groups: the pipeline's two links, the CP group, the stage group) and the
+# budget's `link_bytes` in `compose_budget.py` (what each link carries per step). It composes
+# the four chapters: notebooks 01 (MuonZeRO), 02a and 02b (mHC and its pipeline), 03 (compressed
+# attention under CP) and 04 (tensor checkpointing). Terms in bold are defined where they first
+# appear and in the [glossary](../docs/GLOSSARY.md).
 # Ranks, stages and coordinates are numbered from 0 (they are indices), training steps from 1.
 #
-# [a6]: ../ASSIGNMENTS.md#6-composepy-a-layout-from-a-memory-and-bandwidth-budget-the-capstone
+# Every number in this notebook carries its evidence: [MEASURED] on this CPU when the notebook
+# ran, [PAPER] for DeepSeek-V4's own figures, [DERIVED] for what follows by arithmetic; the
+# [evidence ledger](../docs/EVIDENCE.md) defines the tags and says where each figure comes from.
+#
+# [a6]: ../docs/assignments.md#6-composepy-compose_budgetpy-the-capstone
 
 # %%
 import contextlib

@@ -7,7 +7,7 @@ refuses to start when the sandbox user could write this process's working folder
 its sys.path (a planted .py or .pyc would run here).
 
 Marker `ungraded`: a case of a graded test that the grader leaves out (3 and 4 ranks: more than
-the autograder's container affords); `make test` still runs it.
+the autograder's container affords); the slow tier (`make test-slow`) still runs it.
 """
 
 import importlib.abc
@@ -86,7 +86,7 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers",
         "ungraded: a case of a graded test the grader leaves out (beyond the container: "
-        "3-4 ranks); make test runs it",
+        "3-4 ranks); make test-slow runs it",
     )
     uid, gid, _ = sandbox.identity()
     if ISOLATED and uid is not None:
