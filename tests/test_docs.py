@@ -135,7 +135,8 @@ def test_the_link_checker_finds_a_dead_file_and_a_dead_anchor():
     broken = broken_links(["a.md", "b.md"], "", texts.__contains__, texts.__getitem__)
     assert broken == ["a.md: c.md (no file c.md)", "a.md: b.md#nowhere (no heading makes "
                       "#nowhere in b.md)"], broken  # fmt: skip
-    assert slug("2. `muon_zero.py`: Muon's update (V4 §3.4.1)") == "2-muon_zeropy-muons-update-v4-341"
+    heading = "2. `muon_zero.py`: Muon's update (V4 §3.4.1)"
+    assert slug(heading) == "2-muon_zeropy-muons-update-v4-341"
 
 
 # ---- counts ----
@@ -168,7 +169,7 @@ def ledger_rows():
 
 
 def _defines(path, qualname):
-    """Whether the Python file at ``path`` defines ``qualname`` (Class.method, a function, a name)."""
+    """Whether the Python file at ``path`` defines ``qualname`` (Class.method, function, name)."""
     with open(path) as f:
         body = ast.parse(f.read()).body
     for part in qualname.split("."):
@@ -207,13 +208,18 @@ def where_problems(kind, value):
             found = re.search(rf"^{re.escape(value)}:", f.read(), re.M)
         return [] if found else [f"make {value}: no such target"]
     if kind == "cmd":
-        scripts = [w for w in value.split() if w.endswith(".py")]
-        missing = [s for s in scripts if not os.path.exists(os.path.join(ROOT, s))]
         if value.startswith("make "):
             return where_problems("make", value.split()[1])
-        return [f"{value}: no file {m}" for m in missing] or ([] if scripts else [f"{value}: no script"])
+        words = value.split()
+        scripts = [w for w in words if w.endswith(".py") or w.startswith((".ci/", "tools/"))]
+        scripts += [w.replace(".", "/") + ".py" for a, w in zip(words, words[1:]) if a == "-m"]
+        missing = [s for s in scripts if not os.path.exists(os.path.join(ROOT, s))]
+        if not scripts:
+            return [f"{value}: names no script"]
+        return [f"{value}: no file {m}" for m in missing]
     if kind == "file":
-        return [] if os.path.exists(os.path.join(ROOT, value.split("#")[0])) else [f"no file {value}"]
+        found = os.path.exists(os.path.join(ROOT, value.split("#")[0]))
+        return [] if found else [f"no file {value}"]
     return [f"{kind} {value}: unknown kind"]
 
 
@@ -275,7 +281,8 @@ def _takeaway_and_captions(nb):
             found.append((f"cell {i} (takeaway)", cell.source.split("## Exercises")[0]))
         images = [o for o in cell.get("outputs", []) if "image/png" in o.get("data", {})]
         if cell.cell_type == "code" and images:
-            j = next((j for j in range(i + 1, len(cells)) if cells[j].cell_type == "markdown"), None)
+            after = range(i + 1, len(cells))
+            j = next((j for j in after if cells[j].cell_type == "markdown"), None)
             if j is not None:
                 found.append((f"cell {j} (reads the figure of cell {i})", cells[j].source))
     return found
