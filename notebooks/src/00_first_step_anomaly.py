@@ -356,6 +356,7 @@ plt.show()
 # does not have. Gradients are zero at these peaks: the peak comes at the very start of backward,
 # when the loss's working tensors (purple temporaries, 16 MiB each, such as the logits' gradient)
 # exist but no parameter gradient has been computed yet.
+# [MEASURED: this recording, on this CPU]
 #
 # ## Reserved memory: what a GPU's caching allocator holds
 # On a GPU, PyTorch does not return freed memory to the device: its **caching allocator** keeps
@@ -367,6 +368,8 @@ plt.show()
 # one between 1 and 10 MiB a 20 MiB segment, and one of **10 MiB or more a segment of its own
 # size, rounded up to 2 MiB**; a request takes the best-fitting free block and splits it; a freed
 # block merges with free neighbours and stays cached.
+# [the allocator's rules: PyTorch's defaults, modelled here; on a GPU UNKNOWN until `make
+# gpu-check`]
 
 # %%
 reserved = [adamw_tl.peak_reserved_model(step=s) for s in steps]
@@ -479,6 +482,7 @@ plt.show()
 # limit (the red dotted line and the X in the top panel). It cannot release any segment either:
 # each holds at least one live tensor. This is **fragmentation**: memory that is free but unusable
 # for this request.
+# [MEASURED on the allocator model; DERIVED: 8×128×4096×4 bytes = 16 MiB]
 #
 # **What fixes it.** Anything that makes room for the state that arrives in step 1's optimizer
 # phase: fewer activations (smaller micro-batches with gradient accumulation, or activation
@@ -520,6 +524,7 @@ plt.show()
 # **What to look at:** the dark bars (one batch of 8, recorded without a limit) cross the red line
 # from step 2 on, never in step 1; the light bars (two micro-batches, recorded under the limit) stay
 # well under it in every step.
+# [MEASURED on the allocator model]
 #
 # ## AdamW vs SGD with momentum vs Muon
 # The jump is the optimizer state, so it scales with how much state an optimizer keeps per
@@ -666,9 +671,11 @@ print(
 # A training step holds parameters and, in turn, activations (forward), gradients (backward) and
 # the optimizer's state (optimizer step). PyTorch creates the state inside the first `step()`, so
 # step 1 peaks lower than every later step, by exactly the state's bytes: 8 bytes per parameter for
-# AdamW, 4 for SGD with momentum, and that is predictable before the run. On a GPU the caching
+# AdamW, 4 for SGD with momentum, and that is predictable before the run [DERIVED, IMPLEMENTED;
+# equal to the byte on this CPU: MEASURED; ledger A.1-A.3]. On a GPU the caching
 # allocator adds its own cost: memory that is free but split across cached segments cannot serve a
-# large request, so a run can fail with allocated + requested under the limit. Budget for step 2,
+# large request, so a run can fail with allocated + requested under the limit [MEASURED on a model
+# of the allocator; on a GPU UNKNOWN until `make gpu-check`]. Budget for step 2,
 # not step 1; make room with smaller micro-batches, checkpointing, a leaner optimizer or ZeRO.
 #
 # ## Exercises

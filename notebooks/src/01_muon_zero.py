@@ -279,6 +279,8 @@ for w, r in zip(widths, summaries["both"]):
 # (`bench_muon_zero.py`, tables 1 and 1b) padding stays near 10% only with ten or more matrices per
 # rank on average, so V4's real shapes, grouping of parameters or packing must differ from this
 # sketch somewhere.
+# [MEASURED: our reconstructed shapes; V4's "at most 5, under 10%" is PAPER and not reproduced here,
+# ledger M.5]
 #
 # ### Exercise 3 (change the code, run, observe): a width between the bars
 # The figure shows widths 8 to 256 in powers of two only. Edit `try_widths` in the cell below to
@@ -397,6 +399,7 @@ print(f"MuonZeRO rank 0 keeps {(state[a] - state[r0]) / MiB:.2f} MiB less optimi
 # The state is a fixed number of bytes per parameter, forever; the temporaries live only during
 # the optimizer step. At V4 scale (exercise 4) the state is gigabytes per rank; whether the
 # temporaries stay small there is not measured in this notebook.
+# [MEASURED on this CPU, a toy model]
 #
 # ## 5. Stochastic rounding, and why V4 sums in fp32 after an all-to-all
 # V4 sends the expert gradients in **bf16**, a 16-bit float with the exponent range of fp32 but
@@ -409,6 +412,7 @@ print(f"MuonZeRO rank 0 keeps {(state[a] - state[r0]) / MiB:.2f} MiB less optimi
 # on) re-rounds the sum at every one of its W-1 hops, so its error grows with W; V4 rounds each
 # gradient once (stochastically), sends it with one **all-to-all** (every rank sends each other
 # rank the piece that rank owns), and sums in fp32.
+# [DERIVED; the error curves are MEASURED, ledger M.12]
 #
 # ### Exercise 5 (predict, then run): how often does stochastic rounding round up?
 # x = 3.01 (an fp32 number) is rounded stochastically to bf16 4096 times. Predict the fraction of
@@ -488,9 +492,10 @@ stage("done")
 # ## Takeaway
 # ZeRO's equal flat shards suit element-wise optimizers; Muon's Newton-Schulz needs whole
 # matrices, so `muon_zero.py` gives each rank whole matrices in a bucket and pays in padding, up
-# to the largest bucket. Packing that balances both compute and memory keeps the padding small
-# while each rank still holds many matrices; past that, capping the ZeRO width (and repeating the
-# dense work in replica groups) is the fix. The state per rank shrinks by the width, though on a
-# small model the optimizer step's temporaries can outweigh it. For the gradients, one stochastic
-# rounding to bf16 and an fp32 sum after an all-to-all keep the sum unbiased and its error from
-# growing with the number of ranks, where a bf16 ring's grows.
+# to the largest bucket [PAPER, IMPLEMENTED]. Packing that balances both compute and memory keeps
+# the padding small while each rank still holds many matrices; past that, capping the ZeRO width
+# (and repeating the dense work in replica groups) is the fix. The state per rank shrinks by the
+# width, though on a small model the optimizer step's temporaries can outweigh it. For the
+# gradients, one stochastic rounding to bf16 and an fp32 sum after an all-to-all keep the sum
+# unbiased and its error from growing with the number of ranks, where a bf16 ring's grows [PAPER;
+# MEASURED: ledger M.12].

@@ -468,14 +468,17 @@ else:
 # pipeline. It is drawn as the dotted line for reference only. A CPU running `torch.compile`'s
 # code is a different machine with different kernels: this notebook neither reproduces nor tests
 # that number (`bench_mhc.py --curve --device cuda` measures the same curve on a GPU).
+# [PAPER: 6.7%, on V4's GPUs; UNKNOWN here until `make gpu-check`; ledger H.10]
 
 # %% [markdown]
 # ## Takeaway
 # The price of mHC is the stream itself: n times the stream's activations and n times the pipeline
 # traffic, while F's work and F's own activations are unchanged. V4's three reductions answer it.
 # Fused lane mixing stops autograd from keeping the mixing's intermediates. Selective
-# recomputation keeps a block input, F's output and 2n² + 4n + 1 numbers per token and layer,
+# recomputation keeps a block input, F's output and 2n² + 4n + 1 numbers per token and layer
+# [DERIVED, IMPLEMENTED],
 # rebuilds the lane states in backward and never runs F again, with blocks of
 # L_r ≈ sqrt(nL/(n+2)) layers. Overlapping the traffic hides the larger sends behind compute where
 # the link is slow. On this CPU the first two buy memory, not time, and the time overhead falls as
-# d grows; the 6.7% V4 reports is a GPU measurement with its own kernels.
+# d grows [MEASURED]; the 6.7% V4 reports is a GPU measurement with its own kernels [PAPER; UNKNOWN
+# here until `make gpu-check`, ledger H.10].

@@ -209,6 +209,7 @@ plt.show()
 # and its state is shared by its cp × dp ranks, so each rank holds about 1/W of the whole state
 # whatever the layout; what differs is how whole matrices pack. The bars above the dashed device
 # line are the layouts the table marks DOES NOT FIT.
+# [DERIVED by the budget; MEASURED equal to the byte on the two layouts run below]
 #
 # ### Exercise 1 (count): how many layouts?
 # A layout is an ordered triple (pp, cp, dp) with pp · cp · dp = W. How many are there for a
@@ -345,6 +346,7 @@ print(f"with CP, the gradient reduce-scatter alone is at least {ratio:.1f} x the
 # A100/H100, 74.5 GiB) and 141 GB (an H200, 131.3 GiB); 8 per node, NVLink at 450 GB/s and 50
 # GB/s (400 Gb/s InfiniBand) between nodes: typical figures, assumed. Sizes are printed in GiB;
 # only the devices' names keep their GB.
+# [DERIVED: the budget of a V4-scale stand-in whose sizes are ours; the devices' sizes are vendors']
 
 # %%
 v4 = dataclasses.replace(
@@ -415,6 +417,7 @@ for r in chosen:
 # Parameters and gradients in fp32 are 8 bytes per parameter, divided over the pipeline's stages
 # only. Of the depths that divide the 88 sublayers (1, 2, 4, 8, 11, 22, 44, 88), which is the
 # smallest for which every stage's parameters and gradients together fit under 80 GB?
+# [DERIVED]
 
 # %%
 answer_v4_pp = None  # a pipeline depth
@@ -587,6 +590,7 @@ plt.show()
 # and 10 MiB gets a 20 MiB one (notebook 00's rule). That segment is reserved, mostly empty, and
 # kept for reuse: it is the allocator's rounding, not the optimizer state. On a GPU it is what
 # `torch.cuda.memory_reserved` would show, and what an out-of-memory error counts.
+# [MEASURED on this CPU, allocator modelled]
 #
 # ## 7. Save at one layout, resume at another
 # A real run stops: its time on the cluster runs out, a node fails, and tomorrow the cluster lends
@@ -723,8 +727,9 @@ check("answer_resume_on_3", answer_resume_on_3, judge_layouts)
 # pipeline carries the n-lane stream (n times a residual model's), CP a small halo and an
 # all-gather of compressed entries, and the stage group the whole stage's gradients and weights
 # once per step. On this model the budget predicts parameters, gradients, optimizer state and
-# every link's bytes exactly and activations within the temporaries it leaves out; at V4's scale
-# the same arithmetic shows that these four techniques alone cannot hold the experts, which is
-# why V4 adds expert parallelism. And a run is not tied to its layout: a checkpoint written by
-# each rank for what it holds, under the model's names, continues on any layout that divides its
-# global batch and sequence, and the loss does not notice the break.
+# every link's bytes exactly and activations within the temporaries it leaves out [MEASURED:
+# ledger P.2]; at V4's scale [DERIVED, INFERRED: ledger P.3] the same arithmetic shows that these
+# four techniques alone cannot hold the experts, which is why V4 adds expert parallelism. And a run
+# is not tied to its layout: a checkpoint written by each rank for what it holds, under the model's
+# names, continues on any layout that divides its global batch and sequence, and the loss does not
+# notice the break.
