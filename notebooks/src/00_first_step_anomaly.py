@@ -663,9 +663,10 @@ print(
 #
 # **On a GPU** (this notebook picks CUDA when it is there) the recorder also draws the real
 # `memory_allocated` and `memory_reserved` lines beside the modelled one; AdamW's `step` counters
-# then stay on the CPU, which is why the prediction is 8N there. That path has not yet run on a GPU
-# in this project: the 8N rule is checked in the tests on the `meta` device, and every number in
-# this notebook is from the CPU.
+# then stay on the CPU, which is why the prediction is 8N there [DERIVED; checked on the `meta`
+# device, where a tensor has a shape and a device but no data]. The numbers printed in this
+# notebook are the CPU's; what a GPU's allocator adds is entry A.6 of the
+# [evidence ledger](../docs/EVIDENCE.md).
 #
 # ## Takeaway
 # A training step holds parameters and, in turn, activations (forward), gradients (backward) and
