@@ -176,8 +176,9 @@ toy_device = 16 * MiB  # a small device, so that the table has a layout that doe
 rows = compose_budget.budget_table(cfg, 4, toy_device, 10 * GB, 1 * GB, ranks_per_node=2)
 print(
     f"device {toy_device / MiB:.0f} MiB; intra-node 10 GB/s, inter-node 1 GB/s, 2 ranks per "
-    "node (assumed); gradients sent in bf16 (grad_sync, below); columns: the largest rank's "
-    "bytes, the busiest rank's bytes per step\n"
+    "node (assumed); gradients sent in bf16 (grad_sync, below); columns: each category's "
+    "largest over the ranks (not one rank's, so they need not add up to the peak, the fullest "
+    "rank's sum), then the busiest rank's bytes per step\n"
 )
 print(compose_budget.format_budget(rows))
 print(
@@ -367,52 +368,7 @@ print(
 )
 print(compose_budget.format_budget(sorted(runnable, key=lambda r: r.peak_bytes)[:5]))
 
-# %%
-best = {}
-for r in runnable:
-    if r.pp not in best or r.peak_bytes < best[r.pp].peak_bytes:
-        best[r.pp] = r
-deep = {  # deeper pipelines on 8 CP ranks each, one sequence per micro-batch (1F1B: n_micro >= pp)
-    pp: compose_budget.layout_budget(dataclasses.replace(v4, batch=pp, n_micro=pp), pp, 8, 1,
-                                     141 * GB, 450 * GB, 50 * GB, 8)
-    for pp in (11, 22, 44)
-}  # fmt: skip
-print(", ".join(f"{r.name} ({r.pp * r.cp} ranks): peak {r.peak_bytes / GiB:.0f} GiB"
-                for r in deep.values()))  # fmt: skip
-chosen = [best[pp] for pp in sorted(best)] + [deep[pp] for pp in sorted(deep)]
-fig, ax = plt.subplots(figsize=(10, 4.2))
-bottom = np.zeros(len(chosen))
-for key, color in CATEGORY_COLOR.items():
-    worst = [max(r.held, key=lambda h: sum(h.values()))[key] / GiB for r in chosen]
-    ax.bar([f"{r.name}\n({r.pp * r.cp * r.dp} ranks)" for r in chosen], worst, bottom=bottom,
-           color=color, label=key)  # fmt: skip
-    bottom += worst
-for limit, ls in ((80, "--"), (141, ":")):
-    ax.axhline(limit * GB / GiB, color="k", ls=ls, lw=1.2,
-               label=f"a {limit} GB device ({limit * GB / GiB:.1f} GiB)")  # fmt: skip
-ax.set_ylabel("GiB on the fullest rank")
-ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-ax.set_title("V4 scale: the smallest peak at each pipeline depth (linear axis)")
-fig.tight_layout()
-plt.show()
-for r in chosen:
-    worst = max(r.held, key=lambda h: sum(h.values()))
-    print(f"{r.name:>8}: " + ", ".join(f"{k} {v / GiB:,.1f}" for k, v in worst.items())
-          + f" GiB; peak {r.peak_bytes / GiB:,.1f} GiB")  # fmt: skip
-
 # %% [markdown]
-# **What to look at:** the height of the blue and orange bands (fp32 parameters and gradients),
-# on a linear axis so that bands compare by height. They are divided only by the pipeline depth,
-# because ZeRO here shards only the optimizer state, and with 256 experts per MoE layer they are
-# most of the model; at 256 ranks (pipelines of at most 8 stages) they alone exceed both devices
-# (the bars run above the dashed and dotted lines; the printed lines give every band). Deeper
-# pipelines bring them down, and 1F1B's in-flight micro-batches then make stage 0's activations the
-# next band to watch (they are large here because this model's MoE applies every expert to every
-# token, as muon_zero.TinyMoE does: E / k = 256 / 6 times the work and memory of V4's routed
-# experts). That is the case for the dimension this course leaves out, expert parallelism (each rank
-# holds a share of the experts, paid for with an all-to-all of tokens), and for bf16 weights with
-# fp32 master copies sharded as the optimizer state is.
-#
 # ### Exercise 5 (predict): how deep a pipeline for V4's weights?
 # Parameters and gradients in fp32 are 8 bytes per parameter, divided over the pipeline's stages
 # only. Of the depths that divide the 88 sublayers (1, 2, 4, 8, 11, 22, 44, 88), which is the
@@ -434,6 +390,56 @@ check(
     one_of([depths[0]], hint=f"{v4_params / 1e9:.0f} B parameters x 8 bytes, shared by the "
            "stages: find the first depth that brings one share under 80 GB"),
 )  # fmt: skip
+
+# %% [markdown]
+# **The budget by pipeline depth.** The figure below stacks, for the smallest peak at each
+# depth (and for deeper pipelines on 8 CP ranks each), the fullest rank's bytes by category.
+# **What to look at:** the height of the blue and orange bands (fp32 parameters and gradients),
+# on a linear axis so that bands compare by height. They are divided only by the pipeline depth,
+# because ZeRO here shards only the optimizer state, and with 256 experts per MoE layer they are
+# most of the model; at 256 ranks (pipelines of at most 8 stages) they alone exceed both devices
+# (the bars run above the dashed and dotted lines; the printed lines give every band). Deeper
+# pipelines bring them down, and 1F1B's in-flight micro-batches then make stage 0's activations the
+# next band to watch (they are large here because this model's MoE applies every expert to every
+# token, as muon_zero.TinyMoE does: E / k = 256 / 6 times the work and memory of V4's routed
+# experts). That is the case for the dimension this course leaves out, expert parallelism (each rank
+# holds a share of the experts, paid for with an all-to-all of tokens), and for bf16 weights with
+# fp32 master copies sharded as the optimizer state is. [DERIVED by the budget]
+
+# %%
+best = {}
+for r in runnable:
+    if r.pp not in best or r.peak_bytes < best[r.pp].peak_bytes:
+        best[r.pp] = r
+deep = {  # deeper pipelines on 8 CP ranks each, one sequence per micro-batch (1F1B: n_micro >= pp)
+    pp: compose_budget.layout_budget(dataclasses.replace(v4, batch=pp, n_micro=pp), pp, 8, 1,
+                                     141 * GB, 450 * GB, 50 * GB, 8)
+    for pp in (11, 22, 44)
+}  # fmt: skip
+print(", ".join(f"{r.name} ({r.pp * r.cp} ranks): peak {r.peak_bytes / GiB:.0f} GiB"
+                for r in deep.values()))  # fmt: skip
+
+# %%
+chosen = [best[pp] for pp in sorted(best)] + [deep[pp] for pp in sorted(deep)]
+fig, ax = plt.subplots(figsize=(10, 4.2))
+bottom = np.zeros(len(chosen))
+for key, color in CATEGORY_COLOR.items():
+    worst = [max(r.held, key=lambda h: sum(h.values()))[key] / GiB for r in chosen]
+    ax.bar([f"{r.name}\n({r.pp * r.cp * r.dp} ranks)" for r in chosen], worst, bottom=bottom,
+           color=color, label=key)  # fmt: skip
+    bottom += worst
+for limit, ls in ((80, "--"), (141, ":")):
+    ax.axhline(limit * GB / GiB, color="k", ls=ls, lw=1.2,
+               label=f"a {limit} GB device ({limit * GB / GiB:.1f} GiB)")  # fmt: skip
+ax.set_ylabel("GiB on the fullest rank")
+ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+ax.set_title("V4 scale: the smallest peak at each pipeline depth (linear axis)")
+fig.tight_layout()
+plt.show()
+for r in chosen:
+    worst = max(r.held, key=lambda h: sum(h.values()))
+    print(f"{r.name:>8}: " + ", ".join(f"{k} {v / GiB:,.1f}" for k, v in worst.items())
+          + f" GiB; peak {r.peak_bytes / GiB:,.1f} GiB")  # fmt: skip
 
 # %% [markdown]
 # ## 5. Two layouts run here, against the prediction
@@ -494,8 +500,13 @@ for (pp, cp, dp), run in RUNS.items():
 for (pp, cp, dp), run in RUNS.items():
     cfg_run = compose.ComposeConfig(**run["config"])
     predicted = compose_budget.layout_budget(cfg_run, pp, cp, dp, 2**40, 10 * GB, 1 * GB, 4, "fp32")
-    print(f"layout {pp} x {cp} x {dp}: MiB held, measured / predicted (peak: step 2's)")
-    print(f"{'rank':>4}  {'peak':>13}  " + "  ".join(f"{k:>13}" for k in compose_budget.HELD))
+    print(
+        f"layout {pp} x {cp} x {dp}: MiB held, measured / predicted (peak: step 2's; "
+        "activations measured: activations + temporaries at their largest in the 1F1B phase)"
+    )
+    names = {"activations": "activ+temp"}  # what the recorder's column holds
+    print(f"{'rank':>4}  {'peak':>13}  "
+          + "  ".join(f"{names.get(k, k):>13}" for k in compose_budget.HELD))  # fmt: skip
     for r in run["ranks"]:
         mine = predicted.held[r["rank"]]
         cells = [
@@ -533,9 +544,13 @@ if RUNS:
 
 # %% [markdown]
 # **What to look at:** parameters, gradients and optimizer state sit on the diagonal (they are
-# the same tensors, counted the same way); the activations sit slightly above it, because the
-# recorder also counts the temporaries alive inside the operation running at the peak, of which
-# the budget adds only the MoE's. The peaks add the optimizer step's own temporaries in step 2.
+# the same tensors, counted the same way). The measured "activations" point is not the red band
+# alone: it is the largest sum of activations and temporaries (red and purple together) inside the
+# 1F1B phase, 11.67 MiB on rank 0 of 2 x 2 x 1. The budget predicts the saved tensors in flight and,
+# of the temporaries, only the MoE's, so the points sit slightly above the diagonal by the other
+# temporaries alive at that moment. The peak column is step 2's peak, and it falls inside the
+# pipeline phase, where the micro-batches in flight hold the most; the optimizer phase peaks lower.
+# [MEASURED on this CPU; the prediction DERIVED by the budget]
 
 
 # %% [markdown]
