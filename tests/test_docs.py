@@ -348,3 +348,15 @@ def test_help_prints_one_default_per_option(name):
     options = re.split(r"\n  -", out.getvalue())
     doubled = [o.split()[0] for o in options if len(re.findall(r"\bdefault\b", o)) > 1]
     assert not doubled, f"{name}.py --help prints two defaults for {doubled}"
+
+
+def test_the_assignments_are_listed_in_the_notebooks_order():
+    """Assignment 1 is memory_timeline (notebook 00): every later notebook measures memory with
+    its recorder, so the generated table and its order list it first, as docs/assignments.md."""
+    text = markdown_of(os.path.join(ROOT, "ASSIGNMENTS.md"))
+    order = re.findall(r"^- `([\w/.]+\.py)`: ", text, flags=re.M)
+    assert order and order[0] == "memory_timeline.py", f"the order to implement lists {order}"
+    guide = markdown_of(os.path.join(ROOT, "docs/assignments.md"))
+    headings = re.findall(r"^## \d\. `([\w/.]+)`", guide, flags=re.M)
+    files = [os.path.basename(f) for f in assignments.ASSIGNMENT_FILES]
+    assert [os.path.basename(h) for h in headings] == files[: len(headings)], (headings, files)

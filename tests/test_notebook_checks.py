@@ -150,3 +150,21 @@ def test_no_answer_is_on_the_page_before_its_check(name):
                         f"{name}: {var}'s answer {form!r} is on the page in cell {j}, which a "
                         f"reader sees before answering at check cell {i}"
                     )
+        for j, seen in enumerate(nb.cells[: i + 3]):
+            near = _near(ANSWERS[name][var][0], _shown(seen)) if j != i else None
+            assert near is None, (
+                f"{name}: {var}'s answer is on the page in cell {j} as {near!r} (a printed "
+                f"figure within 1.5% of it), which a reader sees before answering at check cell {i}"
+            )
+
+
+def _near(reference, text):
+    """A decimal figure in ``text`` within 1.5% of a float answer (a table printing it rounded
+    another way gives it away as surely as the answer itself), else None."""
+    value = eval(reference)  # our own answers file, not student input
+    if not isinstance(value, float) or value == 0:
+        return None
+    for m in re.finditer(r"(?<![\w.])\d[\d,]*\.\d+(?![\w.])", text):
+        if abs(float(m.group().replace(",", "")) - value) <= 0.015 * abs(value):
+            return m.group()
+    return None
