@@ -614,6 +614,27 @@ def judge_lowest(answer):
 
 check("answer_lowest_peak", answer_lowest_peak, judge_lowest)
 
+# %% [markdown]
+# **The four timelines, and why their peaks are close.** In the figure below, **what to look
+# at:** the red activation band at the end of forward (the grey phase) differs a lot
+# between the panels; the peaks, in backward (yellow), much less. The re-run column is the price:
+# `module` re-runs most of the forward's matmul and attention work (printed under the table). The
+# table says why the peaks are close. At the peak, the parameters, the input and the first gradients
+# are there in every variant (last column), and each variant's savings have partly come back as
+# temporaries: `module` re-runs a whole layer's forward, `SAC` and `tensor_ckpt` recompute the
+# current layer's forgotten tensors. With two layers that shared part is a large share of every
+# peak. The savings are per layer, so they grow with depth: the same step for 2, 4 and 8 layers,
+# recorded first and drawn after the timelines.
+
+# %%
+depths, by_depth = [2, 4, 8], {name: [peak / MiB] for name, peak in peaks.items()}
+for depth in depths[1:]:  # two layers were recorded above
+    stage(f"{depth} layers")
+    torch.manual_seed(0)
+    deep = nn.Sequential(*[tc.MarkedLayer(C, HEADS) for _ in range(depth)])
+    for name, fn in bench.variants(deep, x).items():
+        by_depth[name].append(bench.memory(deep, fn, x, grad)[2].peak() / MiB)
+
 # %%
 fig = plot_timelines(list(timelines.values()), titles=list(timelines), width=5, height=3.3)
 for ax in fig.axes:  # a short label: panels side by side (one event per allocation or free)
@@ -660,24 +681,7 @@ print(
     f"four variants, their peaks only {spread(peaks):.2f} MiB"
 )
 
-# %% [markdown]
-# **What to look at:** the red activation band at the end of forward (the grey phase) differs a lot
-# between the panels; the peaks, in backward (yellow), much less. The re-run column is the price:
-# `module` re-runs most of the forward's matmul and attention work (printed under the table). The
-# table says why the peaks are close. At the peak, the parameters, the input and the first gradients
-# are there in every variant (last column), and each variant's savings have partly come back as
-# temporaries: `module` re-runs a whole layer's forward, `SAC` and `tensor_ckpt` recompute the
-# current layer's forgotten tensors. With two layers that shared part is a large share of every
-# peak. The savings are per layer, so they grow with depth: the same step for 2, 4 and 8 layers.
-
 # %%
-depths, by_depth = [2, 4, 8], {name: [peak / MiB] for name, peak in peaks.items()}
-for depth in depths[1:]:  # two layers were recorded above
-    stage(f"{depth} layers")
-    torch.manual_seed(0)
-    deep = nn.Sequential(*[tc.MarkedLayer(C, HEADS) for _ in range(depth)])
-    for name, fn in bench.variants(deep, x).items():
-        by_depth[name].append(bench.memory(deep, fn, x, grad)[2].peak() / MiB)
 fig, ax = plt.subplots(figsize=(8, 3.8))
 for (name, ys), color in zip(by_depth.items(), ["0.3", "#8172b3", "#4c72b0", GONE]):
     ax.plot(depths, ys, marker="o", color=color, label=name)
