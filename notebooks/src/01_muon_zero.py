@@ -343,7 +343,7 @@ check(
 
 # %%
 print(f"replicated Muon: {4 * (dense_total + expert_total) / 2**30:,.0f} GiB of momentum per "
-      f"rank; this plan, with its padding: {per_rank:.2f} GiB; plus "
+      f"rank, against a few GiB sharded (your answer); plus "
       f"{8 * adamw_numel / 2**30:.1f} GiB of AdamW moments for the embedding and head, which "
       f"every rank keeps whole")  # fmt: skip
 
@@ -369,7 +369,7 @@ runs = {"AdamW": adamw, "Muon,\nreplicated": replicated, "MuonZeRO,\nrank 0 of 4
         "MuonZeRO,\nrank 1 of 4": sharded[1]}  # fmt: skip
 kinds = [("optimizer_state", "optimizer state", "#55a868"),
          ("temporaries", "temporaries", "#8172b3"), (None, "total peak", "0.45")]  # fmt: skip
-fig, ax = plt.subplots(figsize=(10, 4))
+fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [3, 2]})
 for k, (category, label, color) in enumerate(kinds):
     x = np.arange(len(runs)) + (k - 1) * 0.27
     ys = [tl.peak(category) / MiB if category else tl.peak() / MiB for tl in runs.values()]
@@ -381,8 +381,31 @@ ax.set_ylabel("peak over the two steps (MiB)")
 ax.set_title("A small model: Muon's state is smaller than AdamW's, its optimizer-step "
              "temporaries larger")  # fmt: skip
 ax.legend(loc="upper left")
+
+
+def compute_peak(tl, step):  # the peak of a step's forward and backward, before its optimizer
+    return max(tl.peak(step=step, phase=p) for p in ("forward", "backward"))
+
+
+for k, tl in enumerate(runs.values()):  # the first-step anomaly: step 2 computes on the state
+    p1, p2 = compute_peak(tl, 1) / MiB, compute_peak(tl, 2) / MiB
+    ax2.bar(k - 0.2, p1, 0.4, color="0.75", label="step 1" if k == 0 else None)
+    ax2.bar(k + 0.2, p2, 0.4, color="0.35", label="step 2" if k == 0 else None)
+    ax2.text(k + 0.2, p2 + 0.2, f"{p2 - p1:+.1f}", ha="center", fontsize=9)
+ax2.set_xticks(range(len(runs)), list(runs), fontsize=8)
+ax2.set_ylabel("peak of forward + backward (MiB)")
+ax2.set_title("The first-step anomaly: step 2 against step 1")
+ax2.legend(loc="lower right")
 fig.tight_layout()
 plt.show()
+for name, tl in runs.items():
+    p1, p2 = compute_peak(tl, 1) / MiB, compute_peak(tl, 2) / MiB
+    print(
+        f"{name.replace(chr(10), ' '):<22} forward + backward peak: step 1 {p1:5.2f} MiB, "
+        f"step 2 {p2:5.2f} MiB ({p2 - p1:+.2f}); optimizer state "
+        f"{tl.peak('optimizer_state') / MiB:.2f} MiB; whole-step peaks {tl.peak(step=1) / MiB:.2f}"
+        f" and {tl.peak(step=2) / MiB:.2f} MiB"
+    )
 state = {name: tl.peak("optimizer_state") for name, tl in runs.items()}
 temps = {name: tl.peak("temporaries") for name, tl in runs.items()}
 totals = {name: tl.peak() for name, tl in runs.items()}
@@ -399,6 +422,13 @@ print(f"MuonZeRO rank 0 keeps {(state[a] - state[r0]) / MiB:.2f} MiB less optimi
 # The state is a fixed number of bytes per parameter, forever; the temporaries live only during
 # the optimizer step. At V4 scale (exercise 4) the state is gigabytes per rank; whether the
 # temporaries stay small there is not measured in this notebook.
+#
+# **On the right, the first-step anomaly** (notebook 00): in every run, step 2's forward and
+# backward peak above step 1's by exactly that run's optimizer state (the printed lines), because
+# the state is created inside step 1's optimizer phase and then sits under every later forward and
+# backward. Sharding the state shrinks the jump with it: MuonZeRO's rank jumps by its share only.
+# At this toy size each step's own peak is in its optimizer phase, where both steps hold the state
+# and the optimizer's temporaries, so the whole-step peaks (printed last on each line) differ less.
 # [MEASURED on this CPU, a toy model]
 #
 # ## 5. Stochastic rounding, and why V4 sums in fp32 after an all-to-all
