@@ -35,6 +35,7 @@ ANSWERS = {  # notebook -> {variable: (reference answer, a wrong answer)}, as Py
         "answer_kept_numbers": ("161", "129"),  # 2n^2 + 4n + 1; 129 forgets the projection's n^2
         "answer_block": ("5", "4"),  # sqrt(128/6) = 4.62: 5 costs 55.6 lanes, 4 costs 56
         "answer_traffic_mib": ("0.75", "0.125"),  # 6 lanes x d x 4 B x 256 tokens; 0.125 forgets n
+        "answer_in_flight": ("4", "8"),  # the stages, not the micro-batches (GPipe holds all 8)
     },
     "03_cp_compress": {
         "answer_rows_used": ("5", "7"),  # rows 11-15; 7 is the whole halo, not what is pooled

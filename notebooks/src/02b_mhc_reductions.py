@@ -254,9 +254,10 @@ print(f"at L_r = {blocks[-1]}: model {model_cost[-1]:.0f} lanes, measured (shift
 # layer), bottom out near the dotted line and rise again to L_r = L (one block, rebuilt whole in
 # backward). The measured line is shifted to share the model's minimum, so it is the shapes that
 # compare. They agree where it matters, the minimum: the measured peak is lowest around the dotted
-# line too. They part at the right end (the printed line): the model counts only the lane states a
-# rebuilt block holds, and undercounts the rest of a long block's backward; use it to place L_r,
-# not to size the peak.
+# line too. They part at the right end (the printed line): the model charges a rebuilt block all
+# of its (n + 2)·L_r lanes at once, and a long block's backward holds fewer, so the model
+# overcounts it (76 lanes modelled against 58 measured at L_r = 12) [MEASURED on this CPU]; use
+# it to place L_r, not to size the peak.
 #
 # **Reduction 3, overlapping the pipeline traffic.** In a pipeline, each **stage** (a process
 # holding a contiguous share of the layers) sends the stream of every micro-batch (a slice of the
@@ -278,8 +279,47 @@ for n_micro in (4, N_MICRO):
         order = mhc.one_f_one_b(2, s, n_micro)
         print(f"{n_micro} micro-batches, stage {s}: " + " ".join(f"{k}{i}" for k, i in order))
 
+
 # %% [markdown]
-# ### Exercise 3 (predict, then run): what crosses a stage boundary
+# ### Exercise 3 (change the code, run, observe): micro-batches in flight
+# A stage keeps a micro-batch's activations from its forward until its backward. The cell below
+# prints stage 0's 1F1B order for 2 stages and 4 micro-batches and counts the most micro-batches
+# it holds at once. Edit `stages` and `n_micro` to 4 stages and 8 micro-batches, run it, and
+# answer: at most how many micro-batches' activations does stage 0 hold at once? Then try 16
+# micro-batches: does the number move?
+
+
+# %%
+def in_flight(order):
+    """The most micro-batches forwarded and not yet backwarded at any point of ``order``."""
+    held = most = 0
+    for kind, _ in order:
+        held += 1 if kind == "F" else -1
+        most = max(most, held)
+    return most
+
+
+stages, n_micro = 2, 4  # edit these
+order = mhc.one_f_one_b(stages, 0, n_micro)
+print(f"stage 0 of {stages}, {n_micro} micro-batches: " + " ".join(f"{k}{i}" for k, i in order))
+print(f"micro-batches held at once, at most: {in_flight(order)}")
+
+# %%
+answer_in_flight = None  # micro-batches stage 0 holds at once, 4 stages and 8 micro-batches
+
+# %%
+# check: answer_in_flight
+check(
+    "answer_in_flight",
+    answer_in_flight,
+    number(
+        in_flight(mhc.one_f_one_b(4, 0, 8)),
+        hint="count the forwards stage 0 runs before its first backward: the warm-up",
+    ),
+)
+
+# %% [markdown]
+# ### Exercise 4 (predict, then run): what crosses a stage boundary
 # Section 1's model (d = 128, T = 128 tokens per sequence, fp32), but with **n = 6 lanes**, on 2
 # stages, its batch of 2 sequences in 2 micro-batches. How many MiB does stage 0 send forward to
 # stage 1 in one training step?
