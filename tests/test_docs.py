@@ -8,6 +8,7 @@ pytest's collection of the whole suite (slow tier).
 
 import ast
 import contextlib
+import functools
 import glob
 import io
 import os
@@ -168,10 +169,15 @@ def ledger_rows():
     return rows
 
 
+@functools.cache
+def _module_body(path):
+    with open(path) as f:
+        return ast.parse(f.read()).body
+
+
 def _defines(path, qualname):
     """Whether the Python file at ``path`` defines ``qualname`` (Class.method, function, name)."""
-    with open(path) as f:
-        body = ast.parse(f.read()).body
+    body = _module_body(path)
     for part in qualname.split("."):
         found = None
         for node in body:
