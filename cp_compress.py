@@ -537,7 +537,8 @@ def check_inputs(layer, x, cu_seqlens, group=None, entry="context_parallel"):
         return {f"weight {n}": launch.weights_digest([(n, p)]) for n, p in named}
 
     fields = {**layout, "validation": error or "passed"}
-    launch.agree_when_changed(layer, fields, None, group, "cp_compress", entry, weights)
+    device = layer.wq.device  # where the layer's data lives, whatever x is
+    launch.agree_when_changed(layer, fields, device, None, group, "cp_compress", entry, weights)
     if error:  # the same on every rank: the fields agreed
         raise ValueError(f"cp_compress: {error}")
 

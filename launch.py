@@ -263,24 +263,25 @@ def agree(fields, error=None, group=None, who="", fix=""):
         raise ValueError(prefix + "; ".join(problems) + (f"; {fix}" if fix else ""))
 
 
-def agree_when_changed(owner, fields, error=None, group=None, who="", key=None, costly=None):
+def agree_when_changed(
+    owner, fields, device, error=None, group=None, who="", key=None, costly=None
+):
     """agree() for a call that runs many times (a layer's forward, a pipeline step): the ranks
     compare on the owner's first call on a group, then again whenever any rank's fields or error
     change. Every rank decides alike whether to compare, so a rank that changes its input alone
     gets the same ValueError as the others, instead of entering the comparison alone.
 
-    Each call costs one all_reduce(MAX) of three int64 (this rank's digest of its fields and error,
-    the digest negated, whether it differs from the last agreed one), on a GPU a device-to-host copy
-    too; all equal and none changed: no comparison, this rank's error (the same on every rank) is
-    raised. owner: what the ranks agree about (a layer, a model), held weakly; key: which of its
-    entry points. costly(first) -> {name: value}: compared only when the ranks compare (first: on
-    the owner's first comparison), for what is too costly to read every call (weights' sha256)."""
+    Each call costs one all_reduce(MAX) of three int64 on device (this rank's digest of its fields
+    and error, the digest negated, whether it differs from the last agreed one); on a GPU a
+    device-to-host copy too. All equal and none changed: no comparison, and this rank's error (the
+    same on every rank) is raised. owner: what the ranks agree about (a layer, a model), held
+    weakly; device: where its data lives; key: which of its entry points. costly(first) ->
+    {name: value}: compared only when the ranks compare (first: on the owner's first comparison),
+    for what is too costly to read on every call (a sha256 of the weights)."""
     mine = fields_digest({**fields, "(error)": error})
     agreed = _AGREED.setdefault(owner, {})
     first, changed = not agreed, agreed.get((group, key)) != mine
     if dist.is_initialized() and dist.get_world_size(group) > 1:
-        nccl = dist.get_backend(group) == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
         votes = torch.tensor([mine, -mine, int(changed)], device=device)
         dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=group)
         highest, minus_lowest, any_changed = votes.tolist()

@@ -731,7 +731,8 @@ def check_pipeline_step(model, idx, targets, n_micro, variant, block, overlap, g
             fields["initial parameters (sha256)"] = launch.weights_digest(model.named_parameters())
         return fields
 
-    launch.agree_when_changed(model, settings, error, group, costly=digests)
+    device = model.embed.weight.device
+    launch.agree_when_changed(model, settings, device, error, group, costly=digests)
 
 
 def saved_activation_bytes(model, run):
