@@ -530,7 +530,11 @@ def parse_args(argv=None, parser=None):
     flag("--check", help="also train the one-process reference on rank 0; print the differences")
     add("--save", metavar="DIR", help="checkpoint into DIR after the last step, resumable anywhere")
     add("--save-every", type=count, default=None, metavar="K", help="with --save: every K steps")
-    add("--resume", metavar="DIR", help="continue DIR's newest checkpoint up to --steps in all")
+    add(
+        "--resume",
+        metavar="DIR",
+        help="continue DIR's newest checkpoint (or DIR/step-K, that one) up to --steps in all",
+    )
     add("--seed", type=int, default=0, help="seed of weights and data (0)")
     args = launch.check_launch_options(parser, launch.add_launch_options(parser).parse_args(argv))
     args.dp = args.dp or max(1, world // (args.pp * args.cp))

@@ -11,7 +11,9 @@ The fix, torchtitan's recipe: every rank hands dcp.save its stage's parameters u
 own names ("sublayers.3.w_up") and MuonZeRO's state through get_optimizer_state_dict; beside them,
 compose.json: the step (the data position), the layout, the global batch and the settings a
 resume must match. DIR/step-<k> is written as step-<k>.tmp and renamed by rank 0 once every rank
-has written its share, so it is complete or absent. compose.run_layout calls resume_from,
+has written its share, so it is complete or absent, and the previous one is kept beside it: a
+resume checks the files before any collective (`damage`) and names the one missing or damaged
+and the checkpoint to resume instead. compose.run_layout calls resume_from,
 load_checkpoint and save_checkpoint; nothing here imports compose.
 """
 
@@ -36,19 +38,77 @@ def dcp():
     return checkpoint, state, options
 
 
+RECORD_FIELDS = ("step", "layout", "config", "global_batch", "training")
+
+
+def checkpoint_steps(root):
+    """{k: DIR/step-<k>} of the complete checkpoints in root (a step-<k>.tmp never finished)."""
+    names = os.listdir(root) if os.path.isdir(root) else []
+    steps = [int(n[5:]) for n in names if n.startswith("step-") and n[5:].isdigit()]
+    return {k: os.path.join(root, f"step-{k}") for k in sorted(steps)}
+
+
+def damage(path):
+    """What is missing or damaged in the checkpoint at path, in one line, or None: compose.json
+    (present, JSON, every field), dcp's .metadata (present, readable) and each file .metadata
+    indexes (present, as long as the index says). Reads no tensor, so a shard whose bytes changed
+    but not its length passes here and fails in dcp.load."""
+    record = os.path.join(path, "compose.json")
+    try:
+        with open(record) as f:
+            saved = json.load(f)
+        missing = [k for k in RECORD_FIELDS if k not in saved]
+        if missing:
+            return f"{record} is damaged: it lacks {', '.join(missing)}"
+    except FileNotFoundError:
+        return f"{record} is missing"
+    except (OSError, ValueError) as err:
+        return f"{record} is damaged: {err}"
+    try:
+        metadata = dcp()[0].FileSystemReader(path).read_metadata()
+    except FileNotFoundError:
+        return f"{os.path.join(path, '.metadata')} is missing"
+    except Exception as err:  # an unpickling error can be of any type
+        return f"{os.path.join(path, '.metadata')} is damaged: {type(err).__name__}: {err}"
+    need = {}  # file -> the bytes the index reads from it
+    for info in metadata.storage_data.values():
+        end = info.offset + info.length
+        need[info.relative_path] = max(need.get(info.relative_path, 0), end)
+    for name, end in sorted(need.items()):
+        shard = os.path.join(path, name)
+        if not os.path.isfile(shard):
+            return f"{shard} is missing"
+        if os.path.getsize(shard) < end:
+            return f"{shard} is truncated: {os.path.getsize(shard)} bytes, .metadata reads {end}"
+    return None
+
+
+def previous_advice(path):
+    """Where to resume from instead of the damaged checkpoint at path, in one line."""
+    root, name = os.path.split(os.path.normpath(path))
+    steps = checkpoint_steps(root).items()
+    earlier = [p for k, p in steps if k < int(name[5:]) and not damage(p)]
+    if not earlier:
+        return f"no complete earlier checkpoint is kept in {root}; train again from step 0"
+    return f"the previous checkpoint is complete: resume from it with --resume {earlier[-1]}"
+
+
 def latest_checkpoint(root):
-    """-> (step, path, compose.json's record) of the newest complete checkpoint in root, or
-    ValueError. A step-<k>.tmp (a save that did not finish) is never read."""
-    steps = (
-        [int(n[5:]) for n in os.listdir(root) if n.startswith("step-") and n[5:].isdigit()]
-        if os.path.isdir(root)
-        else []
-    )
-    if not steps:
+    """-> (step, path, compose.json's record) of the newest checkpoint in root (or of root itself,
+    a step-<k> folder), or ValueError: none there, or the newest is damaged (which file, and
+    which earlier checkpoint can be resumed instead)."""
+    name = os.path.basename(os.path.normpath(root))
+    if name.startswith("step-") and name[5:].isdigit():  # a step named: that checkpoint
+        path = root
+    elif steps := checkpoint_steps(root):
+        path = steps[max(steps)]
+    else:
         raise ValueError(f"--resume {root}: no complete checkpoint (a step-<k> folder) there")
-    path = os.path.join(root, f"step-{max(steps)}")
+    if problem := damage(path):
+        raise ValueError(f"--resume: {problem}; {previous_advice(path)}")
     with open(os.path.join(path, "compose.json")) as f:
-        return max(steps), path, json.load(f)
+        saved = json.load(f)
+    return saved["step"], path, saved
 
 
 def _setting(value):
@@ -112,7 +172,10 @@ def checkpoint_state(model, held, opt, whole=False):
 
 
 def save_checkpoint(root, step, model, held, opt, cfg, train, layout):
-    """DIR/step-<step>, complete or absent; the older ones are removed once it is visible."""
+    """DIR/step-<step>, complete or absent. Once it is visible every other checkpoint goes but the
+    previous one, so that a newest one damaged later has a complete predecessor. The previous one
+    is not kept until the new one has been loaded: a run that never resumes never loads, and
+    reading each save back would double its I/O."""
     rank, final = dist.get_rank(), os.path.join(root, f"step-{step}")
     tmp = final + ".tmp"
     if rank == 0:
@@ -133,9 +196,11 @@ def save_checkpoint(root, step, model, held, opt, cfg, train, layout):
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        for name in os.listdir(root):
-            if name.startswith("step-") and name[5:].isdigit() and int(name[5:]) != step:
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        others = [k for k in checkpoint_steps(root) if k != step]
+        previous = max((k for k in others if k < step), default=None)
+        for k in others:  # the previous one stays; later ones are another run's, from before
+            if k != previous:
+                shutil.rmtree(os.path.join(root, f"step-{k}"), ignore_errors=True)
     dist.barrier()
 
 
@@ -143,6 +208,13 @@ def load_checkpoint(path, model, held, opt):
     """Fill this rank's stage and optimizer from the checkpoint at path, whatever its layout."""
     checkpoint, state_dict, options = dcp()
     state = checkpoint_state(model, held, opt, whole=True)
-    checkpoint.load(state, checkpoint_id=path)  # the parameters in place; the optimizer's template
+    try:  # the parameters in place; the optimizer's template
+        checkpoint.load(state, checkpoint_id=path)
+    except checkpoint.api.CheckpointException as err:  # dcp gathers every rank's: all raise it
+        first = {f"{type(e).__name__}: {e}".splitlines()[0] for e, _ in err.failures.values()}
+        raise ValueError(
+            f"--resume: {path} could not be read ({'; '.join(sorted(first))}); "
+            f"{previous_advice(path)}"
+        ) from err
     state_dict.set_optimizer_state_dict(model, opt, state["optim"], options=options)
     torch.set_rng_state(state["rng"])

@@ -26,7 +26,6 @@ Run:
 import argparse
 import math
 import os
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +36,6 @@ import torch.nn.functional as F
 import launch
 
 RMS_EPS = 1e-6  # V4's rms_norm_eps (F.rms_norm's default, the dtype's machine eps, differs)
-_AGREED = weakref.WeakKeyDictionary()  # layer -> {(group, entry): the layout its ranks agreed on}
 
 
 # ---- The compressor (V4 §2.3): softmax pooling of m raw rows, one document at a time -------------
@@ -509,10 +507,11 @@ def validate_layout(seq_per_rank, cu_seqlens, cp_size, ratio, overlap, top_k, wi
 
 
 def check_inputs(layer, x, cu_seqlens, group=None, entry="context_parallel"):
-    """Validate this rank's input on every call (local: shapes, dtypes, the layout). Agree across
-    ranks only when the layer first runs on a group or its layout changes (a new packing): the
-    settings, the layout and, the first time, each weight's digest; the verdict travels as one
-    more field, so a refusal is reported beside the field that caused it, on every rank."""
+    """Validate this rank's input on every call (local: shapes, dtypes, the layout), then
+    launch.agree_when_changed: the ranks compare when the layer first runs on a group and whenever
+    any rank's layout changes (a new packing): the settings, the layout and, the first time, each
+    weight's digest; the verdict travels as one more field, so a refusal is reported beside the
+    field that caused it, on every rank."""
     dim, error = layer.wq.shape[0], None
     try:
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != dim:
@@ -532,13 +531,14 @@ def check_inputs(layer, x, cu_seqlens, group=None, entry="context_parallel"):
         layout |= {"dim": dim} | {name: getattr(layer, name) for name in settings}
     except Exception as err:
         layout, error = {"entry point": entry}, error or f"unreadable input: {err!r}"
-    agreed = _AGREED.setdefault(layer, {})
-    if agreed.get((group, entry)) != layout:  # a new layer, group or layout: every rank compares
-        fields = dict(layout)
-        for n, p in [] if agreed else layer.named_parameters():  # the first time, the weights:
-            fields[f"weight {n}"] = launch.weights_digest([(n, p)])  # each digest, exactly
-        launch.agree({**fields, "validation": error or "passed"}, group=group, who="cp_compress")
-        agreed[(group, entry)] = layout
+
+    def weights(first):  # the layer's first comparison: each weight's digest, exactly
+        named = layer.named_parameters() if first else []
+        return {f"weight {n}": launch.weights_digest([(n, p)]) for n, p in named}
+
+    fields = {**layout, "validation": error or "passed"}
+    device = layer.wq.device  # where the layer's data lives, whatever x is
+    launch.agree_when_changed(layer, fields, device, None, group, "cp_compress", entry, weights)
     if error:  # the same on every rank: the fields agreed
         raise ValueError(f"cp_compress: {error}")
 

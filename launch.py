@@ -1,13 +1,15 @@
 """The launch plumbing the four chapters share, as picotron's process-group manager is theirs:
 backend and device choice (with a one-line reason), set-up and teardown, the agreement guard (what
 every rank must hold alike, compared exactly before the first collective, so bad input raises the
-same ValueError on every rank), the launch options and the check that a run fits in memory,
+same ValueError on every rank; for a call that runs many times, compared again whenever it changes
+on any rank: `agree_when_changed`), the launch options and the check that a run fits in memory,
 printing on rank 0. Nothing technique-specific.
 One timeout rule for every file: a collective waits `--timeout` seconds ($PG_TIMEOUT_S, else 60)
 for a silent peer, then every rank still answering stops with one line saying so (`run`,
 `stop_together`). Every group made after the world keeps the world's timeout: make groups with
-`new_group`, `new_subgroups_by_enumeration` and `device_mesh` below (torch's own give a new group
-torch's default, 30 minutes for gloo, whatever the world was given)."""
+`new_group` (`named_group`: made once per world), `new_subgroups_by_enumeration` and
+`device_mesh` below (torch's own give a new group torch's default, 30 minutes for gloo, whatever
+the world was given)."""
 
 import argparse
 import contextlib
@@ -18,6 +20,7 @@ import math
 import os
 import sys
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -26,6 +29,8 @@ from torch.distributed.device_mesh import init_device_mesh
 DEFAULT_TIMEOUT_S = 60.0
 TIMEOUT_ENV = "PG_TIMEOUT_S"
 STOP_GRACE_S = 5.0  # stop_together, after a timeout: no rank coming for this long ends the wait
+_AGREED = weakref.WeakKeyDictionary()  # owner -> {(group, key): digest of what its ranks agreed on}
+_NAMED_GROUPS = weakref.WeakKeyDictionary()  # the world group -> {name: a group over every rank}
 
 
 def choose_backend(backend=None, device=None):
@@ -144,6 +149,15 @@ def new_subgroups_by_enumeration(ranks_per_subgroup):
     return dist.new_subgroups_by_enumeration(ranks_per_subgroup, timeout=group_timeout())
 
 
+def named_group(name):
+    """A group over every rank with the world's timeout, made on the first call for `name` in this
+    world (every rank calls it then: making a group is collective), the same group after."""
+    made = _NAMED_GROUPS.setdefault(dist.group.WORLD, {})
+    if name not in made:
+        made[name] = new_group()
+    return made[name]
+
+
 def device_mesh(device_type, shape, names):
     """torch's init_device_mesh, each dimension's groups with the world's timeout. DeviceMesh
     reads a timeout only from backend options: each dimension gets fresh ones of the world
@@ -215,7 +229,7 @@ def fields_digest(fields):
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
 
 
-def agree(fields, error=None, group=None, who=""):
+def agree(fields, error=None, group=None, who="", fix=""):
     """Every rank runs this before its first collective; every rank raises the same ValueError.
 
     fields: {name: value} that must be equal on every rank (compared by repr, exactly). error:
@@ -246,7 +260,38 @@ def agree(fields, error=None, group=None, who=""):
             ]
             problems.append(f"{name} differs across ranks: " + ", ".join(parts))
     if problems:
-        raise ValueError(prefix + "; ".join(problems))
+        raise ValueError(prefix + "; ".join(problems) + (f"; {fix}" if fix else ""))
+
+
+def agree_when_changed(
+    owner, fields, device, error=None, group=None, who="", key=None, costly=None
+):
+    """agree() for a call that runs many times (a layer's forward, a pipeline step): the ranks
+    compare on the owner's first call on a group, then again whenever any rank's fields or error
+    change. Every rank decides alike whether to compare, so a rank that changes its input alone
+    gets the same ValueError as the others, instead of entering the comparison alone.
+
+    Each call costs one all_reduce(MAX) of three int64 on device (this rank's digest of its fields
+    and error, the digest negated, whether it differs from the last agreed one); on a GPU a
+    device-to-host copy too. All equal and none changed: no comparison, and this rank's error (the
+    same on every rank) is raised. owner: what the ranks agree about (a layer, a model), held
+    weakly; device: where its data lives; key: which of its entry points. costly(first) ->
+    {name: value}: compared only when the ranks compare (first: on the owner's first comparison),
+    for what is too costly to read on every call (a sha256 of the weights)."""
+    mine = fields_digest({**fields, "(error)": error})
+    agreed = _AGREED.setdefault(owner, {})
+    first, changed = not agreed, agreed.get((group, key)) != mine
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        votes = torch.tensor([mine, -mine, int(changed)], device=device)
+        dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=group)
+        highest, minus_lowest, any_changed = votes.tolist()
+        changed = bool(any_changed) or highest != -minus_lowest
+    if changed:
+        fix = "pass these alike on every rank, and change them on every rank at the same call"
+        agree({**fields, **(costly(first) if costly else {})}, error, group, who, fix)
+        agreed[(group, key)] = mine
+    elif error:
+        raise ValueError(f"{who}: {error}" if who else error)
 
 
 def at_least(low, kind=int, above=False):

@@ -30,7 +30,6 @@ import math
 import os
 import sys
 import time
-import weakref
 from dataclasses import asdict, dataclass
 
 import torch
@@ -43,8 +42,6 @@ import launch
 EPS = 1e-6  # V4's hc_eps and rms_norm_eps: in the norm, in A, and in every Sinkhorn sum
 VARIANTS = ("naive", "fused", "optimised")  # the mHC variants (Transformer.run_layers)
 KEPT_PER_LAYER = 5  # the tensors mix_in keeps per layer for backward: A, B, C, x W, 1/rms
-_GROUPS = weakref.WeakKeyDictionary()  # default group -> pipeline_groups()
-_AGREED = weakref.WeakKeyDictionary()  # model -> {group: the settings its stages agreed on}
 
 
 @dataclass
@@ -460,9 +457,7 @@ class PipelineStats:  # what one stage measured in one pipeline_step
 
 def pipeline_groups():
     """One group per direction over all ranks (see StageLinks), made once, on every rank."""
-    if dist.group.WORLD not in _GROUPS:
-        _GROUPS[dist.group.WORLD] = {"forward": launch.new_group(), "backward": launch.new_group()}
-    return _GROUPS[dist.group.WORLD]
+    return {way: launch.named_group(f"mhc pipeline {way}") for way in ("forward", "backward")}
 
 
 def pipeline_rank(group=None):
@@ -706,11 +701,11 @@ def validate_pipeline_inputs(model, idx, targets, n_micro, variant, block, group
 
 
 def check_pipeline_step(model, idx, targets, n_micro, variant, block, overlap, group):
-    """This rank's validation on every step (local: shapes, dtypes). launch.agree on what the
-    stages share only when the model first runs on a group, or its settings change: the config,
-    the settings, the batch's digest and, the first time, the initial parameters (every stage
-    builds the model and draws the data from one seed). Later steps compare nothing across
-    ranks: that would cost a collective, and on a GPU a device-to-host copy, every step."""
+    """This rank's validation on every step (local: shapes, dtypes), then
+    launch.agree_when_changed: the stages compare when the model first runs on a group and
+    whenever any stage's settings change: the config, the settings, the batch's digest and, the
+    first time, the initial parameters (every stage builds the model and draws the data from one
+    seed). Other steps compare only a digest of the settings: one small all-reduce."""
     error = None
     try:
         validate_pipeline_inputs(model, idx, targets, n_micro, variant, block, group)
@@ -728,16 +723,16 @@ def check_pipeline_step(model, idx, targets, n_micro, variant, block, overlap, g
         "block (L_r)": block,
         "overlap": bool(overlap),
     }
-    agreed = _AGREED.setdefault(model, {})
-    if agreed.get(group) != settings:  # a new model, group or settings: every stage compares
+
+    def digests(first):  # the batch's sha256; the parameters' too on the model's first step
         batch = launch.weights_digest([("i", idx), ("t", targets)])
-        fields = {**settings, "batch (sha256 of idx, targets)": batch}
-        if not agreed:
+        fields = {"batch (sha256 of idx, targets)": batch}
+        if first:
             fields["initial parameters (sha256)"] = launch.weights_digest(model.named_parameters())
-        launch.agree(fields, error, group)
-        agreed[group] = settings
-    elif error:
-        raise ValueError(error)
+        return fields
+
+    device = model.embed.weight.device
+    launch.agree_when_changed(model, settings, device, error, group, costly=digests)
 
 
 def saved_activation_bytes(model, run):

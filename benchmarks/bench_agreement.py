@@ -3,7 +3,8 @@
 cp_compress.check_inputs used to hash every weight and run an all_gather_object on every call of
 context_parallel (compose calls it once per sequence row, in every attention layer, forward and
 recomputation), and mhc.check_pipeline_step ran one on every step. Both now agree when a model or
-layer first runs on a group, or its settings change, and check locally on every other call. This
+layer first runs on a group, or its settings change on any rank, and otherwise compare one digest
+(launch.agree_when_changed: one all_reduce of three numbers). This
 times compose's step both ways, interleaved in one run, at 1x2x1 (CP) and 2x1x1 (the pipeline):
 
     OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 benchmarks/bench_agreement.py [--steps 4]
@@ -38,13 +39,13 @@ def agreeing_every_call():
     check_inputs, check_step = cp_compress.check_inputs, mhc.check_pipeline_step
 
     def check_inputs_every_call(layer, *args, **kwargs):
-        cp_compress._AGREED.pop(layer, None)  # weights' digests and all, as every call did
+        launch._AGREED.pop(layer, None)  # weights' digests and all, as every call did
         return check_inputs(layer, *args, **kwargs)
 
     def check_step_every_step(model, *args):
-        agreed = mhc._AGREED.get(model, {})
-        for group in agreed:  # settings forgotten; the mark that the parameters were compared stays
-            agreed[group] = None
+        agreed = launch._AGREED.get(model, {})
+        for key in agreed:  # settings forgotten; the mark that the parameters were compared stays
+            agreed[key] = None
         return check_step(model, *args)
 
     cp_compress.check_inputs, mhc.check_pipeline_step = (

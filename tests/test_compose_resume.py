@@ -30,9 +30,10 @@ SAVED, TOTAL, TOL = 2, 4, 1e-6
 CLI = ["--layers", "4", "--seq-len", "128", "--float64"]
 
 
-def _train(rank, world, layout, steps, save=None, resume=None):
+def _train(rank, world, layout, steps, save=None, resume=None, save_every=0):
     train = compose.Training(steps, **FP64)
-    losses, params, *_ = compose.run_layout(CFG, train, *layout, save=save, resume=resume)
+    saving = dict(save=save, resume=resume, save_every=save_every)
+    losses, params, *_ = compose.run_layout(CFG, train, *layout, **saving)
     return losses, {n: p.clone() for n, p in params.items()}
 
 
@@ -63,9 +64,11 @@ def _stopped_while_saving(rank, world, root, how):
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """SAVED steps at 2x1x1 into a folder that also holds an incomplete save (step-9.tmp)."""
+    """SAVED steps at 2x1x1, saved after each, into a folder that held an older checkpoint (step-0,
+    gone once step-2 is saved) and also holds an incomplete save (step-9.tmp)."""
     root = str(tmp_path_factory.mktemp("compose_ckpt") / "run")
-    run_ranks(_train, 2, args=((2, 1, 1), SAVED, root), timeout=240)
+    os.makedirs(os.path.join(root, "step-0"))
+    run_ranks(_train, 2, args=((2, 1, 1), SAVED, root, None, 1), timeout=240)
     os.makedirs(os.path.join(root, "step-9.tmp"))  # a save that never finished: never read
     with open(os.path.join(root, "step-9.tmp", "compose.json"), "w") as f:
         f.write("{not json")
@@ -164,6 +167,77 @@ def test_the_first_line_says_what_was_resumed(saved, capsys, monkeypatch):
     assert out[0] == "resumed step 2 saved at 2x1x1, now 1x1x2", out
     with pytest.raises(ValueError, match="no complete checkpoint"):
         compose_checkpoint.latest_checkpoint(os.path.join(saved, "step-9.tmp"))
+
+
+DAMAGE = {  # how a checkpoint is damaged (a lost file, a cut copy, a full disk) -> what is said
+    "no compose.json": "compose.json is missing",
+    "cut compose.json": "compose.json is damaged",
+    "no .metadata": ".metadata is missing",
+    "a rank's file missing": "__1_0.distcp is missing",
+    "a truncated shard": "__1_0.distcp is truncated",
+}
+
+
+def _damage(path, kind):
+    shard = os.path.join(path, "__1_0.distcp")
+    if kind == "no compose.json":
+        os.remove(os.path.join(path, "compose.json"))
+    elif kind == "cut compose.json":
+        with open(os.path.join(path, "compose.json"), "r+") as f:
+            f.truncate(10)
+    elif kind == "no .metadata":
+        os.remove(os.path.join(path, ".metadata"))
+    elif kind == "a rank's file missing":
+        os.remove(shard)
+    elif kind == "a truncated shard":
+        os.truncate(shard, os.path.getsize(shard) // 2)
+
+
+@pytest.mark.parametrize("kind", list(DAMAGE))
+def test_a_damaged_checkpoint_names_the_file_and_the_previous_one(saved, tmp_path, kind):
+    """A damaged newest checkpoint is one line at the door naming the file and the complete
+    previous checkpoint (kept beside it by the save), which --resume then takes by name."""
+    root = str(tmp_path / "run")
+    shutil.copytree(saved, root)
+    _damage(os.path.join(root, f"step-{SAVED}"), kind)
+    with pytest.raises(ValueError) as info:
+        compose_checkpoint.latest_checkpoint(root)
+    said, previous = str(info.value), os.path.join(root, f"step-{SAVED - 1}")
+    assert DAMAGE[kind] in said, f"{kind}: the error does not say {DAMAGE[kind]!r}: {said}"
+    assert f"--resume {previous}" in said, (
+        f"{kind}: the error does not offer the previous checkpoint: {said}; the folder holds "
+        f"{sorted(os.listdir(root))} (a save keeps the previous one and removes the older)"
+    )
+    assert "step-0" not in os.listdir(root), "a save kept a checkpoint older than the previous"
+    step, path, record = compose_checkpoint.latest_checkpoint(previous)
+    assert (step, path, record["step"]) == (SAVED - 1, previous, SAVED - 1)
+
+
+def test_the_cli_refuses_a_damaged_checkpoint_in_one_line(saved, tmp_path, capsys, monkeypatch):
+    root = str(tmp_path / "run")
+    shutil.copytree(saved, root)
+    os.remove(os.path.join(root, f"step-{SAVED}", ".metadata"))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(SystemExit):
+        compose.parse_args(CLI + ["--resume", root])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "error: --resume:" in err and ".metadata is missing" in err, err
+
+
+@pytest.mark.slow
+def test_a_shard_read_back_wrong_names_the_checkpoint(saved, tmp_path):
+    """A shard whose bytes changed but not its length passes the door and fails in dcp.load: every
+    rank says which checkpoint could not be read and which one to resume instead."""
+    root = str(tmp_path / "run")
+    shutil.copytree(saved, root)
+    shard = os.path.join(root, f"step-{SAVED}", "__0_0.distcp")
+    with open(shard, "r+b") as f:
+        f.write(b"\0" * os.path.getsize(shard))
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_train, 1, args=((1, 1, 1), SAVED + 1, None, root), timeout=120)
+    text = info.value.errors[0]
+    assert f"step-{SAVED} could not be read" in text, text
+    assert f"--resume {os.path.join(root, f'step-{SAVED - 1}')}" in text, text
 
 
 @pytest.mark.slow

@@ -541,21 +541,43 @@ def test_fault_matrix_different_input_fails_every_rank(world_size, case):
 
 
 def _agreements_over_calls(rank, world_size):
-    """How often context_parallel compares across ranks: once per layer and layout."""
+    """How often context_parallel compares across ranks (once per layer and layout), and what a
+    new packing does: on every rank, a comparison and the reference's output; on one rank alone,
+    the same ValueError on every rank, none left waiting in a collective."""
     calls = []
     agree = cpc.launch.agree
     cpc.launch.agree = lambda *a, **k: calls.append(1) or agree(*a, **k)
     layer, x, cu = _guard_inputs(rank, world_size, "none")
     for _ in range(3):
         layer.context_parallel(x, cu)
-    layer.context_parallel(x, torch.tensor([0, 4, 8, 12, cu[-1]]))  # a new packing: compared
-    return len(calls)
+    new = torch.tensor([0, 4, 8, 12, cu[-1]])  # a new packing on every rank: compared
+    out, _ = layer.context_parallel(x, new)
+    full = torch.randn(int(cu[-1]), 16, generator=torch.Generator().manual_seed(5))
+    full = torch.cat([full[r::world_size] for r in range(world_size)])  # _guard_inputs' shards
+    expected = cpc.shard_sequence(layer.reference(full, new)[0], world_size, rank)
+    close(out, expected, "output after every rank changed its packing")
+    alone = torch.tensor([0, 6, cu[-1]]) if rank == 1 else new  # rank 1 changes its mind alone
+    try:
+        layer.context_parallel(x, alone)
+        refused = None
+    except ValueError as err:
+        refused = str(err)
+    alive = torch.ones(1)
+    dist.all_reduce(alive)  # every rank got here: nobody is stuck in a collective
+    return len(calls), refused
 
 
-def test_ranks_agree_once_per_layout_not_every_call():
+def test_ranks_agree_once_per_layout_and_together_when_one_changes():
     """compose calls context_parallel once per sequence row: agreement (weights' digests and an
-    all_gather_object) is for a new layer or layout, the calls in between check locally."""
-    assert run_ranks(_agreements_over_calls, 2, timeout=60) == [2, 2]
+    all_gather_object) is for a new layer or layout, the calls in between check locally. Whether
+    to compare is decided alike on every rank: a packing changed on one rank alone is one clear
+    error on every rank (it used to enter the comparison alone and time out in gloo)."""
+    results = run_ranks(_agreements_over_calls, 2, timeout=20)
+    assert [count for count, _ in results] == [3, 3], f"agreements per rank: {results}"
+    messages = [refused for _, refused in results]
+    assert messages[0] is not None and len(set(messages)) == 1, f"not one error: {messages}"
+    assert "cu_seqlens differs across ranks" in messages[0], messages[0]
+    assert "rank 1 has [0, 6, 32]" in messages[0] and "every rank" in messages[0], messages[0]
 
 
 def _raise_mid_step(rank, world_size):

@@ -511,21 +511,37 @@ def test_fault_matrix_different_input_on_one_rank(world_size, what):
 
 
 def _agreements_over_steps(rank, world_size):
-    """How often the stages compare across ranks over four steps: once, then on a new setting."""
+    """How often the stages compare across ranks over four steps (once, then on a new setting), the
+    last stage's loss after every stage changed n_micro, and what rank 1 changing it alone does."""
     calls = []
     agree = mhc.launch.agree
     mhc.launch.agree = lambda *a, **k: calls.append(1) or agree(*a, **k)
     model = build(n_layers=4)
     for step in range(3):
         mhc.pipeline_step(model, *batch(step, size=8), n_micro=4)
-    mhc.pipeline_step(model, *batch(3, size=8), n_micro=2)  # new settings: compared again
-    return len(calls)
+    loss, _ = mhc.pipeline_step(model, *batch(3, size=8), n_micro=2)  # new settings: compared
+    expected = build(n_layers=4)(*batch(3, size=8)).item()  # one process, plain autograd
+    try:  # rank 1 changes its mind alone
+        mhc.pipeline_step(model, *batch(4, size=8), n_micro=4 if rank == 1 else 2)
+        refused = None
+    except ValueError as err:
+        refused = str(err)
+    return len(calls), loss and loss.item(), expected, refused
 
 
-def test_stages_agree_once_not_every_step():
+def test_stages_agree_once_and_together_when_one_changes():
     """Agreement (an all_gather_object, a device-to-host digest) is for the first step and for a
-    change of settings; a step like the last is checked locally."""
-    assert run_ranks(_agreements_over_steps, 2, timeout=60) == [2, 2]
+    change of settings; a step like the last is checked locally. Whether to compare is decided
+    alike on every stage: n_micro changed on one stage alone is one clear error on every stage (it
+    used to enter the comparison alone and time out in gloo)."""
+    results = run_ranks(_agreements_over_steps, 2, timeout=20)
+    assert [r[0] for r in results] == [3, 3], f"agreements per rank: {results}"
+    loss, expected = results[1][1], results[1][2]
+    assert abs(loss - expected) < 2e-5 * abs(expected), f"loss {loss} vs one process {expected}"
+    messages = [r[3] for r in results]
+    assert messages[0] is not None and len(set(messages)) == 1, f"not one error: {messages}"
+    assert "n_micro differs across ranks" in messages[0], messages[0]
+    assert "rank 1 has 4" in messages[0] and "every rank" in messages[0], messages[0]
 
 
 class Boom(RuntimeError):
