@@ -18,6 +18,8 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from guards import tensor_ckpt_guard
+
 
 class Arguments:
     """Which of forward's arguments a trace takes (``names``), their example tensors flattened
@@ -232,7 +234,8 @@ class _KnowsShapes:
         if kind != "output":
             try:  # FX's patches of Module.__call__ lifted (its own private way): real modules run
                 with torch.no_grad(), fx._symbolic_trace._maybe_revert_all_patches():
-                    self.values[node] = self.interpreter.run_node(node)
+                    with tensor_ckpt_guard.excused():  # a recorded node: it runs in every call
+                        self.values[node] = self.interpreter.run_node(node)
             except Exception:  # a value it cannot compute stays symbolic
                 pass
         return node
