@@ -249,6 +249,7 @@ class NodeInfo:
     random: bool = False  # it moved the generator, or the graph says it can draw
     mutates: tuple = ()  # storage keys it modified in place (args, module params/buffers)
     statistics: bool = False  # a norm whose only in-place change is to its running statistics
+    draws_python: bool = False  # it drew from Python's or NumPy's generator: no replay
     holds_tensors: bool = False  # a tuple/list with tensors in it (split, unbind, module outputs)
 
 
@@ -260,6 +261,7 @@ def profile(gm, example_inputs):
     device, saved = rng_snapshot(example_inputs)[2], []
     buffers = {storage_key(b) for b in gm.buffers()}  # kernels may change them unversioned
     infos, env = {nodes[-1]: NodeInfo()}, dict(zip(placeholders, example_inputs))
+    python_rng = tensor_ckpt_guard.random_states()  # put back after: planning draws nothing
 
     pack = lambda t: saved.append(t.detach()) or saved[-1]  # noqa: E731 (learns what is saved)
     fork = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
@@ -271,12 +273,16 @@ def profile(gm, example_inputs):
                 called = gm.get_submodule(n.target) if n.op == "call_module" else nn.Module()
                 touched += [*called.parameters(), *called.buffers()]
                 versions, rng = [t._version for t in touched], rng_snapshot(device)
+                drawn = tensor_ckpt_guard.comparable(tensor_ckpt_guard.random_states())
                 values = [t.clone() if storage_key(t) in buffers else t for t in touched]
                 with count_flops() as flops:
                     env[n] = run_node(gm, n, env)
                 info.flops, moved = flops.get_total_flops(), zip(rng[:2], rng_snapshot(device)[:2])
                 info.random = can_draw(gm, n) or any(
                     a is not None and not torch.equal(a, b) for a, b in moved
+                )
+                info.draws_python = drawn != tensor_ckpt_guard.comparable(
+                    tensor_ckpt_guard.random_states()
                 )
                 changed = [  # batch_norm updates its running statistics without a version bump
                     t
@@ -292,6 +298,7 @@ def profile(gm, example_inputs):
                 info.nbytes = env[n].untyped_storage().nbytes()
             else:
                 info.holds_tensors = bool(tensors_in(env[n]))
+    tensor_ckpt_guard.set_random_states(python_rng)
     return infos, {storage_key(t) for t in saved}
 
 
@@ -733,8 +740,6 @@ class TensorCheckpoint(nn.Module):
     def forward(self, *args, **kwargs):
         if not torch.is_grad_enabled():
             return self.module(*args, **kwargs)
-        if torch.compiler.is_compiling():
-            return self.forgetting(self.module, args, kwargs)
         plain = self.module.forward  # the module's hooks run around the traced graph, as its own
         run = functools.partial(self.forgetting, plain)
         return with_forward(self.module, lambda *args, **kwargs: run(args, kwargs), args, kwargs)

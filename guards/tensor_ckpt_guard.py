@@ -139,17 +139,23 @@ def check_replayed_once(unit, gm, infos):
         changed = [named[k] for k in infos[n].mutates if k in named and not infos[n].statistics]
         called = gm.get_submodule(n.target).named_modules() if n.op == "call_module" else []
         hooked = [f"{n.target}.{name}".rstrip(".") for name, m in called if hooks_of(m)]
-        if changed or hooked:
+        if changed or hooked or infos[n].draws_python:
             what = (
                 f"updates '{changed[0]}' in place"
                 if changed
                 else f"runs the hooks of '{hooked[0]}'"
+                if hooked
+                else "draws from Python's or NumPy's generator, which no recompute replays"
             )
             raise ValueError(
                 f"tensor_ckpt: cannot forget '{unit.name}': its recompute re-runs '{n.name}', "
                 f"which {what}; backward would do it a second time. Fix: forget a tensor "
-                "computed after it, or keep this one (a norm traced inside, trace_into=(...), "
-                "updates its running statistics once)."
+                "computed after it, or keep this one"
+                + (
+                    " (a torch.nn norm in trace_into=(...) updates its statistics once)."
+                    if changed
+                    else "."
+                )
             )
 
 
@@ -275,15 +281,13 @@ class SideEffects:
         moved = comparable(random_states()) != comparable(self.states)
         set_random_states(self.states)
         cls, assigned = type(self.module).__name__, []
-        for name, t in self.tensors:  # `self.x = new value` replaced it by a proxy at trace time
+        for name, t in self.tensors:  # `self.x = x + 1` replaced it by a proxy at trace time
             path, _, attr = name.rpartition(".")
             slots = [d for d in attribute_dicts(self.module.get_submodule(path)) if attr in d]
-            if slots and (now := slots[0][attr]) is not t:
+            if slots and isinstance(now := slots[0][attr], fx.Proxy):  # a real tensor: a cache
                 slots[0][attr] = t
-                node = getattr(now, "node", None)  # `+=`: an in-place node on it, recorded
-                if not (
-                    node is not None and node.target in IN_PLACE and node.args[0].target == name
-                ):
+                node = now.node  # `+=`: recorded as the in-place op on it
+                if not (node.target in IN_PLACE and getattr(node.args[0], "target", 0) == name):
                     assigned.append(name)
         if self.drawn or moved:
             call = self.drawn[0] if self.drawn else "Python's or NumPy's global generator"

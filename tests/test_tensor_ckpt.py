@@ -780,3 +780,32 @@ def test_a_python_level_draw_frozen_by_the_trace_is_refused(draw, name):
         checkpoint_tensors(model, (torch.randn(B, T, C),))
     assert name in str(refused.value) and "test_tensor_ckpt.py" in str(refused.value)
     assert random.getstate() == state, "the refused trace moved Python's generator"
+
+
+class Drawn(nn.Module):  # run whole (a leaf): it draws anew in every forward, as in the plain model
+    def forward(self, x):
+        import random
+
+        return x * random.choice([0.5, 2.0])
+
+
+class Redrawn(nn.Module):
+    def __init__(self, recomputed):
+        super().__init__()
+        self.drawn, self.fc, self.recomputed = Drawn(), nn.Linear(C, C), recomputed
+
+    def forward(self, x):  # tanh saves its output, not its input: its recompute re-runs the draw
+        h = self.drawn(x)
+        return self.fc(forget(torch.tanh(h) if self.recomputed else F.gelu(h)))
+
+
+def test_a_leaf_drawing_from_python_random_is_refused_where_a_recompute_would_redraw():
+    import random
+
+    torch.manual_seed(0)
+    model, x = Redrawn(recomputed=False), torch.randn(B, T, C, requires_grad=True)
+    ckpt = checkpoint_tensors(model, (x,), leaf_modules=(Drawn,))
+    runs = [(random.seed(3), grads_of(model, x, fn))[1] for fn in (model, ckpt)]
+    assert_bitwise(*runs, "a draw in every forward")
+    with pytest.raises(ValueError, match="re-runs 'drawn', which draws from Python's or NumPy's"):
+        checkpoint_tensors(Redrawn(recomputed=True), (x,), leaf_modules=(Drawn,))
