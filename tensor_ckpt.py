@@ -14,6 +14,10 @@ subgraph that recomputes it from what autograd keeps anyway (a view and its base
 At run time saved-tensor hooks store a handle instead of the storage; the first gradient that needs
 it reruns the subgraph (with the forward's generator state) and rebuilds every saved alias as a
 view of the one recomputed storage. What cannot be recomputed exactly is refused, with the fix.
+What a forward does besides computing happens once per call, as in the plain model: buffer updates
+(a norm's statistics, an EMA) are graph nodes the recompute never re-applies, the module's hooks run
+around the graph; what a trace would freeze (a draw from Python's random, a hook inside a traced
+module) is refused.
 Under torch.compile the same plan becomes the compiler's recompute policy.
 
     model = checkpoint_tensors(MarkedLayer(dim, heads), (x,))  # its forward calls forget(...)

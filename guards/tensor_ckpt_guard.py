@@ -271,25 +271,30 @@ class SideEffects:
             setattr(mod, name, self.patched(mod.__name__, name, fn))
         try:
             yield self
-        finally:
+        finally:  # the generators and the module's tensors put back, whether the trace failed
             for mod, name, fn in patches:
                 setattr(mod, name, fn)
             SideEffects.current = None
+            self.moved = comparable(random_states()) != comparable(self.states)
+            set_random_states(self.states)
+            self.assigned = self.put_back()
 
-    def check(self):
-        """Refuse what the trace froze; the generators and the module's tensors are put back."""
-        moved = comparable(random_states()) != comparable(self.states)
-        set_random_states(self.states)
-        cls, assigned = type(self.module).__name__, []
+    def put_back(self):  # the tensors of the module that the trace replaced by a proxy
+        assigned = []
         for name, t in self.tensors:  # `self.x = x + 1` replaced it by a proxy at trace time
             path, _, attr = name.rpartition(".")
             slots = [d for d in attribute_dicts(self.module.get_submodule(path)) if attr in d]
-            if slots and isinstance(now := slots[0][attr], fx.Proxy):  # a real tensor: a cache
+            if slots and isinstance(now := slots[0][attr], fx.Proxy):  # a tensor: a cache, left
                 slots[0][attr] = t
                 node = now.node  # `+=`: recorded as the in-place op on it
                 if not (node.target in IN_PLACE and getattr(node.args[0], "target", 0) == name):
                     assigned.append(name)
-        if self.drawn or moved:
+        return assigned
+
+    def check(self):
+        """Refuse what the trace froze (after ``watching``, which put it back)."""
+        cls, assigned = type(self.module).__name__, self.assigned
+        if self.drawn or self.moved:
             call = self.drawn[0] if self.drawn else "Python's or NumPy's global generator"
             raise ValueError(
                 f"tensor_ckpt: {cls}.forward draws from {call} while it is traced: the trace "
