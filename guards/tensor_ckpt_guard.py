@@ -1,6 +1,8 @@
 """tensor_ckpt's refusals, each naming the tensor and the fix. ``check`` runs once per plan, when
 it is made, before any process group or backward sees it, so a mark that cannot be honoured is one
 clear ValueError instead of wrong gradients. It reads the plan and returns nothing.
+``SideEffects`` watches each trace for what it would freeze (a draw from Python's random, a tensor
+changed by code the trace ran instead of recording), and hooks enter the plan's key.
 """
 
 import contextlib
