@@ -149,15 +149,11 @@ def check_replayed_once(unit, gm, infos):
                 if hooked
                 else "draws from Python's or NumPy's generator, which no recompute replays"
             )
+            norm = " (a torch.nn norm in trace_into=(...) updates its statistics once)"
             raise ValueError(
                 f"tensor_ckpt: cannot forget '{unit.name}': its recompute re-runs '{n.name}', "
                 f"which {what}; backward would do it a second time. Fix: forget a tensor "
-                "computed after it, or keep this one"
-                + (
-                    " (a torch.nn norm in trace_into=(...) updates its statistics once)."
-                    if changed
-                    else "."
-                )
+                f"computed after it, or keep this one{norm if changed else ''}."
             )
 
 
@@ -245,8 +241,8 @@ class SideEffects:
                 yield
         finally:
             self.excuse -= 1
-            self.versions = [v + t._version - w for v, w, (_, t) in zip(self.versions, versions,
-                                                                        self.tensors)]  # fmt: skip
+            after = [t._version for _, t in self.tensors]  # its own changes are no freeze
+            self.versions = [v + a - b for v, a, b in zip(self.versions, after, versions)]
             set_random_states(states)
 
     def patched(self, where, name, fn):
