@@ -14,6 +14,10 @@ subgraph that recomputes it from what autograd keeps anyway (a view and its base
 At run time saved-tensor hooks store a handle instead of the storage; the first gradient that needs
 it reruns the subgraph (with the forward's generator state) and rebuilds every saved alias as a
 view of the one recomputed storage. What cannot be recomputed exactly is refused, with the fix.
+What a forward does besides computing happens once per call, as in the plain model: buffer updates
+(a norm's statistics, an EMA) are graph nodes the recompute never re-applies, the module's hooks run
+around the graph; what a trace would freeze (a draw from Python's random, a hook inside a traced
+module) is refused.
 Under torch.compile the same plan becomes the compiler's recompute policy.
 
     model = checkpoint_tensors(MarkedLayer(dim, heads), (x,))  # its forward calls forget(...)
@@ -27,7 +31,10 @@ Under torch.compile the same plan becomes the compiler's recompute policy.
 
 import argparse
 import contextlib
+import contextvars
 import functools
+import inspect
+import operator
 import time
 import warnings
 import weakref
@@ -70,6 +77,14 @@ def forget(x):
 class Tracer(fx.Tracer):
     """FX's tracer: ``leaf_modules`` run as one node, ``trace_into`` torch.nn classes opened."""
 
+    proxy_buffer_attributes = True  # a buffer updated in place (a running mean) becomes a node
+
+    def getattr(self, attr, attr_val, parameter_proxy_cache):
+        value = super().getattr(attr, attr_val, parameter_proxy_cache)
+        if isinstance(value, fx.Proxy) and not isinstance(attr_val, nn.Parameter):
+            value.__class__ = in_place(type(value))  # `self.count += 1` stays in place
+        return value
+
     def __init__(self, leaf_modules=(), trace_into=()):
         super().__init__()
         self.leaf_modules, self.trace_into = tuple(leaf_modules), tuple(trace_into)
@@ -87,25 +102,45 @@ class Tracer(fx.Tracer):
             raise
 
 
+@functools.cache
+def in_place(proxy_class):
+    """``proxy_class`` recording ``+=`` and its kin as the in-place op a tensor runs (FX records
+    ``x = x + y``, which would update a buffer at trace time only)."""
+    ops = {
+        f"__i{name}__": getattr(operator, f"i{name}") for name in ("add", "sub", "mul", "truediv")
+    }
+    methods = {
+        name: lambda self, other, op=op: self.tracer.create_proxy(
+            "call_function", op, (self, other), {}
+        )
+        for name, op in ops.items()
+    }
+    return type("InPlace" + proxy_class.__name__, (proxy_class,), methods)
+
+
 def trace(module, leaf_modules=(), trace_into=(), arguments=None, examples=()):
     """Trace ``module`` into a GraphModule sharing its parameters. With ``arguments`` (which of
     forward's arguments, fx_models.Arguments) a forward FX cannot take as it is goes through a
     generated one; Python on shapes is traced knowing those of ``examples`` (the placeholders'
     tensors), and ``gm.meta["shapes"]`` says the graph then holds for those shapes only."""
     root, knows_shapes = module if arguments is None else arguments.root(), False
+    tensor_ckpt_guard.refuse_hooks_traced_into(Tracer(leaf_modules, trace_into), module)
+    effects = tensor_ckpt_guard.SideEffects(module)  # Python's random, tensors changed unrecorded
     fastpath = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)  # attention's inference path branches on shapes
-    try:
-        graph = Tracer(leaf_modules, trace_into).trace(root)
-    except Exception as err:  # TraceError, or what a Proxy raises in len(), iter(), bool()...
-        if arguments is None:
-            raise fx_models.untraceable(module, err) from err
-        graph = fx_models.trace_knowing_shapes(
-            Tracer(leaf_modules, trace_into), root, module, arguments, examples
-        )
-        knows_shapes = True
-    finally:
-        torch.backends.mha.set_fastpath_enabled(fastpath)
+    with effects.watching():  # what the trace runs instead of recording is refused after it
+        try:
+            graph = Tracer(leaf_modules, trace_into).trace(root)
+        except Exception as err:  # TraceError, or what a Proxy raises in len(), iter(), bool()...
+            if arguments is None:
+                raise fx_models.untraceable(module, err) from err
+            graph = fx_models.trace_knowing_shapes(
+                Tracer(leaf_modules, trace_into), root, module, arguments, examples
+            )
+            knows_shapes = True
+        finally:
+            torch.backends.mha.set_fastpath_enabled(fastpath)
+    effects.check()
     gm = fx.GraphModule(module, graph, class_name=type(module).__name__ + "Traced")
     gm.meta["shapes"] = knows_shapes
     return gm
@@ -114,12 +149,28 @@ def trace(module, leaf_modules=(), trace_into=(), arguments=None, examples=()):
 def run_node(root, node, env):
     """Execute one FX node: inputs from ``env`` (node -> value), attributes from ``root``."""
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+    if node.meta.get("statistics") and RECOMPUTING.get():  # updated once, in the forward
+        args, kwargs = (), {**inspect.signature(node.target).bind(*args, **kwargs).arguments}
+        kwargs.update(running_mean=None, running_var=None)  # training: the batch's statistics
     if node.op == "call_function":
         return node.target(*args, **kwargs)
     if node.op == "call_method":
         return getattr(args[0], node.target)(*args[1:], **kwargs)
     value = functools.reduce(getattr, node.target.split("."), root)  # read now: replacements seen
     return value(*args, **kwargs) if node.op == "call_module" else value  # else get_attr
+
+
+RECOMPUTING = contextvars.ContextVar("recomputing", default=False)  # see LiveStorage.as_in_forward
+NORMS = (F.batch_norm, F.instance_norm)  # in training their output ignores the running statistics
+
+
+@contextlib.contextmanager
+def recomputing():
+    token = RECOMPUTING.set(True)
+    try:
+        yield
+    finally:
+        RECOMPUTING.reset(token)
 
 
 def tensors_in(value):  # the tensors in a (nested) tuple, list or dict
@@ -166,6 +217,17 @@ _RANDOM = set(
 )
 
 
+def is_statistics(node, env, changed):
+    """Whether ``node`` is a norm whose in-place changes (``changed``) are its running statistics
+    only: recomputed, it runs without them (run_node), so they are updated once."""
+    if node.op != "call_function" or node.target not in NORMS:
+        return False
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+    arguments = inspect.signature(node.target).bind(*args, **kwargs).arguments
+    stats = {arguments.get("running_mean"), arguments.get("running_var")} - {None}
+    return all(any(t is v for v in stats) for t in changed)
+
+
 def can_draw(root, node):
     """Whether ``node`` may draw random numbers, read from the graph: a dropout traced at p = 0
     draws nothing in the example run, yet must replay its mask once p is raised."""
@@ -190,6 +252,8 @@ class NodeInfo:
     flops: int = 0  # matmul / attention / conv FLOPs of this op (FlopCounterMode)
     random: bool = False  # it moved the generator, or the graph says it can draw
     mutates: tuple = ()  # storage keys it modified in place (args, module params/buffers)
+    statistics: bool = False  # a norm whose only in-place change is to its running statistics
+    draws_python: bool = False  # it drew from Python's or NumPy's generator: no replay
     holds_tensors: bool = False  # a tuple/list with tensors in it (split, unbind, module outputs)
 
 
@@ -199,7 +263,9 @@ def profile(gm, example_inputs):
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     device, saved = rng_snapshot(example_inputs)[2], []
+    buffers = {storage_key(b) for b in gm.buffers()}  # kernels may change them unversioned
     infos, env = {nodes[-1]: NodeInfo()}, dict(zip(placeholders, example_inputs))
+    python_rng = tensor_ckpt_guard.random_states()  # put back after: planning draws nothing
 
     pack = lambda t: saved.append(t.detach()) or saved[-1]  # noqa: E731 (learns what is saved)
     fork = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
@@ -211,20 +277,32 @@ def profile(gm, example_inputs):
                 called = gm.get_submodule(n.target) if n.op == "call_module" else nn.Module()
                 touched += [*called.parameters(), *called.buffers()]
                 versions, rng = [t._version for t in touched], rng_snapshot(device)
+                drawn = tensor_ckpt_guard.comparable(tensor_ckpt_guard.random_states())
+                values = [t.clone() if storage_key(t) in buffers else t for t in touched]
                 with count_flops() as flops:
                     env[n] = run_node(gm, n, env)
                 info.flops, moved = flops.get_total_flops(), zip(rng[:2], rng_snapshot(device)[:2])
                 info.random = can_draw(gm, n) or any(
                     a is not None and not torch.equal(a, b) for a, b in moved
                 )
-                info.mutates = tuple(
-                    {storage_key(t) for t, v in zip(touched, versions) if t._version != v}
+                info.draws_python = drawn != tensor_ckpt_guard.comparable(
+                    tensor_ckpt_guard.random_states()
+                )
+                changed = [  # batch_norm updates its running statistics without a version bump
+                    t
+                    for t, v, c in zip(touched, versions, values)
+                    if t._version != v or (c is not t and not torch.equal(c, t))
+                ]
+                info.mutates = tuple({storage_key(t) for t in changed})
+                info.statistics = n.meta["statistics"] = bool(changed) and is_statistics(
+                    n, env, changed
                 )
             if isinstance(env[n], torch.Tensor):
                 info.is_tensor, info.key, info.layout = True, storage_key(env[n]), layout_of(env[n])
                 info.nbytes = env[n].untyped_storage().nbytes()
             else:
                 info.holds_tensors = bool(tensors_in(env[n]))
+    tensor_ckpt_guard.set_random_states(python_rng)
     return infos, {storage_key(t) for t in saved}
 
 
@@ -563,6 +641,7 @@ class LiveStorage:
     def as_in_forward(self):  # no_grad, autocast as in forward (torch.utils.checkpoint does too)
         stack = contextlib.ExitStack()
         stack.enter_context(torch.no_grad())
+        stack.enter_context(recomputing())  # a norm's running statistics are not updated again
         for device, enabled, dtype in self.autocast:
             stack.enter_context(torch.autocast(device, dtype, enabled=enabled))
         return stack
@@ -639,7 +718,8 @@ class TensorCheckpoint(nn.Module):
 
     def plan_key(self, inputs):
         shapes = [(t.shape, t.dtype, t.device) for t in inputs] if self.knows_shapes else None
-        return frozen_values(self.module), autocast_state(), shapes and tuple(shapes)
+        hooks = tensor_ckpt_guard.hooked(self.module)  # a hook added or removed: planned anew
+        return frozen_values(self.module), autocast_state(), shapes and tuple(shapes), hooks
 
     def plan_for(self, args, kwargs):
         """This call's plan (``self.plan``, traced now if none fits) and its traced tensors, one
@@ -649,7 +729,8 @@ class TensorCheckpoint(nn.Module):
             buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
             try:
                 gm = trace(self.module, *self.opaque, self.arguments, inputs)
-                infos, saved_keys = profile(gm, tuple(inputs))
+                with tensor_ckpt_guard.hooks_off(self.module):
+                    infos, saved_keys = profile(gm, tuple(inputs))
             finally:  # the trace and the example run must not move BatchNorm's statistics
                 for b, copy in buffers:
                     b.detach().copy_(copy)
@@ -663,15 +744,34 @@ class TensorCheckpoint(nn.Module):
     def forward(self, *args, **kwargs):
         if not torch.is_grad_enabled():
             return self.module(*args, **kwargs)
+        plain = self.module.forward  # the module's hooks run around the traced graph, as its own
+        run = functools.partial(self.forgetting, plain)
+        return with_forward(self.module, lambda *args, **kwargs: run(args, kwargs), args, kwargs)
+
+    def forgetting(self, plain, args, kwargs):  # the call, with the plan's tensors forgotten
         lookup = TensorCheckpoint.plan_for  # Python: under torch.compile, one graph break
         if torch.compiler.is_compiling():  # (so compile without fullgraph=True)
             lookup = eagerly(lookup)
         plan, inputs = lookup(self, args, kwargs)
         if not plan.units:
-            return self.module(*args, **kwargs)
+            return plain(*args, **kwargs)
         if torch.compiler.is_compiling():  # the compiler frees and recomputes: hand it the plan
             return compiled_forgetting(plan, inputs)
         return run_forgetting(plan, inputs, self)
+
+
+def with_forward(module, forward, args, kwargs):
+    """``module(*args, **kwargs)`` running ``forward`` instead of its own: its forward and
+    backward hooks (and torch's global ones) run around it as on the plain module."""
+    own = vars(module).get("forward")
+    module.forward = forward
+    try:
+        return module(*args, **kwargs)
+    finally:
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own
 
 
 def checkpoint_tensors(

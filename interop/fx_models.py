@@ -18,6 +18,8 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from guards import tensor_ckpt_guard
+
 
 class Arguments:
     """Which of forward's arguments a trace takes (``names``), their example tensors flattened
@@ -141,6 +143,9 @@ class Arguments:
                 )
         return leaves
 
+    def fixed_at_none(self):  # arguments concrete_args fixed to None
+        return [name for name, value in self.fixed.items() if value is None]
+
     def left_at_none(self):  # arguments neither traced nor fixed whose default is None
         return [
             p.name
@@ -232,7 +237,8 @@ class _KnowsShapes:
         if kind != "output":
             try:  # FX's patches of Module.__call__ lifted (its own private way): real modules run
                 with torch.no_grad(), fx._symbolic_trace._maybe_revert_all_patches():
-                    self.values[node] = self.interpreter.run_node(node)
+                    with tensor_ckpt_guard.excused():  # a recorded node: it runs in every call
+                        self.values[node] = self.interpreter.run_node(node)
             except Exception:  # a value it cannot compute stays symbolic
                 pass
         return node
@@ -260,14 +266,23 @@ def untraceable(module, err, arguments=None):
     path, cls = getattr(err, "inside", ("", type(module)))
     where = f"inside '{path}' ({cls.__name__})" if path else type(module).__name__
     first = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-    if "NoneType" in str(err) and arguments is not None and (nones := arguments.left_at_none()):
+    nones = [*arguments.left_at_none(), *arguments.fixed_at_none()] if arguments else []
+    if "NoneType" in str(err) and nones:
+        needed = next((n for n in nones if n == "position_embeddings"), nones[-1])
+        rotary = (  # transformers' decoder layers take the model's rotary embedding
+            "; for a transformers decoder layer that is (cos, sin) from its model's rotary "
+            "embedding: model.rotary_emb(hidden_states, position_ids)"
+            if needed == "position_embeddings"
+            else ""
+        )
         return ValueError(
             f"tensor_ckpt: tracing {type(module).__name__} failed {where} with {first}, an "
             f"argument left at None read as a value (left at None: {', '.join(nones)}). Fix: pass "
-            "the one it needs as an example input (a tensor, or a tuple, list or dict of "
-            f"tensors: example_inputs={{{arguments.names[0]!r}: ..., {nones[-1]!r}: ...}}) or in "
-            "concrete_args={name: value}."
+            f"{needed!r} as an example input (a tensor, or a tuple, list or dict of tensors: "
+            f"example_inputs={{{arguments.names[0]!r}: ..., {needed!r}: ...}}){rotary}, or a "
+            "value in concrete_args={name: value}."
         )
+
     return ValueError(
         f"tensor_ckpt: torch.fx cannot trace {where}: {first}. Python control flow on a traced "
         "value (an `if`/`while` on a tensor, len() of a tensor) has no graph form. Fix: pass "

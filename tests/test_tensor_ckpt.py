@@ -618,3 +618,194 @@ def test_autocast_is_re_entered_for_the_recompute():
     assert plain[0].dtype == torch.bfloat16
     assert_bitwise(plain, ours)  # the same bf16 kernels on the same inputs: bitwise, not 1e-2
     assert ckpt.recomputations == 2
+
+
+# -------------------------------------------------------------------------------------------------
+# side effects: a buffer update, a hook, a Python-level draw happen as often as in the plain model
+# -------------------------------------------------------------------------------------------------
+
+
+class FunctionalNorm(nn.Module):
+    """A norm of its own: F.batch_norm on its buffers, its counter updated by forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.rand(T) + 0.5), nn.Parameter(torch.randn(T))
+        self.register_buffer("running_mean", torch.zeros(T))
+        self.register_buffer("running_var", torch.ones(T))
+        self.register_buffer("num_batches_tracked", torch.tensor(0))
+
+    def forward(self, x):
+        if self.training:
+            self.num_batches_tracked.add_(1)
+        w, b, m, v = self.weight, self.bias, self.running_mean, self.running_var
+        return F.batch_norm(x, m, v, w, b, self.training, 0.1, 1e-5)
+
+
+class SubclassedNorm(nn.BatchNorm1d):  # defined outside torch.nn (timm's way): traced through
+    def forward(self, x):
+        return super().forward(x) * 1.5
+
+
+class Averaged(nn.Module):
+    """A layer keeping an EMA of its input and a call counter, both updated in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(C, C)
+        self.register_buffer("ema", torch.zeros(C))
+        self.register_buffer("calls", torch.tensor(0))
+
+    def forward(self, x):
+        self.calls += 1
+        self.ema.mul_(0.9).add_(x.detach().mean((0, 1)), alpha=0.1)
+        return F.gelu(self.fc(x))  # GELU saves its input: forgetting it recomputes no matmul
+
+
+class Stateful(nn.Module):
+    def __init__(self, norm):
+        super().__init__()
+        self.fc1, self.norm, self.fc2 = nn.Linear(C, C), norm, nn.Linear(C, C)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(forget(self.norm(self.fc1(x)))))  # the norm's output recomputed
+
+
+@pytest.mark.parametrize("norm", [FunctionalNorm, SubclassedNorm, Averaged])
+def test_buffers_updated_in_forward_change_once_per_step_as_in_the_plain_model(norm):
+    torch.manual_seed(0)
+    plain = Stateful(norm(T) if norm is SubclassedNorm else norm()).train()
+    model = copy.deepcopy(plain)
+    x = torch.randn(B, T, C)
+    ckpt = checkpoint_tensors(model, (x,))
+    for step in range(3):
+        assert_bitwise(grads_of(plain, x, plain), grads_of(model, x, ckpt), f"step {step}")
+    assert ckpt.recomputations == 3, "the norm's output was not forgotten: nothing was tested"
+    for (name, a), b in zip(plain.named_buffers(), model.buffers(), strict=True):
+        assert torch.equal(a, b), f"buffer {name}: {b.flatten()[:3]} after 3 steps, plain {a}"
+    assert_bitwise(grads_of(plain.eval(), x, plain), grads_of(model.eval(), x, ckpt), "eval")
+
+
+class Assigned(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(C, C)
+        self.register_buffer("calls", torch.tensor(0))
+        self.steps = torch.zeros(())  # a tensor attribute, not a buffer
+
+    def forward(self, x, how="assign"):
+        if how == "assign":
+            self.calls = self.calls + 1
+        else:
+            self.steps.add_(1)
+        return self.fc(forget(torch.tanh(x)))
+
+
+@pytest.mark.parametrize(
+    "how, says",
+    [("assign", "assigns a new tensor to 'calls'"), ("attribute", "changes 'steps' in place")],
+)
+def test_a_state_change_the_trace_cannot_record_is_refused_and_left_as_it_was(how, says):
+    model = Assigned()
+    with pytest.raises(ValueError, match=says) as refused:
+        checkpoint_tensors(model, (torch.randn(B, T, C),), concrete_args={"how": how})
+    assert "\n" not in str(refused.value) and "in place" in str(refused.value)
+    assert model.calls is model._buffers["calls"] and int(model.calls) == 0
+    assert isinstance(model.calls, torch.Tensor)
+
+
+def test_forgetting_what_a_torch_nn_norm_computes_is_refused_naming_its_statistics():
+    # nn.BatchNorm1d runs whole: its recompute would update its statistics a second time
+    model = Stateful(nn.BatchNorm1d(T)).train()
+    with pytest.raises(ValueError, match=r"re-runs 'norm', which updates 'norm\.") as refused:
+        checkpoint_tensors(model, (torch.randn(B, T, C),))
+    assert "trace_into" in str(refused.value)
+    ckpt = checkpoint_tensors(model, (torch.randn(B, T, C),), trace_into=(nn.BatchNorm1d,))
+    assert ckpt.plan.units[0].name == "batch_norm"  # traced inside, it can be forgotten
+
+
+class Counted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.inner = nn.Linear(C, C), nn.Linear(C, C), MLP()
+
+    def forward(self, x):
+        return self.inner(self.fc2(forget(torch.tanh(self.fc1(x)))))
+
+
+@pytest.mark.filterwarnings("ignore:tensor_ckpt. forgetting 'tanh' recomputes 'fc1'")
+def test_hooks_run_as_on_the_plain_model_or_are_refused():
+    torch.manual_seed(0)
+    model, x, calls = Counted(), torch.randn(B, T, C), []
+    ckpt = checkpoint_tensors(model, (x,))
+    model.register_forward_hook(lambda m, args, out: calls.append(out.shape) or out * 2)
+    pre = model.register_forward_pre_hook(lambda m, args: (args[0] + 1,))
+    assert_bitwise(grads_of(model, x, model), grads_of(model, x, ckpt), "root hooks")
+    assert len(calls) == 2, f"the root's forward hook ran {len(calls)}x for 2 forwards"
+    pre.remove()
+    ours = grads_of(model, x, ckpt)
+    assert_bitwise(grads_of(model, x, model), ours, "the pre-hook removed after wrapping")
+    # a leaf's hook runs once per forward; on a module the trace went through it is refused
+    seen = []
+    model.fc2.register_forward_hook(lambda m, args, out: seen.append(1))
+    assert_bitwise(grads_of(model, x, model), grads_of(model, x, ckpt), "leaf hook")
+    assert len(seen) == 2, f"fc2's hook ran {len(seen)}x for 2 forwards"
+    handle = model.inner.register_forward_pre_hook(lambda m, args: (args[0] * 3,))
+    with pytest.raises(ValueError, match=r"'inner' \(MLP\) has forward or backward hooks.*leaf"):
+        ckpt(x)
+    handle.remove()
+    model.fc1.register_forward_hook(lambda m, args, out: seen.append(1))
+    with pytest.raises(ValueError, match="re-runs 'fc1', which runs the hooks of 'fc1'"):
+        ckpt(x)  # forgetting tanh recomputes fc1 (warned at wrap): its hook would run again
+
+
+class LayerDrop(nn.Module):
+    def __init__(self, draw):
+        super().__init__()
+        self.fc, self.draw = nn.Linear(C, C), draw
+
+    def forward(self, x):
+        h = forget(torch.tanh(self.fc(x)))
+        return x if self.draw() < 0.5 else x + h
+
+
+@pytest.mark.parametrize("draw, name", [("random", "random.random()"), ("numpy", "rand()")])
+def test_a_python_level_draw_frozen_by_the_trace_is_refused(draw, name):
+    import random
+
+    np = pytest.importorskip("numpy")
+    state = random.getstate()
+    model = LayerDrop((lambda: random.random()) if draw == "random" else (lambda: np.random.rand()))
+    with pytest.raises(ValueError, match="torch.rand") as refused:
+        checkpoint_tensors(model, (torch.randn(B, T, C),))
+    assert name in str(refused.value) and "test_tensor_ckpt.py" in str(refused.value)
+    assert random.getstate() == state, "the refused trace moved Python's generator"
+
+
+class Drawn(nn.Module):  # run whole (a leaf): it draws anew in every forward, as in the plain model
+    def forward(self, x):
+        import random
+
+        return x * random.choice([0.5, 2.0])
+
+
+class Redrawn(nn.Module):
+    def __init__(self, recomputed):
+        super().__init__()
+        self.drawn, self.fc, self.recomputed = Drawn(), nn.Linear(C, C), recomputed
+
+    def forward(self, x):  # tanh saves its output, not its input: its recompute re-runs the draw
+        h = self.drawn(x)
+        return self.fc(forget(torch.tanh(h) if self.recomputed else F.gelu(h)))
+
+
+def test_a_leaf_drawing_from_python_random_is_refused_where_a_recompute_would_redraw():
+    import random
+
+    torch.manual_seed(0)
+    model, x = Redrawn(recomputed=False), torch.randn(B, T, C, requires_grad=True)
+    ckpt = checkpoint_tensors(model, (x,), leaf_modules=(Drawn,))
+    runs = [(random.seed(3), grads_of(model, x, fn))[1] for fn in (model, ckpt)]
+    assert_bitwise(*runs, "a draw in every forward")
+    with pytest.raises(ValueError, match="re-runs 'drawn', which draws from Python's or NumPy's"):
+        checkpoint_tensors(Redrawn(recomputed=True), (x,), leaf_modules=(Drawn,))

@@ -203,11 +203,16 @@ def test_llama_decoder_layer_bitwise_with_position_embeddings_as_an_input():
 
 def test_llama_decoder_layer_without_position_embeddings_says_which_argument_in_one_line():
     model, _ = _llama()
+    x = torch.randn(B, T, C)
     with pytest.raises(ValueError) as refused:
-        checkpoint_tensors(model.layers[0], (torch.randn(B, T, C),))
+        checkpoint_tensors(model.layers[0], (x,))
     text = str(refused.value)
     assert "\n" not in text and "position_embeddings" in text and "left at None" in text, text
     assert "LlamaAttention" in text and "cannot unpack non-iterable NoneType" in text, text
+    assert "model.rotary_emb(hidden_states, position_ids)" in text, text  # what to pass
+    # fixed to None, it is still the one to pass (not the last argument left at None)
+    with pytest.raises(ValueError, match="pass 'position_embeddings' as an example input"):
+        checkpoint_tensors(model.layers[0], (x,), concrete_args={"position_embeddings": None})
 
 
 @pytest.mark.slow
