@@ -791,6 +791,15 @@ class MuonZeRO(torch.optim.Optimizer):
         state["shards"] = [replace(s, group=None, replica_group=None) for s in self.shards]
         return dict(state, process_group=None)
 
+    def __setstate__(self, state):
+        super().__setstate__(state)  # torch's: the hooks, the step's wrapper
+        if self.momenta is not None:  # pickle parts the state's views from the stacked buffers
+            momenta = self.momenta
+            self._new_momenta()
+            for new, old in zip(self.momenta, momenta):
+                for M, saved in zip(new, old):
+                    M.copy_(saved)
+
     def _process_groups(self):
         groups = [self.process_group] + [g for s in self.shards for g in (s.group, s.replica_group)]
         return [g for g in groups if g is not None]
