@@ -73,6 +73,8 @@ def check_group(k, g, expert_roles):
         raise ValueError(f"param group {k}: role must be one of {roles}, got {g['role']!r}")
     if len({id(p) for p in g["params"]}) < len(g["params"]):  # torch warns; we'd plan it twice
         raise ValueError(f"param group {k} lists a parameter twice: list each parameter once")
+    if torch.is_tensor(g.get("lr")):  # torch's tests read these words as a refusal
+        raise ValueError(f"param group {k}: lr as a Tensor is not supported; pass a number")
     bad = [
         f"{key} must be {what}, got {g[key]!r}"
         for key, (ok, what) in GROUP_RULES.items()
