@@ -774,9 +774,9 @@ class MuonZeRO(torch.optim.Optimizer):
         param_groups); process groups are shared, as they cannot be copied."""
         for group in self._process_groups():
             memo[id(group)] = group
-        copy = memo[id(self)] = type(self).__new__(type(self))
-        copy.__dict__.update(deepcopy(self.__dict__, memo))
-        return copy
+        twin = memo[id(self)] = type(self).__new__(type(self))
+        twin.__dict__.update(deepcopy(self.__dict__, memo))
+        return twin
 
     def __getstate__(self):
         """Pickle every attribute but the hooks (as torch's); at one process only: a process
@@ -842,9 +842,7 @@ def state_of(opt, gather):
         unpack(all_gather_chunks(values, shards.group, shards.peers), shards.chunks, whole)
         for i, momentum_buffer in whole.items():
             state[i]["momentum_buffer"] = momentum_buffer
-    state.update(
-        (k, v) for k, v in opt.state.items() if not torch.is_tensor(k)
-    )  # a hook's, as torch
+    state.update((k, v) for k, v in opt.state.items() if not torch.is_tensor(k))  # hooks', as torch
     groups, start, number = [], 0, {}
     for g in opt.param_groups:
         for i, p in enumerate(g["params"], start):

@@ -451,7 +451,7 @@ class TestOptimRenewed(TestCase):
         for _ in range(3):
             opt.step()
         with torch.no_grad():
-            params_cuda = [Parameter(p.to(device)) for p in params]
+            params_cuda = [Parameter(p.to(device, copy=True)) for p in params]
         for p, q in zip(params_cuda, params):
             p.grad = q.grad.to(device)
         opt_cuda = optim_info.optim_cls(params_cuda, **kwargs)
