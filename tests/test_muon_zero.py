@@ -709,6 +709,8 @@ def test_a_convolution_is_never_an_expert_stack():
     with pytest.raises(ValueError, match=r"Conv1d's weight.*no_muon = True") as info:
         mz.muon_param_groups(model)
     assert "expert_roles" not in str(info.value), info.value
+    with pytest.raises(ValueError, match=r"Conv2d's weight.*no_muon = True"):
+        mz.muon_param_groups(torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3)))
     with pytest.raises(ValueError, match="role='adamw'"):  # a conv weight passed as 'dense'
         mz.MuonZeRO([model.gate_conv.weight])
     model.get_parameter("gate_conv.weight").no_muon = True  # the advice, followed
