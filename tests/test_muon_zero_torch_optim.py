@@ -44,6 +44,11 @@ from torch.testing._internal.common_utils import TestCase, parametrize
 
 import muon_zero as mz
 
+# common_utils freezes torch.backends' flags (cudnn, mkldnn) on import, for the whole pytest
+# session: thaw them, so that this file changes nothing for the other test files
+torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True
+assert not torch.backends.flags_frozen(), "torch.backends' flags stay frozen after common_utils"
+
 
 def route(params):
     """What torch's tests pass (tensors, (name, tensor) pairs, param groups) -> MuonZeRO param
