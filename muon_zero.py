@@ -35,6 +35,7 @@ import math
 import os
 import time
 from collections import namedtuple
+from copy import deepcopy
 from dataclasses import dataclass, replace
 from itertools import accumulate, groupby
 
@@ -168,39 +169,50 @@ def round_robin_step(params, momenta, process_group=None, lr=0.02, weight_decay=
 EXPERT_ROLES = ("expert_down", "expert_up", "expert_gate")  # V4's order of the flat expert vector
 ROLES = ("dense", *EXPERT_ROLES, "adamw")  # dense: a matrix [n, m]; experts: a stack [E, n, m]
 OUTPUT_HEAD_NAMES = ("head", "lm_head", "output", "output_layer")  # nanoGPT, HF, titan, Megatron
+# A table held bare (nanoGPT's F.embedding(idx, wte), tied as x @ wte.T) is known by its name alone
+EMBEDDING_TOKENS = {"wte", "wpe", "emb", "embed", "embeds", "embedding", "embeddings", "unembed"}
 
 
 def muon_param_groups(model, adamw_names=OUTPUT_HEAD_NAMES, expert_roles=None):
     """Split `model`'s parameters into MuonZeRO param groups, one per role, by what each tensor is.
 
-    AdamW (V4): embeddings and what is tied to them; the output head (HF's
-    get_output_embeddings(), or a module in `adamw_names`: a dotted prefix such as "model.proj" or
-    a module name anywhere in the path); tensors declared non-Muon (a module's `no_muon` or
-    `_adamw_params` set of names, or `tensor.no_muon = True`); static biases (names starting
-    "bias", such as mHC's 2-D bias_res); tensors below 2-D. Muon: every other matrix. 3-D tensors
-    are expert stacks [E, n, m], their role from `expert_roles[name]` or a name token ("w_down",
-    "up_proj", "gate"), else a ValueError.
+    AdamW (V4): embeddings and what is tied to them (an nn.Embedding's weight, HF's
+    get_input_embeddings(), or a tensor held bare whose name has a token of EMBEDDING_TOKENS, such
+    as nanoGPT's "wte"); the output head (HF's get_output_embeddings(), or a module in
+    `adamw_names`: a dotted prefix such as "model.proj" or a module name anywhere in the path);
+    tensors declared non-Muon (a module's `no_muon` or `_adamw_params` set of names, or
+    `tensor.no_muon = True`); static biases (names starting "bias", such as mHC's 2-D bias_res);
+    tensors below 2-D. Muon: every other matrix. 3-D tensors held bare are expert stacks
+    [E, n, m], their role from `expert_roles[name]` or a name token ("w_down", "up_proj",
+    "gate"), else a ValueError; a torch.nn layer's 3-D or 4-D weight (a convolution's) or one
+    named "conv" is none: a ValueError says to send it to AdamW.
     """
-    expert_roles, adamw_ids = dict(expert_roles or {}), set()
+    expert_roles, adamw_ids, owner = dict(expert_roles or {}), set(), {}
     for module in model.modules():
-        if isinstance(module, nn.Embedding):
+        owner.update((id(p), module) for p in module.parameters(recurse=False))
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
             adamw_ids.add(id(module.weight))
         declared = set(getattr(module, "no_muon", ())) | set(getattr(module, "_adamw_params", ()))
         adamw_ids |= {id(p) for n, p in module.named_parameters(recurse=False) if n in declared}
-    head = getattr(model, "get_output_embeddings", lambda: None)()
-    if isinstance(head, nn.Module):
-        adamw_ids |= {id(p) for p in head.parameters()}
+    for ends in ("get_output_embeddings", "get_input_embeddings"):  # HF's head and embedding
+        found = getattr(model, ends, lambda: None)()
+        if isinstance(found, nn.Module):
+            adamw_ids |= {id(p) for p in found.parameters()}
     by_role = {role: [] for role in ROLES}
     for name, p in model.named_parameters():
         modules = name.split(".")[:-1]  # whole module names: "output" is not "output_gate"
         named = any(name.startswith(a + ".") or a in modules for a in adamw_names)
         bias = name.rsplit(".", 1)[-1].startswith("bias")
+        tokens = set(name.lower().replace(".", "_").split("_"))
+        layer = is_torch_layer(owner[id(p)])  # Linear, Conv1d, ... or a subclass
+        table = not layer and bool(tokens & EMBEDDING_TOKENS)  # a bare embedding table
         if id(p) in adamw_ids or getattr(p, "no_muon", False) or named or bias or p.ndim < 2:
+            by_role["adamw"].append(p)
+        elif table:
             by_role["adamw"].append(p)
         elif p.ndim == 2:
             by_role["dense"].append(p)
-        elif p.ndim == 3:
-            tokens = set(name.replace(".", "_").split("_"))
+        elif (p.ndim == 3 and not layer and "conv" not in tokens) or name in expert_roles:
             found = [r for r in EXPERT_ROLES if r.split("_")[1] in tokens]
             role = expert_roles.get(name, found[0] if len(found) == 1 else None)
             if role not in EXPERT_ROLES:
@@ -211,11 +223,23 @@ def muon_param_groups(model, adamw_names=OUTPUT_HEAD_NAMES, expert_roles=None):
                 )
             by_role[role].append(p)
         else:
+            what = f"a {type(owner[id(p)]).__name__}'s weight" if layer else f"a {p.ndim}-D tensor"
             raise ValueError(
-                f"parameter {name!r} has {p.ndim} dims; Muon handles matrices "
-                f"[n, m] and expert stacks [E, n, m] only"
+                f"parameter {name!r} {tuple(p.shape)} is {what}, not a matrix [n, m] or an "
+                f"expert stack [E, n, m] (MuonZeRO does not flatten a filter to [out, in*k]): "
+                f"send it to AdamW with model.get_parameter({name!r}).no_muon = True"
             )
     return [{"params": ps, "role": role} for role, ps in by_role.items() if ps]
+
+
+def is_torch_layer(module):
+    """A torch.nn layer (Linear, Conv1d, Bilinear, ...) or a subclass: its weight's shape says
+    what the layer makes of it. Containers and plain Modules hold bare tensors."""
+    kinds = [c.__module__ for c in type(module).__mro__]
+    return any(
+        k.startswith("torch.nn.modules.") and k.rsplit(".", 1)[1] not in ("module", "container")
+        for k in kinds
+    )
 
 
 def ns_cost(shape):
@@ -380,10 +404,18 @@ def agreed_grad_mask(grads, process_group, device):
     """Which parameters have a gradient on some rank, in one all-reduce (MAX) of flags.  grads:
     per parameter, None where this rank has none. Part of the algorithm, not a check: a gradient
     on any rank means the parameter steps (zero where a rank has None), none anywhere means it is
-    left alone (as torch's optimizers leave it), and every rank must decide alike."""
-    mask = torch.tensor([g is not None for g in grads], dtype=torch.int32, device=device)
+    left alone (as torch's optimizers leave it), and every rank must decide alike. A sparse
+    gradient (flag 2) is refused by every rank alike, before any other collective."""
+    flags = [0 if g is None else 2 if g.layout != torch.strided else 1 for g in grads]
+    mask = torch.tensor(flags, dtype=torch.int32, device=device)
     if process_group is not None and dist.get_world_size(process_group) > 1:
         dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=process_group)
+    if sparse := (mask == 2).nonzero().flatten().tolist():
+        raise ValueError(
+            f"parameters {sparse[:4]} have sparse gradients (nn.Embedding(sparse=True)?): "
+            f"MuonZeRO does not support sparse gradients, as torch.optim.AdamW does not; build "
+            f"the embedding with sparse=False"
+        )
     return mask.bool().tolist()
 
 
@@ -633,6 +665,7 @@ class MuonZeRO(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         loss = None if closure is None else torch.enable_grad()(closure)()
+        self._check_param_groups()
         for i, (p, built) in enumerate(zip(self.params, self.built_for)):  # local: agreed once
             if (now := (tuple(p.shape), p.dtype, p.device)) != built:
                 raise ValueError(
@@ -702,17 +735,79 @@ class MuonZeRO(torch.optim.Optimizer):
                         state.setdefault("momentum_buffer", {})[s.expert] = matrix
 
     def state_dict(self):  # this rank's share, no collective (see the appendix)
-        return state_of(self, gather=False)
+        return self._hooked_state_dict(gather=False)
 
     def gather_state_dict(self):  # a collective: the whole state, on every rank
-        return state_of(self, gather=True)
+        return self._hooked_state_dict(gather=True)
+
+    def _hooked_state_dict(self, gather):
+        """state_of between the hooks registered with register_state_dict_pre/post_hook, run as
+        torch.optim.Optimizer runs them: a post hook may return a new dict."""
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        state_dict = state_of(self, gather)
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, state_dict)
+            state_dict = state_dict if result is None else result
+        return state_dict
 
     def load_state_dict(self, state_dict):  # a share, a gathered dict, or a DCP template
+        self._check_param_groups()
+        state_dict = dict(state_dict)  # a shallow copy for the pre hooks to edit, as torch's
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            state_dict = state_dict if result is None else result
         load_state(self, state_dict)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def _check_param_groups(self):
+        """Local (agreed once): param_groups still list the parameters planned at construction."""
+        if [id(p) for g in self.param_groups for p in g["params"]] != list(map(id, self.params)):
+            raise ValueError(
+                "param_groups changed after MuonZeRO was built (a parameter added, removed or "
+                "listed twice): ownership is planned at construction; build a new MuonZeRO"
+            )
+
+    def __deepcopy__(self, memo):
+        """A working copy: every attribute copied (torch's copies only defaults, state and
+        param_groups); process groups are shared, as they cannot be copied."""
+        for group in self._process_groups():
+            memo[id(group)] = group
+        twin = memo[id(self)] = type(self).__new__(type(self))
+        twin.__dict__.update(deepcopy(self.__dict__, memo))
+        return twin
+
+    def __getstate__(self):
+        """Pickle every attribute but the hooks (as torch's); at one process only: a process
+        group cannot be pickled."""
+        if self.world_size > 1:
+            raise TypeError(
+                f"a MuonZeRO over {self.world_size} ranks cannot be pickled (its process groups "
+                f"cannot): save state_dict() or gather_state_dict() and load it into a MuonZeRO "
+                f"built on the new ranks (copy.deepcopy works within a process)"
+            )
+        state = {k: v for k, v in self.__dict__.items() if not k.startswith("_optimizer_")}
+        state["shards"] = [replace(s, group=None, replica_group=None) for s in self.shards]
+        return dict(state, process_group=None)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)  # torch's: the hooks, the step's wrapper
+        if self.momenta is not None:  # pickle parts the state's views from the stacked buffers
+            momenta = self.momenta
+            self._new_momenta()
+            for new, old in zip(self.momenta, momenta):
+                for M, saved in zip(new, old):
+                    M.copy_(saved)
+
+    def _process_groups(self):
+        groups = [self.process_group] + [g for s in self.shards for g in (s.group, s.replica_group)]
+        return [g for g in groups if g is not None]
 
     def local_state_tensors(self):
         """The state tensors this rank holds: its stacked Muon momenta and the AdamW moments."""
-        moments = [s[k] for s in self.state.values() for k in ("exp_avg", "exp_avg_sq") if k in s]
+        states = [s for s in self.state.values() if isinstance(s, dict)]  # not a hook's extras
+        moments = [s[k] for s in states for k in ("exp_avg", "exp_avg_sq") if k in s]
         return [M for buffers in self.momenta or [] for M in buffers] + moments
 
     def state_bytes(self):
@@ -747,10 +842,12 @@ def state_of(opt, gather):
         unpack(all_gather_chunks(values, shards.group, shards.peers), shards.chunks, whole)
         for i, momentum_buffer in whole.items():
             state[i]["momentum_buffer"] = momentum_buffer
-    groups, start = [], 0
+    state.update((k, v) for k, v in opt.state.items() if not torch.is_tensor(k))  # hooks', as torch
+    groups, start, number = [], 0, {}
     for g in opt.param_groups:
-        indices = list(range(start, start + len(g["params"])))
-        groups.append({**g, "params": indices, "steps": opt.steps})
+        for i, p in enumerate(g["params"], start):
+            number.setdefault(id(p), i)  # listed twice: numbered once, as torch numbers it
+        groups.append({**g, "params": [number[id(p)] for p in g["params"]], "steps": opt.steps})
         start += len(g["params"])
     return {"state": state, "param_groups": groups}
 
@@ -774,10 +871,12 @@ def load_state(opt, state_dict):
     index = {}
     for i, key in enumerate(key for g in saved for key in g["params"]):
         index[key] = index[str(key)] = i
-    unknown = [key for key in state_dict["state"] if key not in index]
+    # a parameter's state (a dict) must name a parameter; anything else is kept as torch keeps it
+    unknown = [k for k, v in state_dict["state"].items() if k not in index and isinstance(v, dict)]
     if unknown:
         raise ValueError(f"state_dict keys {unknown[:4]} name no parameter of its param_groups")
-    state = {index[key]: entry for key, entry in state_dict["state"].items()}
+    state = {index[key]: entry for key, entry in state_dict["state"].items() if key in index}
+    extras = {k: v for k, v in state_dict["state"].items() if k not in index}
     settings = [
         {key: _as_group_value(key, v) for key, v in s.items() if key not in ("params", "steps")}
         for s in saved
@@ -817,6 +916,7 @@ def load_state(opt, state_dict):
         g.update(s)
     opt.steps = max((g.get("steps", 0) for g in saved), default=0)
     opt.state.clear()
+    opt.state.update(extras)
     for i, p in enumerate(opt.params):
         if "exp_avg" in state.get(i, {}):
             opt.state[p] = {

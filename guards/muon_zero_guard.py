@@ -50,8 +50,9 @@ TENSOR_RULES = (  # (test of a tensor in a param group of this role, what is wro
     (lambda p, role, experts: p.numel() > 0, "an empty tensor: leave it out of the optimizer"),
     (
         lambda p, role, experts: role != "dense" or p.ndim != 3,
-        "a 3-D stack declared 'dense' (expert role missing): give it an expert role, e.g. "
-        "'expert_up' (muon_param_groups does)",
+        "a 3-D tensor declared 'dense': an expert stack [E, n, m] needs an expert role, e.g. "
+        "'expert_up'; any other (a Conv1d's [out, in, k]) a role='adamw' param group "
+        "(muon_param_groups routes both)",
     ),
     (
         lambda p, role, experts: role != "dense" or p.ndim == 2,
@@ -70,6 +71,10 @@ def check_group(k, g, expert_roles):
     roles = ("dense", *expert_roles, "adamw")
     if g["role"] not in roles:
         raise ValueError(f"param group {k}: role must be one of {roles}, got {g['role']!r}")
+    if len({id(p) for p in g["params"]}) < len(g["params"]):  # torch warns; we'd plan it twice
+        raise ValueError(f"param group {k} lists a parameter twice: list each parameter once")
+    if torch.is_tensor(g.get("lr")):  # torch's tests read these words as a refusal
+        raise ValueError(f"param group {k}: lr as a Tensor is not supported; pass a number")
     bad = [
         f"{key} must be {what}, got {g[key]!r}"
         for key, (ok, what) in GROUP_RULES.items()

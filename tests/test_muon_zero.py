@@ -356,11 +356,39 @@ def check_state_dict_is_local(rank, world):
         for k in full["state"][i]
         if torch.is_tensor(full["state"][i][k])
     )
-    return same
+    return dict(same=same, **check_copies_and_sparse_gradients(fresh, rank))
+
+
+def check_copies_and_sparse_gradients(opt, rank):
+    """Over 2 ranks: a deep copy shares the process groups and steps alike on every rank; pickle
+    is refused; a sparse gradient on rank 1 alone is refused on every rank with one message."""
+    import copy
+    import pickle
+
+    out, twin = {}, copy.deepcopy(opt)
+    step_with_grads(twin, seed=rank)  # each rank its own gradients: averaged inside the step
+    out["copy replicas equal"] = all_equal_across_ranks(twin.params)
+    try:
+        pickle.dumps(opt)
+    except TypeError as e:
+        out["pickle refused"] = "cannot be pickled" in str(e)
+    for p in twin.params:
+        p.grad = torch.ones_like(p)
+    if rank == 1:
+        twin.params[-1].grad = twin.params[-1].grad.to_sparse()
+    try:
+        twin.step()
+    except ValueError as e:
+        out["sparse"] = str(e)
+    return out
 
 
 def test_state_dict_on_rank_zero_alone_does_not_hang():
-    assert run_ranks(check_state_dict_is_local, 2, timeout=60) == [True, True]
+    results = run_ranks(check_state_dict_is_local, 2, timeout=60)
+    for rank, r in enumerate(results):
+        assert r["same"] and r["copy replicas equal"] and r.get("pickle refused"), (rank, r)
+    assert "sparse gradients" in results[0].get("sparse", ""), results  # rank 0's were dense
+    assert results[0]["sparse"] == results[1]["sparse"], results
 
 
 def test_load_state_dict_never_drops_momentum_silently():
@@ -558,3 +586,142 @@ def test_demo_refuses_bad_options_in_one_line(args, words):
     out = subprocess.run([sys.executable, "muon_zero.py", *args], capture_output=True, text=True,
                          timeout=60, cwd=mz.__file__.rsplit("/", 1)[0])  # fmt: skip
     assert out.returncode == 2 and words in out.stderr.splitlines()[-1], out.stderr
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.optim's contract: copies, hooks, a parameter listed twice, sparse gradients, routing
+# --------------------------------------------------------------------------------------------------
+
+
+def stepped_optimizer(steps=2):
+    """A small MuonZeRO (one process) with momentum and AdamW state after `steps` steps."""
+    L = leaves(make_params())
+    opt = mz.MuonZeRO(groups(L), lr=LR_MUON)
+    for s in range(steps):
+        forward_loss(L, *batch(s)).backward()
+        opt.step()
+        opt.zero_grad()
+    return opt
+
+
+def step_with_grads(opt, seed):
+    """One step of `opt` on fixed gradients (the same for every copy of it)."""
+    g = torch.Generator().manual_seed(seed)
+    for p in opt.params:
+        p.grad = torch.randn(p.shape, generator=g)
+    opt.step()
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_is_a_working_optimizer(how):
+    """copy.deepcopy and pickle keep every attribute: the copy steps as the original does, on
+    its own parameters and state, and the original is left alone."""
+    import copy
+    import pickle
+
+    opt = stepped_optimizer()
+    twin = copy.deepcopy(opt) if how == "deepcopy" else pickle.loads(pickle.dumps(opt))
+    assert {k for k in vars(opt) if not k.startswith("_")} == {
+        k for k in vars(twin) if not k.startswith("_")
+    }
+    before = [p.detach().clone() for p in opt.params]
+    step_with_grads(twin, seed=7)
+    assert all(torch.equal(p, b) for p, b in zip(opt.params, before)), "the copy moved the original"
+    step_with_grads(opt, seed=7)
+    assert all(torch.equal(p, q) for p, q in zip(opt.params, twin.params)), "the copy stepped apart"
+    mine, its = opt.state_dict(), twin.state_dict()
+    torch.testing.assert_close(mine["state"], its["state"], rtol=0, atol=0)  # bitwise
+    assert mine["param_groups"] == its["param_groups"]
+
+
+def test_state_dict_hooks_run_as_on_torch_optimizers():
+    """register_state_dict_pre/post_hook and register_load_state_dict_pre/post_hook run in
+    state_dict(), gather_state_dict() and load_state_dict(); returned dicts are used."""
+    opt, ran = stepped_optimizer(1), []
+    opt.register_state_dict_pre_hook(lambda o: ran.append("pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "extra": ran.append("post") or 1})
+    assert opt.state_dict()["extra"] == 1 and opt.gather_state_dict()["extra"] == 1
+    assert ran == ["pre", "post"] * 2, ran
+    saved = opt.state_dict()
+
+    def halve_lr(o, sd):
+        sd = {**sd, "param_groups": [{**g, "lr": g["lr"] / 2} for g in sd["param_groups"]]}
+        ran.append("load pre")
+        return sd
+
+    opt.register_load_state_dict_pre_hook(halve_lr)
+    opt.register_load_state_dict_post_hook(lambda o: ran.append("load post"))
+    opt.load_state_dict(saved)
+    assert ran[-2:] == ["load pre", "load post"], ran
+    assert opt.param_groups[0]["lr"] == LR_MUON / 2, "the pre hook's returned dict was not loaded"
+    assert saved["param_groups"][0]["lr"] == LR_MUON, "loading changed the caller's dict"
+
+
+def test_a_parameter_listed_twice_is_numbered_once():
+    """param_groups.extend(param_groups) (pytorch issue 36831): numbered as torch numbers it;
+    a step on the changed groups, or a group listing a parameter twice, is refused."""
+    opt = stepped_optimizer(1)
+    ref = torch.optim.AdamW([{"params": g["params"]} for g in opt.param_groups])
+    opt.param_groups.extend(opt.param_groups)
+    ref.param_groups.extend(ref.param_groups)
+    numbers = [g["params"] for g in opt.state_dict()["param_groups"]]
+    assert numbers == [g["params"] for g in ref.state_dict()["param_groups"]], numbers
+    with pytest.raises(ValueError, match="param_groups changed"):
+        step_with_grads(opt, seed=1)
+    w = torch.zeros(4, 4, requires_grad=True)
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="lists a parameter twice"):
+        mz.MuonZeRO([w, w])
+
+
+def test_sparse_gradients_are_refused_clearly():
+    emb, w = torch.nn.Embedding(8, 4, sparse=True), torch.zeros(4, 4, requires_grad=True)
+    opt = mz.MuonZeRO([{"params": [w]}, {"params": [emb.weight], "role": "adamw"}])
+    (emb(torch.tensor([1, 2])) @ w).sum().backward()
+    with pytest.raises(ValueError, match="sparse gradients.*sparse=False"):
+        opt.step()
+
+
+class _NanoGPT(torch.nn.Module):
+    """nanoGPT's tied embedding held bare: F.embedding(idx, wte) in, x @ wte.T out."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte = torch.nn.Parameter(torch.randn(16, 8))
+        self.proj = torch.nn.Linear(8, 8, bias=False)
+
+    def forward(self, idx):
+        return self.proj(torch.nn.functional.embedding(idx, self.wte)) @ self.wte.T
+
+
+def test_a_bare_tied_embedding_goes_to_adamw():
+    model = _NanoGPT()
+    model(torch.tensor([[1, 2]])).sum().backward()  # it is the embedding and the head
+    role = {id(p): g["role"] for g in mz.muon_param_groups(model) for p in g["params"]}
+    assert role[id(model.wte)] == "adamw", "a tied embedding went to Muon"
+    assert role[id(model.proj.weight)] == "dense"
+
+
+def test_a_convolution_is_never_an_expert_stack():
+    """A Conv1d named gate_conv is not an expert gate; the error's advice gives AdamW's update."""
+    model = torch.nn.Module()
+    model.gate_conv = torch.nn.Conv1d(4, 8, 3, bias=False)
+    model.proj = torch.nn.Linear(4, 4, bias=False)
+    with pytest.raises(ValueError, match=r"Conv1d's weight.*no_muon = True") as info:
+        mz.muon_param_groups(model)
+    assert "expert_roles" not in str(info.value), info.value
+    with pytest.raises(ValueError, match=r"Conv2d's weight.*no_muon = True"):
+        mz.muon_param_groups(torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3)))
+    with pytest.raises(ValueError, match="role='adamw'"):  # a conv weight passed as 'dense'
+        mz.MuonZeRO([model.gate_conv.weight])
+    model.get_parameter("gate_conv.weight").no_muon = True  # the advice, followed
+    groups_ = mz.muon_param_groups(model)
+    assert [g["role"] for g in groups_] == ["dense", "adamw"], groups_
+    w0 = model.gate_conv.weight.detach().clone().requires_grad_()
+    ref = torch.optim.AdamW([w0], lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    opt = mz.MuonZeRO([{**g, "lr": 0.01} for g in groups_])
+    for seed in range(3):
+        g = torch.randn(8, 4, 3, generator=torch.Generator().manual_seed(seed))
+        model.gate_conv.weight.grad, w0.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    assert torch.allclose(model.gate_conv.weight, w0, rtol=0, atol=1e-6)  # fp32 op order

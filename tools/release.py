@@ -78,6 +78,7 @@ PRIVATE = (
 )
 # what grading on Gradescope does not import (the notebooks' kernel, the linter)
 NOT_FOR_GRADING = ("jupyter", "jupytext", "nbclient", "nbformat", "ipykernel", "ruff", "nbstripout")
+NOT_FOR_GRADING += ("expecttest",)  # torch.testing's, for an ungraded test file alone
 STAMP = ".release"  # marks a folder this script wrote, so it may be written again
 
 
