@@ -27,6 +27,11 @@
 3. Schedulers that cycle momentum (OneCycleLR, CyclicLR): Muon's momentum and AdamW's beta1 cycle
    in MuonZeRO as in torch.optim.Muon + AdamW, each with the same scheduler (float64, 1e-12).
 4. Agreement once: step() makes no agreement collective; what a step checks is local.
+5. What the step's one all-reduce also agrees: amp's GradScaler overflow on one rank skips the
+   step on every rank (float64, equal to DDP + torch.optim.Muon + AdamW under GradScaler, scales
+   included); param-group settings drifted apart between ranks (ReduceLROnPlateau on a per-rank
+   metric) are refused on every rank. The rounding noise is fresh for every (rank, step), and
+   unbiased; compose's flattened checkpoints keep its step counter.
 """
 
 import contextlib
@@ -45,6 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+import compose_checkpoint
 import launch
 import muon_zero as mz
 from memory.memory_timeline import MemoryTimeline
@@ -409,9 +415,11 @@ def torch_muon_in_float64():
 STACKS = ("w_gate", "w_up", "w_down")
 
 
-def reference_float64(steps, lr_muon=LR_MUON, scheduler=None):
+def reference_float64(steps, lr_muon=LR_MUON, scheduler=None, scales=None):
     """One process: torch.optim.Muon on every matrix (each expert its own leaf) + AdamW, float64,
-    full batch; `scheduler(opt, max_lr)` wraps each optimizer. -> (params, per-step momenta)."""
+    full batch; `scheduler(opt, max_lr)` wraps each optimizer; with a list `scales`, amp's
+    GradScaler steps both, the averaged gradient overflowing at step OVERFLOW_AT, and each step's
+    scale is appended. -> (params, per-step momenta)."""
     model = Net(dtype=torch.float64)
     leaves = {n: [m.detach().clone().requires_grad_() for m in getattr(model, n)] for n in STACKS}
     matrices = [
@@ -425,15 +433,26 @@ def reference_float64(steps, lr_muon=LR_MUON, scheduler=None):
     )
     adam = torch.optim.AdamW(adamw, lr=LR_ADAM, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     schedulers = [scheduler(muon, lr_muon), scheduler(adam, LR_ADAM)] if scheduler else []
+    scaler = amp_scaler(scales is not None)
     momenta = []
     with torch_muon_in_float64():
         for step in range(steps):
             stacked = {n: torch.stack(leaves[n]) for n in STACKS}
             params = {**dict(model.named_parameters()), **stacked}
             loss = torch.func.functional_call(model, params, batch(step))
-            loss.backward()
+            scaler.scale(loss).backward()
+            if scales is not None and step == OVERFLOW_AT:  # one rank's inf, averaged in
+                overflow(model)
             momenta.append((muon.param_groups[0]["momentum"], adam.param_groups[0]["betas"][0]))
-            muon.step(), adam.step(), muon.zero_grad(), adam.zero_grad()
+            (
+                scaler.step(muon),
+                scaler.step(adam),
+                scaler.update(),
+                muon.zero_grad(),
+                adam.zero_grad(),
+            )
+            if scales is not None:
+                scales.append(scaler.get_scale())
             for s in schedulers:
                 s.step()
     out = parameters(model)
@@ -441,8 +460,23 @@ def reference_float64(steps, lr_muon=LR_MUON, scheduler=None):
     return out, momenta
 
 
-def muon_zero_float64(rank, world, steps, lr_muon=LR_MUON, scheduler=None):
-    """MuonZeRO in float64 (exact sync, float64 NS, torch's 5 steps, RMS 0.2) on `world` ranks."""
+def amp_scaler(enabled):
+    """amp's GradScaler, its scale growing every 2 clean steps: a skip shows in every later one."""
+    return torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2, enabled=enabled)
+
+
+OVERFLOW_AT = 2  # the step whose gradient overflows (on rank 1 alone in MuonZeRO's run)
+
+
+def overflow(model):
+    """An fp16 overflow in a Muon matrix's gradient and an AdamW tensor's."""
+    model.w_in.grad[0, 0] = model.norm.grad[0] = math.inf
+
+
+def muon_zero_float64(rank, world, steps, lr_muon=LR_MUON, scheduler=None, amp=False):
+    """MuonZeRO in float64 (exact sync, float64 NS, torch's 5 steps, RMS 0.2) on `world` ranks;
+    amp: under amp's GradScaler, rank 1's gradient overflowing at step OVERFLOW_AT (momenta then
+    holds each step's scale)."""
     model = Net(dtype=torch.float64)
     opt = mz.MuonZeRO(
         param_groups(model),
@@ -455,6 +489,15 @@ def muon_zero_float64(rank, world, steps, lr_muon=LR_MUON, scheduler=None):
     max_lr = [LR_ADAM if g["role"] == "adamw" else lr_muon for g in opt.param_groups]
     schedulers = [scheduler(opt, max_lr)] if scheduler else []
     momenta = []
+    if amp:
+        scaler = amp_scaler(True)
+        for step in range(steps):
+            scaler.scale(model(*batch(step, rank, world))).backward()
+            if step == OVERFLOW_AT and rank == 1:
+                overflow(model)
+            scaler.step(opt), scaler.update(), opt.zero_grad()
+            momenta.append(scaler.get_scale())
+        return parameters(model), momenta
     for step in range(steps):
         muon = next(g for g in opt.param_groups if g["role"] != "adamw")["momentum"]
         adam = next(g for g in opt.param_groups if g["role"] == "adamw")["momentum"]
@@ -475,6 +518,23 @@ def test_float64_equals_torch_muon_and_adamw():
     wrong, _ = muon_zero_float64(0, 1, STEPS, lr_muon=1.01 * LR_MUON)
     err = rel_error(wrong, ref, start)
     assert err > 1e3 * FP64_TOL, f"a learning rate 1% off passes as {err:.2e}: the check is blind"
+
+
+@pytest.mark.filterwarnings("ignore:GradScaler is going to stop passing itself")
+def test_grad_scaler_overflow_on_one_rank_equals_ddp_with_torch_muon():
+    """amp's GradScaler, rank 1's gradient overflowing at one step: MuonZeRO at 2 ranks skips it on
+    both, as DDP (the average overflows everywhere) + torch.optim.Muon + AdamW under GradScaler
+    do; every later scale and the parameters agree (float64, 1e-12)."""
+    start, ref_scales = parameters(Net(dtype=torch.float64)), []
+    ref, _ = reference_float64(STEPS, scales=ref_scales)
+    assert ref_scales[OVERFLOW_AT] < ref_scales[OVERFLOW_AT - 1], "the reference must skip a step"
+    for rank, (got, scales) in enumerate(run_ranks(muon_zero_float64, 2, (STEPS,), {"amp": True})):
+        assert scales == ref_scales, (
+            f"rank {rank}: GradScaler's scale per step {scales}, DDP + torch.optim.Muon's "
+            f"{ref_scales}: the ranks must agree on the overflow"
+        )
+        err = rel_error(got, ref, start)
+        assert err < FP64_TOL, f"rank {rank}: {err:.2e} from DDP + torch.optim.Muon + GradScaler"
 
 
 def one_cycle(opt, max_lr):
@@ -547,3 +607,99 @@ def steps_without_agreement(rank, world):
 
 def test_steps_agree_nothing_across_ranks():
     assert run_ranks(steps_without_agreement, 2) == [True, True]
+
+
+# --------------------------------------------------------------------------------------------------
+# 5. What the step's all-reduce agrees; the rounding noise and its counter
+
+
+def test_rounding_noise_is_fresh_every_step_and_rank_and_unbiased():
+    """The generator step() seeds draws other noise at every step and rank, and the mean of N
+    roundings of a value 0.3 of a bf16 gap above 1 converges to it: one rounding's spread is
+    sqrt(0.3 * 0.7) gaps, the mean's 0.0072 gaps at N = 4096; tolerance 5 of those, 0.036 gaps.
+    A seed a CPU generator truncates to the same 32 bits every step repeats one rounding: 0.3 or
+    0.7 gaps off."""
+
+    def generator(rank, step):
+        return torch.Generator().manual_seed(mz.rounding_seed(0, rank, step))
+
+    def noise(rank, step):
+        return torch.randint(0, 1 << 16, (64,), generator=generator(rank, step))
+
+    assert not torch.equal(noise(0, 5), noise(0, 6)), "steps 5 and 6 draw the same noise"
+    assert not torch.equal(noise(0, 5), noise(1, 5)), "ranks 0 and 1 draw the same noise"
+    gap, N = 2.0**-7, 4096
+    x = torch.tensor([1 + 0.3 * gap])
+    for rank in (0, 1):
+        mean = sum(mz.stochastic_round_to_bf16(x, generator(rank, k)).item() for k in range(N)) / N
+        off = abs(mean - x.item()) / gap
+        assert off < 0.036, f"rank {rank}: the mean of {N} roundings is {off:.3f} gaps off"
+
+
+def noise_and_drift(rank, world):
+    """3 bf16_sr steps, recording the start of each rounding noise step() draws; an lr changed
+    alike on every rank steps; then ReduceLROnPlateau, stepped on each rank's own metric, lowers
+    rank 1's lr alone. -> (noise, the refusal, parameters untouched by the refused step)."""
+    model, opt = build(world, "bf16_sr")
+    noise, draw = [], mz.stochastic_round_to_bf16
+
+    def recording(x, generator=None):
+        probe = torch.Generator()
+        probe.set_state(generator.get_state())
+        noise.append(torch.randint(0, 1 << 16, (16,), dtype=torch.int32, generator=probe))
+        return draw(x, generator)
+
+    mz.stochastic_round_to_bf16 = recording
+    train(model, [opt], range(3), rank, world)
+    mz.stochastic_round_to_bf16 = draw
+    for g in opt.param_groups:
+        g["lr"] /= 2
+    train(model, [opt], [3], rank, world)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0)
+    for metric in (1.0, 0.5 if rank == 0 else 1.0):
+        plateau.step(metric)
+    before = parameters(model)
+    model(*batch(4, rank, world)).backward()
+    try:
+        opt.step()
+        refusal = None
+    except ValueError as err:
+        refusal = str(err)
+    after = parameters(model)
+    return noise, refusal, all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_noise_differs_per_step_and_rank_and_drifted_settings_are_refused():
+    """step()'s rounding noise differs between steps and ranks; ranks whose lr drifted apart are
+    refused on every rank with the same line, before any parameter moves."""
+    (noise0, refusal0, kept0), (noise1, refusal1, kept1) = run_ranks(noise_and_drift, 2, timeout=60)
+    starts = [tuple(n.tolist()) for n in noise0 + noise1]
+    assert len(set(starts)) == len(starts), "two draws of rounding noise (steps, ranks) repeat"
+    assert refusal0 and refusal0 == refusal1, f"rank 0: {refusal0!r}, rank 1: {refusal1!r}"
+    assert "ReduceLROnPlateau" in refusal0 and kept0 and kept1, "a refused step moved parameters"
+
+
+def resume_through_compose_checkpoint(rank, world, root):
+    """compose's checkpoint (its flattened optimizer state): 3 bf16_sr steps, save, 2 more; a
+    fresh run loads it and takes the same 2. -> (its step counter once loaded, whether it ends
+    bitwise where the run that never stopped does)."""
+    model, opt = build(world, "bf16_sr")
+    train(model, [opt], range(SAVED_AT), rank, world)
+    dcp.save(compose_checkpoint.checkpoint_state(model, model, opt), checkpoint_id=root)
+    train(model, [opt], range(SAVED_AT, STEPS), rank, world)
+    resumed, opt2 = build(world, "bf16_sr")
+    compose_checkpoint.load_checkpoint(root, resumed, resumed, opt2)
+    counter = opt2.steps
+    train(resumed, [opt2], range(SAVED_AT, STEPS), rank, world)
+    ref, got = parameters(model), parameters(resumed)
+    return counter, all(torch.equal(ref[k], got[k]) for k in ref)
+
+
+def test_compose_checkpoints_keep_the_step_counter(tmp_path):
+    """Saved at step 3 through compose_checkpoint, the counter comes back as 3 and the next steps'
+    rounding noise is the uninterrupted run's: bitwise the same parameters."""
+    for rank, (counter, same) in enumerate(
+        run_ranks(resume_through_compose_checkpoint, 2, (str(tmp_path),), timeout=60)
+    ):
+        assert counter == SAVED_AT, f"rank {rank}: step counter {counter} after the resume"
+        assert same, f"rank {rank}: the resumed run is not bitwise the uninterrupted one"
