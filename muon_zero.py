@@ -802,9 +802,10 @@ def state_of(opt, gather):
         for i, momentum_buffer in whole.items():
             state[i]["momentum_buffer"] = momentum_buffer
     groups, start = [], 0
-    for g in opt.param_groups:
+    keys = dict.fromkeys(sorted({k for g in opt.param_groups for k in g}))  # None: not this role's
+    for g in opt.param_groups:  # each group every key: DCP fills groups by index, not by role
         indices = list(range(start, start + len(g["params"])))
-        groups.append({**g, "params": indices, "steps": opt.steps})
+        groups.append({**keys, **g, "params": indices, "steps": opt.steps})
         start += len(g["params"])
     return {"state": state, "param_groups": groups}
 
@@ -823,8 +824,15 @@ def load_state(opt, state_dict):
     filled. State keys: indices, their text, or the names in param_groups' "params" (DCP's).
     Momentum this rank owns but the dict lacks raises rather than start from zero."""
     saved = state_dict["param_groups"]
-    if [len(g["params"]) for g in saved] != [len(g["params"]) for g in opt.param_groups]:
-        raise ValueError("state_dict has a different number of param groups or parameters")
+    there = [(g.get("role"), len(g["params"])) for g in saved]
+    here = [(g["role"], len(g["params"])) for g in opt.param_groups]
+    if there != here:  # DCP's template matches groups by their parameters: then roles differ
+        raise ValueError(
+            f"the state_dict's param groups (role, parameters) {there} are laid out otherwise "
+            f"than this optimizer's {here}: build the param groups as they were saved, or save "
+            f"and load through torch.distributed.checkpoint with StateDictOptions("
+            f"flatten_optimizer_state_dict=True), which matches settings by parameter"
+        )
     index = {}
     for i, key in enumerate(key for g in saved for key in g["params"]):
         index[key] = index[str(key)] = i
@@ -833,14 +841,14 @@ def load_state(opt, state_dict):
         raise ValueError(f"state_dict keys {unknown[:4]} name no parameter of its param_groups")
     state = {index[key]: entry for key, entry in state_dict["state"].items()}
     settings = [
-        {key: _as_group_value(key, v) for key, v in s.items() if key not in ("params", "steps")}
+        {
+            key: _as_group_value(key, v)
+            for key, v in s.items()
+            if key not in ("params", "steps") and v is not None  # None: another role's key
+        }
         for s in saved
     ]
     for k, (g, s) in enumerate(zip(opt.param_groups, settings)):
-        if g["role"] != s["role"]:
-            raise ValueError(
-                f"state_dict param group {k} role {s['role']!r} does not match {g['role']!r}"
-            )
         check_group(k, {**g, **s}, EXPERT_ROLES)
 
     def saved_momentum(s):  # slot s's momentum in the dict, or None
