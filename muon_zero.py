@@ -831,7 +831,7 @@ def load_state(opt, state_dict):
             f"the state_dict's param groups (role, parameters) {there} are laid out otherwise "
             f"than this optimizer's {here}: build the param groups as they were saved, or save "
             f"and load through torch.distributed.checkpoint with StateDictOptions("
-            f"flatten_optimizer_state_dict=True), which matches settings by parameter"
+            f"flatten_optimizer_state_dict=True), which keys each setting by parameter"
         )
     index = {}
     for i, key in enumerate(key for g in saved for key in g["params"]):

@@ -675,10 +675,11 @@ def test_rounding_noise_is_fresh_every_step_and_rank_and_unbiased():
         assert off < 0.036, f"rank {rank}: the mean of {N} roundings is {off:.3f} gaps off"
 
 
-def noise_and_drift(rank, world):
-    """3 bf16_sr steps, recording the start of each rounding noise step() draws; an lr changed
-    alike on every rank steps; then ReduceLROnPlateau, stepped on each rank's own metric, lowers
-    rank 1's lr alone. -> (noise, the refusal, parameters untouched by the refused step)."""
+def agreed_run(rank, world, root):
+    """bf16_sr: 3 steps recording the start of each rounding noise step() draws; a save through
+    compose_checkpoint (its flattened optimizer state); 2 more steps, and a fresh run that loads
+    the save and takes the same 2; then an lr changed alike on every rank (steps), and
+    ReduceLROnPlateau stepped on each rank's own metric, which lowers rank 1's lr alone."""
     model, opt = build(world, "bf16_sr")
     noise, draw = [], mz.stochastic_round_to_bf16
 
@@ -689,41 +690,8 @@ def noise_and_drift(rank, world):
         return draw(x, generator)
 
     mz.stochastic_round_to_bf16 = recording
-    train(model, [opt], range(3), rank, world)
-    mz.stochastic_round_to_bf16 = draw
-    for g in opt.param_groups:
-        g["lr"] /= 2
-    train(model, [opt], [3], rank, world)
-    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0)
-    for metric in (1.0, 0.5 if rank == 0 else 1.0):
-        plateau.step(metric)
-    before = parameters(model)
-    model(*batch(4, rank, world)).backward()
-    try:
-        opt.step()
-        refusal = None
-    except ValueError as err:
-        refusal = str(err)
-    after = parameters(model)
-    return noise, refusal, all(torch.equal(before[k], after[k]) for k in before)
-
-
-def test_noise_differs_per_step_and_rank_and_drifted_settings_are_refused():
-    """step()'s rounding noise differs between steps and ranks; ranks whose lr drifted apart are
-    refused on every rank with the same line, before any parameter moves."""
-    (noise0, refusal0, kept0), (noise1, refusal1, kept1) = run_ranks(noise_and_drift, 2, timeout=60)
-    starts = [tuple(n.tolist()) for n in noise0 + noise1]
-    assert len(set(starts)) == len(starts), "two draws of rounding noise (steps, ranks) repeat"
-    assert refusal0 and refusal0 == refusal1, f"rank 0: {refusal0!r}, rank 1: {refusal1!r}"
-    assert "ReduceLROnPlateau" in refusal0 and kept0 and kept1, "a refused step moved parameters"
-
-
-def resume_through_compose_checkpoint(rank, world, root):
-    """compose's checkpoint (its flattened optimizer state): 3 bf16_sr steps, save, 2 more; a
-    fresh run loads it and takes the same 2. -> (its step counter once loaded, whether it ends
-    bitwise where the run that never stopped does)."""
-    model, opt = build(world, "bf16_sr")
     train(model, [opt], range(SAVED_AT), rank, world)
+    mz.stochastic_round_to_bf16 = draw
     dcp.save(compose_checkpoint.checkpoint_state(model, model, opt), checkpoint_id=root)
     train(model, [opt], range(SAVED_AT, STEPS), rank, world)
     resumed, opt2 = build(world, "bf16_sr")
@@ -731,14 +699,47 @@ def resume_through_compose_checkpoint(rank, world, root):
     counter = opt2.steps
     train(resumed, [opt2], range(SAVED_AT, STEPS), rank, world)
     ref, got = parameters(model), parameters(resumed)
-    return counter, all(torch.equal(ref[k], got[k]) for k in ref)
+    out = dict(noise=noise, counter=counter, same=all(torch.equal(ref[k], got[k]) for k in ref))
+    for g in opt.param_groups:
+        g["lr"] /= 2
+    train(model, [opt], [STEPS], rank, world)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0)
+    for metric in (1.0, 0.5 if rank == 0 else 1.0):
+        plateau.step(metric)
+    before = parameters(model)
+    model(*batch(STEPS + 1, rank, world)).backward()
+    try:
+        opt.step()
+    except ValueError as err:
+        out["refusal"] = str(err)
+    after = parameters(model)
+    return dict(out, kept=all(torch.equal(before[k], after[k]) for k in before))
 
 
-def test_compose_checkpoints_keep_the_step_counter(tmp_path):
+@pytest.fixture(scope="module")
+def agreed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("compose_counter")
+    return run_ranks(agreed_run, 2, args=(str(root),), timeout=120)
+
+
+def test_noise_differs_per_step_and_rank(agreed):
+    """The rounding noise step() draws differs between steps and between ranks."""
+    starts = [tuple(n.tolist()) for r in agreed for n in r["noise"]]
+    assert len(set(starts)) == len(starts), "two draws of rounding noise (steps, ranks) repeat"
+
+
+def test_drifted_settings_are_refused_on_every_rank(agreed):
+    """Ranks whose lr drifted apart (ReduceLROnPlateau on per-rank metrics) are refused on every
+    rank with the same line, before any parameter moves; an lr changed alike steps."""
+    refusals = [r.get("refusal") for r in agreed]
+    assert refusals[0] and refusals[0] == refusals[1], f"the ranks said {refusals}"
+    assert "ReduceLROnPlateau" in refusals[0], refusals[0]
+    assert all(r["kept"] for r in agreed), "a refused step moved parameters"
+
+
+def test_compose_checkpoints_keep_the_step_counter(agreed):
     """Saved at step 3 through compose_checkpoint, the counter comes back as 3 and the next steps'
     rounding noise is the uninterrupted run's: bitwise the same parameters."""
-    for rank, (counter, same) in enumerate(
-        run_ranks(resume_through_compose_checkpoint, 2, (str(tmp_path),), timeout=60)
-    ):
-        assert counter == SAVED_AT, f"rank {rank}: step counter {counter} after the resume"
-        assert same, f"rank {rank}: the resumed run is not bitwise the uninterrupted one"
+    for rank, r in enumerate(agreed):
+        assert r["counter"] == SAVED_AT, f"rank {rank}: step counter {r['counter']} after resume"
+        assert r["same"], f"rank {rank}: the resumed run is not bitwise the uninterrupted one"
