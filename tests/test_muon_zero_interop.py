@@ -240,9 +240,10 @@ def _tensors(tree):
         yield from _tensors(value)
 
 
-def resume_at(rank, world, root, gathered, weights_only=False):
+def resume_at(rank, world, root, gathered, weights_only=False, regrouped=False):
     """Fresh runs at this layout load the checkpoint, then take the 2 remaining steps: per
-    grad_sync through DCP, and (bf16_sr) from gather_state_dict() for the reseeding rule."""
+    grad_sync through DCP, and (bf16_sr) from gather_state_dict() for the reseeding rule; with
+    regrouped, resume_regrouped's too."""
     out = {}
     for sync in SYNCS:
         model, opt = build(world, sync)
@@ -260,6 +261,8 @@ def resume_at(rank, world, root, gathered, weights_only=False):
     opt.load_state_dict(gathered["optim"])
     train(model, [opt], range(SAVED_AT, STEPS), rank, world)
     out["bf16_sr gathered"] = parameters(model)
+    if regrouped:
+        out["regrouped"] = resume_regrouped(rank, world, root)
     return out
 
 
@@ -277,6 +280,24 @@ def saved(tmp_path_factory):
     return at
 
 
+@pytest.fixture(scope="module")
+def resumed(saved):
+    """(saved_at, resumed_at) -> each rank's resume_at result, run on first use (2 -> 3: with the
+    param groups laid out otherwise too, in the same launch)."""
+    cache = {}
+
+    def at(saved_at, resumed_at):
+        if (saved_at, resumed_at) not in cache:
+            root, runs = saved(saved_at)
+            kwargs = dict(regrouped=(saved_at, resumed_at) == (2, 3))
+            args = (root, runs[0]["bf16_sr"]["gathered"])
+            got = run_ranks(resume_at, resumed_at, args=args, kwargs=kwargs, timeout=240)
+            cache[saved_at, resumed_at] = got
+        return cache[saved_at, resumed_at]
+
+    return at
+
+
 # saved at 2 and resumed at 3 stays in the default tier
 @pytest.mark.parametrize(
     "saved_at, resumed_at",
@@ -287,12 +308,10 @@ def saved(tmp_path_factory):
     ],
     ids=lambda x: str(x),
 )
-def test_dcp_resumes_at_any_world_size(saved, saved_at, resumed_at):
+def test_dcp_resumes_at_any_world_size(saved, resumed, saved_at, resumed_at):
     """torchtitan's recipe at W ranks, then at W' (see the module docstring for the tolerances)."""
-    root, runs = saved(saved_at)
-    ref = runs[0]
-    gathered = ref["bf16_sr"]["gathered"]
-    got = run_ranks(resume_at, resumed_at, args=(root, gathered), timeout=240)
+    ref = saved(saved_at)[1][0]
+    got = resumed(saved_at, resumed_at)
     where = f"saved at {saved_at} ranks, resumed at {resumed_at}"
     for rank, r in enumerate(got):
         assert r["exact"]["replicas"] and r["bf16_sr"]["replicas"], f"{where}: replicas differ"
@@ -346,13 +365,12 @@ def resume_regrouped(rank, world, root):
     return parameters(model), refusal
 
 
-def test_dcp_resume_with_param_groups_laid_out_otherwise(saved):
+def test_dcp_resume_with_param_groups_laid_out_otherwise(saved, resumed):
     """Saved at 2 ranks, resumed at 3: the same param groups in another order resume as the run
     that never stopped did (exact sync, FP32_TOL of the change); groups holding other parameters
     are one clear error on every rank, not DCP's missing key."""
-    root, runs = saved(2)
-    ref = runs[0]["exact"]
-    got = run_ranks(resume_regrouped, 3, args=(root,), timeout=120)
+    ref = saved(2)[1][0]["exact"]
+    got = [r["regrouped"] for r in resumed(2, 3)]
     for rank, (end, refusal) in enumerate(got):
         err = rel_error(end, ref["end"], ref["mid"])
         assert err < FP32_TOL, f"rank {rank}: reversed param groups resume {err:.2e} off"
@@ -545,13 +563,32 @@ def muon_zero_float64(rank, world, steps, lr_muon=LR_MUON, scheduler=None, amp=F
     return parameters(model), momenta
 
 
-def test_float64_equals_torch_muon_and_adamw():
+def float64_runs(rank, world):
+    """muon_zero_float64 for STEPS, and at 2 ranks under amp's GradScaler too: one launch."""
+    amp = muon_zero_float64(rank, world, STEPS, amp=True) if world == 2 else None
+    return muon_zero_float64(rank, world, STEPS), amp
+
+
+@pytest.fixture(scope="module")
+def float64_at():
+    """world -> each rank's float64_runs, run on first use."""
+    cache = {}
+
+    def at(world):
+        if world not in cache:
+            cache[world] = run_ranks(float64_runs, world)
+        return cache[world]
+
+    return at
+
+
+def test_float64_equals_torch_muon_and_adamw(float64_at):
     """float64 MuonZeRO at 1 and 2 ranks = torch.optim.Muon + AdamW in float64 to 1e-12 of the
     change; the same check catches a Muon learning rate 1% off."""
     start = parameters(Net(dtype=torch.float64))
     ref, _ = reference_float64(STEPS)
     for world in (1, 2):
-        for rank, (got, _) in enumerate(run_ranks(muon_zero_float64, world, args=(STEPS,))):
+        for rank, ((got, _), _) in enumerate(float64_at(world)):
             err = rel_error(got, ref, start)
             assert err < FP64_TOL, f"rank {rank} of {world}: float64 is {err:.2e} off"
     wrong, _ = muon_zero_float64(0, 1, STEPS, lr_muon=1.01 * LR_MUON)
@@ -559,15 +596,14 @@ def test_float64_equals_torch_muon_and_adamw():
     assert err > 1e3 * FP64_TOL, f"a learning rate 1% off passes as {err:.2e}: the check is blind"
 
 
-@pytest.mark.filterwarnings("ignore:GradScaler is going to stop passing itself")
-def test_grad_scaler_overflow_on_one_rank_equals_ddp_with_torch_muon():
+def test_grad_scaler_overflow_on_one_rank_equals_ddp_with_torch_muon(float64_at):
     """amp's GradScaler, rank 1's gradient overflowing at one step: MuonZeRO at 2 ranks skips it on
     both, as DDP (the average overflows everywhere) + torch.optim.Muon + AdamW under GradScaler
     do; every later scale and the parameters agree (float64, 1e-12)."""
     start, ref_scales = parameters(Net(dtype=torch.float64)), []
     ref, _ = reference_float64(STEPS, scales=ref_scales)
     assert ref_scales[OVERFLOW_AT] < ref_scales[OVERFLOW_AT - 1], "the reference must skip a step"
-    for rank, (got, scales) in enumerate(run_ranks(muon_zero_float64, 2, (STEPS,), {"amp": True})):
+    for rank, (_, (got, scales)) in enumerate(float64_at(2)):
         assert scales == ref_scales, (
             f"rank {rank}: GradScaler's scale per step {scales}, DDP + torch.optim.Muon's "
             f"{ref_scales}: the ranks must agree on the overflow"
