@@ -395,7 +395,16 @@ def agreed_grad_mask(grads, process_group, device, extra=()):
 def settings_digest(param_groups):
     """62 bits of every param group's settings (lr, momentum, ns_coefficients, ...): ranks whose
     schedulers have drifted apart differ here."""
-    settings = [(k, g[k]) for g in param_groups for k in sorted(g) if k != "params"]
+
+    def value(v):  # a tensor by its numbers (its repr names its device), an object by its type
+        if torch.is_tensor(v):
+            return v.tolist()
+        if isinstance(v, (tuple, list)):
+            return [value(x) for x in v]
+        plain = isinstance(v, (int, float, str, torch.dtype)) or v is None
+        return v if plain else type(v).__name__
+
+    settings = [(k, value(g[k])) for g in param_groups for k in sorted(g) if k != "params"]
     digest = hashlib.blake2b(repr(settings).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 2
 
