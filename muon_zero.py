@@ -31,6 +31,7 @@ Run it (set-up, the agreement guard and the launch options come from launch.py):
 
 import argparse
 import bisect
+import hashlib
 import math
 import os
 import time
@@ -43,6 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.amp.grad_scaler import OptState
 
 import launch
 from guards.muon_zero_guard import check, check_group  # the checks before any collective
@@ -400,23 +402,42 @@ def make_shards(matrix_lists, mine, process_group, peers, **kw):
 # ---- 4. The sharded step: pack -> reduce-scatter -> clip -> update mine -> all-gather ------------
 
 
-def agreed_grad_mask(grads, process_group, device):
+def agreed_grad_mask(grads, process_group, device, extra=()):
     """Which parameters have a gradient on some rank, in one all-reduce (MAX) of flags.  grads:
     per parameter, None where this rank has none. Part of the algorithm, not a check: a gradient
     on any rank means the parameter steps (zero where a rank has None), none anywhere means it is
     left alone (as torch's optimizers leave it), and every rank must decide alike. A sparse
-    gradient (flag 2) is refused by every rank alike, before any other collective."""
-    flags = [0 if g is None else 2 if g.layout != torch.strided else 1 for g in grads]
-    mask = torch.tensor(flags, dtype=torch.int32, device=device)
+    gradient (flag 2) is refused by every rank alike, right after this collective. extra: integers
+    below 2^62 that ride in the same all-reduce. -> (mask, the extras' maxima over the ranks)."""
+    flags = [0 if g is None else 2 if g.layout != torch.strided else 1 for g in grads] + list(extra)
+    mask = torch.tensor(flags, dtype=torch.int64, device=device)
     if process_group is not None and dist.get_world_size(process_group) > 1:
         dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=process_group)
-    if sparse := (mask == 2).nonzero().flatten().tolist():
+    mask = mask.tolist()
+    if sparse := [i for i, m in enumerate(mask[: len(grads)]) if m == 2]:
         raise ValueError(
             f"parameters {sparse[:4]} have sparse gradients (nn.Embedding(sparse=True)?): "
             f"MuonZeRO does not support sparse gradients, as torch.optim.AdamW does not; build "
             f"the embedding with sparse=False"
         )
-    return mask.bool().tolist()
+    return [bool(m) for m in mask[: len(grads)]], mask[len(grads) :]
+
+
+def settings_digest(param_groups):
+    """62 bits of every param group's settings (lr, momentum, ns_coefficients, ...): ranks whose
+    schedulers have drifted apart differ here."""
+
+    def value(v):  # a tensor by its numbers (its repr names its device), an object by its type
+        if torch.is_tensor(v):
+            return v.tolist()
+        if isinstance(v, (tuple, list)):
+            return [value(x) for x in v]
+        plain = isinstance(v, (int, float, str, torch.dtype)) or v is None
+        return v if plain else type(v).__name__
+
+    settings = [(k, value(g[k])) for g in param_groups for k in sorted(g) if k != "params"]
+    digest = hashlib.blake2b(repr(settings).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
 
 
 @torch.no_grad()
@@ -557,10 +578,23 @@ def build_groups(process_group, world_size, zero_width):
     return shard, new_group(range(rank % Z, world_size, Z))
 
 
+def unscale_for(grad_scaler, opt):
+    """amp's GradScaler, handed to step(): unscale opt's gradients (unless scaler.unscale_ did),
+    -> this rank's found_inf tensors, in the scaler (empty without a scaler)."""
+    if grad_scaler is None:
+        return []
+    state = grad_scaler._per_optimizer_states[id(opt)]  # what scaler.update() reads
+    if state["stage"] is OptState.READY:
+        grad_scaler.unscale_(opt)
+    return list(state["found_inf_per_device"].values())
+
+
 def rounding_seed(seed, rank, steps):
     """The seed of the rounding noise of step `steps` on `rank`: a stream per rank and step, so
-    a resumed run (any layout) draws what it would have drawn, from the step count alone."""
-    return seed * 65537 + rank + steps * 2**32
+    a resumed run (any layout) draws what it would have drawn, from the step count alone. A hash
+    mixes all three into every bit: a CPU generator keeps only the low 32, a CUDA one all 64."""
+    digest = hashlib.blake2b(f"{seed} {rank} {steps}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # 63 bits: manual_seed takes it on any device
 
 
 class MuonZeRO(torch.optim.Optimizer):
@@ -578,8 +612,11 @@ class MuonZeRO(torch.optim.Optimizer):
     or "exact" ("fp32", its old name; float64 parameters need it: every buffer takes the
     parameters' dtype); max_grad_norm: clip the averaged gradient, in step(); seed: the rounding
     noise's. Checkpoints: state_dict(), gather_state_dict() and torch.distributed.checkpoint
-    (see the appendix).
+    (see the appendix). amp's GradScaler hands itself to step(): the gradients are unscaled here
+    and an overflow on any rank skips the step on every rank, each scaler told alike.
     """
+
+    _step_supports_amp_scaling = True  # GradScaler.step calls step(grad_scaler=...) on every rank
 
     def __init__(
         self,
@@ -662,8 +699,19 @@ class MuonZeRO(torch.optim.Optimizer):
             for p in g["params"]
         ]
 
+    @property
+    def steps(self):
+        """Steps taken: the rounding noise's counter, kept in every param group so that each
+        checkpoint format (flattened ones rebuild the groups from their keys) carries it."""
+        return self.param_groups[0]["steps"]
+
+    @steps.setter
+    def steps(self, value):
+        for g in self.param_groups:
+            g["steps"] = value
+
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, grad_scaler=None):
         loss = None if closure is None else torch.enable_grad()(closure)()
         self._check_param_groups()
         for i, (p, built) in enumerate(zip(self.params, self.built_for)):  # local: agreed once
@@ -672,8 +720,22 @@ class MuonZeRO(torch.optim.Optimizer):
                     f"parameter {i} is now {now}, but MuonZeRO was built for {built}: build the "
                     f"optimizer after moving or converting the model"
                 )
-        has_grad = agreed_grad_mask([p.grad for p in self.params], self.process_group, self.device)
-        if not any(has_grad):
+        found_inf = unscale_for(grad_scaler, self)  # this rank's overflow flags, in the scaler
+        digest = settings_digest(self.param_groups)
+        agree = any(t.item() for t in found_inf), digest, -digest  # MAX of -digest: -(its MIN)
+        grads = [p.grad for p in self.params]
+        has_grad, (overflow, high, low) = agreed_grad_mask(
+            grads, self.process_group, self.device, agree
+        )
+        if high != -low:  # the same on every rank: all raise, before any rank steps
+            raise ValueError(
+                "MuonZeRO: the ranks' param groups hold different settings (lr, momentum, ...); "
+                "change them alike on every rank, e.g. step ReduceLROnPlateau on a metric "
+                "all-reduced over the ranks"
+            )
+        for t in found_inf:  # the scaler backs off (or grows) as every other rank's does
+            t.fill_(overflow)
+        if overflow or not any(has_grad):
             return loss
         if self.momenta is None:
             self._new_momenta()
@@ -844,10 +906,12 @@ def state_of(opt, gather):
             state[i]["momentum_buffer"] = momentum_buffer
     state.update((k, v) for k, v in opt.state.items() if not torch.is_tensor(k))  # hooks', as torch
     groups, start, number = [], 0, {}
-    for g in opt.param_groups:
+    keys = dict.fromkeys(sorted({k for g in opt.param_groups for k in g}))  # None: not this role's
+    for g in opt.param_groups:  # each group every key: DCP fills groups by index, not by role
         for i, p in enumerate(g["params"], start):
             number.setdefault(id(p), i)  # listed twice: numbered once, as torch numbers it
-        groups.append({**g, "params": [number[id(p)] for p in g["params"]], "steps": opt.steps})
+        params = [number[id(p)] for p in g["params"]]
+        groups.append({**keys, **g, "params": params, "steps": opt.steps})
         start += len(g["params"])
     return {"state": state, "param_groups": groups}
 
@@ -866,8 +930,15 @@ def load_state(opt, state_dict):
     filled. State keys: indices, their text, or the names in param_groups' "params" (DCP's).
     Momentum this rank owns but the dict lacks raises rather than start from zero."""
     saved = state_dict["param_groups"]
-    if [len(g["params"]) for g in saved] != [len(g["params"]) for g in opt.param_groups]:
-        raise ValueError("state_dict has a different number of param groups or parameters")
+    there = [(g.get("role"), len(g["params"])) for g in saved]
+    here = [(g["role"], len(g["params"])) for g in opt.param_groups]
+    if there != here:  # DCP's template matches groups by their parameters: then roles differ
+        raise ValueError(
+            f"the state_dict's param groups (role, parameters) {there} are laid out otherwise "
+            f"than this optimizer's {here}: build the param groups as they were saved, or save "
+            f"and load through torch.distributed.checkpoint with StateDictOptions("
+            f"flatten_optimizer_state_dict=True), which keys each setting by parameter"
+        )
     index = {}
     for i, key in enumerate(key for g in saved for key in g["params"]):
         index[key] = index[str(key)] = i
@@ -878,14 +949,14 @@ def load_state(opt, state_dict):
     state = {index[key]: entry for key, entry in state_dict["state"].items() if key in index}
     extras = {k: v for k, v in state_dict["state"].items() if k not in index}
     settings = [
-        {key: _as_group_value(key, v) for key, v in s.items() if key not in ("params", "steps")}
+        {
+            key: _as_group_value(key, v)
+            for key, v in s.items()
+            if key not in ("params", "steps") and v is not None  # None: another role's key
+        }
         for s in saved
     ]
     for k, (g, s) in enumerate(zip(opt.param_groups, settings)):
-        if g["role"] != s["role"]:
-            raise ValueError(
-                f"state_dict param group {k} role {s['role']!r} does not match {g['role']!r}"
-            )
         check_group(k, {**g, **s}, EXPERT_ROLES)
 
     def saved_momentum(s):  # slot s's momentum in the dict, or None

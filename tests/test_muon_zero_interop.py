@@ -27,6 +27,11 @@
 3. Schedulers that cycle momentum (OneCycleLR, CyclicLR): Muon's momentum and AdamW's beta1 cycle
    in MuonZeRO as in torch.optim.Muon + AdamW, each with the same scheduler (float64, 1e-12).
 4. Agreement once: step() makes no agreement collective; what a step checks is local.
+5. What the step's one all-reduce also agrees: amp's GradScaler overflow on one rank skips the
+   step on every rank (float64, equal to DDP + torch.optim.Muon + AdamW under GradScaler, scales
+   included); param-group settings drifted apart between ranks (ReduceLROnPlateau on a per-rank
+   metric) are refused on every rank. The rounding noise is fresh for every (rank, step), and
+   unbiased; compose's flattened checkpoints keep its step counter.
 """
 
 import contextlib
@@ -45,6 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+import compose_checkpoint
 import launch
 import muon_zero as mz
 from memory.memory_timeline import MemoryTimeline
@@ -234,9 +240,10 @@ def _tensors(tree):
         yield from _tensors(value)
 
 
-def resume_at(rank, world, root, gathered, weights_only=False):
+def resume_at(rank, world, root, gathered, weights_only=False, regrouped=False):
     """Fresh runs at this layout load the checkpoint, then take the 2 remaining steps: per
-    grad_sync through DCP, and (bf16_sr) from gather_state_dict() for the reseeding rule."""
+    grad_sync through DCP, and (bf16_sr) from gather_state_dict() for the reseeding rule; with
+    regrouped, resume_regrouped's too."""
     out = {}
     for sync in SYNCS:
         model, opt = build(world, sync)
@@ -254,6 +261,8 @@ def resume_at(rank, world, root, gathered, weights_only=False):
     opt.load_state_dict(gathered["optim"])
     train(model, [opt], range(SAVED_AT, STEPS), rank, world)
     out["bf16_sr gathered"] = parameters(model)
+    if regrouped:
+        out["regrouped"] = resume_regrouped(rank, world, root)
     return out
 
 
@@ -271,6 +280,24 @@ def saved(tmp_path_factory):
     return at
 
 
+@pytest.fixture(scope="module")
+def resumed(saved):
+    """(saved_at, resumed_at) -> each rank's resume_at result, run on first use (2 -> 3: with the
+    param groups laid out otherwise too, in the same launch)."""
+    cache = {}
+
+    def at(saved_at, resumed_at):
+        if (saved_at, resumed_at) not in cache:
+            root, runs = saved(saved_at)
+            kwargs = dict(regrouped=(saved_at, resumed_at) == (2, 3))
+            args = (root, runs[0]["bf16_sr"]["gathered"])
+            got = run_ranks(resume_at, resumed_at, args=args, kwargs=kwargs, timeout=240)
+            cache[saved_at, resumed_at] = got
+        return cache[saved_at, resumed_at]
+
+    return at
+
+
 # saved at 2 and resumed at 3 stays in the default tier
 @pytest.mark.parametrize(
     "saved_at, resumed_at",
@@ -281,12 +308,10 @@ def saved(tmp_path_factory):
     ],
     ids=lambda x: str(x),
 )
-def test_dcp_resumes_at_any_world_size(saved, saved_at, resumed_at):
+def test_dcp_resumes_at_any_world_size(saved, resumed, saved_at, resumed_at):
     """torchtitan's recipe at W ranks, then at W' (see the module docstring for the tolerances)."""
-    root, runs = saved(saved_at)
-    ref = runs[0]
-    gathered = ref["bf16_sr"]["gathered"]
-    got = run_ranks(resume_at, resumed_at, args=(root, gathered), timeout=240)
+    ref = saved(saved_at)[1][0]
+    got = resumed(saved_at, resumed_at)
     where = f"saved at {saved_at} ranks, resumed at {resumed_at}"
     for rank, r in enumerate(got):
         assert r["exact"]["replicas"] and r["bf16_sr"]["replicas"], f"{where}: replicas differ"
@@ -312,6 +337,44 @@ def test_dcp_resumes_at_any_world_size(saved, saved_at, resumed_at):
                 f"{where}, rank {rank}: bf16_sr resumed through DCP differs from the resume from "
                 f"gather_state_dict(): the rounding noise must be reseeded from (seed, rank, step)"
             )
+
+
+def resume_regrouped(rank, world, root):
+    """The README's recipe with the param groups laid out otherwise than at the save: reversed (the
+    same groups: matched by their parameters), and the expert gates merged into the ups' group
+    (refused alike on every rank). -> (the reversed run's end after 2 more steps, the refusal)."""
+    model = Net()
+    opt = mz.MuonZeRO(
+        param_groups(model)[::-1], lr=LR_MUON, ns_dtype=torch.float32, grad_sync="exact"
+    )
+    state = template(model, opt)
+    dcp.load(state, checkpoint_id=f"{root}/exact")
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    train(model, [opt], range(SAVED_AT, STEPS), rank, world)
+    model2 = Net()
+    merged = mz.muon_param_groups(model2, expert_roles={"w_gate": "expert_up"})
+    opt2 = mz.MuonZeRO(merged, lr=LR_MUON, ns_dtype=torch.float32, grad_sync="exact")
+    state = template(model2, opt2)
+    dcp.load(state, checkpoint_id=f"{root}/exact")
+    try:
+        set_optimizer_state_dict(model2, opt2, state["optim"])
+        refusal = None
+    except ValueError as err:
+        refusal = str(err)
+    return parameters(model), refusal
+
+
+def test_dcp_resume_with_param_groups_laid_out_otherwise(saved, resumed):
+    """Saved at 2 ranks, resumed at 3: the same param groups in another order resume as the run
+    that never stopped did (exact sync, FP32_TOL of the change); groups holding other parameters
+    are one clear error on every rank, not DCP's missing key."""
+    ref = saved(2)[1][0]["exact"]
+    got = [r["regrouped"] for r in resumed(2, 3)]
+    for rank, (end, refusal) in enumerate(got):
+        err = rel_error(end, ref["end"], ref["mid"])
+        assert err < FP32_TOL, f"rank {rank}: reversed param groups resume {err:.2e} off"
+        assert refusal == got[0][1] and "laid out otherwise" in (refusal or ""), refusal
 
 
 @pytest.mark.slow
@@ -409,9 +472,11 @@ def torch_muon_in_float64():
 STACKS = ("w_gate", "w_up", "w_down")
 
 
-def reference_float64(steps, lr_muon=LR_MUON, scheduler=None):
+def reference_float64(steps, lr_muon=LR_MUON, scheduler=None, scales=None):
     """One process: torch.optim.Muon on every matrix (each expert its own leaf) + AdamW, float64,
-    full batch; `scheduler(opt, max_lr)` wraps each optimizer. -> (params, per-step momenta)."""
+    full batch; `scheduler(opt, max_lr)` wraps each optimizer; with a list `scales`, amp's
+    GradScaler steps both, the averaged gradient overflowing at step OVERFLOW_AT, and each step's
+    scale is appended. -> (params, per-step momenta)."""
     model = Net(dtype=torch.float64)
     leaves = {n: [m.detach().clone().requires_grad_() for m in getattr(model, n)] for n in STACKS}
     matrices = [
@@ -425,15 +490,26 @@ def reference_float64(steps, lr_muon=LR_MUON, scheduler=None):
     )
     adam = torch.optim.AdamW(adamw, lr=LR_ADAM, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     schedulers = [scheduler(muon, lr_muon), scheduler(adam, LR_ADAM)] if scheduler else []
+    scaler = amp_scaler(scales is not None)
     momenta = []
     with torch_muon_in_float64():
         for step in range(steps):
             stacked = {n: torch.stack(leaves[n]) for n in STACKS}
             params = {**dict(model.named_parameters()), **stacked}
             loss = torch.func.functional_call(model, params, batch(step))
-            loss.backward()
+            scaler.scale(loss).backward()
+            if scales is not None and step == OVERFLOW_AT:  # one rank's inf, averaged in
+                overflow(model)
             momenta.append((muon.param_groups[0]["momentum"], adam.param_groups[0]["betas"][0]))
-            muon.step(), adam.step(), muon.zero_grad(), adam.zero_grad()
+            (
+                scaler.step(muon),
+                scaler.step(adam),
+                scaler.update(),
+                muon.zero_grad(),
+                adam.zero_grad(),
+            )
+            if scales is not None:
+                scales.append(scaler.get_scale())
             for s in schedulers:
                 s.step()
     out = parameters(model)
@@ -441,8 +517,23 @@ def reference_float64(steps, lr_muon=LR_MUON, scheduler=None):
     return out, momenta
 
 
-def muon_zero_float64(rank, world, steps, lr_muon=LR_MUON, scheduler=None):
-    """MuonZeRO in float64 (exact sync, float64 NS, torch's 5 steps, RMS 0.2) on `world` ranks."""
+def amp_scaler(enabled):
+    """amp's GradScaler, its scale growing every 2 clean steps: a skip shows in every later one."""
+    return torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2, enabled=enabled)
+
+
+OVERFLOW_AT = 2  # the step whose gradient overflows (on rank 1 alone in MuonZeRO's run)
+
+
+def overflow(model):
+    """An fp16 overflow in a Muon matrix's gradient and an AdamW tensor's."""
+    model.w_in.grad[0, 0] = model.norm.grad[0] = math.inf
+
+
+def muon_zero_float64(rank, world, steps, lr_muon=LR_MUON, scheduler=None, amp=False):
+    """MuonZeRO in float64 (exact sync, float64 NS, torch's 5 steps, RMS 0.2) on `world` ranks;
+    amp: under amp's GradScaler, rank 1's gradient overflowing at step OVERFLOW_AT (momenta then
+    holds each step's scale)."""
     model = Net(dtype=torch.float64)
     opt = mz.MuonZeRO(
         param_groups(model),
@@ -455,6 +546,15 @@ def muon_zero_float64(rank, world, steps, lr_muon=LR_MUON, scheduler=None):
     max_lr = [LR_ADAM if g["role"] == "adamw" else lr_muon for g in opt.param_groups]
     schedulers = [scheduler(opt, max_lr)] if scheduler else []
     momenta = []
+    if amp:
+        scaler = amp_scaler(True)
+        for step in range(steps):
+            scaler.scale(model(*batch(step, rank, world))).backward()
+            if step == OVERFLOW_AT and rank == 1:
+                overflow(model)
+            scaler.step(opt), scaler.update(), opt.zero_grad()
+            momenta.append(scaler.get_scale())
+        return parameters(model), momenta
     for step in range(steps):
         muon = next(g for g in opt.param_groups if g["role"] != "adamw")["momentum"]
         adam = next(g for g in opt.param_groups if g["role"] == "adamw")["momentum"]
@@ -463,18 +563,53 @@ def muon_zero_float64(rank, world, steps, lr_muon=LR_MUON, scheduler=None):
     return parameters(model), momenta
 
 
-def test_float64_equals_torch_muon_and_adamw():
+def float64_runs(rank, world):
+    """muon_zero_float64 for STEPS, and at 2 ranks under amp's GradScaler too: one launch."""
+    amp = muon_zero_float64(rank, world, STEPS, amp=True) if world == 2 else None
+    return muon_zero_float64(rank, world, STEPS), amp
+
+
+@pytest.fixture(scope="module")
+def float64_at():
+    """world -> each rank's float64_runs, run on first use."""
+    cache = {}
+
+    def at(world):
+        if world not in cache:
+            cache[world] = run_ranks(float64_runs, world)
+        return cache[world]
+
+    return at
+
+
+def test_float64_equals_torch_muon_and_adamw(float64_at):
     """float64 MuonZeRO at 1 and 2 ranks = torch.optim.Muon + AdamW in float64 to 1e-12 of the
     change; the same check catches a Muon learning rate 1% off."""
     start = parameters(Net(dtype=torch.float64))
     ref, _ = reference_float64(STEPS)
     for world in (1, 2):
-        for rank, (got, _) in enumerate(run_ranks(muon_zero_float64, world, args=(STEPS,))):
+        for rank, ((got, _), _) in enumerate(float64_at(world)):
             err = rel_error(got, ref, start)
             assert err < FP64_TOL, f"rank {rank} of {world}: float64 is {err:.2e} off"
     wrong, _ = muon_zero_float64(0, 1, STEPS, lr_muon=1.01 * LR_MUON)
     err = rel_error(wrong, ref, start)
     assert err > 1e3 * FP64_TOL, f"a learning rate 1% off passes as {err:.2e}: the check is blind"
+
+
+def test_grad_scaler_overflow_on_one_rank_equals_ddp_with_torch_muon(float64_at):
+    """amp's GradScaler, rank 1's gradient overflowing at one step: MuonZeRO at 2 ranks skips it on
+    both, as DDP (the average overflows everywhere) + torch.optim.Muon + AdamW under GradScaler
+    do; every later scale and the parameters agree (float64, 1e-12)."""
+    start, ref_scales = parameters(Net(dtype=torch.float64)), []
+    ref, _ = reference_float64(STEPS, scales=ref_scales)
+    assert ref_scales[OVERFLOW_AT] < ref_scales[OVERFLOW_AT - 1], "the reference must skip a step"
+    for rank, (_, (got, scales)) in enumerate(float64_at(2)):
+        assert scales == ref_scales, (
+            f"rank {rank}: GradScaler's scale per step {scales}, DDP + torch.optim.Muon's "
+            f"{ref_scales}: the ranks must agree on the overflow"
+        )
+        err = rel_error(got, ref, start)
+        assert err < FP64_TOL, f"rank {rank}: {err:.2e} from DDP + torch.optim.Muon + GradScaler"
 
 
 def one_cycle(opt, max_lr):
@@ -547,3 +682,100 @@ def steps_without_agreement(rank, world):
 
 def test_steps_agree_nothing_across_ranks():
     assert run_ranks(steps_without_agreement, 2) == [True, True]
+
+
+# --------------------------------------------------------------------------------------------------
+# 5. What the step's all-reduce agrees; the rounding noise and its counter
+
+
+def test_rounding_noise_is_fresh_every_step_and_rank_and_unbiased():
+    """The generator step() seeds draws other noise at every step and rank, and the mean of N
+    roundings of a value 0.3 of a bf16 gap above 1 converges to it: one rounding's spread is
+    sqrt(0.3 * 0.7) gaps, the mean's 0.0143 gaps at N = 1024; tolerance 5 of those, 0.072 gaps.
+    A seed a CPU generator truncates to the same 32 bits every step repeats one rounding: 0.3 or
+    0.7 gaps off."""
+
+    def generator(rank, step):
+        return torch.Generator().manual_seed(mz.rounding_seed(0, rank, step))
+
+    def noise(rank, step):
+        return torch.randint(0, 1 << 16, (64,), generator=generator(rank, step))
+
+    assert not torch.equal(noise(0, 5), noise(0, 6)), "steps 5 and 6 draw the same noise"
+    assert not torch.equal(noise(0, 5), noise(1, 5)), "ranks 0 and 1 draw the same noise"
+    gap, N = 2.0**-7, 1024
+    x = torch.tensor([1 + 0.3 * gap])
+    for rank in (0, 1):
+        mean = sum(mz.stochastic_round_to_bf16(x, generator(rank, k)).item() for k in range(N)) / N
+        off = abs(mean - x.item()) / gap
+        assert off < 0.072, f"rank {rank}: the mean of {N} roundings is {off:.3f} gaps off"
+
+
+def agreed_run(rank, world, root):
+    """bf16_sr: 3 steps recording the start of each rounding noise step() draws; a save through
+    compose_checkpoint (its flattened optimizer state); 2 more steps, and a fresh run that loads
+    the save and takes the same 2; then an lr changed alike on every rank (steps), and
+    ReduceLROnPlateau stepped on each rank's own metric, which lowers rank 1's lr alone."""
+    model, opt = build(world, "bf16_sr")
+    noise, draw = [], mz.stochastic_round_to_bf16
+
+    def recording(x, generator=None):
+        probe = torch.Generator()
+        probe.set_state(generator.get_state())
+        noise.append(torch.randint(0, 1 << 16, (16,), dtype=torch.int32, generator=probe))
+        return draw(x, generator)
+
+    mz.stochastic_round_to_bf16 = recording
+    train(model, [opt], range(SAVED_AT), rank, world)
+    mz.stochastic_round_to_bf16 = draw
+    dcp.save(compose_checkpoint.checkpoint_state(model, model, opt), checkpoint_id=root)
+    train(model, [opt], range(SAVED_AT, STEPS), rank, world)
+    resumed, opt2 = build(world, "bf16_sr")
+    compose_checkpoint.load_checkpoint(root, resumed, resumed, opt2)
+    counter = opt2.steps
+    train(resumed, [opt2], range(SAVED_AT, STEPS), rank, world)
+    ref, got = parameters(model), parameters(resumed)
+    out = dict(noise=noise, counter=counter, same=all(torch.equal(ref[k], got[k]) for k in ref))
+    for g in opt.param_groups:
+        g["lr"] /= 2
+    train(model, [opt], [STEPS], rank, world)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0)
+    for metric in (1.0, 0.5 if rank == 0 else 1.0):
+        plateau.step(metric)
+    before = parameters(model)
+    model(*batch(STEPS + 1, rank, world)).backward()
+    try:
+        opt.step()
+    except ValueError as err:
+        out["refusal"] = str(err)
+    after = parameters(model)
+    return dict(out, kept=all(torch.equal(before[k], after[k]) for k in before))
+
+
+@pytest.fixture(scope="module")
+def agreed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("compose_counter")
+    return run_ranks(agreed_run, 2, args=(str(root),), timeout=120)
+
+
+def test_noise_differs_per_step_and_rank(agreed):
+    """The rounding noise step() draws differs between steps and between ranks."""
+    starts = [tuple(n.tolist()) for r in agreed for n in r["noise"]]
+    assert len(set(starts)) == len(starts), "two draws of rounding noise (steps, ranks) repeat"
+
+
+def test_drifted_settings_are_refused_on_every_rank(agreed):
+    """Ranks whose lr drifted apart (ReduceLROnPlateau on per-rank metrics) are refused on every
+    rank with the same line, before any parameter moves; an lr changed alike steps."""
+    refusals = [r.get("refusal") for r in agreed]
+    assert refusals[0] and refusals[0] == refusals[1], f"the ranks said {refusals}"
+    assert "ReduceLROnPlateau" in refusals[0], refusals[0]
+    assert all(r["kept"] for r in agreed), "a refused step moved parameters"
+
+
+def test_compose_checkpoints_keep_the_step_counter(agreed):
+    """Saved at step 3 through compose_checkpoint, the counter comes back as 3 and the next steps'
+    rounding noise is the uninterrupted run's: bitwise the same parameters."""
+    for rank, r in enumerate(agreed):
+        assert r["counter"] == SAVED_AT, f"rank {rank}: step counter {r['counter']} after resume"
+        assert r["same"], f"rank {rank}: the resumed run is not bitwise the uninterrupted one"
