@@ -1,0 +1,217 @@
+"""Hostile versions of the seven real assignment files, graded through the released autograder zip
+as Gradescope grades them: as root, with the venv its setup.sh made (conftest.py), in a container of
+Gradescope's default size (768 MB, half a CPU: a cgroup).
+
+A case is a file with a `# file:` line (tests/attacks/chapters/*.py, or tests/attacks/*.py):
+hostile code put after (`# where: suffix`) or before (`# where: prefix`) that assignment file's
+stub or reference (`# target:`). `# paste: PATH::NAME` puts the function NAME of the released
+student repository's PATH in front of the code, when the repository holds it (an answer a student
+could paste); `# generated: NAME` puts GENERATED[NAME]() there. Last round's attacks on the
+two-file course (test_attacks.py) join as cases on the files LAST_ROUND names.
+
+Cases are graded together, at most one per file in a grading, so a few gradings cover them all.
+In each: the grading writes results.json listing every graded test with its points; a file with
+hostile code scores no more than the same file without it (a stub scores zero); a file without,
+that imports none with, scores what it scores alone (the reference: every point); nothing of the
+sandbox user is left (a process, System V IPC, a file in /dev/shm); no hidden file's text reaches
+the feedback.
+"""
+
+import ast
+import json
+import os
+import pwd
+import re
+import shutil
+import sys
+import tempfile
+from collections import namedtuple
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import assignments  # noqa: E402
+import measure_grading  # noqa: E402
+import sandbox  # noqa: E402
+from grade_plugin import collect  # noqa: E402
+
+MEMORY, CPUS = 768 * 2**20, 0.5  # Gradescope's default container
+TIMEOUT_S = 540  # run_autograder's default
+SECRET = "HIDDEN-REFERENCE-TEXT-2718"
+# last round's attacks on the two-file course, each on a chapter file of its own
+LAST_ROUND = {
+    "report_patch": "tensor_ckpt.py",
+    "plugin_writer": "memory/memory_timeline.py",
+    "forged_events": "compose.py",
+    "detached_rewrite": "compose_budget.py",
+    "read_hidden": "cp_compress.py",
+}
+GENERATED = {"deep_expression": lambda: "x = " + " + ".join(["1"] * 20_000) + "\n"}
+
+Case = namedtuple("Case", "name file target where text")
+
+
+def _header(text, key):
+    return re.findall(rf"^# {key}: (.+)$", text, re.M)
+
+
+def _cases():
+    found = []
+    paths = [os.path.join(HERE, "chapters", f) for f in os.listdir(os.path.join(HERE, "chapters"))]
+    paths += [os.path.join(HERE, f) for f in os.listdir(HERE) if not f.startswith("test_")]
+    for path in sorted(p for p in paths if p.endswith(".py") and "conftest" not in p):
+        with open(path) as f:
+            text = f.read()
+        name = os.path.splitext(os.path.basename(path))[0]
+        file = _header(text, "file") or [LAST_ROUND.get(name)]
+        if file[0] is None:
+            continue
+        found.append(
+            Case(name, file[0], _header(text, "target")[0], _header(text, "where")[0], text)
+        )
+    return found
+
+
+def _gradings(cases):
+    """The cases grouped by target, at most one per file in a grading."""
+    out = []
+    for case in cases:
+        group = next((g for g in out if g[0] == case.target and case.file not in g[1]), None)
+        if group is None:
+            out.append((case.target, {}))
+            group = out[-1]
+        group[1][case.file] = case
+    return out
+
+
+GRADINGS = _gradings(_cases())
+
+
+def _function(path, name):
+    """The source of the top-level function ``name`` in ``path``, or "" when there is none."""
+    if not os.path.exists(path):
+        return ""
+    with open(path) as f:
+        text = f.read()
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return ast.get_source_segment(text, node) + "\n"
+    return ""
+
+
+def _hostile(case, base, student):
+    """``base`` (the file's stub or reference text) with the case's code added."""
+    code = "".join(GENERATED[n]() for n in _header(case.text, "generated"))
+    for where in _header(case.text, "paste"):
+        path, name = where.split("::")
+        code += "\n\n" + _function(os.path.join(student, path), name)
+    code += "\n\n" + case.text
+    return code + "\n" + base if case.where == "prefix" else base + "\n\n" + code
+
+
+def _stem(name):
+    return os.path.splitext(os.path.basename(name))[0]
+
+
+def _importers(files):
+    """stem -> the stems of the assignment files that import it, directly or not."""
+    stems = {_stem(f) for f in files}
+    imports = {}
+    for f in files:
+        with open(os.path.join(ROOT, f)) as handle:
+            tree = ast.parse(handle.read())
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        imports[_stem(f)] = {m.split(".")[-1] for m in names} & stems - {_stem(f)}
+    closure = {s: set(i) for s, i in imports.items()}
+    for _ in stems:
+        for s in closure:
+            closure[s] |= {k for i in closure[s] for k in closure.get(i, ())}
+    return {s: {t for t in stems if s in closure[t]} for s in stems}
+
+
+@pytest.fixture(scope="module")
+def graded_tests(chapters_kit):
+    """nodeid -> points of every graded test the zip holds."""
+    return {g["nodeid"]: g["points"] for g in collect(ROOT)}
+
+
+def _grade(source, venv, files):
+    """run_autograder on the submission ``files`` (name -> text) as root in the container;
+    returns (results, processes left in the cgroup, output)."""
+    root = tempfile.mkdtemp(prefix="autograder-")
+    os.chmod(root, 0o755)
+    shutil.copytree(source, os.path.join(root, "source"), symlinks=True)
+    with open(os.path.join(root, "source", "hidden_reference.txt"), "w") as f:
+        f.write(SECRET + "\n")
+    os.makedirs(os.path.join(root, "submission"))
+    for name, text in files.items():
+        with open(os.path.join(root, "submission", os.path.basename(name)), "w") as f:
+            f.write(text)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GRADE_", "PYTHON"))}
+    env.update(AUTOGRADER_ROOT=root, AUTOGRADER_VENV=venv, GRADE_SANDBOX_USER=sandbox.USER)
+    try:
+        code, out, peaks, _ = measure_grading.run_limited(
+            ["bash", os.path.join(root, "source", "run_autograder")], MEMORY, CPUS, env=env
+        )
+        assert code == 0, out[-3000:]
+        with open(os.path.join(root, "results", "results.json")) as f:
+            return json.load(f), peaks["left"], out
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _left_of(uid):
+    """What the sandbox user still holds: processes, System V IPC, files in /dev/shm."""
+    left = [f"process {p}" for p in sandbox._pids() if sandbox._owner(p) == uid]
+    left += [f"{kind} {ident}" for kind, ident in sandbox.ipc_of(uid)]
+    for entry in os.scandir("/dev/shm"):
+        if entry.stat(follow_symlinks=False).st_uid == uid:
+            left.append(entry.path)
+    return left
+
+
+@pytest.mark.slow  # a whole grading of the seven files in Gradescope's container per case group
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize(
+    "target, cases",
+    GRADINGS,
+    ids=[f"{t}:{'+'.join(c.name for c in cs.values())}" for t, cs in GRADINGS],
+)
+def test_hostile_chapters_score_no_more_than_the_honest_files(
+    chapters_kit, autograder_venv, graded_tests, target, cases
+):
+    student, source = chapters_kit
+    files = assignments.assignment_files(ROOT)
+    honest = {}
+    for name in files:
+        path = os.path.join(student if target == "stub" else ROOT, name)
+        with open(path) as f:
+            honest[name] = f.read()
+    submitted = dict(honest)
+    for name, case in cases.items():
+        submitted[name] = _hostile(case, honest[name], student)
+    results, left, out = _grade(source, autograder_venv, submitted)
+    label = ", ".join(f"{c.name} in {n}" for n, c in cases.items())
+    assert not left, f"processes outlived run_autograder (one could rewrite results.json): {left}"
+    listed = {t["name"].split(": ", 1)[-1]: t for t in results["tests"]}
+    missing = sorted(set(graded_tests) - set(listed))
+    assert not missing, f"results.json lacks graded tests ({label}): {missing[:5]}\n{out[-3000:]}"
+    wrong = [n for n, p in graded_tests.items() if listed[n]["max_score"] != p]
+    assert not wrong, f"results.json gives graded tests other points: {wrong[:5]}"
+    scores = {}
+    for t in results["tests"]:
+        got, most = scores.get(_stem(t["name"].split(".", 1)[0]), (0, 0))
+        scores[_stem(t["name"].split(".", 1)[0])] = (got + t["score"], most + t["max_score"])
+    hostile = {_stem(n) for n in cases}
+    importers = _importers(files)
+    for stem, (got, most) in scores.items():
+        if target == "stub":  # a stub earns nothing (test_release grades the stubs: zero)
+            assert got == 0, f"{stem}.py earned {got} of {most} with {label}\n{out[-3000:]}"
+        elif stem not in hostile and not any(stem in importers[h] for h in hostile):
+            assert got == most, f"{stem}.py lost points to {label}: {scores}\n{out[-3000:]}"
+    assert SECRET not in json.dumps(results) and SECRET not in out, "a hidden file was read"
+    uid = pwd.getpwnam(sandbox.USER).pw_uid
+    assert not _left_of(uid), f"{sandbox.USER} left behind: {_left_of(uid)}"
