@@ -7,10 +7,11 @@ hostile code put after (`# where: suffix`) or before (`# where: prefix`) that as
 stub or reference (`# target:`). `# paste: PATH::NAME` puts the function NAME of the released
 student repository's PATH in front of the code, when the repository holds it (an answer a student
 could paste); `# generated: NAME` puts GENERATED[NAME]() there. Last round's attacks on the
-two-file course (test_attacks.py) join as cases on the files LAST_ROUND names.
+two-file course (test_attacks.py) that try to raise a score join as one case, in front of a stub.
 
-Cases are graded together, at most one per file in a grading, so a few gradings cover them all.
-In each: the grading writes results.json listing every graded test with its points; a file with
+Cases are graded together, at most one per file in a grading (one grading of about two minutes on
+half a CPU holds a case on five files; a sixth case on a taken file opens another). In each: the
+grading writes results.json listing every graded test with its points; a file with
 hostile code scores no more than the same file without it (a stub scores zero); a file without,
 that imports none with, scores what it scores alone (the reference: every point); nothing of the
 sandbox user is left (a process, System V IPC, a file in /dev/shm); no hidden file's text reaches
@@ -38,16 +39,11 @@ import sandbox  # noqa: E402
 from grade_plugin import collect  # noqa: E402
 
 MEMORY, CPUS = 768 * 2**20, 0.5  # Gradescope's default container
-TIMEOUT_S = 540  # run_autograder's default
 SECRET = "HIDDEN-REFERENCE-TEXT-2718"
-# last round's attacks on the two-file course, each on a chapter file of its own
-LAST_ROUND = {
-    "report_patch": "tensor_ckpt.py",
-    "plugin_writer": "memory/memory_timeline.py",
-    "forged_events": "compose.py",
-    "detached_rewrite": "compose_budget.py",
-    "read_hidden": "cp_compress.py",
-}
+# last round's attacks on the two-file course that try to raise a score from a worker, put
+# together in front of one stub (each ends without raising: the next one runs)
+LAST_ROUND = ("report_patch", "plugin_writer", "forged_events", "detached_rewrite")
+LAST_ROUND_FILE = "compose.py"
 GENERATED = {"deep_expression": lambda: "x = " + " + ".join(["1"] * 20_000) + "\n"}
 
 Case = namedtuple("Case", "name file target where text")
@@ -58,35 +54,39 @@ def _header(text, key):
 
 
 def _cases():
+    """Every case with a `# file:` line, then last round's attacks as one case."""
     found = []
     paths = [os.path.join(HERE, "chapters", f) for f in os.listdir(os.path.join(HERE, "chapters"))]
     paths += [os.path.join(HERE, f) for f in os.listdir(HERE) if not f.startswith("test_")]
     for path in sorted(p for p in paths if p.endswith(".py") and "conftest" not in p):
         with open(path) as f:
             text = f.read()
-        name = os.path.splitext(os.path.basename(path))[0]
-        file = _header(text, "file") or [LAST_ROUND.get(name)]
-        if file[0] is None:
-            continue
-        found.append(
-            Case(name, file[0], _header(text, "target")[0], _header(text, "where")[0], text)
-        )
+        if _header(text, "file"):
+            name = os.path.splitext(os.path.basename(path))[0]
+            target, where = _header(text, "target")[0], _header(text, "where")[0]
+            found.append(Case(name, _header(text, "file")[0], target, where, text))
+    texts = []
+    for name in LAST_ROUND:
+        with open(os.path.join(HERE, f"{name}.py")) as f:
+            texts.append(f.read())
+    found.append(Case("last_round", LAST_ROUND_FILE, "stub", "prefix", "\n".join(texts)))
     return found
 
 
 def _gradings(cases):
-    """The cases grouped by target, at most one per file in a grading."""
+    """The cases packed into gradings, at most one per file in each."""
     out = []
     for case in cases:
-        group = next((g for g in out if g[0] == case.target and case.file not in g[1]), None)
+        group = next((g for g in out if case.file not in g), None)
         if group is None:
-            out.append((case.target, {}))
+            out.append({})
             group = out[-1]
-        group[1][case.file] = case
+        group[case.file] = case
     return out
 
 
 GRADINGS = _gradings(_cases())
+NAMES = ["+".join(c.name for c in g.values()) for g in GRADINGS]
 
 
 def _function(path, name):
@@ -173,28 +173,25 @@ def _left_of(uid):
     return left
 
 
-@pytest.mark.slow  # a whole grading of the seven files in Gradescope's container per case group
+@pytest.mark.slow  # a whole grading of the seven files in Gradescope's container
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize(
-    "target, cases",
-    GRADINGS,
-    ids=[f"{t}:{'+'.join(c.name for c in cs.values())}" for t, cs in GRADINGS],
+    "cases", GRADINGS, ids=["+".join(c.name for c in g.values()) for g in GRADINGS]
 )
 def test_hostile_chapters_score_no_more_than_the_honest_files(
-    chapters_kit, autograder_venv, graded_tests, target, cases
+    chapters_kit, autograder_venv, graded_tests, cases
 ):
     student, source = chapters_kit
     files = assignments.assignment_files(ROOT)
-    honest = {}
+    submitted = {}
     for name in files:
-        path = os.path.join(student if target == "stub" else ROOT, name)
-        with open(path) as f:
-            honest[name] = f.read()
-    submitted = dict(honest)
-    for name, case in cases.items():
-        submitted[name] = _hostile(case, honest[name], student)
+        case = cases.get(name)
+        with open(os.path.join(student if case and case.target == "stub" else ROOT, name)) as f:
+            submitted[name] = f.read()
+        if case:
+            submitted[name] = _hostile(case, submitted[name], student)
     results, left, out = _grade(source, autograder_venv, submitted)
-    label = ", ".join(f"{c.name} in {n}" for n, c in cases.items())
+    label = ", ".join(f"{c.name} in {c.target} {n}" for n, c in cases.items())
     assert not left, f"processes outlived run_autograder (one could rewrite results.json): {left}"
     listed = {t["name"].split(": ", 1)[-1]: t for t in results["tests"]}
     missing = sorted(set(graded_tests) - set(listed))
@@ -203,14 +200,15 @@ def test_hostile_chapters_score_no_more_than_the_honest_files(
     assert not wrong, f"results.json gives graded tests other points: {wrong[:5]}"
     scores = {}
     for t in results["tests"]:
-        got, most = scores.get(_stem(t["name"].split(".", 1)[0]), (0, 0))
-        scores[_stem(t["name"].split(".", 1)[0])] = (got + t["score"], most + t["max_score"])
-    hostile = {_stem(n) for n in cases}
+        stem = t["name"].split(".", 1)[0]
+        got, most = scores.get(stem, (0, 0))
+        scores[stem] = (got + t["score"], most + t["max_score"])
+    stems = {_stem(n): c for n, c in cases.items()}
     importers = _importers(files)
     for stem, (got, most) in scores.items():
-        if target == "stub":  # a stub earns nothing (test_release grades the stubs: zero)
+        if stem in stems and stems[stem].target == "stub":  # test_release: the stubs score zero
             assert got == 0, f"{stem}.py earned {got} of {most} with {label}\n{out[-3000:]}"
-        elif stem not in hostile and not any(stem in importers[h] for h in hostile):
+        elif stem not in stems and not any(stem in importers[h] for h in stems):
             assert got == most, f"{stem}.py lost points to {label}: {scores}\n{out[-3000:]}"
     assert SECRET not in json.dumps(results) and SECRET not in out, "a hidden file was read"
     uid = pwd.getpwnam(sandbox.USER).pw_uid

@@ -1,8 +1,8 @@
 # Leaves memory that outlives every process at each import: a System V shared memory segment and a
 # POSIX shared memory file of 192 MB each, written (charged to the container), a semaphore set and
-# a message queue. Unless each call removes them, every file graded after this one runs out of
-# memory (no other file imports this one).
-# file: memory/memory_timeline.py
+# a message queue. Unless each call removes them, every other file runs out of memory (each file
+# is imported alone, this one among them, before any is graded).
+# file: tensor_ckpt.py
 # target: reference
 # where: suffix
 import ctypes as _ctypes
