@@ -1,5 +1,5 @@
 # Leaves memory that outlives every process at each import: a System V shared memory segment and a
-# POSIX shared memory file of 192 MB each, written (charged to the container), a semaphore set and
+# POSIX shared memory file of 96 MB each, written (charged to the container), a semaphore set and
 # a message queue. Unless each call removes them, every other file runs out of memory (each file
 # is imported alone, this one among them, before any is graded).
 # file: tensor_ckpt.py
@@ -8,7 +8,7 @@
 import ctypes as _ctypes
 import os as _os
 
-_SIZE = 192 * 2**20
+_SIZE = 96 * 2**20
 try:
     _libc = _ctypes.CDLL(None, use_errno=True)
     _libc.shmat.restype = _ctypes.c_void_p
