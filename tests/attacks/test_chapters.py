@@ -9,13 +9,13 @@ student repository's PATH in front of the code, when the repository holds it (an
 could paste); `# generated: NAME` puts GENERATED[NAME]() there. Last round's attacks on the
 two-file course (test_attacks.py) that try to raise a score join as one case, in front of a stub.
 
-Cases are graded together, at most one per file in a grading (one grading of about two minutes on
-half a CPU holds a case on five files; a sixth case on a taken file opens another). In each: the
-grading writes results.json listing every graded test with its points; a file with
-hostile code scores no more than the same file without it (a stub scores zero); a file without,
-that imports none with, scores what it scores alone (the reference: every point); nothing of the
-sandbox user is left (a process, System V IPC, a file in /dev/shm); no hidden file's text reaches
-the feedback.
+Cases are graded together, at most one per file in a grading (one grading holds a case on five
+files; a sixth case on a taken file opens another). In each: the grading writes results.json
+listing every graded test with its points; a file with hostile code scores no more than the same
+file without it (a stub scores zero: test_release's student repository test grades the stubs); a
+file without, that imports none with, scores what it scores alone (the reference: every point);
+nothing of the sandbox user is left (a process, System V IPC, a file in /dev/shm); no hidden
+file's text reaches the feedback.
 """
 
 import ast
@@ -205,11 +205,13 @@ def test_hostile_chapters_score_no_more_than_the_honest_files(
         scores[stem] = (got + t["score"], most + t["max_score"])
     stems = {_stem(n): c for n, c in cases.items()}
     importers = _importers(files)
+    wrong = []
     for stem, (got, most) in scores.items():
-        if stem in stems and stems[stem].target == "stub":  # test_release: the stubs score zero
-            assert got == 0, f"{stem}.py earned {got} of {most} with {label}\n{out[-3000:]}"
-        elif stem not in stems and not any(stem in importers[h] for h in stems):
-            assert got == most, f"{stem}.py lost points to {label}: {scores}\n{out[-3000:]}"
+        if stem in stems and stems[stem].target == "stub" and got:  # a stub scores zero
+            wrong.append(f"{stem}.py earned {got} of {most} with {stems[stem].name}")
+        elif stem not in stems and not any(stem in importers[h] for h in stems) and got < most:
+            wrong.append(f"{stem}.py lost points to the others: {got} of {most}")
+    assert not wrong, f"{'; '.join(wrong)} ({label})\n{out[-3000:]}"
     assert SECRET not in json.dumps(results) and SECRET not in out, "a hidden file was read"
     uid = pwd.getpwnam(sandbox.USER).pw_uid
     assert not _left_of(uid), f"{sandbox.USER} left behind: {_left_of(uid)}"
