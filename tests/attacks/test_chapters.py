@@ -9,13 +9,15 @@ student repository's PATH in front of the code, when the repository holds it (an
 could paste); `# generated: NAME` puts GENERATED[NAME]() there. Last round's attacks on the
 two-file course (test_attacks.py) that try to raise a score join as one case, in front of a stub.
 
-Cases are graded together, at most one per file in a grading (one grading holds a case on five
-files; a sixth case on a taken file opens another). In each: the grading writes results.json
-listing every graded test with its points; a file with hostile code scores no more than the same
-file without it (a stub scores zero: test_release's student repository test grades the stubs); a
-file without, that imports none with, scores what it scores alone (the reference: every point);
-nothing of the sandbox user is left (a process, System V IPC, a file in /dev/shm); no hidden
-file's text reaches the feedback.
+Cases are graded together, at most one per file in a grading, and a grading with a case on a
+reference keeps a witness (a file without a case that imports none with one); a case that finds
+no room opens another grading (about two to three minutes each on half a CPU). In each: the
+grading writes results.json listing every graded test with its points; a file with hostile code
+scores no more than the same file without it (a stub scores zero: test_release's student
+repository test grades the stubs); every witness scores what it scores alone (the reference:
+every point); nothing of the sandbox user is left (a process, System V IPC, a file in
+/dev/shm); no hidden file's text reaches the feedback. The other engineers' cases of forged probe
+values go in tests/attacks/chapters/ with the same header lines.
 """
 
 import ast
@@ -73,19 +75,54 @@ def _cases():
     return found
 
 
-def _gradings(cases):
-    """The cases packed into gradings, at most one per file in each."""
+def _witnesses(group, importers):
+    """The files of a grading that hold no case and import none that does: they must score in
+    full, whatever the cases did (a leak that outlived its call would sink them)."""
+    hostile = {_stem(n) for n in group}
+    return {
+        s for s in importers if s not in hostile and not any(s in importers[h] for h in hostile)
+    }
+
+
+def _gradings(cases, importers):
+    """The cases packed into gradings, at most one per file in each, and a grading that holds a
+    case on a reference keeps a witness."""
     out = []
     for case in cases:
-        group = next((g for g in out if case.file not in g), None)
-        if group is None:
-            out.append({})
-            group = out[-1]
-        group[case.file] = case
+        for group in out:
+            joined = {**group, case.file: case}
+            sinking = any(c.target == "reference" for c in joined.values())
+            if case.file not in group and (_witnesses(joined, importers) or not sinking):
+                group[case.file] = case
+                break
+        else:
+            out.append({case.file: case})
     return out
 
 
-GRADINGS = _gradings(_cases())
+def _importers(files):
+    """stem -> the stems of the assignment files that import it, directly or not."""
+    stems = {_stem(f) for f in files}
+    imports = {}
+    for f in files:
+        with open(os.path.join(ROOT, f)) as handle:
+            tree = ast.parse(handle.read())
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        imports[_stem(f)] = {m.split(".")[-1] for m in names} & stems - {_stem(f)}
+    closure = {s: set(i) for s, i in imports.items()}
+    for _ in stems:
+        for s in closure:
+            closure[s] |= {k for i in closure[s] for k in closure.get(i, ())}
+    return {s: {t for t in stems if s in closure[t]} for s in stems}
+
+
+def _stem(name):
+    return os.path.splitext(os.path.basename(name))[0]
+
+
+IMPORTERS = _importers(assignments.assignment_files(ROOT))
+GRADINGS = _gradings(_cases(), IMPORTERS)
 NAMES = ["+".join(c.name for c in g.values()) for g in GRADINGS]
 
 
@@ -109,27 +146,6 @@ def _hostile(case, base, student):
         code += "\n\n" + _function(os.path.join(student, path), name)
     code += "\n\n" + case.text
     return code + "\n" + base if case.where == "prefix" else base + "\n\n" + code
-
-
-def _stem(name):
-    return os.path.splitext(os.path.basename(name))[0]
-
-
-def _importers(files):
-    """stem -> the stems of the assignment files that import it, directly or not."""
-    stems = {_stem(f) for f in files}
-    imports = {}
-    for f in files:
-        with open(os.path.join(ROOT, f)) as handle:
-            tree = ast.parse(handle.read())
-        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-        imports[_stem(f)] = {m.split(".")[-1] for m in names} & stems - {_stem(f)}
-    closure = {s: set(i) for s, i in imports.items()}
-    for _ in stems:
-        for s in closure:
-            closure[s] |= {k for i in closure[s] for k in closure.get(i, ())}
-    return {s: {t for t in stems if s in closure[t]} for s in stems}
 
 
 @pytest.fixture(scope="module")
@@ -204,12 +220,12 @@ def test_hostile_chapters_score_no_more_than_the_honest_files(
         got, most = scores.get(stem, (0, 0))
         scores[stem] = (got + t["score"], most + t["max_score"])
     stems = {_stem(n): c for n, c in cases.items()}
-    importers = _importers(files)
+    witnesses = _witnesses(cases, IMPORTERS)
     wrong = []
     for stem, (got, most) in scores.items():
         if stem in stems and stems[stem].target == "stub" and got:  # a stub scores zero
             wrong.append(f"{stem}.py earned {got} of {most} with {stems[stem].name}")
-        elif stem not in stems and not any(stem in importers[h] for h in stems) and got < most:
+        elif stem in witnesses and got < most:
             wrong.append(f"{stem}.py lost points to the others: {got} of {most}")
     assert not wrong, f"{'; '.join(wrong)} ({label})\n{out[-3000:]}"
     assert SECRET not in json.dumps(results) and SECRET not in out, "a hidden file was read"
