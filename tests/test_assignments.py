@@ -303,6 +303,24 @@ def test_grader_on_a_fake_repository(tmp_path):
     assert all("NotImplementedError" in t["output"] for t in results["tests"]), out
 
 
+def test_a_file_the_grader_cannot_parse_loses_only_its_own_line_numbers(tmp_path):
+    """The function table maps each graded file's functions to lines: a 20,000-term expression
+    (ast.parse raises RecursionError), a file that is not UTF-8, a binary one and one too big to
+    read are each left out, and every other file is still mapped."""
+    good = b"def f():\n    pass\n"
+    files = {
+        "deep.py": b"x = " + b"+".join([b"1"] * 20_000) + b"\n" + good,
+        "latin1.py": "# caf\u00e9\n".encode("latin-1") + good,
+        "binary.py": bytes(range(256)) * 64,
+        "big.py": good + b"#" * grade.MAX_MAPPED_BYTES,
+        "good.py": good,
+    }
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    lines = grade.function_lines(str(tmp_path), [*files, "missing.py"])
+    assert lines == {"good.f": 1}, lines
+
+
 # slow: two gradings and a hang waited out; graded/test_sandbox.py's hang test stays
 @pytest.mark.slow
 def test_submission_shadows_the_reference_and_a_hang_scores_zero(tmp_path):

@@ -320,6 +320,9 @@ def test_autograder_writes_a_result_when_grading_breaks(kit, tmp_path):
     results = json.loads((root / "results" / "results.json").read_text())
     assert results["score"] == 0 and "nothing was scored" in results["output"]
     assert "execution_time" in results
+    tests = results["tests"]  # still every graded test, with what it was worth
+    assert tests and all(t["score"] == 0 and t["max_score"] > 0 for t in tests), tests[:3]
+    assert results["max_score"] == sum(t["max_score"] for t in tests)
 
 
 # ---- slow tier: whole gradings ----

@@ -62,6 +62,7 @@ CONSOLE_LINES = 6  # traceback lines under each failure on the console (results.
 IMPORT_S = float(os.environ.get("GRADE_IMPORT_S", 60))  # importing one assignment file
 MIN_FILE_S = 60.0  # the least time a graded file is given
 KILL_GRACE_S = 20.0  # a session past its time is killed this long after (it stops itself first)
+MAX_MAPPED_BYTES = 2**22  # a submitted file larger than this is not parsed for its line numbers
 
 
 class Outcome(NamedTuple):
@@ -358,25 +359,15 @@ def run_graded(
             args = ["-m", "grade and not ungraded", f"--timeout={per_test_s}"]
             args += ["-q" if quiet else "-v", "--tb=short", "-rN", "--disable-warnings"]
             args += ["--no-header", *(by_file[test_file] if nodeids else [test_file])]
-            began = time.time()
-            found, code, killed = _session(root, test_file, args, env, began + budget, quiet)
-            kill_everything(keep=(shared.proc.pid,))
-            mine = outcomes(found)
-            died = None
-            if code is not None and code < 0 and not killed:
-                died = f"signal {-code}" + (", out of memory" if -code == signal.SIGKILL else "")
-            cut, running = _cut_off(test_file, time.time() - began, found, mine, died)
-            if not any(e["event"] == "collected" for e in found):  # it died before collecting
-                collected = collect(root, [test_file], only)
-                found += collected
-                cut, running = _cut_off(test_file, time.time() - began, found, mine, died)
-            if killed or died or cut:
-                what = f"died ({died})" if died else "ran out of time"
-                notes.append(
-                    f"{os.path.basename(test_file)} {what} after {time.time() - began:.0f} s"
-                    + (f", in {running.split('::', 1)[-1]}" if running else "")
-                    + "; its tests not run score zero."
-                )
+            try:
+                graded_file = _grade_file(root, test_file, args, env, budget, quiet, only)
+            except Exception as error:  # the grader's own failure: this file alone scores zero
+                graded_file = _not_graded(root, test_file, only, error)
+            finally:
+                kill_everything(keep=(shared.proc.pid,))
+            found, mine, cut, note = graded_file
+            if note:
+                notes.append(note)
             graded += [e for e in found if e["event"] == "collected"]
             results.update(mine)
             results.update(cut)
@@ -401,6 +392,46 @@ def run_graded(
         g, o = oom[0]
         notes.insert(0, _oom_line(g["nodeid"], first_line(o.output)))
     return Run(graded, results, time.time() - start, notes, broken)
+
+
+def _grade_file(root, test_file, args, env, budget, quiet, only):
+    """One graded file's session: (events, outcomes, outcomes of the tests it did not finish,
+    a note when it died or ran out of time)."""
+    began = time.time()
+    found, code, killed = _session(root, test_file, args, env, began + budget, quiet)
+    mine = outcomes(found)
+    died = None
+    if code is not None and code < 0 and not killed:
+        died = f"signal {-code}" + (", out of memory" if -code == signal.SIGKILL else "")
+    cut, running = _cut_off(test_file, time.time() - began, found, mine, died)
+    if not any(e["event"] == "collected" for e in found):  # it died before collecting
+        found += collect(root, [test_file], only)
+        cut, running = _cut_off(test_file, time.time() - began, found, mine, died)
+    note = ""
+    if killed or died or cut:
+        what = f"died ({died})" if died else "ran out of time"
+        note = (
+            f"{os.path.basename(test_file)} {what} after {time.time() - began:.0f} s"
+            + (f", in {running.split('::', 1)[-1]}" if running else "")
+            + "; its tests not run score zero."
+        )
+    return found, mine, cut, note
+
+
+def _not_graded(root, test_file, only, error):
+    """What _grade_file returns for a file the grader itself failed on: each of its tests
+    listed with its points, none scored."""
+    why = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
+    try:
+        found = collect(root, [test_file], only)
+    except Exception:
+        found = []
+    cut = {
+        e["nodeid"]: Outcome(False, f"not run: the grader failed on this file ({why})", ran=False)
+        for e in found
+    }
+    note = f"{os.path.basename(test_file)} could not be graded ({why}); its tests score zero."
+    return found, {}, cut, note
 
 
 @contextlib.contextmanager
@@ -562,25 +593,34 @@ def score_table(results, broken=None):
 
 
 def function_lines(staged, files):
-    """qualname -> the line its function starts on, in the files being graded (the student's)."""
+    """qualname -> the line its function starts on, in the files being graded (the student's).
+    A file that cannot be mapped (too big, not UTF-8, binary, too deep for the parser: a
+    RecursionError or MemoryError) is left out: the table then names it without lines."""
     lines = {}
     for name in files:
-        stem = os.path.splitext(os.path.basename(name))[0]
         try:
-            with open(os.path.join(staged, name)) as f:
-                tree = ast.parse(f.read())
-        except (OSError, SyntaxError, ValueError):
+            lines.update(_lines_of(os.path.join(staged, name)))
+        except Exception:  # the student's file: whatever it holds, only its lines go missing
             continue
+    return lines
 
-        def visit(node, prefix):
-            for child in ast.iter_child_nodes(node):
-                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    lines.setdefault(f"{prefix}.{child.name}", child.lineno)
-                    visit(child, f"{prefix}.{child.name}")
-                elif isinstance(child, ast.ClassDef):
-                    visit(child, f"{prefix}.{child.name}")
 
-        visit(tree, stem)
+def _lines_of(path):
+    stem, lines = os.path.splitext(os.path.basename(path))[0], {}
+    if os.path.getsize(path) > MAX_MAPPED_BYTES:
+        return lines
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+
+    def visit(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines.setdefault(f"{prefix}.{child.name}", child.lineno)
+                visit(child, f"{prefix}.{child.name}")
+            elif isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}.{child.name}")
+
+    visit(tree, stem)
     return lines
 
 

@@ -297,7 +297,7 @@ def events(report):
     return out
 
 
-def collect(root, files=None, only=None):
+def collect(root, files=None, only=None, timeout=600):
     """Every graded test under ``root``/tests/graded (or in ``files``): dicts with ``nodeid``,
     ``points``, ``solutions`` and ``needs``. Imports no submitted file (the tests never do)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -311,7 +311,9 @@ def collect(root, files=None, only=None):
         cmd = [sys.executable, "-m", "pytest", "-p", "grade_plugin", "-p", "no:cacheprovider"]
         cmd += ["--confcutdir", os.path.join(root, "tests", "graded"), "--collect-only", "-q"]
         cmd += ["-m", "grade and not ungraded", *(files or [os.path.join("tests", "graded")])]
-        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout
+        )
         if proc.returncode not in (0, 5):  # 5: nothing collected
             raise RuntimeError(
                 f"collecting the graded tests failed (pytest exit code {proc.returncode}):\n"

@@ -17,7 +17,10 @@ Workers are forked by a zygote (tools/sandbox_child.py) that imported torch once
 runs as root they run as the sandbox user (GRADE_SANDBOX_USER, default grade-sandbox; the
 autograder's setup.sh creates it), which can read the staged files and write only its scratch
 folder; otherwise as this user. After every call every process the call left behind is killed
-(as root: every process of the sandbox user). Anything that goes wrong in a worker (an exception,
+(as root: every process of the sandbox user), the scratch folder is emptied and, as root, what
+the user left behind is removed: its System V shared memory, semaphores and message queues and
+its files in /dev/shm, /tmp and /var/tmp (memory held there would stay charged to the container
+and sink every later call). Anything that goes wrong in a worker (an exception,
 a stub's NotImplementedError, a hang, an exit, a crash, running out of memory) raises
 StudentCodeError here, an AssertionError whose first line says what happened in the student's terms.
 
@@ -30,6 +33,7 @@ the zygote imports before forking).
 """
 
 import atexit
+import ctypes
 import io
 import json
 import os
@@ -145,7 +149,8 @@ def kill_tree(pid):
 
 def kill_sandbox_user():
     """As root with a sandbox user: SIGKILL every process of that user (a forked child becomes the
-    user and calls kill(-1)); returns how many were left. Elsewhere a no-op returning 0."""
+    user and calls kill(-1)), then remove what it left (remove_leftovers); returns how many
+    processes were left. Elsewhere a no-op returning 0."""
     uid = identity()[0]
     if uid is None:
         return 0
@@ -165,13 +170,108 @@ def kill_sandbox_user():
         os.waitpid(pid, 0)
         left = [p for p in _pids() if _owner(p) == uid]
         if not left:
-            return 0
+            break
         time.sleep(0.05)
+    remove_leftovers(uid)
     return len(left)
 
 
 def _pids():
     return [int(e) for e in os.listdir("/proc") if e.isdigit()]
+
+
+# ---- removing what a call left in the kernel and on disk ----
+
+IPC_RMID = 0
+IPC_ID = {"shm": "shmid", "sem": "semid", "msg": "msqid"}  # /proc/sysvipc/<kind>'s id column
+SHARED_DIRS = ("/dev/shm", "/dev/mqueue", "/tmp", "/var/tmp")  # where any user can create files
+
+
+def ipc_of(uid):
+    """[(kind, id)] of the System V shared memory segments, semaphore sets and message queues
+    that ``uid`` owns or created (an owner can be changed, a creator cannot)."""
+    found = []
+    for kind, column in IPC_ID.items():
+        try:
+            with open(f"/proc/sysvipc/{kind}") as f:
+                header, *rows = f.read().splitlines()
+        except (OSError, ValueError):
+            continue
+        names = header.split()
+        for row in rows:
+            fields = dict(zip(names, row.split()))
+            if str(uid) in (fields.get("uid"), fields.get("cuid")):
+                found.append((kind, int(fields[column])))
+    return found
+
+
+def remove_ipc(uid):
+    """Remove every System V IPC object of ``uid``; a segment still attached goes once its last
+    process is gone (they are killed first). Returns how many are left."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for kind, ident in ipc_of(uid):
+        if kind == "shm":
+            libc.shmctl(ident, IPC_RMID, None)
+        elif kind == "sem":
+            libc.semctl(ident, 0, IPC_RMID)
+        else:
+            libc.msgctl(ident, IPC_RMID, None)
+    return len([k for k, _ in ipc_of(uid) if k != "shm"])  # a removed segment may linger
+
+
+def remove_files_of(uid, folders, depth=4):
+    """Remove every file, link and folder ``uid`` owns under ``folders``, never following a link:
+    it can only have made them in a folder any user can write (those are searched, ``depth``
+    deep) or in a folder of its own (removed whole)."""
+    for folder in folders:
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            directory = stat.S_ISDIR(info.st_mode)
+            try:
+                if info.st_uid == uid:
+                    if directory:
+                        shutil.rmtree(entry.path, ignore_errors=True)
+                    else:
+                        os.unlink(entry.path)
+                elif directory and info.st_mode & stat.S_IWOTH and depth > 1:
+                    remove_files_of(uid, [entry.path], depth - 1)
+            except OSError:
+                pass
+
+
+def empty(folder):
+    """Remove everything inside ``folder`` (the workers' scratch), the folder itself kept."""
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                os.unlink(entry.path)
+        except OSError:
+            pass
+
+
+def remove_leftovers(uid=None):
+    """As root with a sandbox user, once its processes are killed: its System V IPC objects, and
+    its files in the shared-memory and temporary folders and this process's temporary folder
+    (POSIX shared memory and message queues are files there). Memory a worker left in them stays
+    charged to the container until removed."""
+    uid = identity()[0] if uid is None else uid
+    if uid is None:
+        return
+    remove_ipc(uid)
+    remove_files_of(uid, dict.fromkeys([*SHARED_DIRS, tempfile.gettempdir()]))
 
 
 def _owner(pid):
@@ -519,6 +619,8 @@ def run_workers(requests, timeout):
             if w.status is None:
                 _kill_worker(w)
         z.kill_all()
+        remove_leftovers()  # nor anything it left in the kernel or the shared folders
+        empty(_scratch())
         for w in workers:
             _drain(w)
     return workers
@@ -850,6 +952,7 @@ def close():
     if z is not None:
         z.kill_all()
         z.close()
+        remove_leftovers()
     base = _STATE.pop("base", None)
     if base is not None:
         shutil.rmtree(base, ignore_errors=True)

@@ -4,14 +4,14 @@ Each file beside this one is an attack: hostile code put in front of (`# where: 
 (`# where: suffix`) one assignment file, its stub or its reference (`# target:`). A small course of
 two assignment files is built here (alpha.py, two graded functions, one on two gloo ranks; beta.py,
 which imports alpha as compose.py imports the chapters), released with tools/release.py, and its
-zip set up with setup.sh into a fresh virtualenv (its own Python, no development .pth; the sandbox
-user made) as root, as Gradescope does. Every attack is then graded by run_autograder, as root,
-inside a memory cgroup: its score is at most the honest score of the same files, beta.py scores in
-full, results.json is written and no process outlives run_autograder in the cgroup (none is left
-to rewrite it), none of the sandbox user's anywhere, and no hidden file's text reaches the
-feedback.
+zip graded with the virtualenv the release's setup.sh made (its own Python, no development .pth;
+the sandbox user made) as root, as Gradescope does (conftest.py). Every attack is then graded by
+run_autograder, as root, inside a memory cgroup: its score is at most the honest score of the same
+files, beta.py scores in full, results.json is written and no process outlives run_autograder in
+the cgroup (none is left to rewrite it), none of the sandbox user's anywhere, and no hidden file's
+text reaches the feedback.
 
-GRADE_ATTACK_VENV names a venv setup.sh made already (to try the attacks again quickly).
+test_chapters.py grades the real chapters' hostile versions the same way.
 """
 
 import json
@@ -19,10 +19,8 @@ import os
 import pwd
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
-import zipfile
 
 import pytest
 
@@ -34,7 +32,18 @@ import measure_grading  # noqa: E402
 import release  # noqa: E402
 import sandbox  # noqa: E402
 
-ATTACKS = sorted(f[:-3] for f in os.listdir(HERE) if f.endswith(".py") and f != "test_attacks.py")
+
+def _is_attack(name):
+    """An attack on this two-file course: a `# target:` line and no `# file:` line (a case of
+    test_chapters.py, graded on the real chapters)."""
+    if not name.endswith(".py") or name.startswith("test_") or name == "conftest.py":
+        return False
+    with open(os.path.join(HERE, name)) as f:
+        text = f.read()
+    return bool(re.search(r"^# target: ", text, re.M)) and not re.search(r"^# file: ", text, re.M)
+
+
+ATTACKS = sorted(f[:-3] for f in os.listdir(HERE) if _is_attack(f))
 SECRET = "HIDDEN-REFERENCE-TEXT-3141"
 MEMORY = 1536 * 2**20  # the cgroup every run is graded in (a memory hog stops there)
 TIMEOUT_S = 150  # run_autograder's limit, well above the two-file course's honest grading
@@ -131,17 +140,6 @@ def triple(x):
 """
 
 
-def _python():
-    """A Python >= 3.11 that every user can read (setup.sh's venv is made from it), or None."""
-    for name in ("python3.13", "python3.12", "python3.11", "python3"):
-        path = shutil.which(name, path="/usr/local/bin:/usr/bin:/bin")
-        if path and sandbox._readable_by_all(path):
-            check = [path, "-c", "import sys, venv; sys.exit(sys.version_info < (3, 11))"]
-            if subprocess.run(check, capture_output=True).returncode == 0:
-                return path
-    return None
-
-
 def _course(path):
     """The two-file course: a repository shaped like this one, with this one's tools."""
     os.makedirs(path / "tests" / "graded" / "probes")
@@ -163,14 +161,9 @@ def _no_cache(folder, names):
 
 
 @pytest.fixture(scope="module")
-def autograder(tmp_path_factory):
-    """(unpacked autograder source, its venv, the course root): setup.sh run as Gradescope runs
-    it, as root, into a fresh venv (or GRADE_ATTACK_VENV's)."""
-    if os.geteuid() != 0:
-        pytest.skip("the attacks run as Gradescope runs them: as root")
-    python = _python()
-    if python is None:
-        pytest.skip("no Python >= 3.11 readable by every user for setup.sh's venv")
+def autograder(tmp_path_factory, autograder_venv, unpacked):
+    """(unpacked autograder source, its venv, the course root): the course's zip unpacked as
+    Gradescope unpacks it, graded with the venv the release's setup.sh made (conftest.py)."""
     course = _course(tmp_path_factory.mktemp("course"))
     kit = tmp_path_factory.mktemp("kit")
     student = str(kit / "student")
@@ -179,25 +172,7 @@ def autograder(tmp_path_factory):
     release.write_autograder(student, zip_path, course)
     base = tempfile.mkdtemp(prefix="attacks-")  # pytest's folders are root's alone: this is not
     os.chmod(base, 0o755)
-    source = os.path.join(base, "source")
-    with zipfile.ZipFile(zip_path) as z:
-        z.extractall(source)
-    for name in ("setup.sh", "run_autograder"):
-        os.chmod(os.path.join(source, name), 0o755)
-    venv = os.environ.get("GRADE_ATTACK_VENV") or os.path.join(base, "venv")
-    if not os.environ.get("GRADE_ATTACK_VENV"):
-        env = dict(os.environ, AUTOGRADER_ROOT=base, AUTOGRADER_VENV=venv, TORCH_INDEX="")
-        env["AUTOGRADER_PYTHON_BIN"] = python
-        proc = subprocess.run(
-            ["bash", os.path.join(source, "setup.sh")],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=1800,
-        )
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        assert "student code will run as" in proc.stdout, proc.stdout
-    yield source, venv, course
+    yield unpacked(zip_path, base), autograder_venv, course
     shutil.rmtree(base, ignore_errors=True)
 
 
@@ -231,6 +206,7 @@ def _grade(autograder, alpha_text):
         f.write(alpha_text)
     shutil.copy(os.path.join(course, "beta.py"), os.path.join(root, "submission", "beta.py"))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GRADE_", "PYTHON"))}
+    env["GRADE_SANDBOX_USER"] = sandbox.USER  # the user setup.sh made
     env.update(AUTOGRADER_ROOT=root, AUTOGRADER_VENV=venv, AUTOGRADER_TIMEOUT_S=str(TIMEOUT_S))
     env.update(GRADE_IMPORT_S="15")
     try:

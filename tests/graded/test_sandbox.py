@@ -174,3 +174,20 @@ def test_as_root_the_worker_is_the_sandbox_user_and_writes_only_its_scratch(tmp_
     assert not call("selftest:can", str(secret), "r")
     assert not call("selftest:can", os.path.join(sandbox.stage(), "launch.py"), "a")
     assert call("selftest:can", os.path.join(sandbox._scratch(), "mine.txt"), "w")
+
+
+@pytest.mark.skipif(sandbox.identity()[0] is None, reason=sandbox.identity()[2])
+def test_what_a_call_leaves_in_the_kernel_and_the_shared_folders_goes_with_it():
+    """System V shared memory outlives every process (and stays charged to the container): one
+    file's leftovers would sink every later call unless each call removes them."""
+    left = call("selftest:leave_behind")
+    made = {(kind, ident) for kind, ident in left["ipc"]}
+    assert all(ident >= 0 for _, ident in made), f"the probe could not make its objects: {made}"
+    deadline = time.monotonic() + 5  # an attached segment goes once its holder's exit completes
+    while made & set(sandbox.ipc_of(sandbox.identity()[0])) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    still = made & set(sandbox.ipc_of(sandbox.identity()[0]))
+    assert not still, f"System V IPC objects of the sandbox user outlived the call: {still}"
+    files = [p for p in left["paths"] if os.path.lexists(p)]
+    assert not files, f"files of the sandbox user outlived the call: {files}"
+    assert os.listdir(sandbox._scratch()) == [], "the scratch folder was not emptied"

@@ -91,6 +91,27 @@ def grade(submission, results, timeout_s):
     return code, "\n".join(tail)[-3000:]
 
 
+def unscored(why, timeout_s=45):
+    """Every graded test with its points and a score of zero (a report the grader never wrote
+    still shows what was at stake), or [] when they cannot be collected in ``timeout_s``."""
+    from grade_plugin import collect
+
+    try:
+        graded = collect(ROOT, timeout=timeout_s)
+    except Exception:  # the fallback of a fallback: the zero, with its reason
+        return []
+    return [
+        {
+            "name": f"{', '.join(g['solutions'])}: {g['nodeid']}",
+            "score": 0,
+            "max_score": g["points"],
+            "output": why,
+            "visibility": "visible",
+        }
+        for g in graded
+    ]
+
+
 def finish(report_path, results, seconds, code, tail, note):
     """Write results.json once, as Gradescope reads it: the grader's report (from
     ``report_path``), or a zero that says why."""
@@ -106,8 +127,9 @@ def finish(report_path, results, seconds, code, tail, note):
         report = {
             "score": 0,
             "output": f"The grader {why}; nothing was scored. Its last output:\n{tail}",
-            "tests": [],
+            "tests": unscored(f"not scored: the grader {why}"),
         }
+        report["max_score"] = sum(t["max_score"] for t in report["tests"])
     report["execution_time"] = round(seconds, 1)
     report.setdefault("visibility", "visible")
     if note:

@@ -99,3 +99,30 @@ def uses(module, name):
 
 def big(n):
     return "x" * n
+
+
+def leave_behind():
+    """Leave System V shared memory (one segment still attached by a detached process), a
+    semaphore set, a message queue, a POSIX shared memory file and temporary files behind."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.shmat.restype = ctypes.c_void_p
+    private, create = 0, 0o1000 | 0o600  # IPC_PRIVATE, IPC_CREAT
+    shm = [libc.shmget(private, 1 << 20, create) for _ in range(2)]
+    ctypes.memset(libc.shmat(shm[0], None, 0), 1, 1 << 20)  # its pages charged, then detached
+    ipc = [("shm", shm[0]), ("shm", shm[1])]
+    ipc += [("sem", libc.semget(private, 1, create)), ("msg", libc.msgget(private, create))]
+    paths = []
+    for folder in ("/dev/shm", "/tmp", "/var/tmp", os.getcwd()):
+        path = os.path.join(folder, f"left-behind-{os.getpid()}")
+        os.makedirs(path)
+        with open(os.path.join(path, "data"), "w") as f:
+            f.write("x")
+        with open(path + ".txt", "w") as f:
+            f.write("x")
+        paths += [path, path + ".txt"]
+    if os.fork() == 0:  # holds the second segment until it is killed
+        os.setsid()
+        libc.shmat(shm[1], None, 0)
+        time.sleep(300)
+        os._exit(0)
+    return {"ipc": ipc, "paths": paths}
