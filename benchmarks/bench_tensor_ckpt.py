@@ -35,6 +35,7 @@ estimate; timeit's advice).
 
 import argparse
 import functools
+import json
 import os
 import statistics
 import sys
@@ -236,6 +237,7 @@ def parse_args():
         help="accepted for a uniform command line; this benchmark runs one "
         "process and uses no process group",
     )
+    parser.add_argument("--json", metavar="PATH", help="also write each variant's numbers here")
     args = parser.parse_args()
     if args.reps < 1 or args.bisect < 1:
         parser.error("--reps and --bisect must be >= 1")
@@ -342,6 +344,10 @@ def main():
         if rep % 5 == 4 or rep == reps - 1:
             say("timing", f"{rep + 1} of {reps} interleaved repetitions")
     print_table(rows, diff, budget, reps, device)
+    if args.json:  # activations held (bytes) and the median step (ms), per variant
+        with open(args.json, "w") as f:
+            json.dump({n: dict(held=r["held"], ms=1e3 * statistics.median(r["times"]))
+                       for n, r in rows.items()}, f)  # fmt: skip
 
 
 def print_table(rows, diff, budget, reps, device):
