@@ -348,10 +348,10 @@ class Run:
 NS_BATCH_MAX_COST = ns_cost((256, 256))
 
 
-def batch_newton_schulz(shape, count):
-    """The plan's choice for a run of `count` [n, m] matrices: one batched Newton-Schulz call
-    (True) or one per matrix. A rule on sizes alone, so every rank decides alike."""
-    return count > 1 and ns_cost(shape) < NS_BATCH_MAX_COST
+def batch_newton_schulz(shape):
+    """The plan's choice for a run of [n, m] matrices: one batched Newton-Schulz call (True) or
+    one per matrix. A rule on sizes alone, so every rank decides alike."""
+    return ns_cost(shape) < NS_BATCH_MAX_COST
 
 
 @dataclass
@@ -380,7 +380,7 @@ def make_shards(matrix_lists, mine, process_group, peers, **kw):
     chunks = [[replace(s, offset=o) for s, o in zip(c, at)] for c, at in zip(matrix_lists, offsets)]
     same_shape = [list(slots) for _, slots in groupby(chunks[mine], key=lambda s: s.shape)]
     runs = [
-        Run(slots[0].offset, slots[0].shape, slots, batch_newton_schulz(slots[0].shape, len(slots)))
+        Run(slots[0].offset, slots[0].shape, slots, batch_newton_schulz(slots[0].shape))
         for slots in same_shape
     ]
     numel = max((sum(math.prod(s.shape) for s in c) for c in chunks), default=0)

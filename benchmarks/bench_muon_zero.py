@@ -396,7 +396,7 @@ def model_shapes(full=False):
             "expert_gate": [(e, *experts)],
             "adamw": [(512, 128), (128,), (128,)],
         },
-        "a few large dense": {"dense": [(d, d)] * (8 if full else 4), "adamw": [(1024, d), (d,)]},
+        "a few large dense": {"dense": [(d, d)] * (8 if full else 4), "adamw": [(64, d), (d,)]},
         "V4-like mix": {  # attention and a shared expert per layer, expert stacks, embed, head
             "dense": [(128, 128)] * 8 + [(256, 128), (128, 256)] * 2,
             "expert_down": [(16, *v4)] * 2,
@@ -550,11 +550,20 @@ def _vs_ddp_rank(rank, world, full, repeats):
     with SentBytes() as sent_ddp:
         ddp_step()
     dense = [r for s in mine.shards for r in s.runs]
-    return dict(ours_ms=1e3 * slowest[0].item(), ddp_ms=1e3 * slowest[1].item(),
-                ours_state=mine.state_bytes(), ddp_state=state_bytes_of(theirs),
-                ours_sent=sent_ours.sent, ddp_sent=sent_ddp.sent,
-                owned=sum(len(r.slots) for r in dense), padding=mine.plan.dense_bucket_numel * 4
-                - sum(4 * math.prod(r.shape) * len(r.slots) for r in dense))  # fmt: skip
+    momentum = sum(M.numel() * M.element_size() for ms in mine.momenta for M in ms)
+    owned = sum(4 * math.prod(r.shape) * len(r.slots) for r in dense)
+    return dict(
+        ours_ms=1e3 * slowest[0].item(),
+        ddp_ms=1e3 * slowest[1].item(),
+        ours_muon_state=momentum,
+        ddp_muon_state=state_bytes_of(theirs[:1]),
+        ours_state=mine.state_bytes(),
+        ddp_state=state_bytes_of(theirs),
+        ours_sent=sent_ours.sent,
+        ddp_sent=sent_ddp.sent,
+        owned=sum(len(r.slots) for r in dense),
+        padding=mine.plan.dense_bucket_numel * 4 - owned,
+    )
 
 
 def vs_ddp_two_ranks(full=False, repeats=5):

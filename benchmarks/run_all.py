@@ -91,7 +91,8 @@ def chapter_muon_zero(full):
         ]
     )
     for k, (what, unit) in {
-        "state": ("optimizer state per rank", "KiB"),
+        "muon_state": ("Muon momentum per rank", "KiB"),
+        "state": ("optimizer state per rank (AdamW's replicated)", "KiB"),
         "sent": ("bytes sent per rank", "KiB"),
     }.items():
         for rank, x in enumerate(ranks):
@@ -113,10 +114,13 @@ def chapter_muon_zero(full):
     )
 
 
+NAMES = {"none": "no checkpointing", "module": "torch.utils.checkpoint per layer"}
+
+
 def chapter_tensor_ckpt(full):
     path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"tensor_ckpt_{os.getpid()}.json")
     cmd = [sys.executable, "benchmarks/bench_tensor_ckpt.py", "--json", path]
-    cmd += [] if full else ["--quick", "--reps", "7"]
+    cmd += [] if full else ["--quick", "--bisect", "3"]
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=sys.stderr)
     with open(path) as f:
         rows = json.load(f)
@@ -128,7 +132,7 @@ def chapter_tensor_ckpt(full):
         held = ours["held"] / r["held"] if r["held"] else float("nan")
         table.append(
             [
-                f"tensor_ckpt vs {name}",
+                f"tensor_ckpt vs {NAMES.get(name, name)}",
                 f"{ours['held'] / 2**20:.2f} / {r['held'] / 2**20:.2f}" if r["held"] else "-",
                 f"{ours['ms']:.1f} / {r['ms']:.1f}",
                 held,

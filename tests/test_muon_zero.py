@@ -471,9 +471,8 @@ def test_a_model_converted_after_construction_is_refused():
 def test_per_matrix_newton_schulz_equals_the_batched_call_bitwise(monkeypatch):
     """The plan batches runs of small matrices and gives large ones one NS call each (addmm, as
     torch.optim.Muon); both paths give the same parameters bitwise, bf16 and fp32 NS."""
-    assert mz.batch_newton_schulz((64, 128), 32), "many small matrices must share one NS call"
-    assert not mz.batch_newton_schulz((512, 512), 8), "large matrices must take one call each"
-    assert not mz.batch_newton_schulz((64, 128), 1), "a lone matrix is no batch"
+    assert mz.batch_newton_schulz((64, 128)), "small matrices must share one NS call"
+    assert not mz.batch_newton_schulz((512, 512)), "large matrices must take one call each"
     P0 = make_params()
     for ns_dtype in (torch.bfloat16, torch.float32):
         batched, opt = run_muon_zero(P0, 0, 1, steps=1, ns_dtype=ns_dtype)
