@@ -399,9 +399,9 @@ def model_shapes(full=False):
         "a few large dense": {"dense": [(d, d)] * (8 if full else 4), "adamw": [(64, d), (d,)]},
         "V4-like mix": {  # attention and a shared expert per layer, expert stacks, embed, head
             "dense": [(128, 128)] * 8 + [(256, 128), (128, 256)] * 2,
-            "expert_down": [(16, *v4)] * 2,
-            "expert_up": [(16, *v4[::-1])] * 2,
-            "expert_gate": [(16, *v4[::-1])] * 2,
+            "expert_down": [(8, *v4)] * 2,
+            "expert_up": [(8, *v4[::-1])] * 2,
+            "expert_gate": [(8, *v4[::-1])] * 2,
             "adamw": [(2048, 128), (2048, 128)] + [(128,)] * 5,
         },
     }
