@@ -13,6 +13,8 @@ Tables, all from one run:
   4. batched vs per-matrix Newton-Schulz time; 5. MuonZeRO step time vs torch.optim.Muon (one
      process in a process group of one, on --backend/--device); 6. (--agreement) agreement with
      torch.optim.Muon on the demo model at 1-3 gloo ranks, bf16 and fp32 Newton-Schulz.
+benchmarks/run_all.py (make bench) calls vs_torch_one_process and vs_ddp_two_ranks below: MuonZeRO
+against what one would run instead, on three shapes of model, interleaved in one run.
 """
 
 import argparse
