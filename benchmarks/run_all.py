@@ -192,7 +192,7 @@ def chapter_cp_compress(full):
 def chapter_mhc(full):
     import bench_mhc as b
 
-    dims = (256, 512, 1024, 2048) if full else (128, 256)
+    dims = (256, 512, 1024, 2048) if full else (256, 512)
     modes = ("eager", "compiled") if full else ("eager",)  # compiling takes minutes here
     table, raw = [], {}
     for dim in dims:
