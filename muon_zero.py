@@ -343,15 +343,18 @@ class Run:
     batched: bool = True  # one NS call on the stack; False: one per matrix
 
 
-# Above this NS cost one matrix fills a matmul alone: a batched call gains nothing over a loop
-# (on CPUs it loses), while small matrices leave the kernel idle between calls.
-NS_BATCH_MAX_COST = ns_cost((256, 256))
+# From this NS cost up one matrix fills a matmul alone: a batched call gains nothing over a loop
+# (on CPUs it loses), while smaller ones leave the kernel idle between calls. A GPU needs far
+# larger matrices to fill it.
+NS_BATCH_MAX_COST = ns_cost((128, 128))
+NS_BATCH_MAX_COST_GPU = ns_cost((1024, 1024))
 
 
-def batch_newton_schulz(shape):
+def batch_newton_schulz(shape, device_type="cpu"):
     """The plan's choice for a run of [n, m] matrices: one batched Newton-Schulz call (True) or
-    one per matrix. A rule on sizes alone, so every rank decides alike."""
-    return ns_cost(shape) < NS_BATCH_MAX_COST
+    one per matrix. A rule on sizes and the device alone, so every rank decides alike."""
+    limit = NS_BATCH_MAX_COST if device_type == "cpu" else NS_BATCH_MAX_COST_GPU
+    return ns_cost(shape) < limit
 
 
 @dataclass
@@ -374,13 +377,16 @@ MuonSettings = namedtuple(
 )
 
 
-def make_shards(matrix_lists, mine, process_group, peers, **kw):
-    """Each peer's matrices back to back from offset 0; my chunk's same-shape neighbours: Runs."""
+def make_shards(matrix_lists, mine, process_group, peers, device_type="cpu", **kw):
+    """Each peer's matrices back to back from offset 0; my chunk's same-shape neighbours: Runs,
+    batched or not as batch_newton_schulz decides for `device_type`."""
     offsets = [accumulate((math.prod(s.shape) for s in c), initial=0) for c in matrix_lists]
     chunks = [[replace(s, offset=o) for s, o in zip(c, at)] for c, at in zip(matrix_lists, offsets)]
     same_shape = [list(slots) for _, slots in groupby(chunks[mine], key=lambda s: s.shape)]
     runs = [
-        Run(slots[0].offset, slots[0].shape, slots, batch_newton_schulz(slots[0].shape))
+        Run(
+            slots[0].offset, slots[0].shape, slots, batch_newton_schulz(slots[0].shape, device_type)
+        )
         for slots in same_shape
     ]
     numel = max((sum(math.prod(s.shape) for s in c) for c in chunks), default=0)
@@ -628,10 +634,13 @@ class MuonZeRO(torch.optim.Optimizer):
         if self.dense_matrices:  # reduce-scatter over my replica, all-reduce across replicas
             buckets = [[self.dense_matrices[i] for i in b] for b in self.plan.dense_buckets]
             replicas = dict(replica_group=replica_group, counted=self.rank < Z)
+            replicas.update(device_type=self.device.type)
             self.shards.append(make_shards(buckets, self.rank % Z, shard_group, Z, **replicas))
         if self.expert_matrices:  # reduce-scatter over every rank
             pieces = [self.expert_matrices[a:b] for a, b in self.plan.expert_ranges]
-            self.shards.append(make_shards(pieces, self.rank, process_group, self.world_size))
+            self.shards.append(
+                make_shards(pieces, self.rank, process_group, self.world_size, self.device.type)
+            )
         self.momenta = None  # per kind, a stacked buffer per run; created in the first step
         self.steps = 0
 

@@ -122,7 +122,7 @@ NAMES = {"none": "no checkpointing", "module": "torch.utils.checkpoint per layer
 def chapter_tensor_ckpt(full):
     path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"tensor_ckpt_{os.getpid()}.json")
     cmd = [sys.executable, "benchmarks/bench_tensor_ckpt.py", "--json", path]
-    cmd += [] if full else ["--quick", "--bisect", "3"]
+    cmd += [] if full else ["--quick", "--bisect", "3", "--reps", "9"]
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=sys.stderr)
     with open(path) as f:
         rows = json.load(f)

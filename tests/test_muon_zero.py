@@ -475,6 +475,7 @@ def test_per_matrix_newton_schulz_equals_the_batched_call(monkeypatch):
     torch.optim.Muon: tests/test_muon_zero_interop.py)."""
     assert mz.batch_newton_schulz((64, 128)), "small matrices must share one NS call"
     assert not mz.batch_newton_schulz((512, 512)), "large matrices must take one call each"
+    assert mz.batch_newton_schulz((512, 512), "cuda"), "a GPU batches what a CPU core cannot"
     P0 = make_params()
     for ns_dtype in (torch.bfloat16, torch.float32):
         batched, opt = run_muon_zero(P0, 0, 1, steps=1, ns_dtype=ns_dtype)
