@@ -73,13 +73,15 @@ def newton_schulz(X, coefficients, dtype=torch.bfloat16, eps=1e-7):
     Y = torch.ldexp(Y, -exponent).to(dtype)  # largest entry in [0.5, 1): nothing underflows
     tall = Y.size(-2) > Y.size(-1)
     if tall:
-        Y = Y.mT  # [..., s, l] with s <= l: the Gram matrix is s x s
+        Y = Y.mT.contiguous()  # [..., s, l] with s <= l: the Gram matrix is s x s
     Y = Y / Y.norm(dim=(-2, -1), keepdim=True).clamp_min(eps)
     multiply_add = torch.baddbmm if Y.ndim == 3 else torch.addmm  # one matrix: torch's addmm
     for a, b, c in coefficients:
+        # every right operand a transposed row-major matrix (A is symmetric: A = A^T): CPU bf16
+        # kernels run that layout several times faster than a plain row-major one
         gram = Y @ Y.mT  # [..., s, s]
-        poly = multiply_add(gram, gram, gram, beta=b, alpha=c)  # b·A + c·A²
-        Y = multiply_add(Y, poly, Y, beta=a)  # a·X + (b·A + c·A²)·X
+        poly = multiply_add(gram, gram, gram.mT, beta=b, alpha=c)  # b·A + c·A²
+        Y = multiply_add(Y, poly, Y.mT.contiguous().mT, beta=a)  # a·X + (b·A + c·A²)·X
     return Y.mT if tall else Y
     ### END SOLUTION
 
