@@ -24,6 +24,8 @@ TIMEOUT ?=
 OUT ?=
 # test-slow: more pytest arguments (files, --ignore=...; .ci/run splits the tier in two)
 SLOW_ARGS ?=
+# make bench FULL=1: the full tables too
+FULL ?=
 
 .PHONY: venv venv-test demo test test-slow test-all lint bench notebooks lab assignments grade \
 	grade-check grade-mistakes grade-alternatives grade-fit release gpu-check clean
@@ -64,8 +66,11 @@ test-slow: venv-test
 
 test-all: test test-slow
 
+# every chapter against what one would use instead, one run at quick sizes (minutes on 2 cores):
+# ratios printed, benchmarks/results.json and benchmarks/RESULTS.md written; a chapter that fails
+# is reported and the rest run. FULL=1: full sizes, then every benchmarks/bench_*.py's own tables.
 bench: venv
-	@for b in benchmarks/bench_*.py; do echo "=== $$b"; $(PY) $$b || exit 1; done
+	OMP_NUM_THREADS=1 $(PY) benchmarks/run_all.py $(if $(FULL),--full)
 
 notebooks: venv
 	$(PY) notebooks/build.py

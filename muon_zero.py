@@ -71,21 +71,21 @@ def newton_schulz(X, coefficients, dtype=torch.bfloat16, eps=1e-7):
         raise ValueError(f"newton_schulz takes [n, m] or [b, n, m], got shape {tuple(X.shape)}")
     # hint: work on a [b, n, m] stack in `dtype`, wide orientation, each matrix of norm 1
     ### BEGIN SOLUTION
-    Y = X if X.ndim == 3 else X.unsqueeze(0)  # [b, n, m]
-    Y = Y.to(torch.promote_types(Y.dtype, torch.float32))  # fp32 or wider: the scaling is exact
+    Y = X.to(torch.promote_types(X.dtype, torch.float32))  # fp32 or wider: the scaling is exact
     _, exponent = torch.frexp(Y.abs().amax(dim=(-2, -1), keepdim=True))
     Y = torch.ldexp(Y, -exponent).to(dtype)  # largest entry in [0.5, 1): nothing underflows
     tall = Y.size(-2) > Y.size(-1)
     if tall:
-        Y = Y.mT  # [b, s, l] with s <= l: the Gram matrix is s x s
+        Y = Y.mT.contiguous()  # [..., s, l] with s <= l: the Gram matrix is s x s
     Y = Y / Y.norm(dim=(-2, -1), keepdim=True).clamp_min(eps)
+    multiply_add = torch.baddbmm if Y.ndim == 3 else torch.addmm  # one matrix: torch's addmm
     for a, b, c in coefficients:
-        gram = Y @ Y.mT  # [b, s, s]
-        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b·A + c·A²
-        Y = torch.baddbmm(Y, poly, Y, beta=a)  # a·X + (b·A + c·A²)·X
-    if tall:
-        Y = Y.mT
-    return Y if X.ndim == 3 else Y.squeeze(0)
+        # every right operand a transposed row-major matrix (A is symmetric: A = A^T): CPU bf16
+        # kernels run that layout several times faster than a plain row-major one
+        gram = Y @ Y.mT  # [..., s, s]
+        poly = multiply_add(gram, gram, gram.mT, beta=b, alpha=c)  # b·A + c·A²
+        Y = multiply_add(Y, poly, Y.mT.contiguous().mT, beta=a)  # a·X + (b·A + c·A²)·X
+    return Y.mT if tall else Y
     ### END SOLUTION
 
 
@@ -362,11 +362,27 @@ class Slot:
 
 @dataclass
 class Run:
-    """Owned same-shape matrices side by side: one stacked momentum [count, n, m], one NS call."""
+    """Owned same-shape matrices side by side: one stacked momentum [count, n, m], and one
+    batched NS call (small matrices) or one per matrix (large ones), as `batched` says."""
 
     offset: int  # start inside my chunk
     shape: tuple  # (n, m)
     slots: list  # its Slots, in order (of any param group: expert ups and gates merge)
+    batched: bool = True  # one NS call on the stack; False: one per matrix
+
+
+# From this NS cost up one matrix fills a matmul alone: a batched call gains nothing over a loop
+# (on CPUs it loses), while smaller ones leave the kernel idle between calls. A GPU needs far
+# larger matrices to fill it.
+NS_BATCH_MAX_COST = ns_cost((128, 128))
+NS_BATCH_MAX_COST_GPU = ns_cost((1024, 1024))
+
+
+def batch_newton_schulz(shape, device_type="cpu"):
+    """The plan's choice for a run of [n, m] matrices: one batched Newton-Schulz call (True) or
+    one per matrix. A rule on sizes and the device alone, so every rank decides alike."""
+    limit = NS_BATCH_MAX_COST if device_type == "cpu" else NS_BATCH_MAX_COST_GPU
+    return ns_cost(shape) < limit
 
 
 @dataclass
@@ -389,12 +405,18 @@ MuonSettings = namedtuple(
 )
 
 
-def make_shards(matrix_lists, mine, process_group, peers, **kw):
-    """Each peer's matrices back to back from offset 0; my chunk's same-shape neighbours: Runs."""
+def make_shards(matrix_lists, mine, process_group, peers, device_type="cpu", **kw):
+    """Each peer's matrices back to back from offset 0; my chunk's same-shape neighbours: Runs,
+    batched or not as batch_newton_schulz decides for `device_type`."""
     offsets = [accumulate((math.prod(s.shape) for s in c), initial=0) for c in matrix_lists]
     chunks = [[replace(s, offset=o) for s, o in zip(c, at)] for c, at in zip(matrix_lists, offsets)]
     same_shape = [list(slots) for _, slots in groupby(chunks[mine], key=lambda s: s.shape)]
-    runs = [Run(slots[0].offset, slots[0].shape, slots) for slots in same_shape]
+    runs = [
+        Run(
+            slots[0].offset, slots[0].shape, slots, batch_newton_schulz(slots[0].shape, device_type)
+        )
+        for slots in same_shape
+    ]
     numel = max((sum(math.prod(s.shape) for s in c) for c in chunks), default=0)
     return Shards(chunks, numel, mine, runs, process_group, peers, **kw)
 
@@ -495,7 +517,8 @@ def sharded_step(
             span = slice(run.offset, run.offset + M.numel())
             run_settings = [settings[s.param_group] for s in run.slots]
             active = [has_grad[s.param] for s in run.slots]
-            update_run(mean_grad[span].view_as(M), values[span].view_as(M), M, run_settings, active)
+            G, W = mean_grad[span].view_as(M), values[span].view_as(M)
+            update_run(G, W, M, run_settings, active, run.batched)
         # 5. all-gather every peer's updated chunk and unpack it into the parameters, everywhere
         unpack(all_gather_chunks(values, shards.group, shards.peers), shards.chunks, params)
     return scale
@@ -505,11 +528,16 @@ def sharded_step(
 def pack(chunks, numel, tensors, like):
     """Copy each slot's matrix from tensors[slot.param] into a zero-padded [len(chunks), numel]
     of `like`'s dtype and device."""
-    out = like.new_zeros(len(chunks), numel)
+    out = like.new_empty(len(chunks), numel)  # zeroed only where nothing is copied
     for q, slots in enumerate(chunks):
+        end = 0
         for s in slots:
-            if tensors[s.param] is not None:  # no gradient here: stays zero
-                out[q, s.offset : s.offset + math.prod(s.shape)].view(s.shape).copy_(s.of(tensors))
+            end = s.offset + math.prod(s.shape)
+            if tensors[s.param] is None:  # no gradient here: zero
+                out[q, s.offset : end].zero_()
+            else:
+                out[q, s.offset : end].view(s.shape).copy_(s.of(tensors))
+        out[q, end:].zero_()  # the padding after the last slot
     return out
 
 
@@ -541,25 +569,28 @@ def all_gather_chunks(chunk, group, size):
     return out.view(size, -1)
 
 
-def update_run(G, W, M, settings, active):
-    """Muon on one run [count, n, m] in place, one muon_update per equal-settings neighbours;
-    members with no gradient on any rank keep momentum and weights (as torch's optimizers do)."""
+def update_run(G, W, M, settings, active, batched=True):
+    """Muon on one run [count, n, m] in place, one muon_update per equal-settings neighbours
+    (batched) or per matrix; members with no gradient on any rank keep momentum and weights (as
+    torch's optimizers do)."""
     idle = [k for k, a in enumerate(active) if not a]
-    saved, start = (M[idle].clone(), W[idle].clone()), 0
+    saved, start = (M[idle].clone(), W[idle].clone()) if idle else None, 0
     for s, members in groupby(settings):
         end = start + len(list(members))
-        update = muon_update(
-            G[start:end],
-            M[start:end],
-            momentum=s.momentum,
-            nesterov=s.nesterov,
-            coefficients=s.ns_coefficients,
-            ns_dtype=s.ns_dtype,
-            update_rms=s.update_rms,
-        )
-        apply_update(W[start:end], update, s.lr, s.weight_decay)
+        for part in [slice(start, end)] if batched else range(start, end):  # a stack, or [n, m]s
+            update = muon_update(
+                G[part],
+                M[part],
+                momentum=s.momentum,
+                nesterov=s.nesterov,
+                coefficients=s.ns_coefficients,
+                ns_dtype=s.ns_dtype,
+                update_rms=s.update_rms,
+            )
+            apply_update(W[part], update, s.lr, s.weight_decay)
         start = end
-    M[idle], W[idle] = saved
+    if idle:
+        M[idle], W[idle] = saved
 
 
 def build_groups(process_group, world_size, zero_width):
@@ -674,10 +705,13 @@ class MuonZeRO(torch.optim.Optimizer):
         if self.dense_matrices:  # reduce-scatter over my replica, all-reduce across replicas
             buckets = [[self.dense_matrices[i] for i in b] for b in self.plan.dense_buckets]
             replicas = dict(replica_group=replica_group, counted=self.rank < Z)
+            replicas.update(device_type=self.device.type)
             self.shards.append(make_shards(buckets, self.rank % Z, shard_group, Z, **replicas))
         if self.expert_matrices:  # reduce-scatter over every rank
             pieces = [self.expert_matrices[a:b] for a, b in self.plan.expert_ranges]
-            self.shards.append(make_shards(pieces, self.rank, process_group, self.world_size))
+            self.shards.append(
+                make_shards(pieces, self.rank, process_group, self.world_size, self.device.type)
+            )
         self.momenta = None  # per kind, a stacked buffer per run; created in the first step
         self.steps = 0
 

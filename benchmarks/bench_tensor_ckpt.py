@@ -35,6 +35,7 @@ estimate; timeit's advice).
 
 import argparse
 import functools
+import json
 import os
 import statistics
 import sys
@@ -219,7 +220,9 @@ def parse_args():
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--quick", action="store_true", help="2 layers, C=64, T=64: a smoke test")
-    parser.add_argument("--reps", type=int, default=15, help="timed repetitions per variant")
+    parser.add_argument(
+        "--reps", type=int, help="timed repetitions per variant (default: 15; 2 with --quick)"
+    )
     parser.add_argument("--bisect", type=int, default=6, help="bisection steps for the budget")
     parser.add_argument(
         "--inductor",
@@ -236,8 +239,9 @@ def parse_args():
         help="accepted for a uniform command line; this benchmark runs one "
         "process and uses no process group",
     )
+    parser.add_argument("--json", metavar="PATH", help="also write each variant's numbers here")
     args = parser.parse_args()
-    if args.reps < 1 or args.bisect < 1:
+    if args.reps is not None and args.reps < 1 or args.bisect < 1:
         parser.error("--reps and --bisect must be >= 1")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA GPU is visible")
@@ -249,7 +253,7 @@ def main():
     torch._dynamo.config.cache_size_limit = 64  # one compiled graph per budget tried
     device = torch.device(args.device)
     dim, heads, seq, batch, layers = (64, 4, 64, 4, 2) if args.quick else (256, 4, 256, 8, 4)
-    reps = 2 if args.quick else args.reps
+    reps = args.reps or (2 if args.quick else 15)
     torch.manual_seed(0)
     stack = nn.Sequential(*[tc.MarkedLayer(dim, heads) for _ in range(layers)]).to(device)
     x = torch.randn(batch, seq, dim, device=device, requires_grad=True)
@@ -342,6 +346,10 @@ def main():
         if rep % 5 == 4 or rep == reps - 1:
             say("timing", f"{rep + 1} of {reps} interleaved repetitions")
     print_table(rows, diff, budget, reps, device)
+    if args.json:  # activations held (bytes) and the median step (ms), per variant
+        with open(args.json, "w") as f:
+            json.dump({n: dict(held=r["held"], ms=1e3 * statistics.median(r["times"]))
+                       for n, r in rows.items()}, f)  # fmt: skip
 
 
 def print_table(rows, diff, budget, reps, device):

@@ -496,6 +496,33 @@ def test_a_model_converted_after_construction_is_refused():
 # --------------------------------------------------------------------------------------------------
 
 
+def test_per_matrix_newton_schulz_equals_the_batched_call(monkeypatch):
+    """The plan batches runs of small matrices and gives large ones one NS call each (addmm, as
+    torch.optim.Muon); both paths give the same parameters: bitwise with bf16 NS, to fp32
+    rounding with fp32 NS (addmm and baddbmm may sum in another order; float64 against
+    torch.optim.Muon: tests/test_muon_zero_interop.py)."""
+    assert mz.batch_newton_schulz((64, 128)), "small matrices must share one NS call"
+    assert not mz.batch_newton_schulz((512, 512)), "large matrices must take one call each"
+    assert mz.batch_newton_schulz((512, 512), "cuda"), "a GPU batches what a CPU core cannot"
+    P0 = make_params()
+    for ns_dtype in (torch.bfloat16, torch.float32):
+        batched, opt = run_muon_zero(P0, 0, 1, steps=1, ns_dtype=ns_dtype)
+        runs = [r for shards in opt.shards for r in shards.runs]
+        assert any(r.batched for r in runs), "the test model's small runs must be batched"
+        with monkeypatch.context() as patch:
+            patch.setattr(mz, "NS_BATCH_MAX_COST", 0)  # every run: one NS call per matrix
+            each, opt = run_muon_zero(P0, 0, 1, steps=1, ns_dtype=ns_dtype)
+        assert not any(r.batched for shards in opt.shards for r in shards.runs)
+        if ns_dtype == torch.bfloat16:
+            for k in P0:
+                assert torch.equal(batched[k], each[k]), (
+                    f"{k} (bf16 NS): per-matrix NS differs from the batched call by "
+                    f"{(batched[k] - each[k]).abs().max():.2e}"
+                )
+        err = rel_change_error(P0, each, batched)
+        assert err < FP32_TOL, f"per-matrix NS ({ns_dtype}) is {err:.2e} from the batched call"
+
+
 def test_tiny_gradients_do_not_stall_newton_schulz():
     """A gradient scaled to 1e-30 (clipping can do that) still gets a full, unit-RMS-ish update."""
     g = torch.Generator().manual_seed(4)

@@ -582,15 +582,21 @@ def float64_at():
     return at
 
 
-def test_float64_equals_torch_muon_and_adamw(float64_at):
+def test_float64_equals_torch_muon_and_adamw(float64_at, monkeypatch):
     """float64 MuonZeRO at 1 and 2 ranks = torch.optim.Muon + AdamW in float64 to 1e-12 of the
-    change; the same check catches a Muon learning rate 1% off."""
+    change, with the plan's batched Newton-Schulz calls and with one call per matrix (the path
+    large matrices take); the same check catches a Muon learning rate 1% off."""
     start = parameters(Net(dtype=torch.float64))
     ref, _ = reference_float64(STEPS)
     for world in (1, 2):
         for rank, ((got, _), _) in enumerate(float64_at(world)):
             err = rel_error(got, ref, start)
             assert err < FP64_TOL, f"rank {rank} of {world}: float64 is {err:.2e} off"
+    with monkeypatch.context() as patch:
+        patch.setattr(mz, "NS_BATCH_MAX_COST", 0)  # every run: one NS call per matrix
+        got, _ = muon_zero_float64(0, 1, STEPS)
+    err = rel_error(got, ref, start)
+    assert err < FP64_TOL, f"per-matrix Newton-Schulz in float64 is {err:.2e} off torch.optim.Muon"
     wrong, _ = muon_zero_float64(0, 1, STEPS, lr_muon=1.01 * LR_MUON)
     err = rel_error(wrong, ref, start)
     assert err > 1e3 * FP64_TOL, f"a learning rate 1% off passes as {err:.2e}: the check is blind"
