@@ -104,6 +104,52 @@ def v4_loss(params, idx, targets, n_layers):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+VOCAB = 64
+
+
+def mhc_params(n_layers, seed=0, hyper_head=True):
+    """Every parameter of the probes' model (mhc.Transformer on probes/mhc.py's SMALL config),
+    drawn here: the worker loads exactly these, so the reference never reads a value it chose.
+    Linear weights as nn.Linear draws them, HC parameters away from their init (the lanes differ,
+    every mixing gradient is large enough to check)."""
+    gen = torch.Generator().manual_seed(1000 + seed)
+
+    def linear(rows, cols):
+        return (torch.rand(rows, cols, generator=gen) * 2 - 1) / cols**0.5
+
+    def normal(*shape, std=1.0):
+        return torch.randn(*shape, generator=gen) * std
+
+    params = {"embed.weight": normal(VOCAB, DIM)}
+    for i in range(n_layers):
+        params[f"sublayers.{i}.norm.weight"] = 1 + normal(DIM, std=0.1)
+        if i % 2 == 0:
+            params[f"sublayers.{i}.qkv.weight"] = linear(3 * DIM, DIM)
+            params[f"sublayers.{i}.out.weight"] = linear(DIM, DIM)
+        else:
+            params[f"sublayers.{i}.up.weight"] = linear(4 * DIM, DIM)
+            params[f"sublayers.{i}.down.weight"] = linear(DIM, 4 * DIM)
+    for i in range(n_layers):
+        params[f"hcs.{i}.proj"] = normal(N * DIM, (2 + N) * N, std=1 / (N * DIM) ** 0.5)
+        params[f"hcs.{i}.gate"] = torch.rand(3, generator=gen) * 0.5 + 0.5
+        params[f"hcs.{i}.bias_pre"] = normal(N, std=1.2)
+        params[f"hcs.{i}.bias_post"] = normal(N, std=1.2)
+        params[f"hcs.{i}.bias_res"] = 1 + normal(N, N, std=1.5)
+    if hyper_head:
+        params["hyper_head.proj"] = normal(N * DIM, N, std=1 / (N * DIM) ** 0.5)
+        params["hyper_head.gate"] = torch.full((1,), 0.7)
+        params["hyper_head.bias"] = normal(N)
+    params["norm.weight"] = 1 + normal(DIM, std=0.1)
+    params["lm_head.weight"] = linear(VOCAB, DIM)
+    return params
+
+
+def assert_plain(value, kind, what):
+    """A value from a worker is of the kind the test reads: a forged one fails here, by name."""
+    assert isinstance(value, kind), f"{what} must be a {kind.__name__}, got {type(value).__name__}"
+    return value
+
+
 def batch(step, size=4, seq_len=8, vocab=64):
     gen = torch.Generator().manual_seed(100 + step)
     data = torch.randint(0, vocab, (size, seq_len + 1), generator=gen)
@@ -127,15 +173,19 @@ def reference_steps(params, n_layers, steps, size):
 
 def assert_grads_close(got, ref, rtol, what=""):
     scale = max(g.abs().max().item() for g in ref.values())
+    assert_plain(got, dict, f"{what}: the gradients")
     missing = sorted(ref.keys() - got.keys())
     assert not missing, f"{what}: {missing[0]} got no gradient"
     for name in ref:
         floor = max(ref[name].abs().max().item(), 1e-3 * scale)
-        err = (got[name].double() - ref[name]).abs().max().item() / floor
+        g = assert_plain(got[name], torch.Tensor, f"{what}: the gradient of {name}")
+        assert g.shape == ref[name].shape, f"{what}: the gradient of {name} has shape {g.shape}"
+        err = (g.double() - ref[name]).abs().max().item() / floor
         assert err < rtol, f"{what}: gradient of {name} differs by {err:.2e}, tolerance {rtol:.0e}"
 
 
 def assert_loss_close(got, ref, rtol, what):
+    assert_plain(got, float, f"{what}: the loss")
     assert abs(got - ref) < rtol * abs(ref), f"{what}: loss {got:.8f} differs from {ref:.8f}"
 
 
@@ -203,8 +253,9 @@ def test_layer_matches_the_equations_token_by_token():
     """V4 §2.2 for one token at a time (float64: 1e-12), independently of mhc_coefficients."""
     gen = torch.Generator().manual_seed(3)
     stream = torch.randn(2, 8, N, DIM, dtype=torch.float64, generator=gen)
-    out = call("mhc:one_layer", stream)
-    params, got = out["params"], out["coeffs"]
+    params = {k: v.double() for k, v in mhc_params(1, seed=3).items()}
+    out = call("mhc:one_layer", stream, params)
+    got = assert_plain(out["coeffs"], list, "mhc_coefficients' (A, B, C)")
     hc = sub(params, "hcs.0.")
     coeffs = [[v4_coefficients(hc, stream[b, t]) for t in range(8)] for b in range(2)]
     assert len(got) == 3, "mhc_coefficients must return (A, B, C)"
@@ -218,7 +269,9 @@ def test_layer_matches_the_equations_token_by_token():
             f"{name} differs from V4 §2.2 by {err:.1e}: {FORMULAS[name]}, x_hat = vec(X) / "
             f"rms(vec(X)) over all n*C numbers of a token, W = hc.proj"
         )
-    err = (out["layer"] - v4_layer(params, 0, stream)).abs().max().item()
+    layer = assert_plain(out["layer"], torch.Tensor, "the layer's output")
+    assert layer.shape == stream.shape, f"the layer's output has shape {tuple(layer.shape)}"
+    err = (layer - v4_layer(params, 0, stream)).abs().max().item()
     assert err < 1e-12, f"the layer B X + C F(A X) differs from the equations by {err:.1e}"
 
 
@@ -246,7 +299,7 @@ def test_fused_post_mix_merge_backward():
     expected = torch.autograd.grad(reference, leaves, grad_out)
     got = call("mhc:post_mix_backward", grad_out, b, stream, c, f)
     assert len(got) == 4, "post_mix_backward must return (dB, dX, dC, df)"
-    for (name, formula), g, e in zip(DERIVATIVES.items(), got, expected):
+    for (name, formula), g, e in zip(DERIVATIVES.items(), got, expected, strict=True):
         assert g.shape == e.shape, f"{name} must have shape {tuple(e.shape)}, got {tuple(g.shape)}"
         err = (g - e).abs().max().item()
         assert err < 1e-12, f"{name} differs from autograd by {err:.1e}: {formula}"
@@ -265,8 +318,11 @@ PATHS = {
 
 @pytest.mark.grade(points=4, solution="mhc.RecomputedBlock.backward", needs=NEEDS_KERNELS)
 def test_every_optimised_path_equals_the_reference_in_float64():
-    out = call("mhc:every_path", PATHS)
-    [(ref_loss, ref)] = reference_steps(out["params"], 6, 1, 4)
+    params = mhc_params(6)
+    out = call("mhc:every_path", PATHS, params)
+    [(ref_loss, ref)] = reference_steps(params, 6, 1, 4)
+    paths = assert_plain(out["paths"], dict, "the paths")
+    assert sorted(paths) == sorted(PATHS), f"paths {sorted(paths)}, expected {sorted(PATHS)}"
     for name, got in out["paths"].items():
         assert_loss_close(got["loss"], ref_loss, FP64["loss"], f"variant {name}")
         assert_grads_close(got["grads"], ref, FP64["grads"], f"variant {name}")
@@ -281,14 +337,16 @@ def test_one_recomputed_block_layer_by_layer(with_head):
     stream = torch.randn(2, 8, N, DIM, dtype=torch.float64, generator=gen)
     shape = (2, 8, DIM) if with_head else (2, 8, N, DIM)
     weight = torch.randn(shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
-    out = call("mhc:recomputed_block", stream, weight, with_head)
+    every = mhc_params(3, seed=4)
+    names = [n for n in every if n.startswith(("sublayers.", "hcs."))]
+    names += [n for n in every if n.startswith("hyper_head.")] if with_head else []
+    sent = {k: v.double() for k, v in every.items()}
+    out = call("mhc:recomputed_block", stream, weight, with_head, sent)
     assert out["calls"] == 3, (
         f"F must run once per layer: it ran {out['calls']} times for 3 layers; backward must use "
         f"the graph forward kept for each F output, not run F again"
     )
-    names = [n for n in out["params"] if n.startswith(("sublayers.", "hcs."))]
-    names += [n for n in out["params"] if n.startswith("hyper_head.")] if with_head else []
-    params = {n: out["params"][n].clone().requires_grad_() for n in names}
+    params = {n: sent[n].clone().requires_grad_() for n in names}
     x = stream.clone().requires_grad_()
     y = x
     for i in range(3):
@@ -301,8 +359,9 @@ def test_one_recomputed_block_layer_by_layer(with_head):
     for name in sorted(names, key=lambda n: -1 if layer[n] is None else -layer[n]):
         i = layer[name]  # checked in backward's order: head, layer 2, 1, 0
         assert name in out["grads"], f"{name} got no gradient"
-        r = ref[name]
-        err = (out["grads"][name] - r).abs().max().item() / max(r.abs().max().item(), 1e-3 * scale)
+        r, g = ref[name], assert_plain(out["grads"][name], torch.Tensor, f"the gradient of {name}")
+        assert g.shape == r.shape, f"the gradient of {name} has shape {tuple(g.shape)}"
+        err = (g - r).abs().max().item() / max(r.abs().max().item(), 1e-3 * scale)
         if i is None:
             hint = "with a head, rebuild X_L as well and start from kernels.collapse_backward"
         elif i == 2:
@@ -316,16 +375,21 @@ def test_one_recomputed_block_layer_by_layer(with_head):
         assert err < 1e-9, (
             f"{label} {name}: gradient differs from the plain layers by {err:.1e}: {hint}"
         )
-    err = (out["stream"] - ref_x).abs().max().item() / ref_x.abs().max().item()
+    got_x = assert_plain(out["stream"], torch.Tensor, "the block input's gradient")
+    assert got_x.shape == ref_x.shape, f"dX_0 has shape {tuple(got_x.shape)}"
+    err = (got_x - ref_x).abs().max().item() / ref_x.abs().max().item()
     assert err < 1e-9, f"the block input's gradient dX_0 differs by {err:.1e}"
 
 
 @pytest.mark.grade(points=1, solution="mhc.RecomputedBlock.backward", needs=NEEDS_KERNELS)
 @pytest.mark.parametrize("path", [p for p in PATHS if p.startswith("optimised L")])
 def test_recomputed_training_tracks_the_reference_over_steps_fp32(path):
-    out = call("mhc:training", PATHS[path])
-    reference = reference_steps(out["params"], 6, 3, 4)
-    for step, (got, (ref_loss, ref)) in enumerate(zip(out["steps"], reference)):
+    params = mhc_params(6)
+    out = call("mhc:training", PATHS[path], params)
+    reference = reference_steps(params, 6, 3, 4)
+    steps = assert_plain(out["steps"], list, "the steps")
+    assert len(steps) == 3, f"3 steps were asked for, {len(steps)} came back"
+    for step, (got, (ref_loss, ref)) in enumerate(zip(steps, reference, strict=True)):
         assert_loss_close(got["loss"], ref_loss, FP32["loss"], f"{path} step {step}")
         assert_grads_close(got["grads"], ref, FP32["grads"], f"{path} step {step}")
         assert got["calls"] == (step + 1) * 6, (
@@ -355,7 +419,7 @@ def test_one_f_one_b_schedule():
     cases = [(4, 6), (1, 3), (2, 2), (4, 4), (4, 7), (3, 5)]
     cases = [(n_stages, stage, n_micro) for n_stages, n_micro in cases for stage in range(n_stages)]
     orders = call("mhc:one_f_one_b", cases)
-    for (n_stages, stage, n_micro), order in zip(cases, orders):
+    for (n_stages, stage, n_micro), order in zip(cases, orders, strict=True):
         order = [tuple(e) for e in order]
         where = f"stage {stage} of {n_stages}, {n_micro} micro-batches"
         every = [("F", i) for i in range(n_micro)] + [("B", i) for i in range(n_micro)]
@@ -397,6 +461,7 @@ def check_pipeline(results, ref_steps, world_size):
         merged = {}
         for rank, result in enumerate(results):
             first, stop = result["layers"]
+            assert len(result["steps"]) == len(ref_steps), f"rank {rank}: a step is missing"
             got = result["steps"][step]
             where = f"stage {rank} of {world_size}, step {step}"
             peak = peak_in_flight([tuple(e) for e in got["order"]], where)
@@ -456,8 +521,10 @@ def test_pipeline_equals_single_process(world_size, overlap):
     the plain model's on one process, and each stage holds at most n_stages - stage micro-batches
     (1F1B's point: GPipe's order gives the same numbers and holds all of them)."""
     n_layers, steps = 12, 2
-    results = on_ranks("mhc:pipeline", world_size, n_layers, steps, overlap, timeout=120)
-    ref_steps = reference_steps(results[0]["params"], n_layers, steps, 8)
+    params = mhc_params(n_layers)
+    results = on_ranks("mhc:pipeline", world_size, n_layers, steps, overlap, params, timeout=120)
+    ref_steps = reference_steps(params, n_layers, steps, 8)
+    assert len(results) == world_size
     check_pipeline(results, ref_steps, world_size)
 
 
@@ -465,7 +532,14 @@ def test_pipeline_equals_single_process(world_size, overlap):
 def test_pipeline_step_runs_the_variant_it_is_given():
     """At one stage, pipeline_step(variant=...) keeps what model(idx, targets, variant=...) keeps
     (summed over its micro-batches): 'optimised' keeps far less than 'naive'."""
-    saved = call("mhc:variant_saved_bytes")
+    params = mhc_params(4)
+    saved = call("mhc:variant_saved_bytes", params)
+    # one stage holds every layer: its loss is the plain model's (what a forged count cannot give)
+    [(ref_loss, _)] = reference_steps(params, 4, 1, 8)
+    for variant in ("naive", "optimised"):
+        assert_loss_close(saved[f"{variant} loss"], ref_loss, FP32["loss"], f"variant {variant}")
+    for key in ("naive", "optimised", "optimised model"):
+        assert_plain(saved[key], int, f"the bytes kept by {key}")
     assert saved["optimised"] < saved["naive"], (
         f"pipeline_step ignored variant='optimised': it kept {saved['optimised']} bytes for "
         f"backward, not less than 'naive' ({saved['naive']}); pass variant and block to "
