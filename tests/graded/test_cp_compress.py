@@ -140,6 +140,7 @@ def test_compress_local_on_one_rank_matches_reference(overlap):
     assert tuple(buf.shape) == (slots, C), (
         f"compress_local must return [slots, C] = {(slots, C)}, got {tuple(buf.shape)}"
     )
+    assert torch.isfinite(buf).all(), "compress_local returned NaN or inf"
     tail = buf[n:].abs().max().item()
     assert tail == 0, (
         f"the buffer holds the {n} valid entries first and zero rows after (padding at the tail): "
@@ -148,7 +149,7 @@ def test_compress_local_on_one_rank_matches_reference(overlap):
     expected = naive_compress(kv, score, ape, cu, m, overlap)[:n]
     scale = expected.abs().max().item()
     errors = (buf[:n].double() - expected).abs().amax(dim=1)
-    bad = [e for e in range(n) if errors[e] > 1e-5 * scale]
+    bad = [e for e in range(n) if not errors[e] <= 1e-5 * scale]  # NaN is never close
     if overlap and bad and all(starts_doc[e] for e in bad):
         raise AssertionError(
             f"an entry that starts its document has no previous block (prev_rows == -1: padding, "
@@ -261,6 +262,29 @@ PROTOCOL_NEEDS = (
 _RUNS = {}
 
 
+def layer_params(kind, m, g):
+    """Every parameter of the probe's CompressedAttention (dim 16, 2 heads of 8; CSA: an indexer
+    of 2 heads of 4), drawn here: the worker loads them, the reference reads the same. The sink
+    is -inf (SDPA has none), the norms away from 1."""
+    sets, index = (2, 4) if kind == "csa" else (1, 0)
+    width = sets * (D + index)
+    shapes = {"wq": (16, 16), "wkv_window": (16, D), "wkv_compress": (16, width),
+              "wgate_compress": (16, width), "ape": (m, sets, D + index)}  # fmt: skip
+    params = {n: torch.randn(shape, generator=g) * 0.25 for n, shape in shapes.items()}
+    params["ape"] *= 0.4
+    params["sink"] = torch.full((2,), float("-inf"))
+    for name, size in (("norm_window", D), ("norm_compress", D)) + (
+        (("wq_index", None), ("w_index", None), ("norm_index", index)) if index else ()
+    ):
+        if name == "wq_index":
+            params[name] = torch.randn(16, 2 * index, generator=g) * 0.25
+        elif name == "w_index":
+            params[name] = torch.randn(16, 2, generator=g) * 0.25
+        else:
+            params[name] = torch.rand(size, generator=g) + 0.5
+    return params
+
+
 def layer_runs(world_size):
     """Every (kind, layout) run once per world size on the ranks, and its references here."""
     if world_size not in _RUNS:
@@ -269,7 +293,8 @@ def layer_runs(world_size):
             for cu in layouts(world_size, S, m):
                 g = torch.Generator().manual_seed(int(cu.sum()))  # same inputs on every rank
                 x = torch.randn(world_size * S, 16, generator=g)
-                cases.append((kind, m, cu, x, torch.randn(world_size * S, 2, D, generator=g)))
+                grad_out = torch.randn(world_size * S, 2, D, generator=g)
+                cases.append((kind, m, cu, x, grad_out, layer_params(kind, m, g)))
         runs = on_ranks("cp_compress:layer_runs", world_size, cases, WINDOW, TOP_K, timeout=120)
         _RUNS[world_size] = cases, runs
     return _RUNS[world_size]
@@ -281,6 +306,9 @@ def check_protocol(got, expected, info, cu, m, overlap, rank, world_size):
     T = world_size * S
     s, h, n = S, 2 * m - 1 if overlap else m - 1, len(info)
     wrong = [rows for rows in got["halos"] if rows != h]
+    assert world_size == 1 or got["halos"], (
+        f"context_parallel_compress must bring the halo with halo_from_previous (rank {rank})"
+    )
     rule = "2m-1 rows under CSA's overlap" if overlap else "m-1 rows without overlap (HCA)"
     raised = f" ({got['error']})" if "error" in got else ""
     assert not wrong, (
@@ -300,7 +328,7 @@ def check_protocol(got, expected, info, cu, m, overlap, rank, world_size):
     )
     scale = expected.abs().max().item()
     errors = (entries.double() - expected).abs().amax(dim=1)
-    bad = [e for e in range(T // m) if errors[e] > 1e-5 * scale]
+    bad = [e for e in range(T // m) if not errors[e] <= 1e-5 * scale]  # NaN is never close
     if bad:
         assert bad[0] < n, (
             f"padding entries (after the {n} valid ones) must be zero rows at the tail: row "
@@ -354,12 +382,14 @@ def check_layer(world_size, gradients):
     """Each rank's protocol, output and (gradients=True) d input and d parameters against one
     process's plain attention in float64 with autograd."""
     cases, runs = layer_runs(world_size)
-    for k, (kind, m, cu, x, grad_out) in enumerate(cases):
+    assert len(runs) == world_size, f"{len(runs)} ranks answered, {world_size} ran"
+    for k, (kind, m, cu, x, grad_out, drawn) in enumerate(cases):
         overlap = kind == "csa"
         for rank, r in enumerate(runs):  # a rank that raised on this case: its halo, then why
             if len(r) == k + 1 and "error" in r[k]:
                 check_protocol(r[k], None, [], cu, m, overlap, rank, world_size)
-        params = {n: t.double().requires_grad_() for n, t in runs[0][k]["params"].items()}
+            assert len(r) == len(cases), f"rank {rank} returned {len(r)} of {len(cases)} cases"
+        params = {n: t.double().requires_grad_() for n, t in drawn.items()}
         x64 = x.double().requires_grad_()
         out, entries, info = plain_attention(params, x64, cu, m, overlap)
         used = [params[n] for n in USED]
@@ -373,7 +403,7 @@ def check_layer(world_size, gradients):
                 flow = "gradients must flow back through the halo and the all-gather to every rank"
                 close(run["grad_x"], shard(grad_x, world_size, rank), f"{flow}: d input ({at})")
         if gradients:
-            for name, ref in zip(USED, grads):
+            for name, ref in zip(USED, grads, strict=True):
                 mine = [r[k]["grads"].get(name) for r in runs]
                 assert all(g is not None for g in mine), f"{name} got no gradient ({where})"
                 close(sum(mine), ref, f"{flow}: d {name}, summed over ranks ({where})")
@@ -418,6 +448,7 @@ def check_boundaries(results, s, m):
     """Raw values group_rank*10000 + local position: what crossed each boundary, both ways."""
     results = [r for r in results if r is not None]
     cp = len(results)
+    assert sorted(r["rank"] for r in results) == list(range(cp)), "each group rank answers once"
 
     def expect(p):
         return (p // s) * 10000 + p % s  # the value of global position p
@@ -425,7 +456,7 @@ def check_boundaries(results, s, m):
     final = next(r for r in results if r["rank"] == cp - 1)
     for res in results:
         rank = res["rank"]
-        for k, (overlap, got) in enumerate(zip((True, False), res["by_overlap"])):
+        for k, (overlap, got) in enumerate(zip((True, False), res["by_overlap"], strict=True)):
             h = 2 * m - 1 if overlap else m - 1
             halo = [int(v) for v in got["halo"]]
             # at 2 ranks a ring also hands rank 0 rank 1's rows; then the last rank's halo is right
@@ -457,6 +488,13 @@ def check_boundaries(results, s, m):
                 f"back to rank {rank}, onto its last {h} rows"
                 f"{' (the last rank: none)' if last else ''}: rank {rank}'s gradient rows "
                 f"{s - h}.. are {grad[s - h : s - h + 3]}..., expected {want[s - h : s - h + 3]}..."
+            )
+            cu = sorted({0, cp * s} | {b - (2 * m - 1) for b in range(s, cp * s, s)})
+            ends = [a + (j + 1) * m - 1 for a, b in zip(cu, cu[1:]) for j in range((b - a) // m)]
+            mine = [end for end in ends if rank * s <= end < rank * s + s]
+            assert [e["end"] for e in got["sources"]] == mine, (
+                f"rank {rank}: entries ending at {[e['end'] for e in got['sources']]}, expected "
+                f"{mine}"
             )
             for e in got["sources"]:
                 end = e["end"]
