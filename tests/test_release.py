@@ -134,7 +134,7 @@ def test_no_solution_line_or_private_answer_is_released(kit, signatures, tmp_pat
     found = release.leaks(student, ROOT, signatures)
     with zipfile.ZipFile(zip_path) as z:
         z.extractall(tmp_path / "autograder")
-    found += release.leaks(str(tmp_path / "autograder"), ROOT, signatures)
+    found += release.leaks(str(tmp_path / "autograder"), ROOT, signatures, autograder=True)
     assert not found, "solution text in the release:\n" + "\n".join(map(str, found))
 
 
