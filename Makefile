@@ -102,7 +102,7 @@ grade-fit: venv-test
 # zip holds (tests/graded/hidden/): the student repository's tests read them; the reference's check
 # them on every run (a stale store fails there)
 expected: venv-test
-	rm -f tests/graded/expected/*.pt
+	rm -f tests/graded/stored/*.pt
 	GRADE_WRITE_EXPECTED=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider \
 	  tests/graded/test_mhc.py tests/graded/test_muon_zero.py tests/graded/test_cp_compress.py
 

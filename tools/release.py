@@ -53,6 +53,7 @@ SUPPORT = (
     "pyproject.toml",
     "tests/graded/__init__.py",
     "tests/graded/conftest.py",
+    "tests/graded/expected.py",
     "tests/graded/models_memory_timeline.py",
     "tests/graded/models_muon_zero.py",
     "tests/graded/models_tensor_ckpt.py",
@@ -76,7 +77,7 @@ PRIVATE = (
 # only in the autograder zip: the graded tests' independent references (each an answer for the
 # region it checks); the student repository's tests read the values they gave, stored beside
 AUTOGRADER_ONLY = ("tests/graded/hidden",)
-EXPECTED = "tests/graded/expected"  # those stored values (make expected), released
+EXPECTED = "tests/graded/stored"  # the values they gave (make expected), released
 # what grading on Gradescope does not import (the notebooks' kernel, the linter)
 NOT_FOR_GRADING = ("jupyter", "jupytext", "nbclient", "nbformat", "ipykernel", "ruff", "nbstripout")
 STAMP = ".release"  # marks a folder this script wrote, so it may be written again
@@ -578,12 +579,24 @@ def searchable_text(path):
     return text
 
 
-def withheld_references(root=ROOT):
+def withheld_references(root=ROOT, sources=None):
     """What the student repository must not hold of the autograder-only references: {"names":
     {function name: where}, "lines": {significant line: where}, "shapes": {name: (shingles,
     where)}}. A name with no underscore (batch, mlp) says nothing and is left out of the names;
-    an independent reference is an answer however differently it is written, so its shape is
-    searched for as a region's is (a Sinkhorn pasted into sinkhorn_knopp under other names)."""
+    a line or a shape the released files hold anyway (a probe's batch(), a stub's unpacking of a
+    shape) is given, not withheld. An independent reference is an answer however differently it
+    is written, so its shape is searched for as a region's is (a Sinkhorn pasted into
+    sinkhorn_knopp under other names). ``sources``: the released files (release_sources)."""
+    given, public = set(), []
+    with tempfile.TemporaryDirectory() as tmp:
+        assignments.write_student(tmp, root)
+        texts = [searchable_text(os.path.join(tmp, n)) for n in files_of(tmp)]
+    for path in release_sources(root) if sources is None else sources:
+        if path.endswith(".py"):
+            texts.append(searchable_text(os.path.join(root, path)))
+    for text in texts:
+        given.update(line.strip() for line in text.splitlines())
+        public += [shingles(textwrap.dedent(source)) for _, source in code_units(text)]
     names, lines, shapes = {}, {}, {}
     for path in autograder_only_files(root):
         with open(os.path.join(root, path)) as f:
@@ -598,10 +611,11 @@ def withheld_references(root=ROOT):
                                                  isinstance(n.value, ast.Constant))]  # fmt: skip
             source = textwrap.dedent("\n".join(ast.get_source_segment(text, n) for n in body))
             for line in source.splitlines():
-                if _significant(line.strip()):
+                if _significant(line.strip()) and line.strip() not in given:
                     lines.setdefault(line.strip(), where)
             found = shingles(source)
-            if len(found) >= MIN_SHINGLES // 2:
+            shared = max((len(found & mine) / len(found) for mine in public), default=0)
+            if len(found) >= MIN_SHINGLES and shared < OVERLAP:
                 shapes[node.name] = (found, where)
     return {"names": names, "lines": lines, "shapes": shapes}
 
@@ -611,7 +625,9 @@ def withheld_leaks(folder, root=ROOT, withheld=None):
     reference's name, each line of its body, and each function holding most of its shape."""
     withheld = withheld_references(root) if withheld is None else withheld
     names = withheld["names"]
-    pattern = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b" if names else "(?!)")
+    # defined or called by name (the tests call them as H.name, which says nothing)
+    alternatives = "|".join(map(re.escape, names))
+    pattern = re.compile(rf"(?<![.\w])({alternatives})\s*\(" if names else "(?!)")
     hits = []
     for name in files_of(folder):
         if any(name == p or name.startswith(p + "/") for p in AUTOGRADER_ONLY):

@@ -3,7 +3,7 @@
 The independent references (tests/graded/hidden/references_<stem>.py: V4's mHC model, the
 per-matrix Muon loop, the scalar compression) ship only in the autograder zip: in the student
 repository each one would be an answer for the region it checks. There, a test reads the value
-the reference gave for the same public case, stored in tests/graded/expected/<stem>.pt by
+the reference gave for the same public case, stored in tests/graded/stored/<stem>.pt by
 `make expected`; in the reference and the autograder the reference computes it, and (for a
 public case) must equal what is stored, so a stale store fails here first.
 
@@ -17,7 +17,7 @@ import os
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-STORE = os.path.join(HERE, "expected")
+STORE = os.path.join(HERE, "stored")
 WRITE = os.environ.get("GRADE_WRITE_EXPECTED") == "1"  # make expected
 # the autograder's draw (tools/gradescope.py sets it at grading time): the graded tests' seeds
 # move with it; 0 is the student repository's public cases, the only ones stored
@@ -89,7 +89,7 @@ def stored(stem, key, compute, public=None):
         return value
     values = _store(stem)
     assert key in values and same(values[key], value), (
-        f"tests/graded/expected/{stem}.pt is stale at {key!r}: the reference gives another value "
+        f"tests/graded/stored/{stem}.pt is stale at {key!r}: the reference gives another value "
         f"(run `make expected` and commit it)"
     )
     return value
