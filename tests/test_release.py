@@ -436,7 +436,7 @@ def test_a_withheld_reference_pasted_into_the_kit_is_found(tmp_path):
     tests/graded/hidden/ pasted as sinkhorn_knopp under other names (its shape), a call of a
     withheld reference by name, and the file itself are each found; the kit as released is clean
     of them (test_no_solution_line_or_private_answer_is_released)."""
-    withheld = release.withheld_references(ROOT, sources=[])  # the stubs alone are given
+    withheld = release.withheld_references(ROOT)
     assert {"v4_sinkhorn", "v4_coefficients", "ns_fp64", "reference_fp32", "naive_compress"} <= set(
         withheld["names"]
     )

@@ -579,30 +579,63 @@ def searchable_text(path):
     return text
 
 
-def withheld_references(root=ROOT, sources=None):
+def _other_code(root):
+    """The reference's .py files that are neither assignment files nor withheld ones."""
+    skip = {".git", ".venv", "build", "__pycache__", "node_modules"}
+    assigned = set(assignments.assignment_files(root))
+    withheld = PRIVATE + AUTOGRADER_ONLY
+    out = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in skip and not d.startswith(".")]
+        for n in names:
+            path = os.path.relpath(os.path.join(folder, n), root)
+            if (
+                n.endswith(".py")
+                and path not in assigned
+                and not any(path == p or path.startswith(p + "/") for p in withheld)
+            ):
+                out.append(path)
+    return out
+
+
+_WITHHELD = {}  # root -> withheld_references' answer: computed once
+
+
+def withheld_references(root=ROOT):
     """What the student repository must not hold of the autograder-only references: {"names":
     {function name: where}, "lines": {significant line: where}, "shapes": {name: (shingles,
-    where)}}. A name with no underscore (batch, mlp) says nothing and is left out of the names;
-    a line or a shape the released files hold anyway (a probe's batch(), a stub's unpacking of a
-    shape) is given, not withheld. An independent reference is an answer however differently it
-    is written, so its shape is searched for as a region's is (a Sinkhorn pasted into
-    sinkhorn_knopp under other names). ``sources``: the released files (release_sources)."""
-    given, public = set(), []
-    with tempfile.TemporaryDirectory() as tmp:
-        assignments.write_student(tmp, root)
-        texts = [searchable_text(os.path.join(tmp, n)) for n in files_of(tmp)]
-    for path in release_sources(root) if sources is None else sources:
-        if path.endswith(".py"):
-            texts.append(searchable_text(os.path.join(root, path)))
-    for text in texts:
-        given.update(line.strip() for line in text.splitlines())
-        public += [shingles(textwrap.dedent(source)) for _, source in code_units(text)]
+    where)}}. A module's SHARED names (helpers whose code the released files hold too: a probe's
+    batch()) are left out, and so are the lines the stubs and the reference's other code hold (an
+    optimizer's constructor, a loop header); an independent reference is an answer however
+    differently it is written, so its shape is searched for as a region's is (a Sinkhorn pasted
+    into sinkhorn_knopp under other names)."""
+    if root in _WITHHELD:
+        return _WITHHELD[root]
     names, lines, shapes = {}, {}, {}
-    for path in autograder_only_files(root):
+    _WITHHELD[root] = {"names": names, "lines": lines, "shapes": shapes}
+    files = autograder_only_files(root)
+    given = set()  # lines the stubs and the reference's other code hold: no answer's own
+    if files:
+        with tempfile.TemporaryDirectory() as tmp:
+            assignments.write_student(tmp, root)
+            texts = [searchable_text(os.path.join(tmp, name)) for name in files_of(tmp)]
+        texts += [searchable_text(os.path.join(root, path)) for path in _other_code(root)]
+        for text in texts:
+            given.update(line.strip() for line in text.splitlines())
+    for path in files:
         with open(os.path.join(root, path)) as f:
             text = f.read()
-        for node in ast.parse(text).body:
+        tree = ast.parse(text)
+        shared = set()
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "SHARED" for t in node.targets
+            ):
+                shared = set(ast.literal_eval(node.value))
+        for node in tree.body:
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if node.name in shared:
                 continue
             where = f"{node.name}, withheld in {path}:{node.lineno}"
             if "_" in node.name.strip("_"):
@@ -614,10 +647,9 @@ def withheld_references(root=ROOT, sources=None):
                 if _significant(line.strip()) and line.strip() not in given:
                     lines.setdefault(line.strip(), where)
             found = shingles(source)
-            shared = max((len(found & mine) / len(found) for mine in public), default=0)
-            if len(found) >= MIN_SHINGLES and shared < OVERLAP:
+            if len(found) >= MIN_SHINGLES:
                 shapes[node.name] = (found, where)
-    return {"names": names, "lines": lines, "shapes": shapes}
+    return _WITHHELD[root]
 
 
 def withheld_leaks(folder, root=ROOT, withheld=None):
