@@ -123,24 +123,23 @@ def test_sinkhorn_matches_v4_and_is_doubly_stochastic():
         "B has NaN or inf at logits of +-60 (float32): add eps after the softmax and to every "
         "sum, as V4 does (sum + eps)"
     )
+    # V4 fixes the order (the docstring says so): compared to float64 rounding, 1e-12
+    want = stored("mhc", "sinkhorn", lambda: H.v4_sinkhorn(logits))
+    transposed = stored("mhc", "sinkhorn rows first", lambda: H.v4_sinkhorn(logits.mT).mT)
+    assert not (b - transposed).abs().max().item() < 1e-12, (
+        "B is normalised rows first (softmax along rows, columns last): V4 starts with a softmax "
+        "down each column (dim=-2) and ends every round on the rows"
+    )
     rows, cols = (b.sum(-1) - 1).abs().max().item(), (b.sum(-2) - 1).abs().max().item()
     assert rows < 2e-6, (
         f"rows of B must sum to 1 (to eps), worst |row sum - 1| = {rows:.1e}: every round ends "
         f"with the row step (sum over dim=-1), after the column step (dim=-2)"
     )
     assert cols < 1e-5, f"columns of B must sum to 1 after 20 rounds, worst error {cols:.1e}"
-    # V4 fixes the order (the docstring says so): compared to float64 rounding, 1e-12
-    want = stored("mhc", "sinkhorn", lambda: H.v4_sinkhorn(logits))
-    transposed = stored("mhc", "sinkhorn rows first", lambda: H.v4_sinkhorn(logits.mT).mT)
     err = (b - want).abs().max().item()
-    rows_first = (b - transposed).abs().max().item() < 1e-12  # the transposed order
     assert err < 1e-12, (
-        "B is normalised rows first (softmax along rows, columns last): V4 starts with a softmax "
-        "down each column (dim=-2) and ends every round on the rows"
-        if rows_first
-        else f"B differs from V4's Sinkhorn by {err:.1e}: V4's order is a softmax down each "
-        f"column (dim=-2) + eps, a row step, then iters - 1 rounds of (columns, rows), each "
-        f"sum + eps"
+        f"B differs from V4's Sinkhorn by {err:.1e}: V4's order is a softmax down each column "
+        f"(dim=-2) + eps, a row step, then iters - 1 rounds of (columns, rows), each sum + eps"
     )
     moved = (shifted - limit).abs().max().item()
     assert moved < 1e-10, f"at eps=0 the limit moved by {moved:.1e} under row/column scalings"
