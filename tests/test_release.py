@@ -134,7 +134,7 @@ def test_no_solution_line_or_private_answer_is_released(kit, signatures, tmp_pat
     found = release.leaks(student, ROOT, signatures)
     with zipfile.ZipFile(zip_path) as z:
         z.extractall(tmp_path / "autograder")
-    found += release.leaks(str(tmp_path / "autograder"), ROOT, signatures)
+    found += release.leaks(str(tmp_path / "autograder"), ROOT, signatures, autograder=True)
     assert not found, "solution text in the release:\n" + "\n".join(map(str, found))
 
 
@@ -432,3 +432,32 @@ def test_the_limited_run_names_a_process_that_outlives_its_command():
     assert len(peaks["left"]) == 1, f"the detached sleep was not seen: {peaks['left']}"
     _, _, peaks, _ = measure_grading.run_limited(["bash", "-c", "sleep 0.2 & wait"], 2**30, 1.0)
     assert peaks["left"] == [], f"a process that ended was listed as left: {peaks['left']}"
+
+
+def test_a_withheld_reference_pasted_into_the_kit_is_found(tmp_path):
+    """The autograder-only references never reach the student repository: V4's Sinkhorn from
+    tests/graded/hidden/ pasted as sinkhorn_knopp under other names (its shape), a call of a
+    withheld reference by name, and the file itself are each found; the kit as released is clean
+    of them (test_no_solution_line_or_private_answer_is_released)."""
+    withheld = release.withheld_references(ROOT)
+    assert {"v4_sinkhorn", "v4_coefficients", "ns_fp64", "reference_fp32", "naive_compress"} <= set(
+        withheld["names"]
+    )
+    pasted = """
+def sinkhorn_knopp(z, n_iter=20, tiny=1e-6):
+    out = torch.exp(z - z.amax(-2, keepdim=True))
+    out = out / out.sum(-2, keepdim=True) + tiny
+    for dim in [-1] + [-2, -1] * (n_iter - 1):
+        out = out / (out.sum(dim, keepdim=True) + tiny)
+    return out
+"""
+    folder = tmp_path / "kit"
+    (folder / "tests" / "graded" / "hidden").mkdir(parents=True)
+    (folder / "mhc.py").write_text(pasted)
+    (folder / "tests" / "graded" / "test_x.py").write_text("want = ns_fp64(x, steps)\n")
+    (folder / "tests" / "graded" / "hidden" / "references_mhc.py").write_text("\n")
+    hits = release.withheld_leaks(str(folder), ROOT, withheld)
+    found = {(name, what.split(",")[0]) for name, _, what in hits}
+    assert ("tests/graded/test_x.py", "ns_fp64") in found, hits
+    assert any(name == "mhc.py" and "v4_sinkhorn" in what for name, _, what in hits), hits
+    assert any(name.startswith("tests/graded/hidden/") for name, _, _ in hits), hits

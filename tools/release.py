@@ -53,6 +53,7 @@ SUPPORT = (
     "pyproject.toml",
     "tests/graded/__init__.py",
     "tests/graded/conftest.py",
+    "tests/graded/expected.py",
     "tests/graded/models_memory_timeline.py",
     "tests/graded/models_muon_zero.py",
     "tests/graded/models_tensor_ckpt.py",
@@ -76,6 +77,10 @@ PRIVATE = (
     "tests/notebook_answers.py",
     "oracles",
 )
+# only in the autograder zip: the graded tests' independent references (each an answer for the
+# region it checks); the student repository's tests read the values they gave, stored beside
+AUTOGRADER_ONLY = ("tests/graded/hidden",)
+EXPECTED = "tests/graded/stored"  # the values they gave (make expected), released
 # what grading on Gradescope does not import (the notebooks' kernel, the linter)
 NOT_FOR_GRADING = ("jupyter", "jupytext", "nbclient", "nbformat", "ipykernel", "ruff", "nbstripout")
 NOT_FOR_GRADING += ("expecttest",)  # torch.testing's, for an ungraded test file alone
@@ -137,8 +142,22 @@ def release_sources(root=ROOT):
         for f in os.listdir(os.path.join(root, os.path.dirname(a)))
         if f.endswith(".py")
     }
-    private = {f for f in files if any(f == p or f.startswith(p + "/") for p in PRIVATE)}
+    stored = os.path.join(root, EXPECTED)
+    files |= {f"{EXPECTED}/{f}" for f in os.listdir(stored)} if os.path.isdir(stored) else set()
+    withheld = PRIVATE + AUTOGRADER_ONLY
+    private = {f for f in files if any(f == p or f.startswith(p + "/") for p in withheld)}
     return sorted(files - assigned - package_siblings - private)
+
+
+def autograder_only_files(root=ROOT):
+    """The autograder-only references (AUTOGRADER_ONLY), as relative paths."""
+    out = []
+    for top in AUTOGRADER_ONLY:
+        for folder, _, names in os.walk(os.path.join(root, top)):
+            out += [
+                os.path.relpath(os.path.join(folder, n), root) for n in names if n.endswith(".py")
+            ]
+    return sorted(out)
 
 
 def _notebook_tree(path):
@@ -289,6 +308,8 @@ def write_autograder(student, zip_path, root=ROOT):
         entries[name if name != "gradescope.py" else f"tools/{name}"] = os.path.join(
             AUTOGRADER, name
         )
+    for path in autograder_only_files(root):
+        entries[path] = os.path.join(root, path)
     requirements = "# installed by setup.sh; torch comes from the CPU wheel index, pinned there\n"
     requirements += "\n".join(grading_requirements(root)) + "\n"
     with zipfile.ZipFile(zip_path, "w", zipfile.ZIP_DEFLATED) as z:
@@ -563,9 +584,107 @@ def searchable_text(path):
     return text
 
 
-def leaks(folder, root=ROOT, signatures=None, shapes=None):
+def _other_code(root):
+    """The reference's .py files that are neither assignment files nor withheld ones."""
+    skip = {".git", ".venv", "build", "__pycache__", "node_modules"}
+    assigned = set(assignments.assignment_files(root))
+    withheld = PRIVATE + AUTOGRADER_ONLY
+    out = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in skip and not d.startswith(".")]
+        for n in names:
+            path = os.path.relpath(os.path.join(folder, n), root)
+            if (
+                n.endswith(".py")
+                and path not in assigned
+                and not any(path == p or path.startswith(p + "/") for p in withheld)
+            ):
+                out.append(path)
+    return out
+
+
+_WITHHELD = {}  # root -> withheld_references' answer: computed once
+
+
+def withheld_references(root=ROOT):
+    """What the student repository must not hold of the autograder-only references: {"names":
+    {function name: where}, "lines": {significant line: where}, "shapes": {name: (shingles,
+    where)}}. A module's SHARED names (helpers whose code the released files hold too: a probe's
+    batch()) are left out, and so are the lines the stubs and the reference's other code hold (an
+    optimizer's constructor, a loop header); an independent reference is an answer however
+    differently it is written, so its shape is searched for as a region's is (a Sinkhorn pasted
+    into sinkhorn_knopp under other names)."""
+    if root in _WITHHELD:
+        return _WITHHELD[root]
+    names, lines, shapes = {}, {}, {}
+    _WITHHELD[root] = {"names": names, "lines": lines, "shapes": shapes}
+    files = autograder_only_files(root)
+    given = set()  # lines the stubs and the reference's other code hold: no answer's own
+    if files:
+        with tempfile.TemporaryDirectory() as tmp:
+            assignments.write_student(tmp, root)
+            texts = [searchable_text(os.path.join(tmp, name)) for name in files_of(tmp)]
+        texts += [searchable_text(os.path.join(root, path)) for path in _other_code(root)]
+        for text in texts:
+            given.update(line.strip() for line in text.splitlines())
+    for path in files:
+        with open(os.path.join(root, path)) as f:
+            text = f.read()
+        tree = ast.parse(text)
+        shared = set()
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "SHARED" for t in node.targets
+            ):
+                shared = set(ast.literal_eval(node.value))
+        for node in tree.body:
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if node.name in shared:
+                continue
+            where = f"{node.name}, withheld in {path}:{node.lineno}"
+            if "_" in node.name.strip("_"):
+                names[node.name] = where
+            body = [n for n in node.body if not (isinstance(n, ast.Expr) and
+                                                 isinstance(n.value, ast.Constant))]  # fmt: skip
+            source = textwrap.dedent("\n".join(ast.get_source_segment(text, n) for n in body))
+            for line in source.splitlines():
+                if _significant(line.strip()) and line.strip() not in given:
+                    lines.setdefault(line.strip(), where)
+            found = shingles(source)
+            if len(found) >= MIN_SHINGLES:
+                shapes[node.name] = (found, where)
+    return _WITHHELD[root]
+
+
+def withheld_leaks(folder, root=ROOT, withheld=None):
+    """(file, line, what) for each autograder-only file under ``folder``, each use of a withheld
+    reference's name, each line of its body, and each function holding most of its shape."""
+    withheld = withheld_references(root) if withheld is None else withheld
+    names = withheld["names"]
+    # defined or called by name (the tests call them as H.name, which says nothing)
+    alternatives = "|".join(map(re.escape, names))
+    pattern = re.compile(rf"(?<![.\w])({alternatives})\s*\(" if names else "(?!)")
+    hits = []
+    for name in files_of(folder):
+        if any(name == p or name.startswith(p + "/") for p in AUTOGRADER_ONLY):
+            hits.append((name, 0, "an autograder-only reference"))
+            continue
+        if not name.endswith((".py", ".ipynb", ".md", ".txt", ".json", "Makefile")):
+            continue
+        for number, line in enumerate(searchable_text(os.path.join(folder, name)).splitlines(), 1):
+            found = pattern.search(line)
+            if found:
+                hits.append((name, number, names[found.group(1)]))
+            elif line.strip() in withheld["lines"]:
+                hits.append((name, number, withheld["lines"][line.strip()]))
+    return hits + reimplementations(folder, withheld["shapes"])
+
+
+def leaks(folder, root=ROOT, signatures=None, shapes=None, autograder=False):
     """(released file, line, what it reveals) for every solution line found under ``folder``, and
-    every function there that re-implements a region (its shape, names aside)."""
+    every function there that re-implements a region (its shape, names aside); unless
+    ``autograder`` (the zip, which holds them), every trace of an autograder-only reference."""
     signatures = solution_signatures(root) if signatures is None else signatures
     shapes = region_shapes(root) if shapes is None else shapes
     tokens = answer_tokens(root)
@@ -589,6 +708,7 @@ def leaks(folder, root=ROOT, signatures=None, shapes=None):
                 for sig in (s for s in signatures if len(s) >= 2 * MIN_SIGNATURE and s in text):
                     hits.append((name, number, signatures[sig]))
                     break
+    hits += [] if autograder else withheld_leaks(folder, root)
     return hits + reimplementations(folder, shapes)
 
 
@@ -611,7 +731,7 @@ def main(argv=None):
             z.extractall(tmp)
         found += [
             (f"autograder.zip:{n}", line, what)
-            for n, line, what in leaks(tmp, ROOT, signatures, shapes)
+            for n, line, what in leaks(tmp, ROOT, signatures, shapes, autograder=True)
         ]
     for name, line, what in found:
         print(f"LEAK {name}:{line}: {what}")

@@ -17,6 +17,7 @@ by "started" and, when the worker ends, "exited"; "kill" (every process below th
 every process of the sandbox user) answered by "killed".
 """
 
+import ast
 import ctypes
 import dataclasses
 import errno
@@ -169,6 +170,142 @@ def import_failure(error, filename):
     return f"{type(error).__name__}" + (f" at line {line}" if line else "") + f": {first}"
 
 
+# ---- the probe, bound before the submitted code runs ----
+
+
+class Tampered(Exception):
+    """The submitted code changed the probe, the models and meters beside it, or torch."""
+
+
+GUARDED_TORCH = (
+    "torch",
+    "torch.Tensor",
+    "torch.nn.Module",
+    "torch.autograd",
+    "torch.autograd.graph",
+    "torch.UntypedStorage",
+    "torch.utils.flop_counter",
+    "torch.distributed",
+)
+
+
+def _resolve(dotted):
+    """ "torch.nn.Module" -> the class: the longest importable prefix, then attributes."""
+    parts = dotted.split(".")
+    for k in range(len(parts), 0, -1):
+        try:
+            value = importlib.import_module(".".join(parts[:k]))
+        except ImportError:
+            continue
+        for name in parts[k:]:
+            value = getattr(value, name)
+        return value
+    raise ImportError(dotted)
+
+
+# rebound by torch itself: torch._dynamo wraps manual_seed when it is first imported (by fx)
+REBOUND = {("torch", "manual_seed")}
+
+
+def _snapshot(owners):
+    """{(owner name, attribute): id} of every attribute of ``owners`` ({name: module or class}),
+    of the classes a module defines, and of the items of its module-level dicts."""
+    seen = {}
+    for label, owner in owners.items():
+        for name, value in list(vars(owner).items()):
+            if name.startswith("__") or (label, name) in REBOUND:
+                continue
+            seen[(label, name)] = (id(value), value)
+            home = getattr(owner, "__name__", None) if isinstance(owner, types.ModuleType) else None
+            if isinstance(value, type) and home and value.__module__ == home:
+                for attr, member in list(vars(value).items()):
+                    seen[(f"{label}.{name}", attr)] = (id(member), member)
+            if isinstance(value, dict) and home:
+                for key, item in list(value.items()):
+                    seen[(f"{label}.{name}", repr(key))] = (id(item), item)
+    return seen
+
+
+def _changed(before, owners):
+    after = _snapshot(owners)
+    return sorted(f"{o}.{n}" for (o, n), (ident, _) in before.items()
+                  if after.get((o, n), (None,))[0] != ident)  # fmt: skip
+
+
+def _trusted(module):
+    top = module.split(".")[0]
+    return top == "torch" or top.startswith("models_") or top in sys.stdlib_module_names
+
+
+def _trusted_bindings(tree):
+    """{name: object} that the probe's top-level imports of torch, the standard library and the
+    grader's models_* bind, imported here before any submitted file is."""
+    bound = {}
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if _trusted(alias.name):
+                    module = importlib.import_module(alias.name)
+                    if alias.asname:
+                        bound[alias.asname] = module
+                    else:
+                        top = alias.name.split(".")[0]
+                        bound[top] = sys.modules[top]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and _trusted(node.module):
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                bound[alias.asname or alias.name] = getattr(module, alias.name)
+    return bound
+
+
+def bind_probe(stem, function):
+    """``probes.<stem>.<function>`` loaded from its own file, and a check to run after the call.
+
+    The grader's modules the probe imports (models_*: the models and the meters) and the torch
+    the probes measure with are imported and recorded before the probe imports the submission;
+    the probe's functions are compiled from their source first. The check raises Tampered when
+    any of them is no longer what was recorded (a module swapped in sys.modules, a meter or a spy
+    patched), so the values the probe returns came from the probe's code."""
+    spec = importlib.util.find_spec(f"probes.{stem}")
+    with open(spec.origin, "rb") as f:
+        source = f.read()
+    tree = ast.parse(source, spec.origin)
+    graders = sorted({n.module for n in tree.body if isinstance(n, ast.ImportFrom)
+                      and (n.module or "").startswith("models_")})  # fmt: skip
+    owners = {name: importlib.import_module(name) for name in graders}
+    owners.update({name: _resolve(name) for name in GUARDED_TORCH})
+    owners["sandbox_child"] = sys.modules[__name__]
+    bound = _trusted_bindings(tree)
+    before = _snapshot(owners)
+    code = compile(tree, spec.origin, "exec")
+    pristine = {c.co_name: c for c in code.co_consts if isinstance(c, types.CodeType)}
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    exec(code, vars(module))  # the functions' code objects are the ones compiled above
+    defined = {name: vars(module).get(name) for name in pristine}
+
+    def intact():
+        wrong = _changed(before, owners)
+        wrong += sorted(
+            f"probes.{stem}.{name}"
+            for name, code in pristine.items()
+            if vars(module).get(name) is not defined[name]
+            or getattr(defined[name], "__code__", code) is not code
+        )
+        wrong += sorted(f"probes.{stem}.{name}" for name, value in bound.items()
+                        if vars(module).get(name) is not value)  # fmt: skip
+        if sys.modules.get(spec.name) is not module:
+            wrong.append(f"sys.modules[{spec.name!r}]")
+        if wrong:
+            raise Tampered(
+                f"the submitted code changed the grader's {wrong[0]}"
+                + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else "")
+                + ": a graded value counts only when the probe's own code measured it"
+            )
+
+    return defined[function], intact
+
+
 def _send(data):
     with os.fdopen(RESULT_FD, "wb") as pipe:
         pipe.write(data)
@@ -180,12 +317,14 @@ def _run_probe(request):
     stem, function = request["probe"].split(":", 1)
     try:
         inputs = torch.load(request["args"], weights_only=False)  # written by the grader
-        probe = getattr(importlib.import_module(f"probes.{stem}"), function)
+        probe, intact = bind_probe(stem, function)
         world = os.environ.get("WORLD_SIZE")
         if world is None:
             record = {"ok": True, "value": plain(probe(*inputs["args"], **inputs["kwargs"]))}
         else:
             record = _on_rank(probe, int(world), inputs)
+        if record["ok"]:
+            intact()
     except BaseException as error:  # everything goes back as a record; nothing is trusted
         record = failure(error)
     import io

@@ -159,7 +159,7 @@ def test_predicted_state_on_cpu_equals_the_formula_and_the_real_state():
         ),
     ]
     got = call("memory_timeline:predicted", "cpu", [specs for specs, _ in cases], ["cpu"])
-    for (specs, formula), (predicted,) in zip(cases, got):
+    for (specs, formula), (predicted,) in zip(cases, got, strict=True):
         names = " + ".join(f"{name}({kwargs})" for name, kwargs, _ in specs)
         assert stepped_state("cpu", specs) == formula, names  # the formula is torch's state
         assert predicted == formula, (
@@ -189,9 +189,9 @@ def test_predicted_state_off_the_cpu_leaves_adamw_step_counters_behind():
     ]
     devices = ["meta", "cpu", "cuda"]
     got = call("memory_timeline:predicted", "meta", [specs for specs, _ in cases], devices)
-    for (specs, want), predicted in zip(cases, got):
+    for (specs, want), predicted in zip(cases, got, strict=True):
         ((_, kwargs, _),) = specs
-        for device, p in zip(devices, predicted):
+        for device, p in zip(devices, predicted, strict=True):
             assert p == want[device], (
                 f"AdamW({kwargs}) with parameters on 'meta' (a GPU's stand-in): predicted {p:,} "
                 f"bytes on {device!r}, expected {want[device]:,}: unfused, the `step` counters "

@@ -20,6 +20,10 @@ import pytest
 import torch
 from sandbox import call, on_ranks
 
+from graded.expected import DRAW, hidden, stored
+
+H = hidden("mhc")  # V4's model written out in float64: only in the autograder zip
+
 # The private suite runs these in its slow tier: CI grades the reference with every graded
 # test (make grade-fit); test_sandbox.py and test_memory_timeline.py stay in its default tier.
 pytestmark = pytest.mark.slow
@@ -30,112 +34,67 @@ FP64 = dict(loss=1e-12, grads=1e-9)
 FP32 = dict(loss=1e-5, grads=1e-4)
 
 
-# ---- the reference: V4's mHC transformer written out in float64 ----------------------------------
+VOCAB = 64
 
 
-def v4_sinkhorn(logits, iters=20, eps=EPS):
-    """V4's Sinkhorn in B's layout: exp(logits) scaled to unit columns, + eps, then scaled to unit
-    rows, then iters - 1 times to unit columns and rows, each divisor a sum + eps."""
-    scaled = torch.exp(logits - logits.amax(-2, keepdim=True))
-    scaled = scaled / scaled.sum(-2, keepdim=True) + eps
-    for axis in [-1] + [-2, -1] * (iters - 1):
-        scaled = scaled / (scaled.sum(axis, keepdim=True) + eps)
-    return scaled
+def mhc_params(n_layers, seed=0, hyper_head=True):
+    """Every parameter of the probes' model (mhc.Transformer on probes/mhc.py's SMALL config),
+    drawn here: the worker loads exactly these, so the reference never reads a value it chose.
+    Linear weights as nn.Linear draws them, HC parameters away from their init (the lanes differ,
+    every mixing gradient is large enough to check)."""
+    gen = torch.Generator().manual_seed(1000 + seed + 7919 * DRAW)  # DRAW: hidden, at grading
 
+    def linear(rows, cols):
+        return (torch.rand(rows, cols, generator=gen) * 2 - 1) / cols**0.5
 
-def rms_normed(x, weight=None):
-    y = x / torch.sqrt(torch.mean(x * x, dim=-1, keepdim=True) + EPS)
-    return y if weight is None else y * weight
+    def normal(*shape, std=1.0):
+        return torch.randn(*shape, generator=gen) * std
 
-
-def v4_coefficients(p, lanes):
-    """V4 §2.2 for lanes [..., n, d]: x_hat = vec(X) / rms; [pre | post | res] = x_hat W;
-    A = sigmoid(alpha_pre pre + S_pre) + eps, C = 2 sigmoid(alpha_post post + S_post),
-    B = Sinkhorn(alpha_res res (row-major n x n) + S_res)."""
-    z = rms_normed(lanes.reshape(*lanes.shape[:-2], N * DIM)) @ p["proj"]
-    alpha = p["gate"]
-    a = torch.sigmoid(alpha[0] * z[..., :N] + p["bias_pre"]) + EPS
-    c = 2 * torch.sigmoid(alpha[1] * z[..., N : 2 * N] + p["bias_post"])
-    res = z[..., 2 * N :].reshape(*z.shape[:-1], N, N)
-    return a, v4_sinkhorn(alpha[2] * res + p["bias_res"]), c
-
-
-def attention(p, x):
-    """Pre-norm causal self-attention over the whole sequence, written out: [batch, T, d]."""
-    q, k, v = (rms_normed(x, p["norm.weight"]) @ p["qkv.weight"].T).split(DIM, dim=-1)
-    heads = [t.reshape(*t.shape[:2], HEADS, DIM // HEADS).transpose(1, 2) for t in (q, k, v)]
-    scores = heads[0] @ heads[1].transpose(-1, -2) / (DIM // HEADS) ** 0.5
-    t = x.shape[1]
-    future = torch.ones(t, t, dtype=torch.bool).triu(1)
-    y = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1) @ heads[2]
-    return y.transpose(1, 2).reshape(x.shape) @ p["out.weight"].T
-
-
-def mlp(p, x):
-    h = rms_normed(x, p["norm.weight"]) @ p["up.weight"].T
-    return torch.nn.functional.gelu(h) @ p["down.weight"].T
-
-
-def sub(params, prefix):
-    return {k[len(prefix) :]: v for k, v in params.items() if k.startswith(prefix)}
-
-
-def v4_layer(params, i, lanes):
-    """Layer i: X' = B X + C F(A X), F attention at even i, else the MLP."""
-    a, b, c = v4_coefficients(sub(params, f"hcs.{i}."), lanes)
-    h = (a.unsqueeze(-1) * lanes).sum(-2)
-    f = (attention if i % 2 == 0 else mlp)(sub(params, f"sublayers.{i}."), h)
-    return b @ lanes + c.unsqueeze(-1) * f.unsqueeze(-2)
-
-
-def v4_head(params, lanes):
-    """V4's HyperHead: sum_i w_i X_i, w = sigmoid(alpha x_hat W + S) + eps."""
-    z = rms_normed(lanes.reshape(*lanes.shape[:-2], N * DIM)) @ params["hyper_head.proj"]
-    w = torch.sigmoid(params["hyper_head.gate"] * z + params["hyper_head.bias"]) + EPS
-    return (w.unsqueeze(-1) * lanes).sum(-2)
-
-
-def v4_loss(params, idx, targets, n_layers):
-    x = params["embed.weight"][idx]
-    lanes = x.unsqueeze(-2).repeat_interleave(N, dim=-2)  # the embedding copied into n lanes
+    params = {"embed.weight": normal(VOCAB, DIM)}
     for i in range(n_layers):
-        lanes = v4_layer(params, i, lanes)
-    logits = rms_normed(v4_head(params, lanes), params["norm.weight"]) @ params["lm_head.weight"].T
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        params[f"sublayers.{i}.norm.weight"] = 1 + normal(DIM, std=0.1)
+        if i % 2 == 0:
+            params[f"sublayers.{i}.qkv.weight"] = linear(3 * DIM, DIM)
+            params[f"sublayers.{i}.out.weight"] = linear(DIM, DIM)
+        else:
+            params[f"sublayers.{i}.up.weight"] = linear(4 * DIM, DIM)
+            params[f"sublayers.{i}.down.weight"] = linear(DIM, 4 * DIM)
+    for i in range(n_layers):
+        params[f"hcs.{i}.proj"] = normal(N * DIM, (2 + N) * N, std=1 / (N * DIM) ** 0.5)
+        params[f"hcs.{i}.gate"] = torch.rand(3, generator=gen) * 0.5 + 0.5
+        params[f"hcs.{i}.bias_pre"] = normal(N, std=1.2)
+        params[f"hcs.{i}.bias_post"] = normal(N, std=1.2)
+        params[f"hcs.{i}.bias_res"] = 1 + normal(N, N, std=1.5)
+    if hyper_head:
+        params["hyper_head.proj"] = normal(N * DIM, N, std=1 / (N * DIM) ** 0.5)
+        params["hyper_head.gate"] = torch.full((1,), 0.7)
+        params["hyper_head.bias"] = normal(N)
+    params["norm.weight"] = 1 + normal(DIM, std=0.1)
+    params["lm_head.weight"] = linear(VOCAB, DIM)
+    return params
 
 
-def batch(step, size=4, seq_len=8, vocab=64):
-    gen = torch.Generator().manual_seed(100 + step)
-    data = torch.randint(0, vocab, (size, seq_len + 1), generator=gen)
-    return data[:, :-1], data[:, 1:]
-
-
-def reference_steps(params, n_layers, steps, size):
-    """Loss and gradients of each SGD(lr=0.1) step of the reference in float64 from ``params``."""
-    params = {k: v.double().requires_grad_() for k, v in params.items()}
-    out = []
-    for step in range(steps):
-        idx, tgt = batch(step, size=size)
-        loss = v4_loss(params, idx, tgt, n_layers)
-        grads = torch.autograd.grad(loss, list(params.values()))
-        out.append((loss.item(), dict(zip(params, grads))))
-        with torch.no_grad():
-            for p, g in zip(params.values(), grads):
-                p -= 0.1 * g
-    return out
+def assert_plain(value, kind, what):
+    """A value from a worker is of the kind the test reads: a forged one fails here, by name."""
+    assert isinstance(value, kind), f"{what} must be a {kind.__name__}, got {type(value).__name__}"
+    return value
 
 
 def assert_grads_close(got, ref, rtol, what=""):
     scale = max(g.abs().max().item() for g in ref.values())
+    assert_plain(got, dict, f"{what}: the gradients")
     missing = sorted(ref.keys() - got.keys())
     assert not missing, f"{what}: {missing[0]} got no gradient"
     for name in ref:
         floor = max(ref[name].abs().max().item(), 1e-3 * scale)
-        err = (got[name].double() - ref[name]).abs().max().item() / floor
+        g = assert_plain(got[name], torch.Tensor, f"{what}: the gradient of {name}")
+        assert g.shape == ref[name].shape, f"{what}: the gradient of {name} has shape {g.shape}"
+        err = (g.double() - ref[name]).abs().max().item() / floor
         assert err < rtol, f"{what}: gradient of {name} differs by {err:.2e}, tolerance {rtol:.0e}"
 
 
 def assert_loss_close(got, ref, rtol, what):
+    assert_plain(got, float, f"{what}: the loss")
     assert abs(got - ref) < rtol * abs(ref), f"{what}: loss {got:.8f} differs from {ref:.8f}"
 
 
@@ -147,7 +106,7 @@ NEEDS_KERNELS = (*NEEDS_LAYER, "mhc.post_mix_backward")  # and the kernels' (mix
 
 @pytest.mark.grade(points=2, solution="mhc.sinkhorn_knopp")
 def test_sinkhorn_matches_v4_and_is_doubly_stochastic():
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(DRAW)
     logits = torch.randn(64, 4, 4, dtype=torch.float64, generator=gen)
     # float32, where exp(-120) underflows to 0: without eps a row or column of zeros gives 0/0
     extreme = 60.0 * torch.randn(256, 4, 4, generator=gen).sign()
@@ -164,22 +123,23 @@ def test_sinkhorn_matches_v4_and_is_doubly_stochastic():
         "B has NaN or inf at logits of +-60 (float32): add eps after the softmax and to every "
         "sum, as V4 does (sum + eps)"
     )
+    # V4 fixes the order (the docstring says so): compared to float64 rounding, 1e-12
+    want = stored("mhc", "sinkhorn", lambda: H.v4_sinkhorn(logits))
+    transposed = stored("mhc", "sinkhorn rows first", lambda: H.v4_sinkhorn(logits.mT).mT)
+    assert not (b - transposed).abs().max().item() < 1e-12, (
+        "B is normalised rows first (softmax along rows, columns last): V4 starts with a softmax "
+        "down each column (dim=-2) and ends every round on the rows"
+    )
     rows, cols = (b.sum(-1) - 1).abs().max().item(), (b.sum(-2) - 1).abs().max().item()
     assert rows < 2e-6, (
         f"rows of B must sum to 1 (to eps), worst |row sum - 1| = {rows:.1e}: every round ends "
         f"with the row step (sum over dim=-1), after the column step (dim=-2)"
     )
     assert cols < 1e-5, f"columns of B must sum to 1 after 20 rounds, worst error {cols:.1e}"
-    # V4 fixes the order (the docstring says so): compared to float64 rounding, 1e-12
-    err = (b - v4_sinkhorn(logits)).abs().max().item()
-    rows_first = (b - v4_sinkhorn(logits.mT).mT).abs().max().item() < 1e-12  # transposed order
+    err = (b - want).abs().max().item()
     assert err < 1e-12, (
-        "B is normalised rows first (softmax along rows, columns last): V4 starts with a softmax "
-        "down each column (dim=-2) and ends every round on the rows"
-        if rows_first
-        else f"B differs from V4's Sinkhorn by {err:.1e}: V4's order is a softmax down each "
-        f"column (dim=-2) + eps, a row step, then iters - 1 rounds of (columns, rows), each "
-        f"sum + eps"
+        f"B differs from V4's Sinkhorn by {err:.1e}: V4's order is a softmax down each column "
+        f"(dim=-2) + eps, a row step, then iters - 1 rounds of (columns, rows), each sum + eps"
     )
     moved = (shifted - limit).abs().max().item()
     assert moved < 1e-10, f"at eps=0 the limit moved by {moved:.1e} under row/column scalings"
@@ -201,15 +161,15 @@ FORMULAS = {
 @pytest.mark.grade(points=3, solution="mhc.mhc_coefficients", needs=("mhc.sinkhorn_knopp",))
 def test_layer_matches_the_equations_token_by_token():
     """V4 §2.2 for one token at a time (float64: 1e-12), independently of mhc_coefficients."""
-    gen = torch.Generator().manual_seed(3)
+    gen = torch.Generator().manual_seed(3 + 7919 * DRAW)
     stream = torch.randn(2, 8, N, DIM, dtype=torch.float64, generator=gen)
-    out = call("mhc:one_layer", stream)
-    params, got = out["params"], out["coeffs"]
-    hc = sub(params, "hcs.0.")
-    coeffs = [[v4_coefficients(hc, stream[b, t]) for t in range(8)] for b in range(2)]
+    params = {k: v.double() for k, v in mhc_params(1, seed=3).items()}
+    out = call("mhc:one_layer", stream, params)
+    got = assert_plain(out["coeffs"], list, "mhc_coefficients' (A, B, C)")
+    coeffs = stored("mhc", "coefficients", lambda: H.coefficients_by_token(params, stream))
     assert len(got) == 3, "mhc_coefficients must return (A, B, C)"
     for i, name in enumerate("ABC"):
-        expected = torch.stack([torch.stack([coeffs[b][t][i] for t in range(8)]) for b in range(2)])
+        expected = coeffs[i]
         assert got[i].shape == expected.shape, (
             f"{name} must have shape {tuple(expected.shape)}, got {tuple(got[i].shape)}"
         )
@@ -218,7 +178,9 @@ def test_layer_matches_the_equations_token_by_token():
             f"{name} differs from V4 §2.2 by {err:.1e}: {FORMULAS[name]}, x_hat = vec(X) / "
             f"rms(vec(X)) over all n*C numbers of a token, W = hc.proj"
         )
-    err = (out["layer"] - v4_layer(params, 0, stream)).abs().max().item()
+    layer = assert_plain(out["layer"], torch.Tensor, "the layer's output")
+    assert layer.shape == stream.shape, f"the layer's output has shape {tuple(layer.shape)}"
+    err = (layer - stored("mhc", "layer", lambda: H.v4_layer(params, 0, stream))).abs().max().item()
     assert err < 1e-12, f"the layer B X + C F(A X) differs from the equations by {err:.1e}"
 
 
@@ -246,7 +208,7 @@ def test_fused_post_mix_merge_backward():
     expected = torch.autograd.grad(reference, leaves, grad_out)
     got = call("mhc:post_mix_backward", grad_out, b, stream, c, f)
     assert len(got) == 4, "post_mix_backward must return (dB, dX, dC, df)"
-    for (name, formula), g, e in zip(DERIVATIVES.items(), got, expected):
+    for (name, formula), g, e in zip(DERIVATIVES.items(), got, expected, strict=True):
         assert g.shape == e.shape, f"{name} must have shape {tuple(e.shape)}, got {tuple(g.shape)}"
         err = (g - e).abs().max().item()
         assert err < 1e-12, f"{name} differs from autograd by {err:.1e}: {formula}"
@@ -265,8 +227,11 @@ PATHS = {
 
 @pytest.mark.grade(points=4, solution="mhc.RecomputedBlock.backward", needs=NEEDS_KERNELS)
 def test_every_optimised_path_equals_the_reference_in_float64():
-    out = call("mhc:every_path", PATHS)
-    [(ref_loss, ref)] = reference_steps(out["params"], 6, 1, 4)
+    params = mhc_params(6)
+    out = call("mhc:every_path", PATHS, params)
+    [(ref_loss, ref)] = stored("mhc", "every path", lambda: H.reference_steps(params, 6, 1, 4))
+    paths = assert_plain(out["paths"], dict, "the paths")
+    assert sorted(paths) == sorted(PATHS), f"paths {sorted(paths)}, expected {sorted(PATHS)}"
     for name, got in out["paths"].items():
         assert_loss_close(got["loss"], ref_loss, FP64["loss"], f"variant {name}")
         assert_grads_close(got["grads"], ref, FP64["grads"], f"variant {name}")
@@ -277,32 +242,32 @@ def test_every_optimised_path_equals_the_reference_in_float64():
 def test_one_recomputed_block_layer_by_layer(with_head):
     """One block of 3 layers against the plain layers in float64 (1e-9), each gradient named by
     its layer, and F run once per layer (its graph is kept, never rebuilt)."""
-    gen = torch.Generator().manual_seed(4)
+    gen = torch.Generator().manual_seed(4 + 7919 * DRAW)
     stream = torch.randn(2, 8, N, DIM, dtype=torch.float64, generator=gen)
     shape = (2, 8, DIM) if with_head else (2, 8, N, DIM)
-    weight = torch.randn(shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
-    out = call("mhc:recomputed_block", stream, weight, with_head)
+    weight = torch.randn(shape, generator=gen, dtype=torch.float64)
+    every = mhc_params(3, seed=4)
+    names = [n for n in every if n.startswith(("sublayers.", "hcs."))]
+    names += [n for n in every if n.startswith("hyper_head.")] if with_head else []
+    sent = {k: v.double() for k, v in every.items()}
+    out = call("mhc:recomputed_block", stream, weight, with_head, sent)
     assert out["calls"] == 3, (
         f"F must run once per layer: it ran {out['calls']} times for 3 layers; backward must use "
         f"the graph forward kept for each F output, not run F again"
     )
-    names = [n for n in out["params"] if n.startswith(("sublayers.", "hcs."))]
-    names += [n for n in out["params"] if n.startswith("hyper_head.")] if with_head else []
-    params = {n: out["params"][n].clone().requires_grad_() for n in names}
-    x = stream.clone().requires_grad_()
-    y = x
-    for i in range(3):
-        y = v4_layer(params, i, y)
-    y = v4_head(params, y) if with_head else y
-    ref_x, *ref = torch.autograd.grad((y * weight).sum(), [x, *params.values()])
-    ref = dict(zip(names, ref))
+    ref_x, ref = stored(
+        "mhc",
+        f"block, head {with_head}",
+        lambda: H.block_gradients({n: sent[n] for n in names}, stream, weight, with_head),
+    )
     scale = max(g.abs().max().item() for g in ref.values())
     layer = {n: None if n.startswith("hyper_head.") else int(n.split(".")[1]) for n in names}
     for name in sorted(names, key=lambda n: -1 if layer[n] is None else -layer[n]):
         i = layer[name]  # checked in backward's order: head, layer 2, 1, 0
         assert name in out["grads"], f"{name} got no gradient"
-        r = ref[name]
-        err = (out["grads"][name] - r).abs().max().item() / max(r.abs().max().item(), 1e-3 * scale)
+        r, g = ref[name], assert_plain(out["grads"][name], torch.Tensor, f"the gradient of {name}")
+        assert g.shape == r.shape, f"the gradient of {name} has shape {tuple(g.shape)}"
+        err = (g - r).abs().max().item() / max(r.abs().max().item(), 1e-3 * scale)
         if i is None:
             hint = "with a head, rebuild X_L as well and start from kernels.collapse_backward"
         elif i == 2:
@@ -316,16 +281,21 @@ def test_one_recomputed_block_layer_by_layer(with_head):
         assert err < 1e-9, (
             f"{label} {name}: gradient differs from the plain layers by {err:.1e}: {hint}"
         )
-    err = (out["stream"] - ref_x).abs().max().item() / ref_x.abs().max().item()
+    got_x = assert_plain(out["stream"], torch.Tensor, "the block input's gradient")
+    assert got_x.shape == ref_x.shape, f"dX_0 has shape {tuple(got_x.shape)}"
+    err = (got_x - ref_x).abs().max().item() / ref_x.abs().max().item()
     assert err < 1e-9, f"the block input's gradient dX_0 differs by {err:.1e}"
 
 
 @pytest.mark.grade(points=1, solution="mhc.RecomputedBlock.backward", needs=NEEDS_KERNELS)
 @pytest.mark.parametrize("path", [p for p in PATHS if p.startswith("optimised L")])
 def test_recomputed_training_tracks_the_reference_over_steps_fp32(path):
-    out = call("mhc:training", PATHS[path])
-    reference = reference_steps(out["params"], 6, 3, 4)
-    for step, (got, (ref_loss, ref)) in enumerate(zip(out["steps"], reference)):
+    params = mhc_params(6)
+    out = call("mhc:training", PATHS[path], params)
+    reference = stored("mhc", "training", lambda: H.reference_steps(params, 6, 3, 4))
+    steps = assert_plain(out["steps"], list, "the steps")
+    assert len(steps) == 3, f"3 steps were asked for, {len(steps)} came back"
+    for step, (got, (ref_loss, ref)) in enumerate(zip(steps, reference, strict=True)):
         assert_loss_close(got["loss"], ref_loss, FP32["loss"], f"{path} step {step}")
         assert_grads_close(got["grads"], ref, FP32["grads"], f"{path} step {step}")
         assert got["calls"] == (step + 1) * 6, (
@@ -355,7 +325,7 @@ def test_one_f_one_b_schedule():
     cases = [(4, 6), (1, 3), (2, 2), (4, 4), (4, 7), (3, 5)]
     cases = [(n_stages, stage, n_micro) for n_stages, n_micro in cases for stage in range(n_stages)]
     orders = call("mhc:one_f_one_b", cases)
-    for (n_stages, stage, n_micro), order in zip(cases, orders):
+    for (n_stages, stage, n_micro), order in zip(cases, orders, strict=True):
         order = [tuple(e) for e in order]
         where = f"stage {stage} of {n_stages}, {n_micro} micro-batches"
         every = [("F", i) for i in range(n_micro)] + [("B", i) for i in range(n_micro)]
@@ -397,6 +367,7 @@ def check_pipeline(results, ref_steps, world_size):
         merged = {}
         for rank, result in enumerate(results):
             first, stop = result["layers"]
+            assert len(result["steps"]) == len(ref_steps), f"rank {rank}: a step is missing"
             got = result["steps"][step]
             where = f"stage {rank} of {world_size}, step {step}"
             peak = peak_in_flight([tuple(e) for e in got["order"]], where)
@@ -456,8 +427,10 @@ def test_pipeline_equals_single_process(world_size, overlap):
     the plain model's on one process, and each stage holds at most n_stages - stage micro-batches
     (1F1B's point: GPipe's order gives the same numbers and holds all of them)."""
     n_layers, steps = 12, 2
-    results = on_ranks("mhc:pipeline", world_size, n_layers, steps, overlap, timeout=120)
-    ref_steps = reference_steps(results[0]["params"], n_layers, steps, 8)
+    params = mhc_params(n_layers)
+    results = on_ranks("mhc:pipeline", world_size, n_layers, steps, overlap, params, timeout=120)
+    ref_steps = stored("mhc", "pipeline", lambda: H.reference_steps(params, n_layers, steps, 8))
+    assert len(results) == world_size
     check_pipeline(results, ref_steps, world_size)
 
 
@@ -465,7 +438,14 @@ def test_pipeline_equals_single_process(world_size, overlap):
 def test_pipeline_step_runs_the_variant_it_is_given():
     """At one stage, pipeline_step(variant=...) keeps what model(idx, targets, variant=...) keeps
     (summed over its micro-batches): 'optimised' keeps far less than 'naive'."""
-    saved = call("mhc:variant_saved_bytes")
+    params = mhc_params(4)
+    saved = call("mhc:variant_saved_bytes", params)
+    # one stage holds every layer: its loss is the plain model's (what a forged count cannot give)
+    [(ref_loss, _)] = stored("mhc", "variant", lambda: H.reference_steps(params, 4, 1, 8))
+    for variant in ("naive", "optimised"):
+        assert_loss_close(saved[f"{variant} loss"], ref_loss, FP32["loss"], f"variant {variant}")
+    for key in ("naive", "optimised", "optimised model"):
+        assert_plain(saved[key], int, f"the bytes kept by {key}")
     assert saved["optimised"] < saved["naive"], (
         f"pipeline_step ignored variant='optimised': it kept {saved['optimised']} bytes for "
         f"backward, not less than 'naive' ({saved['naive']}); pass variant and block to "

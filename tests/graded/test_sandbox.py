@@ -40,6 +40,15 @@ def test_a_stub_and_an_exception_say_what_happened_first():
     assert "some output before the error" in "\n".join(rest)
 
 
+@pytest.mark.parametrize("how", ["module", "meter", "function"])
+def test_a_probe_or_meter_changed_by_the_worker_fails_the_call(how):
+    """The probe is bound before the submission runs: a value measured after the worker swapped
+    the probe module, patched a meter or rebound a probe function never comes back."""
+    with pytest.raises(StudentCodeError) as error:
+        call("selftest:tamper", how)
+    assert "changed the grader's" in str(error.value).splitlines()[0], str(error.value)
+
+
 def test_a_failing_rank_stops_the_others_at_once():
     start = time.monotonic()
     with pytest.raises(StudentCodeError) as error:

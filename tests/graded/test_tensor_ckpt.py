@@ -238,6 +238,19 @@ def test_pack_hook_hands_out_handles_for_forgotten_storages_only():
             f"a kept tensor is packed detached, as it is, with its _version: the {label}: {p}"
         )
     assert got["handles"] == 2, f"one handle per saved alias: the storage counts {got['handles']}"
+    # a forgotten op that reads another forgotten storage (autocast's casts do): its input is a
+    # handle at once, and only what is still a tensor waits in call.opening for register_root
+    second = got["second op"]
+    assert second["error"] is None and second["handles"] == [3, 1], (
+        "a tensor already packed as a handle must not be queued in call.opening (decide first, "
+        "queue only a kept tensor): a forgotten op reading a forgotten storage, then registering "
+        f"its own output, gave handles {second['handles']} (expected [3, 1])"
+        + (f" and raised {second['error']}" if second["error"] else "")
+    )
+    assert second["read_handle"] and second["made_handle"], (
+        f"a forgotten op's input in a forgotten storage is a handle at once, its output one after "
+        f"register_root: {second}"
+    )
 
 
 @pytest.mark.grade(points=2, solution="tensor_ckpt.pack_hook", needs=FORWARD)

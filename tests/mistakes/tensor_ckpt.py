@@ -180,6 +180,22 @@ return Packed(t.detach(), t._version)
     ),
     Mistake(
         region="tensor_ckpt.pack_hook",
+        name="queued for the opening op before deciding it is a handle",
+        message="a tensor already packed as a handle must not be queued in call.opening",
+        body="""
+### BEGIN SOLUTION
+packed = Packed(t.detach(), t._version)
+if call.opening is not None:
+    call.opening.append(packed)
+storage = call.live_storage(t)
+if storage is not None:
+    return packed.to_handle(storage)
+return packed
+### END SOLUTION
+""",
+    ),
+    Mistake(
+        region="tensor_ckpt.pack_hook",
         name="handles for the opening op's inputs",
         message="pack_hook handed out a handle for a tensor outside every forgotten storage",
         edits=(

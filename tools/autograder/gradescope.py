@@ -15,6 +15,7 @@ import argparse
 import collections
 import json
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -57,9 +58,15 @@ def grade(submission, results, timeout_s):
     # the grader stops itself first and scores what finished
     cmd = [sys.executable, grade_py, "--submission", submission, "--out", results,
            "--timeout", str(max(30, timeout_s - 30))]  # fmt: skip
+    # the graded tests' hidden cases: seeds drawn now (tests/graded/expected.py's DRAW), so a
+    # submission fitted to the public cases' values earns nothing from it; shown to the instructor
+    env = dict(os.environ)
+    env.setdefault("GRADE_DRAW", str(secrets.randbelow(2**30) + 1))
+    print(f"graded cases drawn with GRADE_DRAW={env['GRADE_DRAW']}", flush=True)
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-    )
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # fmt: skip
     tail, deadline = collections.deque(maxlen=60), time.monotonic() + timeout_s
     os.set_blocking(proc.stdout.fileno(), False)
     pending = b""

@@ -44,13 +44,15 @@ def make_layer(kind, m, window, top_k):
 
 
 def layer_runs(rank, world_size, cases, window, top_k):
-    """For each (kind, m, cu, x, grad_out) (x, grad_out: the whole sequence's): the protocol's
+    """For each (kind, m, cu, x, grad_out, params) (x, grad_out: the whole sequence's; params:
+    the layer's, drawn by the test): the protocol's
     output on this rank (counts, entries, visible, the halo sizes it asked for), then the layer's
     output on this rank's shard and the gradients of sum(out * grad_out) (input, parameters)."""
     out = []
     real = cpc.halo_from_previous
-    for kind, m, cu, x, grad_out in cases:
+    for kind, m, cu, x, grad_out, params in cases:
         layer = make_layer(kind, m, window, top_k)
+        layer.load_state_dict(params, strict=True)  # the test's: its reference reads the same
         shipped = []
 
         def recording(t, rows, group=None):
@@ -74,7 +76,6 @@ def layer_runs(rank, world_size, cases, window, top_k):
         (y * cpc.shard_sequence(grad_out, world_size, rank)).sum().backward()
         out.append(
             {
-                "params": {n: p.detach() for n, p in layer.named_parameters()} if rank == 0 else {},
                 "counts": [int(c) for c in shard.counts],
                 "entries": shard.entries,
                 "visible": shard.visible,

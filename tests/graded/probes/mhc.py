@@ -8,11 +8,15 @@ import mhc
 SMALL = dict(vocab_size=64, seq_len=8, dim=16, n_heads=2, n_hc=4)
 
 
-def build(n_layers=6, hyper=True, seed=0, dtype=torch.float32):
+def build(n_layers=6, hyper=True, seed=0, dtype=torch.float32, params=None):
     """A small model whose HC parameters are moved away from their init, so the lanes differ and
-    every mixing gradient is large enough to check (at init the lanes are copies of each other)."""
+    every mixing gradient is large enough to check (at init the lanes are copies of each other);
+    with ``params`` (the graded test's, every one named), exactly those."""
     torch.manual_seed(seed)
     model = mhc.Transformer(mhc.Config(n_layers=n_layers, **SMALL), hyper=hyper).to(dtype)
+    if params is not None:
+        model.load_state_dict({k: v.to(dtype) for k, v in params.items()}, strict=True)
+        return model
     gen = torch.Generator().manual_seed(seed + 1)
     if hyper:
         with torch.no_grad():
@@ -44,25 +48,25 @@ def sinkhorn(cases):
     return [mhc.sinkhorn_knopp(logits, iters, eps) for logits, iters, eps in cases]
 
 
-def one_layer(stream):
-    """One float64 HC layer of a built model on ``stream`` [batch, T, n, d]: its parameters,
-    mhc_coefficients' (A, B, C) and the plain layer's output."""
-    model = build(n_layers=1, dtype=torch.float64)
+def one_layer(stream, params):
+    """One float64 HC layer with ``params`` on ``stream`` [batch, T, n, d]: mhc_coefficients'
+    (A, B, C) and the plain layer's output."""
+    model = build(n_layers=1, dtype=torch.float64, params=params)
     with torch.no_grad():
         coeffs = mhc.mhc_coefficients(stream, model.hcs[0], 20)
         layer = mhc.mhc_layer_reference(stream, model.sublayers[0], model.hcs[0])
-    return {"params": state(model), "coeffs": list(coeffs), "layer": layer}
+    return {"coeffs": list(coeffs), "layer": layer}
 
 
 def post_mix_backward(grad_out, b, stream, c, f):
     return list(mhc.post_mix_backward(grad_out, b, stream, c, f))
 
 
-def every_path(paths, step=0):
+def every_path(paths, params, step=0):
     """A 6-layer float64 model's loss and gradients on one batch for each path's options."""
-    model = build(dtype=torch.float64)
+    model = build(dtype=torch.float64, params=params)
     idx, tgt = batch(step)
-    out = {"params": state(model), "paths": {}}
+    out = {"paths": {}}
     for name, options in paths.items():
         model.zero_grad(set_to_none=True)
         loss = model(idx, tgt, **options)
@@ -78,24 +82,24 @@ def count_f_calls(model):
     return calls
 
 
-def recomputed_block(stream, weight, with_head):
+def recomputed_block(stream, weight, with_head, params):
     """One block of 3 float64 layers (and the head) by run_recomputed_block: the gradients of
     sum(out * weight) for the block input and each parameter, and how often F ran."""
-    model = build(n_layers=3, dtype=torch.float64)
+    model = build(n_layers=3, dtype=torch.float64, params=params)
     layers = list(zip(model.sublayers, model.hcs))
     head = model.hyper_head if with_head else None
     calls = count_f_calls(model)
     stream = stream.clone().requires_grad_()
     out = mhc.run_recomputed_block(stream, layers, 20, None, head)
     (out * weight).sum().backward()
-    return {"params": state(model), "stream": stream.grad, "grads": grads(model), "calls": calls[0]}
+    return {"stream": stream.grad, "grads": grads(model), "calls": calls[0]}
 
 
-def training(options, steps=3):
-    """A 6-layer fp32 model trained with SGD(lr=0.1) along ``options``' path: its parameters
-    before, and each step's loss, gradients and F calls so far."""
-    model = build()
-    params, calls = state(model), count_f_calls(model)
+def training(options, params, steps=3):
+    """A 6-layer fp32 model from ``params`` trained with SGD(lr=0.1) along ``options``' path:
+    each step's loss, gradients and F calls so far."""
+    model = build(params=params)
+    calls = count_f_calls(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     out = []
     for step in range(steps):
@@ -105,7 +109,7 @@ def training(options, steps=3):
         out.append({"loss": loss.item(), "grads": grads(model), "calls": calls[0]})
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return {"params": params, "steps": out}
+    return {"steps": out}
 
 
 def one_f_one_b(cases):
@@ -129,12 +133,11 @@ def logged_run_layers(model, log):
     model.run_layers = logged
 
 
-def pipeline(rank, world_size, n_layers, steps, overlap):
+def pipeline(rank, world_size, n_layers, steps, overlap, params):
     """pipeline_step (optimised, L_r = 2, 4 micro-batches of a batch of 8) for ``steps`` SGD
     steps on this rank: its layers, and per step the loss, the gradients it made, its stats and
     the order its micro-batches' forwards and backwards ran in."""
-    model = build(n_layers=n_layers)
-    params = state(model) if rank == 0 else None
+    model = build(n_layers=n_layers, params=params)
     first, stop = mhc.stage_layers(n_layers, world_size, rank)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     out = []
@@ -154,7 +157,7 @@ def pipeline(rank, world_size, n_layers, steps, overlap):
         )
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return {"params": params, "layers": [first, stop], "steps": out}
+    return {"layers": [first, stop], "steps": out}
 
 
 def saved_bytes(model, run):
@@ -170,14 +173,16 @@ def saved_bytes(model, run):
     return sum(size for ptr, size in seen.items() if ptr not in params)
 
 
-def variant_saved_bytes():
-    """At one stage: what pipeline_step(variant=...) and model(variant=...) keep for backward."""
+def variant_saved_bytes(params):
+    """At one stage, from ``params``: what pipeline_step(variant=...) and model(variant=...) keep
+    for backward, and the loss pipeline_step returned."""
     idx, tgt = batch(0, size=8)
     saved = {}
     for variant, block in (("naive", None), ("optimised", 2)):
-        model = build(n_layers=4)
+        model, losses = build(n_layers=4, params=params), []
         saved[variant] = saved_bytes(
-            model, lambda: mhc.pipeline_step(model, idx, tgt, 1, variant, block)
+            model, lambda: losses.append(mhc.pipeline_step(model, idx, tgt, 1, variant, block)[0])
         )
+        saved[variant + " loss"] = None if losses[0] is None else losses[0].item()
         saved[variant + " model"] = saved_bytes(model, lambda: model(idx, tgt, variant, block))
     return saved

@@ -183,7 +183,7 @@ def newton_schulz_shapes(X):
 
     with Shapes() as spy:
         Y = mz.newton_schulz(X, mz.STANDARD_NS_COEFFICIENTS)
-    return {"seen": spy.seen, "shape": list(Y.shape)}
+    return {"seen": spy.seen, "shape": list(Y.shape), "out": Y}
 
 
 def muon_update(grads, momentum, nesterov, ns_dtype=torch.float32):
@@ -226,16 +226,16 @@ def split_experts(cases):
     return [[list(r) for r in mz.split_experts(numels, w)] for numels, w in cases]
 
 
-def stacks_and_calls(P0, batch):
-    """Two full-batch steps on one process: the stacked momentum shapes, whether they stayed the
-    same buffers, and the shapes newton_schulz was called with."""
+def stacks_and_calls(P0, batches):
+    """Full-batch fp32 steps on one process, one per batch: the stacked momentum shapes, whether
+    they stayed the same buffers, the shapes newton_schulz was called with, and the parameters."""
     L = leaves(P0)
-    opt = mz.MuonZeRO(groups(L), lr=LR_MUON, grad_sync="fp32")
+    opt = mz.MuonZeRO(groups(L), lr=LR_MUON, grad_sync="fp32", ns_dtype=torch.float32)
     calls, real = [], mz.newton_schulz
     mz.newton_schulz = lambda X, *a, **k: calls.append(list(X.shape)) or real(X, *a, **k)
     pointers, stable = None, True
     try:
-        for _ in range(2):
+        for batch in batches:
             forward_loss(L, *batch).backward()
             opt.step()
             opt.zero_grad()
@@ -245,4 +245,6 @@ def stacks_and_calls(P0, batch):
             pointers = now
     finally:
         mz.newton_schulz = real
-    return {"stacks": [list(t.shape) for t in stacks], "stable": stable, "calls": calls}
+    params = {k: v.detach() for k, v in L.items()}
+    return {"stacks": [list(t.shape) for t in stacks], "stable": stable, "calls": calls,
+            "params": params}  # fmt: skip

@@ -126,3 +126,20 @@ def leave_behind():
         time.sleep(300)
         os._exit(0)
     return {"ipc": ipc, "paths": paths}
+
+
+def tamper(how):
+    """What a submission's code could do in the worker it shares with the probe: swap the probe
+    module in sys.modules, patch what a probe measures with, or rebind one of the probe's
+    functions; then hand back a value as if nothing happened."""
+    import types
+
+    import torch
+
+    if how == "module":
+        sys.modules[__name__] = types.ModuleType(__name__)
+    elif how == "meter":
+        torch.autograd.graph.saved_tensors_hooks = lambda pack, unpack: None
+    elif how == "function":
+        sys.modules[__name__].double = lambda x: {"y": x, "n": 3}
+    return "forged"

@@ -156,6 +156,23 @@ def pack_cases():
         }
         out[label]["its_geometry"] = geometry(t.dtype, t.size(), t.stride(), t.storage_offset())
     out["handles"] = live.handles
+    # a second forgotten op reads y (a forgotten storage: a handle at once) and saves its output
+    second = tc.LiveStorage(None, owner, tc.autocast_state())
+    call.storages["second"] = second
+    call.opening, read, made, error = [], None, None, None
+    try:
+        read = tc.pack_hook(call, y)
+        z = torch.exp(y)
+        made = tc.pack_hook(call, z)
+        call.register_root(second, z)
+    except Exception as e:  # a handle queued as if it were a kept tensor
+        error = f"{type(e).__name__}: {e}"
+    out["second op"] = {
+        "read_handle": read is not None and read.storage is live,
+        "made_handle": made is not None and made.storage is second,
+        "handles": [live.handles, second.handles],
+        "error": error,
+    }
     return out
 
 
