@@ -17,7 +17,10 @@ scores no more than the same file without it (a stub scores zero: test_release's
 repository test grades the stubs); every witness scores what it scores alone (the reference:
 every point); nothing of the sandbox user is left (a process, System V IPC, a file in
 /dev/shm); no hidden file's text reaches the feedback. The other engineers' cases of forged probe
-values go in tests/attacks/chapters/ with the same header lines.
+values are in chapters/ (mhc, muon_zero, cp_compress: they share the one grading) and forged/
+(tensor_ckpt and memory_timeline: they would open a second grading, so they run with
+ATTACKS_ALL=1). Answers pasted from the student repository are the release's leak search's
+(tests/test_release.py): the repository holds no reference to paste.
 """
 
 import ast
@@ -58,7 +61,8 @@ def _header(text, key):
 def _cases():
     """Every case with a `# file:` line, then last round's attacks as one case."""
     found = []
-    paths = [os.path.join(HERE, "chapters", f) for f in os.listdir(os.path.join(HERE, "chapters"))]
+    folders = ["chapters"] + (["forged"] if os.environ.get("ATTACKS_ALL") else [])
+    paths = [os.path.join(HERE, d, f) for d in folders for f in os.listdir(os.path.join(HERE, d))]
     paths += [os.path.join(HERE, f) for f in os.listdir(HERE) if not f.startswith("test_")]
     for path in sorted(p for p in paths if p.endswith(".py") and "conftest" not in p):
         with open(path) as f:

@@ -1,6 +1,6 @@
 # Replaces the half-imported probes.memory_timeline with forged values: the activation bytes the
 # public test computes, and predictions as empty lists (the test zipped over them).
-# chapter: memory/memory_timeline.py
+# file: memory/memory_timeline.py
 # target: stub
 # where: suffix
 # honest: 0

@@ -1,6 +1,6 @@
 # Replaces the half-imported probes.tensor_ckpt with forged values (the constants the public tests
 # expect) and patches the byte meter both sides share (models_tensor_ckpt.measured_run).
-# chapter: tensor_ckpt.py
+# file: tensor_ckpt.py
 # target: stub
 # where: suffix
 # honest: 0

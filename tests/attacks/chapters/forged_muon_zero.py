@@ -1,7 +1,7 @@
 # Replaces the half-imported probes.muon_zero with forged values (the stack shapes and call counts
 # the public test expects, a tall matrix that made no Gram-sized tensor) and patches the spy the
 # probe counts shapes with.
-# chapter: muon_zero.py
+# file: muon_zero.py
 # target: stub
 # where: suffix
 # honest: 0

@@ -1,6 +1,6 @@
 # Replaces the half-imported probes.mhc with forged values (empty step lists, a dict of no paths,
 # saved-byte counts that order themselves) and patches saved_tensors_hooks so nothing is counted.
-# chapter: mhc.py
+# file: mhc.py
 # target: stub
 # where: suffix
 # honest: 0

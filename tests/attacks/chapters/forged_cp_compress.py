@@ -1,7 +1,7 @@
 # Replaces the half-imported probes.cp_compress with forged values: compress_local rows of NaN (no
 # pooling: NaN passed `errors[e] > tol`), a halo exchange whose checks loop over empty lists, and
 # layer runs whose reference is built from parameters the worker returns.
-# chapter: cp_compress.py
+# file: cp_compress.py
 # target: stub
 # where: suffix
 # honest: 0
