@@ -84,7 +84,7 @@ class Training:
     lr_muon: float = 0.02
     lr_adamw: float = 3e-3
     weight_decay: float = 0.1
-    grad_sync: str = "fp32"  # V4: "bf16_sr"
+    grad_sync: str = "exact"  # V4: "bf16_sr"
     ns_dtype: torch.dtype = torch.float32  # V4: bf16
     seed: int = 0
     dtype: torch.dtype = torch.float32  # the parameters'; float64 (grad_sync "exact"): the proof
@@ -543,8 +543,7 @@ def parse_args(argv=None, parser=None):
 
 def training(args):
     """The Training the options ask for: V4's bf16 numerics, fp32 (default) or float64."""
-    sync, ns = ("bf16_sr", torch.bfloat16) if args.v4 else ("fp32", torch.float32)
-    sync = "exact" if args.float64 else sync  # "fp32" is MuonZeRO's old name of "exact"
+    sync, ns = ("bf16_sr", torch.bfloat16) if args.v4 else ("exact", torch.float32)
     return Training(
         args.steps,
         grad_sync=sync,
