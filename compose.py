@@ -84,7 +84,7 @@ class Training:
     lr_muon: float = 0.02
     lr_adamw: float = 3e-3
     weight_decay: float = 0.1
-    grad_sync: str = "fp32"  # V4: "bf16_sr"
+    grad_sync: str = "exact"  # V4: "bf16_sr"
     ns_dtype: torch.dtype = torch.float32  # V4: bf16
     seed: int = 0
     dtype: torch.dtype = torch.float32  # the parameters'; float64 (grad_sync "exact"): the proof
@@ -426,31 +426,6 @@ def reference_optimizers(model, train):
     ], experts
 
 
-@contextlib.contextmanager
-def newton_schulz_in(dtype):
-    """torch.optim.Muon computes Newton-Schulz in bf16; for the fp32 proof, the same iteration
-    in `dtype` (its code with the one cast changed)."""
-    import torch.optim._muon as tm  # torch has no public option for Muon's Newton-Schulz dtype
-
-    bf16 = tm._zeropower_via_newtonschulz
-
-    def ns(grad, coefficients, steps, eps):
-        a, b, c = coefficients
-        X = grad.to(dtype)
-        X = X.T if grad.size(0) > grad.size(1) else X
-        X = X / X.norm().clamp(min=eps)
-        for _ in range(steps):
-            A = X @ X.T
-            X = torch.addmm(X, torch.addmm(A, A, A, beta=b, alpha=c), X, beta=a)
-        return X.T if grad.size(0) > grad.size(1) else X
-
-    tm._zeropower_via_newtonschulz = bf16 if dtype == torch.bfloat16 else ns
-    try:
-        yield
-    finally:
-        tm._zeropower_via_newtonschulz = bf16
-
-
 def reference_training(cfg, dp, train, device="cpu"):
     """K steps on one process of the whole batch (dp replicas' rows): plain mHC layers, attention
     over the whole sequence, the MoE as written, nothing forgotten. -> (losses, parameters)."""
@@ -458,7 +433,7 @@ def reference_training(cfg, dp, train, device="cpu"):
     model.attend(documents(cfg).to(device))
     opts, experts = reference_optimizers(model, train)
     losses = []
-    with newton_schulz_in(train.ns_dtype):
+    with muon_zero.torch_muon_newton_schulz_in(train.ns_dtype):
         for step in range(train.steps):
             tokens = batch_tokens(cfg, cfg.batch * dp, step, train.seed).to(device)
             loss = model(tokens[:, :-1], tokens[:, 1:])
@@ -568,8 +543,7 @@ def parse_args(argv=None, parser=None):
 
 def training(args):
     """The Training the options ask for: V4's bf16 numerics, fp32 (default) or float64."""
-    sync, ns = ("bf16_sr", torch.bfloat16) if args.v4 else ("fp32", torch.float32)
-    sync = "exact" if args.float64 else sync  # "fp32" is MuonZeRO's old name of "exact"
+    sync, ns = ("bf16_sr", torch.bfloat16) if args.v4 else ("exact", torch.float32)
     return Training(
         args.steps,
         grad_sync=sync,

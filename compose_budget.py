@@ -110,7 +110,7 @@ def link_bytes(cfg, where, plan, tensors, grad_sync="bf16_sr"):
         reduce-scatter in backward (the same bytes).
     grad_reduce_scatter: MuonZeRO's all-to-all of the packed gradient chunks, one to each of the
         other G - 1 peers (dense buckets over the zero width, expert runs over the group), in
-        bf16 under grad_sync "bf16_sr" (fp32 under "fp32"); plus AdamW's fp32 all-reduce of the
+        bf16 under grad_sync "bf16_sr" (fp32 under "exact"); plus AdamW's fp32 all-reduce of the
         trained AdamW tensors, 2 (G-1)/G of their size (a ring).
     param_all_gather: every updated fp32 chunk to the other peers.
     """
@@ -371,8 +371,10 @@ def factorisations(world):
 
 
 def check_budget_inputs(world, device_bytes, intra_bw, inter_bw, ranks_per_node, grad_sync):
-    if grad_sync not in ("bf16_sr", "fp32"):
-        raise ValueError(f"grad_sync must be 'bf16_sr' or 'fp32' (MuonZeRO's), got {grad_sync!r}")
+    if grad_sync not in ("bf16_sr", "exact", "fp32"):
+        raise ValueError(
+            f"grad_sync must be 'bf16_sr' or 'exact' (alias 'fp32'; MuonZeRO's), got {grad_sync!r}"
+        )
     for name, value in (("world", world), ("ranks_per_node", ranks_per_node)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -427,7 +429,7 @@ def budget_table(
     """Every factorisation of `world` ranks, predicted and ranked: the layouts that fit first,
     fastest first (communication time), then those that do not fit (smallest peak first), then
     those the chapters refuse. device_bytes per device; bandwidths in bytes per second;
-    grad_sync: MuonZeRO's ("bf16_sr", V4's, or "fp32")."""
+    grad_sync: MuonZeRO's ("bf16_sr", V4's, or "exact")."""
     check_budget_inputs(world, device_bytes, intra_bw, inter_bw, ranks_per_node, grad_sync)
     rows = [
         layout_budget(cfg, pp, cp, dp, device_bytes, intra_bw, inter_bw, ranks_per_node, grad_sync)
@@ -487,7 +489,7 @@ def format_budget(rows):
 def check_fits(parser, args, world):
     """benchmarks/bench_compose.py's door: a layout whose predicted peak cannot fit this machine
     is a one-line usage error before any work (launch.check_fits)."""
-    grad_sync = "bf16_sr" if args.v4 else "fp32"
+    grad_sync = "bf16_sr" if args.v4 else "exact"
     budget = layout_budget(
         args.cfg,
         args.pp,

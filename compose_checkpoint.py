@@ -112,6 +112,8 @@ def latest_checkpoint(root):
 
 
 def _setting(value):
+    if value == "fp32":  # grad_sync's old name of "exact": checkpoints saved under it resume
+        return "exact"
     return str(value) if isinstance(value, torch.dtype) else value
 
 
@@ -120,7 +122,7 @@ def resume_config(saved, cfg, train, pp, cp, dp):
     and train's settings must match (ValueError naming the first that differs); the global batch
     stays the checkpoint's, each of the dp replicas taking its share. -> (cfg, start step)."""
     mine = {**asdict(cfg), **{k: _setting(getattr(train, k)) for k in RESUMED_FIELDS}}
-    theirs = {**saved["config"], **saved["training"]}
+    theirs = {**saved["config"], **{k: _setting(v) for k, v in saved["training"].items()}}
     for field, value in mine.items():
         if field not in ("batch", "n_micro") and theirs.get(field) != value:
             raise ValueError(

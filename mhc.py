@@ -461,7 +461,8 @@ def pipeline_groups():
 
 
 def pipeline_rank(group=None):
-    return (dist.get_world_size(group), dist.get_rank(group)) if dist.is_initialized() else (1, 0)
+    """-> (stage, stages): this rank's place in the pipeline, (rank, world) as everywhere else."""
+    return (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
 
 
 def clock(device):
@@ -528,7 +529,7 @@ def pipeline_step(
     the batch's mean loss; -> (loss on the last stage else None, PipelineStats). overlap=False
     posts each receive only when needed. groups: StageLinks' (a device mesh's pipeline links)."""
     group = groups["forward"] if groups else None  # the pipeline's ranks (default: the world)
-    world, stage = pipeline_rank(group)
+    stage, world = pipeline_rank(group)
     check_pipeline_step(model, idx, targets, n_micro, variant, block, overlap, group)
     # hint: forward(i) and backward(i) each receive, compute, send; then run the phases in order
     ### BEGIN SOLUTION
@@ -683,7 +684,7 @@ def check_variant(variant, block):
 
 
 def validate_pipeline_inputs(model, idx, targets, n_micro, variant, block, group):
-    (world, stage), cfg, device = pipeline_rank(group), model.cfg, model.embed.weight.device
+    (stage, world), cfg, device = pipeline_rank(group), model.cfg, model.embed.weight.device
     got = f"got {tuple(idx.shape)} {idx.dtype} and {tuple(targets.shape)} {targets.dtype}"
     if idx.shape != targets.shape or idx.dim() != 2 or idx.shape[1] != cfg.seq_len:
         raise ValueError(f"idx and targets must both be [batch, seq_len={cfg.seq_len}], {got}")

@@ -31,6 +31,7 @@ Run it (set-up, the agreement guard and the launch options come from launch.py):
 
 import argparse
 import bisect
+import contextlib
 import hashlib
 import math
 import os
@@ -1034,6 +1035,32 @@ def load_state(opt, state_dict):
         for s, momentum_buffer in zip(owned, momenta):
             held = opt.state[opt.params[s.param]]["momentum_buffer"]
             (held if s.expert is None else held[s.expert]).copy_(torch.as_tensor(momentum_buffer))
+
+
+@contextlib.contextmanager
+def torch_muon_newton_schulz_in(dtype):
+    """torch.optim.Muon, the reference the tests and compose.py prove against, computes
+    Newton-Schulz in bf16 whatever the parameters' dtype; inside this context, the same iteration
+    in `dtype` (its code with the one cast changed), so a float32 or float64 proof can be exact."""
+    import torch.optim._muon as tm  # torch has no public option for Muon's Newton-Schulz dtype
+
+    bf16 = tm._zeropower_via_newtonschulz
+
+    def ns(grad, coefficients, steps, eps):
+        a, b, c = coefficients
+        X = grad.to(dtype)
+        X = X.T if grad.size(0) > grad.size(1) else X
+        X = X / X.norm().clamp(min=eps)
+        for _ in range(steps):
+            A = X @ X.T
+            X = torch.addmm(X, torch.addmm(A, A, A, beta=b, alpha=c), X, beta=a)
+        return X.T if grad.size(0) > grad.size(1) else X
+
+    tm._zeropower_via_newtonschulz = bf16 if dtype == torch.bfloat16 else ns
+    try:
+        yield
+    finally:
+        tm._zeropower_via_newtonschulz = bf16
 
 
 def format_plan(plan):

@@ -205,7 +205,7 @@ def main(args, rank, world, device):
     cfg, train = args.cfg, compose.training(args)
     launch.say(compose.describe(args, train))
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    grad_sync = "bf16_sr" if args.v4 else "fp32"
+    grad_sync = "bf16_sr" if args.v4 else "exact"
     rows = compose_budget.budget_table(
         cfg, world, args.device_bytes, args.intra_bw, args.inter_bw, ranks_per_node, grad_sync
     )

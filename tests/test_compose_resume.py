@@ -13,6 +13,7 @@ The slow tier (tests/conftest.py) saves at 4 ranks: the CLI at 2x2x1, resumed on
 --check, and 2x2x1 resumed at 1x1x4.
 """
 
+import dataclasses
 import os
 import shutil
 
@@ -258,3 +259,17 @@ def test_saved_at_2x2x1_resumed_at_1x1x4(tmp_path, reference):
     results = run_ranks(_train, 4, args=((1, 1, 4), TOTAL, None, root), timeout=300)
     _, param_err = errors(results, reference)
     assert param_err < TOL, f"2x2x1 -> 1x1x4: {param_err:.2e} of the change off (float64)"
+
+
+def test_grad_sync_is_spelled_exact_and_a_checkpoint_saved_as_fp32_resumes():
+    train = compose.Training(4)
+    assert train.grad_sync == "exact", f"Training defaults to {train.grad_sync!r}, not 'exact'"
+    fields = {
+        k: compose_checkpoint._setting(getattr(train, k)) for k in compose_checkpoint.RESUMED_FIELDS
+    }
+    saved = dict(step=1, global_batch=CFG.batch, config=dataclasses.asdict(CFG))
+    saved["training"] = {**fields, "grad_sync": "fp32"}  # the old name, in an older checkpoint
+    assert compose_checkpoint.resume_config(saved, CFG, train, 1, 1, 1)[1] == 1
+    saved["training"]["grad_sync"] = "bf16_sr"
+    with pytest.raises(ValueError, match="grad_sync='bf16_sr'"):
+        compose_checkpoint.resume_config(saved, CFG, train, 1, 1, 1)

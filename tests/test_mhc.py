@@ -295,6 +295,7 @@ def test_recompute_blocks_stay_inside_stages_and_default_block_size():
             assert all(first <= a < b <= stop and b - a <= block for a, b in blocks)
             covered += [layer for a, b in blocks for layer in range(a, b)]
         assert covered == list(range(n_layers))
+    assert mhc.pipeline_rank() == (0, 1), "one process is stage 0 of 1: (rank, world) order"
 
 
 # ---- pipeline parallelism ------------------------------------------------------------------------
@@ -302,6 +303,7 @@ def test_recompute_blocks_stay_inside_stages_and_default_block_size():
 
 def _pipeline_rank(rank, world_size, n_layers, hyper, steps, overlap=True, dtype=torch.float32):
     model = build(n_layers=n_layers, hyper=hyper, dtype=dtype)
+    assert mhc.pipeline_rank() == (rank, world_size), "pipeline_rank must say (rank, world)"
     first, stop = mhc.stage_layers(n_layers, world_size, rank)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     out = []

@@ -34,7 +34,6 @@
    unbiased; compose's flattened checkpoints keep its step counter.
 """
 
-import contextlib
 import math
 
 import pytest
@@ -445,30 +444,6 @@ def test_dcp_save_memory_is_this_ranks_state_plus_a_bounded_buffer(saved, world)
 # 2.-3. float64 against torch.optim.Muon + AdamW; schedulers that cycle momentum
 
 
-@contextlib.contextmanager
-def torch_muon_in_float64():
-    """torch.optim.Muon's Newton-Schulz runs in bf16 whatever the parameters' dtype; for a float64
-    proof, the same function with that one cast removed (a private function: no public hook)."""
-    import torch.optim._muon as tm
-
-    bf16 = tm._zeropower_via_newtonschulz
-
-    def ns(grad, ns_coefficients, ns_steps, eps):
-        a, b, c = ns_coefficients
-        X = grad.T if grad.size(0) > grad.size(1) else grad
-        X = X / X.norm().clamp(min=eps)
-        for _ in range(ns_steps):
-            A = X @ X.T
-            X = torch.addmm(X, torch.addmm(A, A, A, beta=b, alpha=c), X, beta=a)
-        return X.T if grad.size(0) > grad.size(1) else X
-
-    tm._zeropower_via_newtonschulz = ns
-    try:
-        yield
-    finally:
-        tm._zeropower_via_newtonschulz = bf16
-
-
 STACKS = ("w_gate", "w_up", "w_down")
 
 
@@ -492,7 +467,7 @@ def reference_float64(steps, lr_muon=LR_MUON, scheduler=None, scales=None):
     schedulers = [scheduler(muon, lr_muon), scheduler(adam, LR_ADAM)] if scheduler else []
     scaler = amp_scaler(scales is not None)
     momenta = []
-    with torch_muon_in_float64():
+    with mz.torch_muon_newton_schulz_in(torch.float64):
         for step in range(steps):
             stacked = {n: torch.stack(leaves[n]) for n in STACKS}
             params = {**dict(model.named_parameters()), **stacked}

@@ -2,6 +2,7 @@
 
     python tools/chapters.py          # the table, with each file's targets
     python tools/chapters.py --check  # exit 1 when a file misses a target
+    python tools/chapters.py --contract  # docs/CHAPTERS.md's table, measured
 
 A chapter is judged by how soon a reader meets the technique's heart and its distributed step:
 the line where each protocol function is defined, against the target for that file.
@@ -40,10 +41,123 @@ def stats(path, protocols):
     return len(lines), fence, len(doc.splitlines()), [(p, defined.get(p), b) for p, b in protocols]
 
 
+# ---- the chapter contract (docs/CHAPTERS.md): what the technique's path sends a reader to ----
+
+CHAPTERS = ["muon_zero.py", "mhc.py", "cp_compress.py", "tensor_ckpt.py", "compose.py"]
+SHARED = {"launch.py"}  # the one module every chapter may lean on
+BEGIN, END = "<!-- chapter-contract:begin -->", "<!-- chapter-contract:end -->"
+
+
+def project_file(module, name=None):
+    """'guards.x' (and an imported name) -> the project file a reader opens, or None (not ours)."""
+    base = os.path.join(ROOT, *module.split("."))
+    candidates = [os.path.join(base, name + ".py")] if name else []
+    candidates += [base + ".py", os.path.join(base, "__init__.py")]
+    for c in candidates:
+        if os.path.exists(c):
+            return os.path.relpath(c, ROOT)
+    return None
+
+
+def bindings(tree, fence):
+    """{local name: project file} for every import before the fence (top level or inside a def)."""
+    bound = {}
+    for node in ast.walk(tree):
+        if getattr(node, "lineno", fence) >= fence:
+            continue
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                path = project_file(a.name)
+                if path:
+                    bound[a.asname or a.name.split(".")[0]] = path
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            for a in node.names:
+                path = project_file(node.module, a.name)
+                if path:
+                    bound[a.asname or a.name] = path
+    return bound
+
+
+def contract(name):
+    """One chapter's row: (path lines, fence or None, {file: uses before the fence},
+    (longest function, its lines), sys.modules reach-backs before the fence, the chapter's own
+    functions handed to another project file: a helper that calls back into the chapter)."""
+    with open(os.path.join(ROOT, name)) as f:
+        text = f.read()
+    lines = text.splitlines()
+    fence = next((i for i, line in enumerate(lines, 1) if line.startswith(FENCE)), None)
+    end = fence or len(lines) + 1
+    tree = ast.parse(text)
+    bound = bindings(tree, end)
+    uses = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id in bound and node.lineno < end:
+            uses[bound[node.id]] = uses.get(bound[node.id], 0) + 1
+    funcs = [
+        (n.end_lineno - n.lineno + 1, n.name)
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.lineno < end
+    ]
+    longest = max(funcs) if funcs else (0, "-")
+    reach = sum(
+        1
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute)
+        and n.attr == "modules"
+        and isinstance(n.value, ast.Name)
+        and n.value.id == "sys"
+        and n.lineno < end
+    )
+    own = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    handed = sorted(
+        {
+            a.id
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and n.lineno < end and calls_into(n.func, bound)
+            for a in n.args + [k.value for k in n.keywords]
+            if isinstance(a, ast.Name) and a.id in own
+        }
+    )
+    return end - 1, fence, uses, (longest[1], longest[0]), reach, handed
+
+
+def calls_into(func, bound):
+    """True when a call's callee is a name imported from a project file (or an attribute of one)."""
+    while isinstance(func, ast.Attribute):
+        func = func.value
+    return isinstance(func, ast.Name) and func.id in bound
+
+
+def contract_table():
+    """The markdown table docs/CHAPTERS.md carries between its markers, generated here."""
+    rows = [
+        "| chapter | path (lines before the fence) | fence | other files the path sends a "
+        "reader to (uses before the fence) | count beyond launch.py | longest function on the path "
+        "| sys.modules reach-backs | chapter functions handed out (call-backs) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name in CHAPTERS:
+        path, fence, uses, (fn, length), reach, handed = contract(name)
+        sent = ", ".join(f"{f} ({n})" for f, n in sorted(uses.items())) or "-"
+        beyond = sum(1 for f in uses if f not in SHARED)
+        back = ", ".join(handed) or "-"
+        rows.append(
+            f"| {name} | {path} | {fence or 'none'} | {sent} | {beyond} "
+            f"| {fn} ({length}) | {reach} | {back} |"
+        )
+    return "\n".join(rows)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
+    parser.add_argument(
+        "--contract", action="store_true", help="print docs/CHAPTERS.md's table and stop"
+    )
     args = parser.parse_args(argv)
+    if args.contract:
+        print(contract_table())
+        return 0
     missed = []
     print(f"{'file':<28}{'lines':>7}{'target':>8}{'fence':>7}{'docstring':>11}  protocol (line)")
     for name, (most, protocols) in TARGETS.items():
