@@ -55,8 +55,19 @@ def weights_for(x):  # not all-ones: each output element its own weight
     return torch.linspace(-1, 1, x.numel()).view_as(x)
 
 
+def assert_finite_tensor(got, ref, what):
+    """``got`` is a finite tensor of ``ref``'s dtype and shape (a worker's value is checked here
+    before it is compared)."""
+    assert isinstance(got, torch.Tensor), f"{what} is a {type(got).__name__}, not a tensor"
+    assert got.dtype == ref.dtype and got.shape == ref.shape, (
+        f"{what} is {got.dtype} {tuple(got.shape)}, expected {ref.dtype} {tuple(ref.shape)}"
+    )
+    assert torch.isfinite(got).all(), f"{what} holds NaN or inf"
+
+
 def assert_bitwise(ours, ref, model, what):
     names = [n for n, _ in model.named_parameters()] + ["the input x"]
+    assert_finite_tensor(ours["out"], ref["out"], f"{what}: the output")
     diff = (ours["out"] - ref["out"]).abs().max()
     assert torch.equal(ours["out"], ref["out"]), f"{what}: the output differs by {diff:.3g}"
     for name, a, b in zip(names, ours["grads"], ref["grads"], strict=True):
@@ -267,8 +278,14 @@ def test_activation_memory_drops_by_the_forgotten_bytes():
     got = call("tensor_ckpt:forward_bytes", [(n, p[1]) for n, p in plains.items()], x)
     for name, expected in cases.items():
         model = plains[name][0]
-        ref = measured_run(model, model, x, weights_for(x))["fwd_bytes"]
-        freed = ref - got[name]["fwd_bytes"]
+        ref = measured_run(model, model, x, weights_for(x))
+        # a byte count is measured in the worker: it counts only beside an output recomputed here
+        assert_finite_tensor(got[name]["out"], ref["out"], f"{name}'s checkpointed output")
+        assert torch.equal(got[name]["out"], ref["out"]), (
+            f"the checkpointed {name} must compute the model's output: it differs by "
+            f"{(got[name]['out'] - ref['out']).abs().max():.3g}"
+        )
+        freed = ref["fwd_bytes"] - got[name]["fwd_bytes"]
         how = (
             "a tensor in a forgotten storage must be packed as a handle (call.live_storage(t))"
             if freed <= 0
@@ -287,7 +304,10 @@ def test_peaks_drop_in_forward_and_in_backward():
     # Forward: each forgotten tensor dies at its last use in forward, not at the end of forward
     # (else forward's own peak would be the plain model's). Backward: a recomputed tensor, and the
     # kept tensors its recompute reads, die with the last gradient that needs them.
-    ours, ref, _, _, _ = checkpointed("stack")
+    ours, ref, model, _, _ = checkpointed("stack")
+    # the peaks are measured in the worker: they count only beside outputs and gradients
+    # recomputed here
+    assert_bitwise(ours, ref, model, "the checkpointed stack against the plain model")
     assert ref["fwd_peak"] - ours["fwd_peak"] >= 2 * B * T * C * F32, (
         "a forgotten tensor must not outlive its last use in forward (pack it as a handle): "
         f"forward's peak {ours['fwd_peak']} bytes, the plain model's {ref['fwd_peak']}"
@@ -366,7 +386,8 @@ def test_gradients_bitwise_equal_plain_and_torch_checkpoint(name):
 
 @pytest.mark.grade(points=2, solution="tensor_ckpt.unpack_hook", needs=ALL_BUT("unpack_hook"))
 def test_forgetting_gelu_recomputes_no_matmul_and_view_plus_base_recomputes_once():
-    ours, ref, *_ = checkpointed("mlp")
+    ours, ref, model, *_ = checkpointed("mlp")
+    assert_bitwise(ours, ref, model, "the checkpointed mlp against the plain model")
     assert ours["bwd_flops"] == ref["bwd_flops"] > 0, (
         f"forgetting the GELU adds no matmul to backward: {ours['bwd_flops']} FLOPs, "
         f"plain {ref['bwd_flops']}"
@@ -437,7 +458,12 @@ def test_a_recompute_reading_another_forgotten_tensor_reuses_its_recompute(recom
 
 @pytest.mark.grade(points=2, solution="tensor_ckpt.LiveStorage.recompute")
 def test_tensor_needed_by_several_gradients_is_recomputed_once_per_backward(recomputes):
-    rounds, _, _ = recomputes
+    rounds, h, g = recomputes
+    # the counts are measured in the worker: they count only beside values recomputed here
+    assert torch.equal(rounds[0]["gelu"], g) and torch.equal(rounds[0]["fc1"], h), (
+        "the recomputed values differ from forward's: run the unit's nodes on self.inputs and "
+        "each dependency's dep.recompute()"
+    )
     assert rounds[0]["cached"] and rounds[0]["recomputations"] == 2, (
         "a storage needed by several gradients must be recomputed once per backward (cache "
         f"self.value until the last release): {rounds[0]['recomputations']} recomputes for two "
