@@ -6,7 +6,9 @@ a *probe* (a function in tests/graded/probes/<stem>.py) that runs in a worker pr
 staged files, and receives plain values back: tensors, numbers, strings, and lists, tuples and
 dicts of them, read with ``torch.load(weights_only=True)`` under a size cap, so nothing a worker
 sends can run code here. The test computes its verdict here, against references the worker never
-sees.
+sees. A record the submission writes itself fails the call when it lands on descriptor 3 (a
+decoy) or beside the probe's (two records); one written in the probe's place by code that then
+exits cannot be told apart (tools/sandbox_child.py says what is and is not guaranteed).
 
     from sandbox import call, on_ranks, torchrun, StudentCodeError
     Y = call("muon_zero:newton_schulz", X, coefficients)         # one worker
@@ -49,7 +51,7 @@ import sys
 import tempfile
 import time
 
-from sandbox_child import descendants  # the zygote kills what is below it with the same walk
+from sandbox_child import MAGIC, descendants  # the zygote kills below it with the same walk
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TOOLS)
@@ -564,13 +566,24 @@ def zygote():
 
 
 class _Worker:
-    def __init__(self, pid, out, result):
-        self.pid, self.out, self.result = pid, out, result
+    def __init__(self, pid, out, result, decoy):
+        self.pid, self.out, self.result, self.decoy = pid, out, result, decoy
         self.tail, self.data, self.status, self.too_big = b"", bytearray(), None, False
-        self.killed = False
+        self.killed, self.forged = False, 0  # forged: bytes that arrived on the decoy
 
     def fds(self):
-        return [fd for fd in (self.out, self.result) if fd is not None]
+        return [fd for fd in (self.out, self.result, self.decoy) if fd is not None]
+
+    def record(self):
+        """The payload of the one framed record on the result pipe, or None: nothing, a damaged
+        frame, bytes after it (a second record), or any byte on the decoy."""
+        head = len(MAGIC) + 8
+        data = bytes(self.data)
+        if self.forged or len(data) < head or not data.startswith(MAGIC):
+            return None
+        if int.from_bytes(data[len(MAGIC) : head], "big") != len(data) - head:
+            return None
+        return data[head:]
 
 
 def _request(**fields):
@@ -607,12 +620,13 @@ def run_workers(requests, timeout):
         for request in requests:
             out_r, out_w = os.pipe()
             res_r, res_w = os.pipe()
+            decoy_r, decoy_w = os.pipe()
             try:
-                pid = z.spawn({**request, "timeout": timeout}, [out_w, res_w])
+                pid = z.spawn({**request, "timeout": timeout}, [out_w, res_w, decoy_w])
             finally:
-                os.close(out_w)
-                os.close(res_w)
-            workers.append(_Worker(pid, out_r, res_r))
+                for fd in (out_w, res_w, decoy_w):
+                    os.close(fd)
+            workers.append(_Worker(pid, out_r, res_r, decoy_r))
         _wait(z, workers, time.monotonic() + timeout + GRACE_S)
     finally:  # whatever happened, nothing started for this call outlives it
         for w in workers:
@@ -645,11 +659,15 @@ def _read(w, fd):
         os.close(fd)
         if fd == w.out:
             w.out = None
+        elif fd == w.decoy:
+            w.decoy = None
         else:
             w.result = None
         return
     if fd == w.out:
         w.tail = (w.tail + chunk)[-MAX_OUTPUT:]
+    elif fd == w.decoy:
+        w.forged += len(chunk)
     else:
         w.data += chunk
         if len(w.data) > MAX_RESULT_BYTES:
@@ -660,15 +678,18 @@ def _read(w, fd):
 
 
 def _drain_result(w):
-    os.set_blocking(w.result, False)
-    try:
-        while w.result is not None:
-            _read(w, w.result)
-    except BlockingIOError:
-        pass
-    if w.result is not None:
-        os.close(w.result)
-        w.result = None
+    for name in ("decoy", "result"):
+        if getattr(w, name) is None:
+            continue
+        os.set_blocking(getattr(w, name), False)
+        try:
+            while getattr(w, name) is not None:
+                _read(w, getattr(w, name))
+        except BlockingIOError:
+            pass
+        if getattr(w, name) is not None:
+            os.close(getattr(w, name))
+            setattr(w, name, None)
 
 
 def _drain(w):
@@ -681,10 +702,12 @@ def _drain(w):
                     break
                 if fd == w.out:
                     w.tail = (w.tail + chunk)[-MAX_OUTPUT:]
+                elif fd == w.decoy:
+                    w.forged += len(chunk)
         except (BlockingIOError, OSError):
             pass
         os.close(fd)
-    w.out = w.result = None
+    w.out = w.result = w.decoy = None
 
 
 def _wait(z, workers, deadline):
@@ -694,8 +717,8 @@ def _wait(z, workers, deadline):
             if message["op"] == "exited" and message["pid"] in by_pid:
                 w = by_pid[message["pid"]]
                 w.status = message["status"]
-                if w.result is not None:  # written before it exited: in the pipe now (a process
-                    _drain_result(w)  # it left behind may hold the pipe open, never wait for it)
+                _drain_result(w)  # written before it exited: in the pipes now (a process it
+                # left behind may hold them open, never wait for it)
         done = [w for w in workers if w.status is not None and w.result is None]
         if len(done) == len(workers) or not z.alive():
             return
@@ -714,14 +737,15 @@ def _wait(z, workers, deadline):
 
 def _failed(w):
     """A finished worker that did not return a value (its record's first byte says which)."""
-    return w.status != 0 or w.too_big or w.data[:1] != OK
+    record = w.record()
+    return w.status != 0 or w.too_big or record is None or record[:1] != OK
 
 
 def _load(data):
     import torch
 
     try:
-        return torch.load(io.BytesIO(bytes(data[1:])), weights_only=True)
+        return torch.load(io.BytesIO(data[1:]), weights_only=True)
     except Exception as error:  # what a worker wrote is never trusted to be well formed
         return {"ok": False, "kind": "died", "message": f"its result could not be read ({error})"}
 
@@ -743,13 +767,25 @@ def _outcome(w, timeout, oom_before):
     if w.too_big:
         message = f"the probe returned more than {MAX_RESULT_BYTES >> 20} MiB"
         return {"ok": False, "kind": "died", "message": message}, output
+    if w.forged:
+        message = (
+            "the submitted code wrote to the grader's result pipe (descriptor 3): a value counts "
+            "only when the probe returned it"
+        )
+        return {"ok": False, "kind": "tampered", "message": message}, output
+    if w.data and w.status == 0 and w.record() is None:
+        message = (
+            "the worker's result pipe held more than one record or a damaged one: a value "
+            "counts only when the probe's own return wrote the one record"
+        )
+        return {"ok": False, "kind": "tampered", "message": message}, output
     if w.data and w.status == 0:
-        return _load(w.data), output
+        return _load(w.record()), output
     if "Timeout (" in output or (w.killed and w.status is None):
         message = f"did not finish in {timeout:.0f} s{_where_it_hung(output)}"
         return {"ok": False, "kind": "timeout", "message": message}, output
-    if w.data:  # a record, then a non-zero exit: the record says it
-        return _load(w.data), output
+    if w.record() is not None and w.record()[:1] != OK:  # a failure, then a non-zero exit
+        return _load(w.record()), output
     code = w.status
     if code == -signal.SIGKILL and not w.killed:
         now = _oom_kills()
@@ -926,9 +962,9 @@ def import_check(modules, timeout=30.0, placeholders=True):
         (w,) = run_workers([request], timeout)
         output = w.tail.decode(errors="replace")
         record = None
-        if w.status == 0 and w.data:
+        if w.status == 0 and w.record() is not None:
             try:
-                record = json.loads(bytes(w.data[:65536]))
+                record = json.loads(w.record()[:65536])
             except ValueError:
                 record = None
         if record is not None and record.get("ok"):

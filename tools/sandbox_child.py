@@ -9,8 +9,20 @@ request that arrives on the socket FD. The worker leaves the zygote's session, t
 and result pipes, drops to the sandbox user (when the grader runs as root), limits itself
 (processes, file size, no core dumps, first in line for the kernel's out-of-memory killer, no new
 privileges), and only then puts the staged folder on sys.path and runs the probe. It writes one
-``torch.save`` record to its result pipe: {"ok": True, "value"} or {"ok": False, "kind",
-"message", "traceback", "stubs"}; an import check writes JSON. Nothing a worker does is trusted.
+framed ``torch.save`` record (MAGIC, length, payload) to its result pipe: {"ok": True, "value"}
+or {"ok": False, "kind", "message", "traceback", "stubs"}; an import check writes JSON. Nothing a
+worker does is trusted.
+
+The result pipe sits at a descriptor drawn per worker; descriptor 3 is a decoy pipe. What the
+grader then enforces (tools/sandbox.py): any byte on the decoy fails the call; the result pipe
+must hold exactly one whole frame and the worker must exit 0, so a record the submission writes
+beside the probe's makes two and fails the call. What it cannot enforce: the submission shares
+this process, its memory and its descriptors, so no secret can be kept from it. Code that finds
+the real descriptor (/proc/self/fd), writes one well-formed record and exits 0 before the probe
+writes, or that rewrites the probe's values in memory where bind_probe's checks do not look, is
+indistinguishable from an honest worker. A value only the worker can measure (bytes alive,
+peaks, FLOPs, call counts) is therefore never graded alone: each such test also compares values
+the test process recomputes on the same call (outputs, gradients, recomputed tensors).
 
 Messages on the socket are JSON, one per packet: "spawn" (with the two pipes' write ends) answered
 by "started" and, when the worker ends, "exited"; "kill" (every process below the zygote, and
@@ -28,6 +40,7 @@ import importlib.abc
 import importlib.util
 import json
 import os
+import random
 import re
 import resource
 import select
@@ -40,7 +53,9 @@ import types
 
 STUB = re.compile(r"^([A-Za-z_][\w.]*): ")
 TRACEBACK_LINES = 12
-RESULT_FD = 3
+DECOY_FD = 3  # where a result pipe would be expected: the grader rejects a call with a byte on it
+MAGIC = b"SANDBOX-RECORD\n"  # a frame: MAGIC, the payload's length (8 bytes), the payload
+_RESULT = {"fd": None}  # the record's descriptor, drawn per worker
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
 
 
@@ -306,9 +321,14 @@ def bind_probe(stem, function):
     return defined[function], intact
 
 
+def frame(data):
+    """The one record a worker writes: MAGIC, len(data) as 8 bytes, data."""
+    return MAGIC + len(data).to_bytes(8, "big") + data
+
+
 def _send(data):
-    with os.fdopen(RESULT_FD, "wb") as pipe:
-        pipe.write(data)
+    with os.fdopen(_RESULT["fd"], "wb") as pipe:
+        pipe.write(frame(data))
 
 
 def _run_probe(request):
@@ -397,17 +417,23 @@ def _run_import(request):
     _send(json.dumps(record).encode())
 
 
-def _worker(request, out_fd, result_fd):
+def _worker(request, out_fd, result_fd, decoy_fd):
     """In the forked child: become the sandboxed worker, run the request, exit."""
     os.setsid()  # its own session and process group: killed as one
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    taken = {out_fd, result_fd, decoy_fd}
+    draw = random.SystemRandom()
+    real = next(n for n in iter(lambda: draw.randrange(64, 1000), None) if n not in taken)
+    os.dup2(result_fd, real)  # a record written to descriptor 3 lands on the decoy instead
+    _RESULT["fd"] = real
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.dup2(out_fd, 1)
     os.dup2(out_fd, 2)
-    os.dup2(result_fd, RESULT_FD)
-    os.closerange(RESULT_FD + 1, 65536)  # the socket, the zygote's pipes, anything inherited
+    os.dup2(decoy_fd, DECOY_FD)
+    os.closerange(DECOY_FD + 1, real)  # the socket, the zygote's pipes, anything inherited
+    os.closerange(real + 1, 65536)
     try:
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write("1000")  # the kernel kills a worker first, never the grader

@@ -11,9 +11,12 @@ link_bytes is arithmetic: no rank runs.
 
 import itertools
 import math
+import random
 
 import pytest
 from sandbox import call, on_ranks
+
+from graded.expected import DRAW
 
 # The private suite runs these in its slow tier: CI grades the reference with every graded
 # test (make grade-fit); test_sandbox.py and test_memory_timeline.py stay in its default tier.
@@ -22,6 +25,9 @@ pytestmark = pytest.mark.slow
 FP32, BF16 = 4, 2
 # link_bytes calls cp_compress.halo_rows wherever cp > 1
 LINK_NEEDS = ("cp_compress.halo_rows",)
+# at grading time (DRAW > 0) the configurations, the plan's sizes and the larger meshes' layouts
+# are drawn; 0 is the student repository's public cases
+RNG = random.Random(7919 * DRAW)
 
 
 # ---- layout_groups ----------------------------------------------------------------------------
@@ -86,7 +92,8 @@ def test_layout_groups_of_larger_meshes_rank_by_rank():
     """The meshes of 4 and 8 ranks, where the order of the mesh's dimensions shows (at 2 ranks
     only one dimension exceeds 1), every rank's view in turn on torch's fake process group
     (groups are bookkeeping there: one process, nothing sent)."""
-    for world, shapes in ((4, shapes_of(4)), (8, [(2, 2, 2), (2, 1, 4), (4, 2, 1)])):
+    eight = [(2, 2, 2), (2, 1, 4), (4, 2, 1)] if DRAW == 0 else RNG.sample(shapes_of(8), 3)
+    for world, shapes in ((4, shapes_of(4)), (8, eight)):
         views = call("compose:layouts_on_a_fake_world", world, shapes, timeout=120)
         for rank in range(world):
             for shape, got in zip(shapes, views[rank], strict=True):
@@ -99,8 +106,34 @@ CFG = dict(dim=64, n_layers=12, seq_len=256, batch=4, n_micro=4, n_hc=4, n_heads
            csa_ratio=4, hca_ratio=16, window=16, index_dim=16)  # fmt: skip
 ODD = CFG | dict(dim=32, n_hc=3, n_heads=2, head_dim=8, index_dim=8, window=8, seq_len=192,
                  batch=6, n_micro=3)  # fmt: skip
+
+
+def drawn(cfg):
+    """``cfg`` at DRAW 0, else sizes drawn within what the chapter allows: n_layers a multiple of
+    pp (up to 4), seq_len of cp (up to 4) times hca_ratio, batch of n_micro (>= pp for 1F1B)."""
+    if DRAW == 0:
+        return cfg
+    n_micro = RNG.choice([4, 6])
+    return cfg | dict(
+        dim=RNG.choice([32, 48, 64, 96]),
+        n_layers=RNG.choice([8, 12, 16]),
+        seq_len=4 * cfg["hca_ratio"] * RNG.choice([2, 3, 4]),
+        batch=n_micro * RNG.choice([1, 2]),
+        n_micro=n_micro,
+        n_hc=RNG.choice([2, 3, 4]),
+        head_dim=RNG.choice([8, 16, 24]),
+        index_dim=RNG.choice([8, 16]),
+        window=RNG.choice([8, 12, 16]),
+    )
+
+
+CFG, ODD = drawn(CFG), drawn(ODD)
 # MuonZeRO's plan as link_bytes reads it (compose_budget.PlanSizes), for a group of G ranks
 PLAN = dict(dense_bucket_numel=12_345, expert_chunk_numel=6_789)
+if DRAW:
+    PLAN = dict(
+        dense_bucket_numel=RNG.randrange(1, 50_000), expert_chunk_numel=RNG.randrange(1, 50_000)
+    )
 TENSORS = [("sublayers.0.norm.weight", (64,), "adamw", True),
            ("hcs.0.bias_res", (4, 4), "adamw", True),
            ("sublayers.0.core.attention.norm_index", (16,), "adamw", False),

@@ -7,7 +7,12 @@ import pytest
 import torch
 from sandbox import call
 
+from graded.expected import DRAW
 from graded.models_memory_timeline import small_model
+
+# the batch and its seed move with the draw at grading time (the byte formulas follow the batch)
+BATCH = 64 if DRAW == 0 else (32, 48, 80, 96, 128)[DRAW % 5]
+SEED = 7919 * DRAW
 
 
 def train(model, opt, x, steps):
@@ -59,8 +64,8 @@ def stepped_state(device, specs):
 def test_activations_are_exactly_the_tensors_saved_for_backward():
     """Each step's batch is made inside the recording, in a "data" phase before the forward: it is
     alive as the forward ends but the forward did not make it, so it is not an activation."""
-    got = call("memory_timeline:activations")
-    b, h, d = 64, 1024, 256
+    got = call("memory_timeline:activations", batch=BATCH, seed=SEED)
+    b, h, d = BATCH, 1024, 256
     # Linear1 output (saved by GELU), GELU output (saved by Linear2), Linear2 output, LayerNorm mean
     # and rstd, LayerNorm output (saved by Linear3), its output (saved by square); then the loss
     saved = (b * h + b * h + b * d + 2 * b + b * d + b * d) * 4 + 4
@@ -88,12 +93,12 @@ def test_peaks_agree_with_memtracker_and_the_profiler():
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX, Category, MemoryProfileTimeline
 
-    got = call("memory_timeline:peaks")
+    got = call("memory_timeline:peaks", batch=BATCH, seed=SEED)
     ours = got["peaks"]
 
     model = small_model()
     opt = torch.optim.AdamW(model.parameters())
-    x = torch.randn(64, 256)
+    x = torch.randn(BATCH, 256, generator=torch.Generator().manual_seed(SEED))
     tracker = MemTracker()
     tracker.track_external(model, opt, x)
     act_after_forward = []

@@ -49,6 +49,17 @@ def test_a_probe_or_meter_changed_by_the_worker_fails_the_call(how):
     assert "changed the grader's" in str(error.value).splitlines()[0], str(error.value)
 
 
+@pytest.mark.parametrize("how", ["fd 3, then return", "fd 3, then exit", "real fd"])
+def test_a_record_the_worker_writes_itself_fails_the_call(how):
+    """A forged record on descriptor 3 lands on a decoy the grader watches; one on the real
+    result descriptor makes two records when the probe returns: either way, nothing counts."""
+    with pytest.raises(StudentCodeError) as error:
+        call("selftest:forge", how)
+    assert error.value.kind == "tampered", str(error.value)
+    first = str(error.value).splitlines()[0]
+    assert "result pipe" in first and "forged" not in str(error.value), first
+
+
 def test_a_failing_rank_stops_the_others_at_once():
     start = time.monotonic()
     with pytest.raises(StudentCodeError) as error:

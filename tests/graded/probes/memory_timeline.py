@@ -10,17 +10,17 @@ OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch
               "Muon": torch.optim.Muon}  # fmt: skip
 
 
-def activations(steps=3):
+def activations(steps=3, batch=64, seed=0):
     """SGD, a batch made each step in a "data" phase inside the recording (before the forward):
     the activations' peak of step 1, of the run, and their bytes as each backward ends."""
     model = small_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     tl = MemoryTimeline(model, opt)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     with tl.record():
         for step in range(1, steps + 1):
             with tl.phase("data", step):
-                x = torch.randn(64, 256, generator=g)
+                x = torch.randn(batch, 256, generator=g)
             with tl.phase("forward", step):
                 loss = model(x).square().mean()
             with tl.phase("backward", step):
@@ -36,11 +36,11 @@ def activations(steps=3):
     }
 
 
-def peaks(steps=3):
+def peaks(steps=3, batch=64, seed=0):
     """AdamW, the batch made before the recording: every category's peak, and the total's."""
     model = small_model()
     opt = torch.optim.AdamW(model.parameters())
-    x = torch.randn(64, 256)
+    x = torch.randn(batch, 256, generator=torch.Generator().manual_seed(seed))
     tl = MemoryTimeline(model, opt)
     with tl.record():
         for step in range(1, steps + 1):

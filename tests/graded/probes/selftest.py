@@ -143,3 +143,26 @@ def tamper(how):
     elif how == "function":
         sys.modules[__name__].double = lambda x: {"y": x, "n": 3}
     return "forged"
+
+
+def forge(how):
+    """What a submission's code could do to skip the probe: write a record of its own, as the
+    worker would, to descriptor 3 (then return, or exit before the probe writes) or to the
+    worker's real result descriptor (then return: the probe writes a second record)."""
+    import io
+
+    import torch
+
+    buffer = io.BytesIO(b"\x01")
+    buffer.seek(1)
+    torch.save({"ok": True, "value": "forged"}, buffer)
+    data = sys.modules["__main__"].frame(buffer.getvalue())
+    if how == "real fd":
+        fds = [int(n) for n in os.listdir("/proc/self/fd") if int(n) >= 64]
+        fd = next(n for n in fds if os.readlink(f"/proc/self/fd/{n}").startswith("pipe"))
+    else:
+        fd = 3
+    os.write(fd, data)
+    if how == "fd 3, then exit":
+        os._exit(0)
+    return "honest"

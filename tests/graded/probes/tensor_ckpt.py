@@ -329,7 +329,7 @@ def checkpointed(name, state, x, weights, names=None):
 
 def forward_bytes(cases, x):
     """Per model name: bytes the checkpointed forward leaves alive (output included; no backward
-    runs), and what its plan says it frees. ``cases``: [(name, state)]."""
+    runs), what its plan says it frees, and the output. ``cases``: [(name, state)]."""
     out = {}
     for name, state in cases:
         model = model_of(name, state)
@@ -340,6 +340,7 @@ def forward_bytes(cases, x):
         with LiveBytes([x, *model.parameters(), *model.buffers()]) as meter:
             y = ckpt(x)
             out[name] = {"fwd_bytes": meter.now, "bytes_freed": ckpt.plan.bytes_freed}
+        out[name]["out"] = y.detach().clone()
         del y
     return out
 
