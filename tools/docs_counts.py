@@ -10,6 +10,10 @@ A count in README.md, ASSIGNMENTS.md or docs/*.md is written between two markers
 Cheap counts read the tree (regions, mistakes, alternatives, notebooks, exercises, graded tests
 and points from ASSIGNMENTS.md's generated table, which tests/test_assignments.py keeps current);
 the test counts (`tests-default`, `tests-slow`, `replays-default`, `replays`) collect the suite.
+Timings (`time:ci`, `time:make-test`, `time:grade-check`, ...) are read from docs/ci_timings.txt,
+the "took N s" lines of a saved `.ci/run` output on a clean clone:
+
+    CI=true bash .ci/run 2>&1 | tee ci.log; grep -E 'took [0-9]+ s' ci.log > docs/ci_timings.txt
 """
 
 import argparse
@@ -55,6 +59,37 @@ def graded_totals():
     return (int(row.group(1)), int(row.group(2))) if row else (None, None)
 
 
+TIMINGS = os.path.join(ROOT, "docs", "ci_timings.txt")
+# a line of .ci/run's output -> the name of its timing; the slow tier prints its line twice, once
+# per stream: the first is the stream of the rest of the tier, the second the checks' stream
+TIMING_LINES = (
+    (r"^make test: the default tier took (\d+) s", "make-test"),
+    (r"^make test-slow: the slow tier took (\d+) s", "slow-rest"),
+    (r"^make test-slow: the slow tier took (\d+) s", "slow-beside"),
+    (r"^\.ci/run: make (grade-[\w-]+) took (\d+) s", None),
+    (r"^\.ci/run: lint, both tiers and the grading checks took (\d+) s", "ci"),
+)
+
+
+def timings(path=TIMINGS):
+    """Seconds of each part of the saved .ci/run output: name -> value (empty without the file)."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        lines = f.read().splitlines()
+    found, used = {}, set()
+    for pattern, name in TIMING_LINES:
+        for i, line in enumerate(lines):
+            m = re.match(pattern, line)
+            if m and i not in used:
+                used.add(i)
+                key = name or m.group(1)
+                found["time:" + key] = int(m.group(m.lastindex))
+                if name:
+                    break
+    return found
+
+
 def cheap_counts():
     """Every count that reads the tree without running anything: name -> value."""
     sources = notebook_sources()
@@ -71,7 +106,7 @@ def cheap_counts():
     }
     for s in sources:  # exercises:00, exercises:02b, ...
         counts["exercises:" + os.path.basename(s).split("_", 1)[0]] = exercises(s)
-    return counts
+    return counts | timings()
 
 
 class _Collector:
