@@ -386,6 +386,16 @@ def test_gradients_bitwise_equal_plain_and_torch_checkpoint(name):
         model, lambda x: torch_checkpoint.checkpoint(model, x, use_reentrant=False), x, weights
     )
     assert_bitwise(ours, theirs, model, f"the checkpointed {name} against torch.utils.checkpoint")
+    # what only real checkpointing gives, measured by the probe's meters: less alive after
+    # forward, and backward running the plan's recompute FLOPs on top of the plain backward
+    assert ours["fwd_bytes"] < ref["fwd_bytes"], (
+        f"the checkpointed {name} keeps {ours['fwd_bytes']} bytes alive after forward, the plain "
+        f"model {ref['fwd_bytes']}: forgotten storages must be freed"
+    )
+    extra, planned = ours["bwd_flops"] - ref["bwd_flops"], ours["plan"]["recompute_flops"]
+    assert extra == planned, (
+        f"backward ran {extra} FLOPs more than the plain model's, the plan recomputes {planned}"
+    )
     assert ours["recomputations"] == len(ours["plan"]["units"]), (
         f"each forgotten storage is recomputed once per backward: {ours['recomputations']} "
         f"recomputes for {len(ours['plan']['units'])} storages"
