@@ -34,6 +34,7 @@ import ctypes
 import dataclasses
 import errno
 import faulthandler
+import functools
 import gc
 import importlib
 import importlib.abc
@@ -201,6 +202,8 @@ GUARDED_TORCH = (
     "torch.UntypedStorage",
     "torch.utils.flop_counter",
     "torch.distributed",
+    "torch.serialization",  # what the record is saved with
+    "pickle",
 )
 
 
@@ -326,14 +329,38 @@ def frame(data):
     return MAGIC + len(data).to_bytes(8, "big") + data
 
 
-def _send(data):
-    with os.fdopen(_RESULT["fd"], "wb") as pipe:
-        pipe.write(frame(data))
+_JSON, _WRITE = json.dumps, os.write  # bound before any submitted file is imported
+
+
+def _send(data, check=None, fd=None, write=_WRITE, dumps=None):
+    """Write the one framed record with ``write`` to ``fd`` (bound by the caller before the
+    submission was imported). ``check`` (the probe's intact) runs right before the write: a
+    change made to the grader while the record was built still fails the call."""
+    if check is not None:
+        try:
+            check()
+        except BaseException as error:
+            data = b"\x00" + dumps(failure(error))
+    view = memoryview(frame(data))
+    while view:
+        view = view[write(fd, view) :]
+
+
+def _dumps(record, save=None, bytes_io=None):
+    """``record`` as torch.save's bytes, with the save and BytesIO bound when the zygote starts."""
+    buffer = bytes_io()
+    save(record, buffer)
+    return buffer.getvalue()
+
+
+_DUMPS = None  # _dumps with torch.save bound: set by serve(), before any worker forks
 
 
 def _run_probe(request):
     import torch
 
+    send, dumps, write, fd = _send, _DUMPS, _WRITE, _RESULT["fd"]  # before any submitted import
+    intact = None
     stem, function = request["probe"].split(":", 1)
     try:
         inputs = torch.load(request["args"], weights_only=False)  # written by the grader
@@ -343,21 +370,13 @@ def _run_probe(request):
             record = {"ok": True, "value": plain(probe(*inputs["args"], **inputs["kwargs"]))}
         else:
             record = _on_rank(probe, int(world), inputs)
-        if record["ok"]:
-            intact()
     except BaseException as error:  # everything goes back as a record; nothing is trusted
-        record = failure(error)
-    import io
-
-    buffer = io.BytesIO()
-    buffer.write(b"\x01" if record["ok"] else b"\x00")  # read before the rest: did it fail?
+        record, intact = failure(error), None
     try:
-        torch.save(record, buffer)
+        data = (b"\x01" if record["ok"] else b"\x00") + dumps(record)  # the flag is read first
     except Exception as error:  # a value torch cannot save
-        buffer = io.BytesIO()
-        buffer.write(b"\x00")
-        torch.save(failure(error), buffer)
-    _send(buffer.getvalue())
+        data = b"\x00" + dumps(failure(error))
+    send(data, intact if record["ok"] else None, fd, write, dumps)
 
 
 def _on_rank(probe, world, inputs):
@@ -414,7 +433,7 @@ def _run_import(request):
         record = {"ok": True}
     except BaseException as error:
         record = {"ok": False, "message": import_failure(error, filename)}
-    _send(json.dumps(record).encode())
+    _send(_JSON(record).encode(), fd=_RESULT["fd"])
 
 
 def _worker(request, out_fd, result_fd, decoy_fd):
@@ -574,6 +593,10 @@ def serve(sock, preload):
     import torch
 
     torch.set_num_threads(1)
+    import io
+
+    global _DUMPS
+    _DUMPS = functools.partial(_dumps, save=torch.save, bytes_io=io.BytesIO)
     for name in preload:
         try:
             importlib.import_module(name)

@@ -121,7 +121,9 @@ def test_select_and_pad():
     ):
         gathered = torch.arange(1, cp * slots * C + 1, dtype=torch.float32).view(cp, slots, C)
         cases.append((gathered, counts, total))
-    for (gathered, counts, total), out in zip(cases, call("cp_compress:select_and_pad", cases)):
+    for (gathered, counts, total), out in zip(
+        cases, call("cp_compress:select_and_pad", cases), strict=True
+    ):
         slots, C = gathered.shape[1:]
         assert tuple(out.shape) == (total, C), (
             f"select_and_pad must return [total, C] = {(total, C)}, got {tuple(out.shape)}"

@@ -211,8 +211,9 @@ def assert_world(results, world, P0, torch_ref, fp32_ref, split_grads, A, B, G):
             worst, got = 0.0, r[f"sr_one_step_{dtype}"]
             for k, grads in split_grads.items():
                 mean = grads.double().mean(0).float()
+                per_expert = (P0[k], got[k], mean, grads.transpose(0, 1))
                 triples = ([(P0[k], got[k], mean, grads)] if k in DENSE else
-                           zip(P0[k], got[k], mean, grads.transpose(0, 1)))  # fmt: skip
+                           zip(*per_expert, strict=True))  # fmt: skip
                 for W0, W1, g, Gr in triples:
                     scale = LR_MUON * 0.18 * math.sqrt(max(W0.shape))
                     expect = W0 * (1 - LR_MUON * 0.1) - scale * polar(g)
@@ -518,7 +519,7 @@ def test_stochastic_rounding_is_unbiased():
     inputs = [(torch.full((N,), x0, dtype=torch.float32), 11 + i) for i, x0 in enumerate(fixed)]
     inputs += [(population, 21), (half, 7), (half, 7), (half, 8)]
     *rounded, pop, a, b, c = call("muon_zero:stochastic_round_seeded", inputs)
-    for x0, r in zip(fixed, rounded):
+    for x0, r in zip(fixed, rounded, strict=True):
         r = r.double()
         lo, hi = r.min().item(), r.max().item()
         values = set(r.tolist())
@@ -655,7 +656,7 @@ def test_split_experts():
     total elements (either one on a tie), so unequal expert sizes are split by size, not count."""
     cases = [([10] * 15, 4), ([6] * 33024, 256), ([6] * 7, 7), ([6] * 3, 5), ([1, 9] * 6, 4),
              ([5, 1, 1, 1, 1, 5, 1, 1], 3), ([100, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1], 2)]  # fmt: skip
-    for (numels, w), ranges in zip(cases, call("muon_zero:split_experts", cases)):
+    for (numels, w), ranges in zip(cases, call("muon_zero:split_experts", cases), strict=True):
         assert len(ranges) == w and ranges[0][0] == 0 and ranges[-1][1] == len(numels), (
             f"split_experts({len(numels)} experts, {w}) must give {w} runs covering "
             f"0..{len(numels)}, got {ranges[:3]}...{ranges[-1:]}"

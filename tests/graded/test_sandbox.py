@@ -60,6 +60,12 @@ def test_a_record_the_worker_writes_itself_fails_the_call(how):
     assert "result pipe" in first and "forged" not in str(error.value), first
 
 
+def test_the_record_is_written_with_what_was_bound_before_the_submission_ran():
+    """A worker that wraps os.fdopen and os.write to rewrite the record on its way out changes
+    nothing: the record goes out through functions bound before any submitted code ran."""
+    assert call("selftest:rewrite") == "honest"
+
+
 def test_a_failing_rank_stops_the_others_at_once():
     start = time.monotonic()
     with pytest.raises(StudentCodeError) as error:

@@ -341,8 +341,10 @@ def test_data_parallel_replicas_match_single_process(world_size):
         reference = [p.grad / n for p in model.parameters()]  # data parallel averages over ranks
         for rank in range(n):
             reduced = dict((k, v) for k, v in results[rank]["reduced"])[n]
-            ddp = results[rank]["ddp"] if n == world_size else []
-            for ours, ref in zip(reduced + ddp, reference * 2):
+            pairs = list(zip(reduced, reference, strict=True))  # one gradient per parameter
+            if n == world_size:
+                pairs += zip(results[rank]["ddp"], reference, strict=True)
+            for ours, ref in pairs:
                 # vs one process on the whole batch: the batch sum is split differently; fp32
                 # rounding of gradients of size ~10 gives ~1e-6 absolute differences
                 torch.testing.assert_close(
@@ -384,6 +386,16 @@ def test_gradients_bitwise_equal_plain_and_torch_checkpoint(name):
         model, lambda x: torch_checkpoint.checkpoint(model, x, use_reentrant=False), x, weights
     )
     assert_bitwise(ours, theirs, model, f"the checkpointed {name} against torch.utils.checkpoint")
+    # what only real checkpointing gives, measured by the probe's meters: less alive after
+    # forward, and backward running the plan's recompute FLOPs on top of the plain backward
+    assert ours["fwd_bytes"] < ref["fwd_bytes"], (
+        f"the checkpointed {name} keeps {ours['fwd_bytes']} bytes alive after forward, the plain "
+        f"model {ref['fwd_bytes']}: forgotten storages must be freed"
+    )
+    extra, planned = ours["bwd_flops"] - ref["bwd_flops"], ours["plan"]["recompute_flops"]
+    assert extra == planned, (
+        f"backward ran {extra} FLOPs more than the plain model's, the plan recomputes {planned}"
+    )
     assert ours["recomputations"] == len(ours["plan"]["units"]), (
         f"each forgotten storage is recomputed once per backward: {ours['recomputations']} "
         f"recomputes for {len(ours['plan']['units'])} storages"

@@ -166,3 +166,34 @@ def forge(how):
     if how == "fd 3, then exit":
         os._exit(0)
     return "honest"
+
+
+def rewrite():
+    """What a submission's code could do to the record the probe is about to send: wrap the
+    functions a worker writes with (os.fdopen, os.write) so that they write a forged record."""
+    import io
+
+    import torch
+
+    buffer = io.BytesIO(b"\x01")
+    buffer.seek(1)
+    torch.save({"ok": True, "value": "forged"}, buffer)
+    forged = sys.modules["__main__"].frame(buffer.getvalue())
+    real_fdopen, real_write = os.fdopen, os.write
+
+    class Pipe:
+        def __init__(self, fd, *args, **kwargs):
+            self.file = real_fdopen(fd, *args, **kwargs)
+
+        def write(self, data):
+            return self.file.write(forged)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+    os.fdopen = Pipe
+    os.write = lambda fd, data: real_write(fd, forged) and len(data)
+    return "honest"
