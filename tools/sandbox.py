@@ -186,7 +186,27 @@ def _pids():
 
 IPC_RMID = 0
 IPC_ID = {"shm": "shmid", "sem": "semid", "msg": "msqid"}  # /proc/sysvipc/<kind>'s id column
-SHARED_DIRS = ("/dev/shm", "/dev/mqueue", "/tmp", "/var/tmp")  # where any user can create files
+SHARED_DIRS = ("/dev/shm", "/dev/mqueue", "/tmp", "/var/tmp", "/run/lock", "/var/lock")
+# where a system keeps other folders any user can write (/var/crash, /run/screen)
+WRITABLE_PARENTS = ("/", "/run", "/var", "/dev")
+
+
+def shared_dirs():
+    """The folders any user can create files in: SHARED_DIRS and every world-writable folder
+    directly inside WRITABLE_PARENTS, each once (/var/lock is a link to /run/lock)."""
+    found = [*SHARED_DIRS, tempfile.gettempdir()]
+    for parent in WRITABLE_PARENTS:
+        try:
+            entries = list(os.scandir(parent))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.is_dir(follow_symlinks=False) and entry.stat().st_mode & stat.S_IWOTH:
+                    found.append(entry.path)
+            except OSError:
+                continue
+    return list(dict.fromkeys(os.path.realpath(f) for f in found))
 
 
 def ipc_of(uid):
@@ -266,14 +286,14 @@ def empty(folder):
 
 def remove_leftovers(uid=None):
     """As root with a sandbox user, once its processes are killed: its System V IPC objects, and
-    its files in the shared-memory and temporary folders and this process's temporary folder
-    (POSIX shared memory and message queues are files there). Memory a worker left in them stays
-    charged to the container until removed."""
+    its files in every folder any user can write (shared_dirs: POSIX shared memory and message
+    queues are files there). Memory a worker left in them stays charged to the container until
+    removed."""
     uid = identity()[0] if uid is None else uid
     if uid is None:
         return
     remove_ipc(uid)
-    remove_files_of(uid, dict.fromkeys([*SHARED_DIRS, tempfile.gettempdir()]))
+    remove_files_of(uid, shared_dirs())
 
 
 def _owner(pid):
