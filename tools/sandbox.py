@@ -761,11 +761,23 @@ def _failed(w):
     return w.status != 0 or w.too_big or record is None or record[:1] != OK
 
 
+def printable(value):
+    """``value`` with every string in it made valid UTF-8 (a lone surrogate, which an exception
+    message can carry, becomes "?"): a report printed or written as JSON cannot fail on it."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "replace").decode("utf-8")
+    if isinstance(value, dict):
+        return {printable(k): printable(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(printable(v) for v in value)
+    return value
+
+
 def _load(data):
     import torch
 
     try:
-        return torch.load(io.BytesIO(data[1:]), weights_only=True)
+        return printable(torch.load(io.BytesIO(data[1:]), weights_only=True))
     except Exception as error:  # what a worker wrote is never trusted to be well formed
         return {"ok": False, "kind": "died", "message": f"its result could not be read ({error})"}
 
@@ -984,7 +996,7 @@ def import_check(modules, timeout=30.0, placeholders=True):
         record = None
         if w.status == 0 and w.record() is not None:
             try:
-                record = json.loads(w.record()[:65536])
+                record = printable(json.loads(w.record()[:65536]))
             except ValueError:
                 record = None
         if record is not None and record.get("ok"):
