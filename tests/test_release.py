@@ -461,3 +461,27 @@ def sinkhorn_knopp(z, n_iter=20, tiny=1e-6):
     assert ("tests/graded/test_x.py", "ns_fp64") in found, hits
     assert any(name == "mhc.py" and "v4_sinkhorn" in what for name, _, what in hits), hits
     assert any(name.startswith("tests/graded/hidden/") for name, _, _ in hits), hits
+
+
+def test_a_withheld_layout_listing_in_a_public_test_is_found(tmp_path):
+    """compose's expected_view (every rank's coordinates and groups, an answer for layout_groups
+    once each list is made a group) ships only in the autograder: left in a public test, renamed,
+    its name and its shape are found."""
+    withheld = release.withheld_references(ROOT)
+    assert "expected_view" in withheld["names"] and "expected_view" in withheld["shapes"]
+    pasted = """
+def view_of(shape, rank):
+    at = list(itertools.product(*(range(n) for n in shape)))
+    p, c, d = at[rank]
+    return {
+        "coords": (p, c, d),
+        "pipeline": [q for q, (_, c2, d2) in enumerate(at) if (c2, d2) == (c, d)],
+        "cp": [q for q, (p2, _, d2) in enumerate(at) if (p2, d2) == (p, d)],
+        "stage": [q for q, (p2, _, _) in enumerate(at) if p2 == p],
+    }
+"""
+    folder = tmp_path / "kit"
+    (folder / "tests" / "graded").mkdir(parents=True)
+    (folder / "tests" / "graded" / "test_compose.py").write_text(pasted)
+    hits = release.withheld_leaks(str(folder), ROOT, withheld)
+    assert any("expected_view" in what for _, _, what in hits), hits

@@ -393,6 +393,8 @@ def solution_signatures(root=ROOT):
 
 SHINGLE = 8  # tokens in a shingle
 MIN_SHINGLES = 40  # a region with fewer says too little to be recognised by its shape alone
+# a withheld reference is an answer however short: a few lines listing every group are enough
+MIN_WITHHELD_SHINGLES = 12
 OVERLAP = 0.6  # this share of a region's shingles inside one released function: a re-implementation
 
 
@@ -652,7 +654,7 @@ def withheld_references(root=ROOT):
                 if _significant(line.strip()) and line.strip() not in given:
                     lines.setdefault(line.strip(), where)
             found = shingles(source)
-            if len(found) >= MIN_SHINGLES:
+            if len(found) >= MIN_WITHHELD_SHINGLES:
                 shapes[node.name] = (found, where)
     return _WITHHELD[root]
 

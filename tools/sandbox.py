@@ -186,7 +186,27 @@ def _pids():
 
 IPC_RMID = 0
 IPC_ID = {"shm": "shmid", "sem": "semid", "msg": "msqid"}  # /proc/sysvipc/<kind>'s id column
-SHARED_DIRS = ("/dev/shm", "/dev/mqueue", "/tmp", "/var/tmp")  # where any user can create files
+SHARED_DIRS = ("/dev/shm", "/dev/mqueue", "/tmp", "/var/tmp", "/run/lock", "/var/lock")
+# where a system keeps other folders any user can write (/var/crash, /run/screen)
+WRITABLE_PARENTS = ("/", "/run", "/var", "/dev")
+
+
+def shared_dirs():
+    """The folders any user can create files in: SHARED_DIRS and every world-writable folder
+    directly inside WRITABLE_PARENTS, each once (/var/lock is a link to /run/lock)."""
+    found = [*SHARED_DIRS, tempfile.gettempdir()]
+    for parent in WRITABLE_PARENTS:
+        try:
+            entries = list(os.scandir(parent))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.is_dir(follow_symlinks=False) and entry.stat().st_mode & stat.S_IWOTH:
+                    found.append(entry.path)
+            except OSError:
+                continue
+    return list(dict.fromkeys(os.path.realpath(f) for f in found))
 
 
 def ipc_of(uid):
@@ -266,14 +286,14 @@ def empty(folder):
 
 def remove_leftovers(uid=None):
     """As root with a sandbox user, once its processes are killed: its System V IPC objects, and
-    its files in the shared-memory and temporary folders and this process's temporary folder
-    (POSIX shared memory and message queues are files there). Memory a worker left in them stays
-    charged to the container until removed."""
+    its files in every folder any user can write (shared_dirs: POSIX shared memory and message
+    queues are files there). Memory a worker left in them stays charged to the container until
+    removed."""
     uid = identity()[0] if uid is None else uid
     if uid is None:
         return
     remove_ipc(uid)
-    remove_files_of(uid, dict.fromkeys([*SHARED_DIRS, tempfile.gettempdir()]))
+    remove_files_of(uid, shared_dirs())
 
 
 def _owner(pid):
@@ -741,11 +761,23 @@ def _failed(w):
     return w.status != 0 or w.too_big or record is None or record[:1] != OK
 
 
+def printable(value):
+    """``value`` with every string in it made valid UTF-8 (a lone surrogate, which an exception
+    message can carry, becomes "?"): a report printed or written as JSON cannot fail on it."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "replace").decode("utf-8")
+    if isinstance(value, dict):
+        return {printable(k): printable(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(printable(v) for v in value)
+    return value
+
+
 def _load(data):
     import torch
 
     try:
-        return torch.load(io.BytesIO(data[1:]), weights_only=True)
+        return printable(torch.load(io.BytesIO(data[1:]), weights_only=True))
     except Exception as error:  # what a worker wrote is never trusted to be well formed
         return {"ok": False, "kind": "died", "message": f"its result could not be read ({error})"}
 
@@ -964,7 +996,7 @@ def import_check(modules, timeout=30.0, placeholders=True):
         record = None
         if w.status == 0 and w.record() is not None:
             try:
-                record = json.loads(w.record()[:65536])
+                record = printable(json.loads(w.record()[:65536]))
             except ValueError:
                 record = None
         if record is not None and record.get("ok"):

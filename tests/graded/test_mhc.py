@@ -184,11 +184,11 @@ def test_layer_matches_the_equations_token_by_token():
     assert err < 1e-12, f"the layer B X + C F(A X) differs from the equations by {err:.1e}"
 
 
-DERIVATIVES = {
-    "dB": "dB = dX' X^T per token ([n, C] @ [C, n])",
-    "dX": "dX = B^T dX' (B transposed: lane j feeds output lane i through B_ij)",
-    "dC": "dC_i = <dX'_i, f> over C",
-    "df": "df = sum_i C_i dX'_i",
+DERIVATIVES = {  # which gradient, by what it is the gradient of (the formula is the exercise)
+    "dB": "the gradient of the mixing matrix B, [n, n] per token",
+    "dX": "the gradient of the input lanes X, [n, C] per token",
+    "dC": "the gradient of the coefficients C, one per lane",
+    "df": "the gradient of the sublayer's output f, [C] per token",
 }
 
 
@@ -208,10 +208,10 @@ def test_fused_post_mix_merge_backward():
     expected = torch.autograd.grad(reference, leaves, grad_out)
     got = call("mhc:post_mix_backward", grad_out, b, stream, c, f)
     assert len(got) == 4, "post_mix_backward must return (dB, dX, dC, df)"
-    for (name, formula), g, e in zip(DERIVATIVES.items(), got, expected, strict=True):
+    for (name, what), g, e in zip(DERIVATIVES.items(), got, expected, strict=True):
         assert g.shape == e.shape, f"{name} must have shape {tuple(e.shape)}, got {tuple(g.shape)}"
         err = (g - e).abs().max().item()
-        assert err < 1e-12, f"{name} differs from autograd by {err:.1e}: {formula}"
+        assert err < 1e-12, f"{name} differs from autograd by {err:.1e}: {name} is {what}"
 
 
 # ---- the whole model, every path -----------------------------------------------------------------

@@ -38,6 +38,11 @@ def test_a_stub_and_an_exception_say_what_happened_first():
     first, *rest = str(raised.value).splitlines()
     assert first == "ValueError: the shapes differ: 3 vs 4"
     assert "some output before the error" in "\n".join(rest)
+    with pytest.raises(StudentCodeError) as odd:  # a lone surrogate would crash the report
+        call("selftest:raises", "bad \ud800 shapes")
+    assert str(odd.value).splitlines()[0] == "ValueError: bad ? shapes", str(odd.value).encode(
+        "utf-8", "backslashreplace"
+    )
 
 
 @pytest.mark.parametrize("how", ["module", "meter", "function"])

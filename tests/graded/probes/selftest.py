@@ -30,9 +30,9 @@ def stub():
     raise NotImplementedError("muon_zero.newton_schulz: write it")
 
 
-def raises():
+def raises(message="the shapes differ: 3 vs 4"):
     print("some output before the error")
-    raise ValueError("the shapes differ: 3 vs 4")
+    raise ValueError(message)
 
 
 def fails_on_rank(rank, world_size):
@@ -103,7 +103,8 @@ def big(n):
 
 def leave_behind():
     """Leave System V shared memory (one segment still attached by a detached process), a
-    semaphore set, a message queue, a POSIX shared memory file and temporary files behind."""
+    semaphore set, a message queue, a POSIX shared memory file and
+    files in every folder any user can write (the lock folder too) behind."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.shmat.restype = ctypes.c_void_p
     private, create = 0, 0o1000 | 0o600  # IPC_PRIVATE, IPC_CREAT
@@ -112,7 +113,8 @@ def leave_behind():
     ipc = [("shm", shm[0]), ("shm", shm[1])]
     ipc += [("sem", libc.semget(private, 1, create)), ("msg", libc.msgget(private, create))]
     paths = []
-    for folder in ("/dev/shm", "/tmp", "/var/tmp", os.getcwd()):
+    folders = ("/dev/shm", "/tmp", "/var/tmp", "/run/lock", os.getcwd())
+    for folder in (f for f in folders if os.access(f, os.W_OK)):
         path = os.path.join(folder, f"left-behind-{os.getpid()}")
         os.makedirs(path)
         with open(os.path.join(path, "data"), "w") as f:
