@@ -239,6 +239,7 @@ def _compose_rank(rank, world, steps, plain):
     import torch.distributed as dist
 
     import compose
+    import muon_zero
 
     torch.set_num_threads(1)
     cfg, train = compose.ComposeConfig(), compose.Training(steps)
@@ -247,21 +248,19 @@ def _compose_rank(rank, world, steps, plain):
         model = compose.make_model(cfg, 1, train.seed)
         model.attend(compose.documents(cfg))
         opts, experts = compose.reference_optimizers(model, train)
-        same_ns = compose.newton_schulz_in(train.ns_dtype)  # torch's NS in compose's dtype
-        same_ns.__enter__()
-        for step in range(steps):
-            began = time.perf_counter()
-            tokens = compose.batch_tokens(cfg, cfg.batch, step, train.seed)
-            model(tokens[:, :-1], tokens[:, 1:]).backward()
-            for stack, leaves in experts.items():
-                for e, leaf in enumerate(leaves):
-                    leaf.grad = stack.grad[e]
-            for opt in opts:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            model.zero_grad(set_to_none=True)
-            seconds.append(time.perf_counter() - began)
-        same_ns.__exit__(None, None, None)
+        with muon_zero.torch_muon_newton_schulz_in(train.ns_dtype):  # compose's reference's
+            for step in range(steps):
+                began = time.perf_counter()
+                tokens = compose.batch_tokens(cfg, cfg.batch, step, train.seed)
+                model(tokens[:, :-1], tokens[:, 1:]).backward()
+                for stack, leaves in experts.items():
+                    for e, leaf in enumerate(leaves):
+                        leaf.grad = stack.grad[e]
+                for opt in opts:
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                model.zero_grad(set_to_none=True)
+                seconds.append(time.perf_counter() - began)
         return statistics.median(seconds[1:])
 
     def on_step(step, layout, model, opt, run):
