@@ -23,6 +23,7 @@ helper that re-implements a region under other names is found too: any hit fails
 
 import argparse
 import ast
+import functools
 import io
 import json
 import keyword
@@ -443,16 +444,26 @@ def region_shapes(root=ROOT):
 
 
 def code_units(text):
-    """(first line, source) of every function in ``text`` (methods and nested ones included)."""
+    """(first line, source) of every function in ``text`` (methods and nested ones included),
+    each its whole lines (ast.get_source_segment splits the text again for every node)."""
     try:
         tree = ast.parse(text)
-    except SyntaxError:
+    except (SyntaxError, RecursionError, ValueError):
         return []
+    lines = text.splitlines(keepends=True)
     return [
-        (node.lineno, ast.get_source_segment(text, node) or "")
+        (node.lineno, "".join(lines[node.lineno - 1 : node.end_lineno]))
         for node in ast.walk(tree)
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
     ]
+
+
+@functools.lru_cache(maxsize=1024)
+def unit_shingles(text, python):
+    """((first line, shingles) of each function of ``text``, or of the whole text unless
+    ``python``): kept, since the release is searched with the regions' and the withheld shapes."""
+    units = code_units(text) if python else [(1, text)]
+    return tuple((line, frozenset(shingles(textwrap.dedent(source)))) for line, source in units)
 
 
 def reimplementations(folder, shapes):
@@ -463,9 +474,7 @@ def reimplementations(folder, shapes):
         if not name.endswith((".py", ".ipynb")):
             continue
         text = searchable_text(os.path.join(folder, name))
-        units = code_units(text) if name.endswith(".py") else [(1, text)]
-        for line, source in units:
-            mine = shingles(textwrap.dedent(source))
+        for line, mine in unit_shingles(text, name.endswith(".py")):
             for qualname, (theirs, where) in shapes.items():
                 share = len(theirs & mine) / len(theirs)
                 if share >= OVERLAP:
@@ -674,8 +683,10 @@ def withheld_leaks(folder, root=ROOT, withheld=None):
             continue
         if not name.endswith((".py", ".ipynb", ".md", ".txt", ".json", "Makefile")):
             continue
-        for number, line in enumerate(searchable_text(os.path.join(folder, name)).splitlines(), 1):
-            found = pattern.search(line)
+        content = searchable_text(os.path.join(folder, name))
+        anywhere = any(n in content for n in names)  # most name none: the pattern is slow
+        for number, line in enumerate(content.splitlines(), 1):
+            found = pattern.search(line) if anywhere else None
             if found:
                 hits.append((name, number, names[found.group(1)]))
             elif line.strip() in withheld["lines"]:
@@ -691,6 +702,7 @@ def leaks(folder, root=ROOT, signatures=None, shapes=None, autograder=False):
     shapes = region_shapes(root) if shapes is None else shapes
     tokens = answer_tokens(root)
     words = re.compile("|".join(rf"(?<![\w,]){re.escape(t)}(?![\w,])" for t in tokens) or "(?!)")
+    long_ones = [s for s in signatures if len(s) >= 2 * MIN_SIGNATURE]
     hits = []
     for name in files_of(folder):
         path = os.path.join(folder, name)
@@ -700,14 +712,18 @@ def leaks(folder, root=ROOT, signatures=None, shapes=None, autograder=False):
         if any(name == p or name.startswith(p + "/") for p in PRIVATE):
             hits.append((name, 0, "a private file"))
             continue
-        for number, line in enumerate(searchable_text(path).splitlines(), 1):
+        content = searchable_text(path)
+        inside = [s for s in long_ones if s in content]  # one search of the file per line known
+        anywhere = any(t in content for t in tokens)  # a literal search first: the pattern is slow
+        for number, line in enumerate(content.splitlines(), 1):
             text = line.strip()
+            word = words.search(text) if anywhere else None
             if text in signatures:
                 hits.append((name, number, signatures[text]))
-            elif words.search(text):
-                hits.append((name, number, tokens[words.search(text).group(0)]))
+            elif word:
+                hits.append((name, number, tokens[word.group(0)]))
             elif len(text) > MIN_SIGNATURE:  # a solution line inside a longer one (a notebook's)
-                for sig in (s for s in signatures if len(s) >= 2 * MIN_SIGNATURE and s in text):
+                for sig in (s for s in inside if s in text):
                     hits.append((name, number, signatures[sig]))
                     break
     hits += [] if autograder else withheld_leaks(folder, root)
