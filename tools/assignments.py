@@ -285,23 +285,50 @@ def edited(out, root=ROOT, files=None):
         ]
 
 
+IMPORT_EACH = r"""
+import json, os, sys
+import torch  # imported once: each file is then imported in a forked child of its own
+failures = {}
+for name, module in json.loads(sys.argv[1]).items():
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        try:
+            assert __import__(module, fromlist=["_"]).__file__
+            code, why = 0, ""
+        except BaseException as error:
+            code, why = 1, f"{type(error).__name__}: {error}".strip().splitlines()[-1]
+        os.write(write, why.encode("utf-8", "replace"))
+        os._exit(code)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        why = f.read().decode("utf-8", "replace")
+    _, status = os.waitpid(pid, 0)
+    if status:
+        failures[name] = why or f"the import ended with status {status}"
+print("\n" + json.dumps(failures))  # on a line of its own, whatever a file printed
+"""
+
+
 def check_imports(out, names):
-    """Import each student file in a fresh interpreter started in ``out``; return the failures."""
-    failures = {}
-    for name in names:
-        module = os.path.splitext(name)[0].replace(os.sep, ".")
-        env = dict(os.environ, PYTHONPATH=os.path.abspath(out), CUDA_VISIBLE_DEVICES="")
-        proc = subprocess.run(
-            [sys.executable, "-c", f"import {module}; assert {module}.__file__"],
-            cwd=out,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        if proc.returncode != 0:
-            failures[name] = proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"
-    return failures
+    """Import each student file in an interpreter started in ``out`` (each in a forked child of
+    one that imported torch, so no file sees another's); return {name: why} of the failures."""
+    modules = {name: os.path.splitext(name)[0].replace(os.sep, ".") for name in names}
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(out), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run(
+        [sys.executable, "-c", IMPORT_EACH, json.dumps(modules)],
+        cwd=out,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120 + 30 * len(names),
+    )
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        last = (proc.stderr.strip().splitlines() or ["the import check itself failed"])[-1]
+        return {name: last for name in names}
+    return json.loads(lines[-1])
 
 
 def dependencies(regions, graded):
