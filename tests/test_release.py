@@ -354,7 +354,9 @@ def test_student_repository_grades_zero_then_full_marks_with_the_reference(kit, 
     clone = tmp_path / "student"
     shutil.copytree(kit[0], clone)
     subprocess.run(["git", "init", "-q"], cwd=clone, check=True)
-    results, out = _student_grade(str(clone))
+    results, out = _student_grade(str(clone))  # the stubs: every graded test fails
+    passing = [t["name"] for t in results["tests"] if t["score"]]
+    assert not passing, f"graded tests that pass against the stubs: {passing}\n{out}"
     assert results["max_score"] > 0 and results["score"] == 0, out
     for name in assignments.assignment_files(ROOT):
         shutil.copy(os.path.join(ROOT, name), clone / name)
