@@ -79,7 +79,8 @@ def count_calls(runner):
     return calls
 
 
-@pytest.mark.parametrize("variant", ["optimised", "fused", "naive"])
+@pytest.mark.parametrize("variant", ["optimised", *(pytest.param(v, marks=pytest.mark.slow)
+                                                    for v in ("fused", "naive"))])  # fmt: skip
 def test_compiled_matches_reference_float64(variant):
     reference = build(dtype=torch.float64)
     model = copy.deepcopy(reference)

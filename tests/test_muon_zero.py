@@ -405,6 +405,7 @@ def test_load_state_dict_never_drops_momentum_silently():
         fresh.load_state_dict(sd)
 
 
+@pytest.mark.slow  # a three-rank launch for one refusal: bad options refuse in the default tier
 def test_demo_never_drops_samples():
     out = run_torchrun(
         "muon_zero.py", nproc=3, args=("--steps", "1", "--batch", "25"), timeout=120, check=False
@@ -599,10 +600,15 @@ def test_demo_batch_is_linear_in_seq():
     "args, words",
     [
         (("--seq", "10000000"), "--seq 10000000"),
-        (("--steps", "0"), "--steps"),
-        (("--zero-width", "0"), "--zero-width"),
-        (("--lr", "nan"), "--lr"),
-        (("--max-grad-norm", "0"), "--max-grad-norm"),
+        *(
+            pytest.param(a, w, marks=pytest.mark.slow)
+            for a, w in [  # one launch each
+                (("--steps", "0"), "--steps"),
+                (("--zero-width", "0"), "--zero-width"),
+                (("--lr", "nan"), "--lr"),
+                (("--max-grad-norm", "0"), "--max-grad-norm"),
+            ]
+        ),
         (("--timeout", "-1"), "--timeout"),
     ],
 )

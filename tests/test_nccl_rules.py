@@ -145,17 +145,14 @@ def test_no_technique_chooses_devices_from_the_backend_name(name):
 
 
 # at 2 ranks mhc.py (sends) and cp_compress.py (sends and collectives) stay in the default tier;
-# muon_zero.py's demo runs under torchrun in its own tests, tensor_ckpt.py has no collective
+# one replay in the default tier; muon_zero.py's demo runs under torchrun in its own tests
 @pytest.mark.parametrize(
     "world_size",
     [2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)],
 )
 @pytest.mark.parametrize(
     "name",
-    [
-        pytest.param(n, marks=pytest.mark.slow) if n in ("muon_zero.py", "tensor_ckpt.py") else n
-        for n in TECHNIQUES
-    ],
+    [n if n == "cp_compress.py" else pytest.param(n, marks=pytest.mark.slow) for n in TECHNIQUES],
 )
 def test_demo_replays_under_nccl_rules(name, world_size, tmp_path):
     out = str(tmp_path / "log")

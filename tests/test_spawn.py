@@ -78,6 +78,7 @@ def test_arguments_and_results_round_trip():
     assert [o.tolist() for o in out] == [[1.0, 1.0], [11.0, 11.0], [21.0, 21.0]]
 
 
+@pytest.mark.slow  # the demos' tests run torchrun to the end in the default tier
 def test_run_torchrun_returns_output_and_surfaces_failure(tmp_path):
     good = tmp_path / "good.py"
     # one os.write per line: the ranks share a pipe, and print() may split a line into two writes
