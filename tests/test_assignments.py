@@ -725,3 +725,20 @@ def test_alternatives_check_keeps_correct_bodies_and_names_a_wrong_one(tmp_path)
     assert "DEFECT pure.ramp / a copy: the reference's own body" in out, out
     code, out = _grade("--root", repo, "--check-alternatives", "pure.double")
     assert code == 0 and "1 alternatives, 0 defects" in out, out
+
+
+def test_the_checks_import_only_what_a_splice_can_break(tmp_path):
+    """A check splices bodies into some files: the import check covers those, the files that
+    import them (directly or not) and any file it cannot read; no other file can break."""
+    files = {
+        "a.py": "import math\n",
+        "b.py": "import a\n",
+        "c.py": "from b import x\n",
+        "d.py": "import os\n",
+        "e.py": "def f(:\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    names = list(files)
+    assert grade.affected(str(tmp_path), names, {"a.py"}) == ["a.py", "b.py", "c.py", "e.py"]
+    assert grade.affected(str(tmp_path), names, {"d.py"}) == ["d.py", "e.py"]

@@ -183,6 +183,32 @@ def _module(name):
     return os.path.splitext(name)[0].replace(os.sep, ".")
 
 
+def affected(folder, names, changed):
+    """Of the assignment files ``names`` in ``folder``, those in ``changed`` and those that import
+    one of them, directly or not: the only ones a change to ``changed`` can stop importing."""
+    imports = {}
+    for name in names:
+        try:
+            with open(os.path.join(folder, name), "rb") as f:
+                tree = ast.parse(f.read())
+        except (OSError, SyntaxError, ValueError, RecursionError):
+            imports[name] = None  # unreadable here: the import check decides
+            continue
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                found.add(node.module)
+        imports[name] = found
+    out = {n for n in names if n in changed or imports[n] is None}
+    while True:
+        more = {n for n in names if n not in out and imports[n] & {_module(m) for m in out}}
+        if not more:
+            return [n for n in names if n in out]
+        out |= more
+
+
 # ---- running the graded test files ----
 
 
@@ -311,10 +337,13 @@ def run_graded(
     stop_on=None,
     names=None,
     zygote=None,
+    changed=None,
 ):
     """Stage the assignment files in ``files_dir`` and run the graded tests (or ``nodeids``),
     one pytest session per graded file. ``zygote``: one_zygote's, kept for the next run (else one
-    of its own, closed at the end). Returns a Run."""
+    of its own, closed at the end). ``changed``: the only files that differ from the reference
+    (the checks' splices): the import check skips the files that neither are one nor import one.
+    Returns a Run."""
     start = time.time()
     _protect_self()
     names = names or assignment_files(root)
@@ -338,7 +367,8 @@ def run_graded(
     else:
         shared = sandbox.shared_zygote(env["GRADE_ZYGOTE"], sandbox.preload_for(root))
     try:
-        broken = sandbox.import_check([_module(n) for n in names], IMPORT_S)
+        checked = names if changed is None else affected(where.stage, names, changed)
+        broken = sandbox.import_check([_module(n) for n in checked], IMPORT_S)
         sandbox.close()
         kill_everything(keep=(shared.proc.pid,))
         reasons = {_module(n): f"{n} could not be imported: {why}" for n, why in broken.items()}
@@ -749,9 +779,12 @@ def check_regions(root, per_test_s, overall_s, only=None):
                 bad.append(f"{qualname}: no graded test names it")
                 print(f"FAIL {qualname}: no graded test names it", flush=True)
                 continue
+            changed = files_of_regions(root, [r for r in regions if r.qualname == qualname])
             with tempfile.TemporaryDirectory() as staged:
                 write_student(staged, root, only={qualname})
-                run = run_graded(root, staged, tests, per_test_s, overall_s, True, zygote=zygote)
+                run = run_graded(
+                    root, staged, tests, per_test_s, overall_s, True, zygote=zygote, changed=changed
+                )
             seconds = run.seconds
             passing = [t for t in tests if result_of(run.results, t).passed]
             verdict = "FAIL" if passing else "ok  "
@@ -801,6 +834,12 @@ def splice(text, region, body):
     body = textwrap.indent(textwrap.dedent(body).strip("\n") + "\n", region.indent)
     lines[region.begin - 1 : region.end] = [body]
     return "".join(lines)
+
+
+def files_of_regions(root, regions):
+    """The assignment files (as assignment_files names them) that hold ``regions``."""
+    paths = {os.path.basename(f): f for f in assignment_files(root)}  # memory/...
+    return {paths.get(r.file, r.file) for r in regions}
 
 
 def stage_with(staged, root, bodies):
@@ -885,6 +924,7 @@ def check_mistakes(root, which, per_test_s, overall_s):
                     True,
                     stop_on=m.message,
                     zygote=zygote,
+                    changed=files_of_regions(root, [region]),
                 )
             results, seconds = run.results, run.seconds
             ran = [t for t in tests if t in results and results[t].ran]
@@ -970,7 +1010,8 @@ def check_alternatives(root, which, per_test_s, overall_s):
         tests = list(dict.fromkeys(t for q in chosen for t in tests_of(graded, q)))
         with tempfile.TemporaryDirectory() as staged:
             stage_with(staged, root, [(regions[q], a.body) for q, a in chosen.items()])
-            run = run_graded(root, staged, tests, per_test_s, overall_s, True)
+            changed = files_of_regions(root, [regions[q] for q in chosen])
+            run = run_graded(root, staged, tests, per_test_s, overall_s, True, changed=changed)
         failed = _failed(run, tests)
         print(
             f"pass {k + 1}: {len(chosen)} alternatives, {len(tests) - len(failed)} of "
@@ -984,7 +1025,10 @@ def check_alternatives(root, which, per_test_s, overall_s):
             if failed:  # blame: this alternative alone in the reference
                 with tempfile.TemporaryDirectory() as staged:
                     stage_with(staged, root, [(regions[q], a.body)])
-                    alone = run_graded(root, staged, own, per_test_s, overall_s, True)
+                    changed = files_of_regions(root, [regions[q]])
+                    alone = run_graded(
+                        root, staged, own, per_test_s, overall_s, True, changed=changed
+                    )
                 bad = _failed(alone, own)
             else:
                 bad = []
