@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
-from models_tensor_ckpt import MLP, MODELS, B, C, Gate, LiveBytes, T, measured_run, unmarked
+from models_tensor_ckpt import MODELS, B, Chain, Gate, LiveBytes, measured_run, unmarked
 from torch.utils.flop_counter import FlopCounterMode
 
 import tensor_ckpt as tc
@@ -49,14 +49,21 @@ def plan_summary(plan):
 
 
 # ---- forget ----
-def forget_marks():
-    """forget() run eagerly, and the forget nodes a trace of the MLP records."""
-    x = torch.randn(B, T, C, requires_grad=True)
-    marks = [n for n in tc.trace(MLP(mark=tc.forget)).graph.nodes if n.target is tc.forget]
+def forget_marks(ops, marked, state, x):
+    """forget() run eagerly, the forget nodes a trace of the Chain marked at ``marked`` records,
+    and the outputs of that Chain run eagerly and of its trace."""
+    model = Chain(ops, marked, mark=tc.forget)
+    model.load_state_dict(state)
+    gm = tc.trace(model)
+    marks = [n for n in gm.graph.nodes if n.target is tc.forget]
+    with torch.no_grad():
+        eager, traced = model(x), gm(x)
     return {
         "eager_is_x": tc.forget(x) is x,
         "marked": [[a.name if isinstance(a, fx.Node) else repr(a) for a in m.args] for m in marks],
         "ops": [m.op for m in marks],
+        "eager": eager,
+        "traced": traced,
     }
 
 
@@ -321,8 +328,7 @@ def checkpointed(name, state, x, weights, names=None):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ckpt = tc.checkpoint_tensors(model, (x.detach().requires_grad_(),), names=names)
-    out = measured_run(model, ckpt, x, weights)
-    out["recomputations"] = ckpt.recomputations
+    out = measured_run(model, ckpt, x, weights)  # its ops in backward count the recomputes
     out["plan"] = plan_summary(ckpt.plan)
     return out
 
