@@ -4,8 +4,9 @@ and torch.utils.checkpoint. Gradients are compared with torch.equal: recomputati
 same fp32 kernels on the same inputs, so anything short of bitwise equality is a bug, not rounding.
 Memory is counted here and in the probe by the same meter (the storages ops create that are still
 alive), FLOPs by FlopCounterMode, recomputes by the ops backward runs (OpCount: a forgotten
-storage's op runs again there), never by a count the checkpoint keeps. The one tolerance: data-parallel gradients against one process on
-the whole batch, where the batch sum is split differently (fp32, rtol 1e-5).
+storage's op runs again there), never by a count the checkpoint keeps. The one tolerance:
+data-parallel gradients against one process on the whole batch, where the batch sum is split
+differently (fp32, rtol 1e-5).
 
 Each region has tests that run it alone: the probe builds what the other regions would have made
 (a LiveStorage, a ForwardCall, a stand-in storage), so a wrong region fails its own tests and the
