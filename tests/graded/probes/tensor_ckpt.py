@@ -15,7 +15,16 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
-from models_tensor_ckpt import MODELS, B, Chain, Gate, LiveBytes, measured_run, unmarked
+from models_tensor_ckpt import (
+    MODELS,
+    B,
+    Chain,
+    Gate,
+    LiveBytes,
+    OpCount,
+    measured_run,
+    unmarked,
+)
 from torch.utils.flop_counter import FlopCounterMode
 
 import tensor_ckpt as tc
@@ -333,9 +342,10 @@ def checkpointed(name, state, x, weights, names=None):
     return out
 
 
-def forward_bytes(cases, x):
-    """Per model name: bytes the checkpointed forward leaves alive (output included; no backward
-    runs), what its plan says it frees, and the output. ``cases``: [(name, state)]."""
+def forward_bytes(cases, x, weights):
+    """Per model name: bytes the checkpointed forward leaves alive (output included), what its
+    plan says it frees, the output, and the ops the backward of sum(out * weights) then runs
+    (the recomputes of what was freed). ``cases``: [(name, state)]."""
     out = {}
     for name, state in cases:
         model = model_of(name, state)
@@ -347,6 +357,9 @@ def forward_bytes(cases, x):
             y = ckpt(x)
             out[name] = {"fwd_bytes": meter.now, "bytes_freed": ckpt.plan.bytes_freed}
         out[name]["out"] = y.detach().clone()
+        with OpCount() as ops:
+            torch.autograd.grad((y * weights).sum(), [*model.parameters(), x])
+        out[name]["bwd_ops"] = dict(ops.counts)
         del y
     return out
 
