@@ -22,7 +22,9 @@ the real descriptor (/proc/self/fd), writes one well-formed record and exits 0 b
 writes, or that rewrites the probe's values in memory where bind_probe's checks do not look, is
 indistinguishable from an honest worker. A value only the worker can measure (bytes alive,
 peaks, FLOPs, call counts) is therefore never graded alone: each such test also compares values
-the test process recomputes on the same call (outputs, gradients, recomputed tensors).
+the test process recomputes on the same call (outputs, gradients, recomputed tensors). Where those
+equal what plain code gives (tensor_ckpt's checkpointed model is bitwise the plain one), a record
+that imitates a correct worker's still passes: docs/grading.md says so.
 
 Messages on the socket are JSON, one per packet: "spawn" (with the two pipes' write ends) answered
 by "started" and, when the worker ends, "exited"; "kill" (every process below the zygote, and

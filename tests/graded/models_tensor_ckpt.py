@@ -3,6 +3,7 @@ them by: the tests run them unmarked as their references, the probes (in the san
 tensor_ckpt.forget as ``mark``. Plain torch: no assignment file is imported here."""
 
 import weakref
+from collections import Counter
 
 import torch
 import torch.nn as nn
@@ -109,6 +110,27 @@ class Stack(nn.Sequential):
         super().__init__(*[Block(mark) for _ in range(4)])
 
 
+CHAIN_OPS = {"gelu": F.gelu, "relu": torch.relu, "tanh": torch.tanh, "sigmoid": torch.sigmoid,
+             "sin": torch.sin, "cos": torch.cos}  # fmt: skip
+
+
+class Chain(Model):
+    """A linear layer, then elementwise ops by name (CHAIN_OPS), the outputs at ``marked`` (indices
+    into ``ops``) marked."""
+
+    def __init__(self, ops=("gelu",), marked=(0,), mark=unmarked):
+        super().__init__(mark)
+        self.fc, self.ops, self.marked = nn.Linear(C, C), tuple(ops), tuple(marked)
+
+    def forward(self, x):
+        h = self.fc(x)
+        for i, name in enumerate(self.ops):
+            h = CHAIN_OPS[name](h)
+            if i in self.marked:
+                h = self.mark(h)
+        return h
+
+
 class Gate(nn.Module):
     def forward(self, h):
         return h * 2 if h.sum() > 0 else h
@@ -158,9 +180,23 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
+class OpCount(TorchDispatchMode):
+    """How many times each op ran ("aten.gelu.default": 2): a forward op that runs again in
+    backward is a recompute, counted here rather than by the code that recomputes."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
 def measured_run(model, fn, x, weights):
     """Output, gradients (parameters, then x) of sum(out * weights), and what it cost: bytes alive
-    at the end of forward, the peaks of forward and backward, backward's matmul FLOPs."""
+    at the end of forward, the peaks of forward and backward, backward's matmul FLOPs and the ops
+    it ran (name -> count)."""
     x = x.detach().clone().requires_grad_()
     params = list(model.parameters())
     meter = LiveBytes([x, weights, *params, *model.buffers()])
@@ -168,7 +204,7 @@ def measured_run(model, fn, x, weights):
         out = fn(x)
         fwd_bytes, fwd_peak = meter.now, meter.peak
         meter.peak = meter.now
-        with FlopCounterMode(display=False) as flops:
+        with FlopCounterMode(display=False) as flops, OpCount() as ops:
             grads = torch.autograd.grad((out * weights).sum(), params + [x])
     return {
         "out": out.detach(),
@@ -177,4 +213,5 @@ def measured_run(model, fn, x, weights):
         "fwd_peak": fwd_peak,
         "bwd_peak": meter.peak,
         "bwd_flops": flops.get_total_flops(),
+        "bwd_ops": dict(ops.counts),
     }

@@ -15,7 +15,16 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
-from models_tensor_ckpt import MLP, MODELS, B, C, Gate, LiveBytes, T, measured_run, unmarked
+from models_tensor_ckpt import (
+    MODELS,
+    B,
+    Chain,
+    Gate,
+    LiveBytes,
+    OpCount,
+    measured_run,
+    unmarked,
+)
 from torch.utils.flop_counter import FlopCounterMode
 
 import tensor_ckpt as tc
@@ -49,14 +58,21 @@ def plan_summary(plan):
 
 
 # ---- forget ----
-def forget_marks():
-    """forget() run eagerly, and the forget nodes a trace of the MLP records."""
-    x = torch.randn(B, T, C, requires_grad=True)
-    marks = [n for n in tc.trace(MLP(mark=tc.forget)).graph.nodes if n.target is tc.forget]
+def forget_marks(ops, marked, state, x):
+    """forget() run eagerly, the forget nodes a trace of the Chain marked at ``marked`` records,
+    and the outputs of that Chain run eagerly and of its trace."""
+    model = Chain(ops, marked, mark=tc.forget)
+    model.load_state_dict(state)
+    gm = tc.trace(model)
+    marks = [n for n in gm.graph.nodes if n.target is tc.forget]
+    with torch.no_grad():
+        eager, traced = model(x), gm(x)
     return {
         "eager_is_x": tc.forget(x) is x,
         "marked": [[a.name if isinstance(a, fx.Node) else repr(a) for a in m.args] for m in marks],
         "ops": [m.op for m in marks],
+        "eager": eager,
+        "traced": traced,
     }
 
 
@@ -321,15 +337,15 @@ def checkpointed(name, state, x, weights, names=None):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ckpt = tc.checkpoint_tensors(model, (x.detach().requires_grad_(),), names=names)
-    out = measured_run(model, ckpt, x, weights)
-    out["recomputations"] = ckpt.recomputations
+    out = measured_run(model, ckpt, x, weights)  # its ops in backward count the recomputes
     out["plan"] = plan_summary(ckpt.plan)
     return out
 
 
-def forward_bytes(cases, x):
-    """Per model name: bytes the checkpointed forward leaves alive (output included; no backward
-    runs), what its plan says it frees, and the output. ``cases``: [(name, state)]."""
+def forward_bytes(cases, x, weights):
+    """Per model name: bytes the checkpointed forward leaves alive (output included), what its
+    plan says it frees, the output, and the ops the backward of sum(out * weights) then runs
+    (the recomputes of what was freed). ``cases``: [(name, state)]."""
     out = {}
     for name, state in cases:
         model = model_of(name, state)
@@ -341,6 +357,9 @@ def forward_bytes(cases, x):
             y = ckpt(x)
             out[name] = {"fwd_bytes": meter.now, "bytes_freed": ckpt.plan.bytes_freed}
         out[name]["out"] = y.detach().clone()
+        with OpCount() as ops:
+            torch.autograd.grad((y * weights).sum(), [*model.parameters(), x])
+        out[name]["bwd_ops"] = dict(ops.counts)
         del y
     return out
 
