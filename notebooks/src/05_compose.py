@@ -416,8 +416,6 @@ deep = {  # deeper pipelines on 8 CP ranks each, one sequence per micro-batch (1
                                      141 * GB, 450 * GB, 50 * GB, 8)
     for pp in (11, 22, 44)
 }  # fmt: skip
-print(", ".join(f"{r.name} ({r.pp * r.cp} ranks): peak {r.peak_bytes / GiB:.0f} GiB"
-                for r in deep.values()))  # fmt: skip
 
 # %%
 chosen = [best[pp] for pp in sorted(best)] + [deep[pp] for pp in sorted(deep)]
