@@ -1,6 +1,7 @@
 """The check cells' helpers (notebooks/checks.py): a verdict with its reason, never the answer."""
 
 import ast
+import functools
 import os
 import re
 import sys
@@ -159,6 +160,7 @@ FIGURE = re.compile(r"\d\.\d|\d\s*(?:%|[KMG]iB|B\b|GB|MFLOP|ms\b|s\b)")
 DRAWN = ("set_title", "suptitle", "text", "annotate", "set_xlabel", "set_ylabel", "legend")
 
 
+@functools.cache
 def _drawn(source):
     """The literal text a code cell draws into its figures (titles, labels, annotations, legend
     labels): an f-string's literal parts only, its values are not known without running it."""
