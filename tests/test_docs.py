@@ -308,6 +308,62 @@ def test_every_number_in_a_takeaway_or_a_figure_caption_carries_its_tag():
     )
 
 
+# ---- tags in the docs' prose ----
+
+# a figure in prose: a number followed by a unit or %, not a count ("4 steps") nor a setting
+# ("60 s by default"); the grader's documents state its settings (limits, timeouts, thresholds)
+UNIT_FIGURE = re.compile(
+    r"(?<![\w.§/-])(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?\s*(?:%|[KMGT]iB\b|[KMGT]B\b|Gb/s|"
+    r"bytes?\b|B\b|ms\b|µs\b|s\b|×(?!\s*\d)|[MGT]?FLOP\b|ulp\b)(?!\s*by default)"
+)
+SETTINGS = {"docs/grading.md", "docs/assignments.md", "ASSIGNMENTS.md"}
+SENTENCE_END = re.compile(r"(?<=[.!?])(?<!e\.g\.)(?<!i\.e\.)(?<!vs\.)\s+(?=[A-Z(\[*`\"])")
+
+
+def prose_sentences(text):
+    """The sentences of markdown ``text``'s paragraphs and list items: code blocks, HTML comments,
+    headings and tables (tagged per table) left out, line breaks joined."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    text = re.sub(r"<!--.*?-->", "", text, flags=re.S)
+    for block in re.split(r"\n\s*\n|\n(?=\s*(?:[-*]|\d+\.) )", text):
+        if not block.lstrip().startswith(("|", "#")):
+            yield from SENTENCE_END.split(" ".join(block.split()))
+
+
+def untagged_figures(text):
+    """Each sentence of ``text`` that states a figure with a unit or % and carries no tag."""
+    return [
+        s
+        for s in prose_sentences(text)
+        if UNIT_FIGURE.search(re.sub(r"`[^`]*`", "", s)) and not TAG.search(s)
+    ]
+
+
+def test_every_sentence_of_the_docs_that_states_a_figure_carries_its_tag():
+    """V4's figures and ours are told apart in prose as in the tables: a sentence of the README
+    or a chapter's document that states a number with a unit or % carries [PAPER], [MEASURED],
+    ... inline (the ledger says where each comes from)."""
+    untagged = []
+    for doc in DOCS:
+        if doc not in SETTINGS:
+            found = untagged_figures(markdown_of(os.path.join(ROOT, doc)))
+            untagged += [f"{doc}: {s[:160]}" for s in found]
+    assert not untagged, "figures without an evidence tag:\n" + "\n".join(untagged)
+
+
+def test_the_sentence_check_finds_an_untagged_figure_and_skips_code_tables_and_settings():
+    text = (
+        "# Title 4 MiB\n\nIt ran 1.22× its reference [MEASURED]. V4 reports 6.7%, e.g. on a GPU.\n"
+        "A count of 4 steps, a timeout of 60 s by default, `python x.py  # 9 MiB`.\n\n"
+        "| layout | 12 MiB |\n|---|---|\n\n```\nprint('5 GiB')\n```\n- Kept 49 bytes [DERIVED].\n"
+        "- Saved 3.77 MiB\nacross two lines.\n"
+    )
+    assert untagged_figures(text) == [
+        "V4 reports 6.7%, e.g. on a GPU.",
+        "- Saved 3.77 MiB across two lines.",
+    ]
+
+
 # ---- statements the docs make about the code ----
 
 

@@ -416,8 +416,6 @@ deep = {  # deeper pipelines on 8 CP ranks each, one sequence per micro-batch (1
                                      141 * GB, 450 * GB, 50 * GB, 8)
     for pp in (11, 22, 44)
 }  # fmt: skip
-print(", ".join(f"{r.name} ({r.pp * r.cp} ranks): peak {r.peak_bytes / GiB:.0f} GiB"
-                for r in deep.values()))  # fmt: skip
 
 # %%
 chosen = [best[pp] for pp in sorted(best)] + [deep[pp] for pp in sorted(deep)]
@@ -519,7 +517,11 @@ for (pp, cp, dp), run in RUNS.items():
     counted = run["ranks"][0]["sent_bytes"]
     print("rank 0 bytes per step, counted / predicted: " + ", ".join(
         f"{k} {counted[k]:,}/{predicted.sent[0][k]:,}" for k in compose_budget.SENT))  # fmt: skip
-    print(f"every link of every rank counted exactly as predicted: {exact}\n")
+    print(f"every link of every rank counted exactly as predicted: {exact}")
+    tl = TIMELINES[(pp, cp, dp)][0]
+    in_step_2 = dict.fromkeys(name for name, step, *_ in tl.phases if step == 2)
+    by_phase = [f"{name} {tl.peak(step=2, phase=name) / MiB:.2f} MiB" for name in in_step_2]
+    print("rank 0, step 2's peak by phase: " + ", ".join(by_phase) + "\n")
 
 # %%
 if RUNS:
@@ -549,7 +551,8 @@ if RUNS:
 # 1F1B phase, 11.67 MiB on rank 0 of 2 x 2 x 1. The budget predicts the saved tensors in flight and,
 # of the temporaries, only the MoE's, so the points sit slightly above the diagonal by the other
 # temporaries alive at that moment. The peak column is step 2's peak, and it falls inside the
-# pipeline phase, where the micro-batches in flight hold the most; the optimizer phase peaks lower.
+# pipeline phase, where the micro-batches in flight hold the most; the optimizer phase peaks lower
+# (the printed peaks by phase).
 # [MEASURED on this CPU; the prediction DERIVED by the budget]
 
 
