@@ -426,26 +426,39 @@ def reference_optimizers(model, train):
     ], experts
 
 
-def reference_training(cfg, dp, train, device="cpu"):
-    """K steps on one process of the whole batch (dp replicas' rows): plain mHC layers, attention
-    over the whole sequence, the MoE as written, nothing forgotten. -> (losses, parameters)."""
+def reference_model(cfg, train, device="cpu"):
+    """The reference's model (the layouts' initial weights, attention over whole sequences) and
+    its optimizers. -> (model, optimizers, experts), as reference_step takes them."""
     model = make_model(cfg, 1, train.seed).to(device, train.dtype)
     model.attend(documents(cfg).to(device))
-    opts, experts = reference_optimizers(model, train)
+    return model, *reference_optimizers(model, train)
+
+
+def reference_step(model, opts, experts, tokens):
+    """One step of the reference on tokens [rows, T + 1]: plain mHC layers, attention over the
+    whole sequence, the MoE as written, nothing forgotten; each expert's gradient handed to its
+    leaf, then torch.optim.Muon + AdamW (inside torch_muon_newton_schulz_in). -> the loss."""
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    for stack, leaves in experts.items():
+        for e, leaf in enumerate(leaves):
+            leaf.grad = stack.grad[e]
+    for opt in opts:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)  # the stacks themselves are in no optimizer
+    return loss.detach()
+
+
+def reference_training(cfg, dp, train, device="cpu"):
+    """K steps of reference_step on one process of the whole batch (dp replicas' rows).
+    -> (losses, parameters)."""
+    model, opts, experts = reference_model(cfg, train, device)
     losses = []
     with muon_zero.torch_muon_newton_schulz_in(train.ns_dtype):
         for step in range(train.steps):
             tokens = batch_tokens(cfg, cfg.batch * dp, step, train.seed).to(device)
-            loss = model(tokens[:, :-1], tokens[:, 1:])
-            loss.backward()
-            for stack, leaves in experts.items():
-                for e, leaf in enumerate(leaves):
-                    leaf.grad = stack.grad[e]
-            for opt in opts:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            model.zero_grad(set_to_none=True)  # the stacks themselves are in no optimizer
-            losses.append(loss.item())
+            losses.append(reference_step(model, opts, experts, tokens).item())
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 

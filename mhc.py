@@ -184,18 +184,41 @@ def norm_then_project_backward(grad, x, weight, projected, inv_rms):
     return torch.addcmul(scaled @ weight.T, through_rms, x, value=-1), grad_weight
 
 
-def sinkhorn_backward(logits, grad, iters=20, eps=EPS):
-    """d logits of sinkhorn_knopp given dB [..., n, n]: replay its steps, walk them back. For
-    Y = M / s, s = sum(M) + eps: dM = (dY - sum(dY Y)) / s; the softmax's: s (g - sum(g s))."""
-    soft = torch.softmax(logits, dim=-2)
-    matrix, steps = soft + eps, []
-    for dim in [-1] + [-2, -1] * (iters - 1):  # sinkhorn_knopp's order: rows, cols, rows, ...
-        sums = matrix.sum(dim, keepdim=True) + eps
+def lanes_first(t):  # [..., n, n] -> [n, n, ...] in memory, for sinkhorn_lanes_first
+    return t.movedim((-2, -1), (0, 1)).contiguous()
+
+
+def sinkhorn_lanes_first(logits, iters=20, eps=EPS, steps=None):
+    """sinkhorn_knopp's steps on logits laid out [n, n, ...]: lanes first in memory, each sum adds n
+    contiguous rows of tokens, far cheaper than an n-long run per token at small n. steps: a list
+    that receives each step's (Y, s, dim), for the backward. -> (softmax, B), both [n, n, ...]."""
+    soft = torch.softmax(logits, dim=0)
+    matrix = soft + eps
+    for dim in [1] + [0, 1] * (iters - 1):  # sinkhorn_knopp's order: rows, columns, rows, ...
+        sums = matrix.sum(dim, keepdim=True).add_(eps)
         matrix = matrix / sums
-        steps.append((matrix, sums, dim))
+        if steps is not None:
+            steps.append((matrix, sums, dim))
+    return soft, matrix
+
+
+def sinkhorn_forward(logits, iters=20, eps=EPS):
+    """sinkhorn_knopp computed lanes first: [..., n, n] -> [..., n, n], per token in memory again
+    (the post-mix reads B per token)."""
+    b = sinkhorn_lanes_first(lanes_first(logits), iters, eps)[1]
+    return b.movedim((0, 1), (-2, -1)).contiguous()
+
+
+def sinkhorn_backward(logits, grad, iters=20, eps=EPS):
+    """d logits of sinkhorn_knopp given dB [..., n, n]: replay its steps (lanes first), walk them
+    back. For Y = M / s, s = sum(M) + eps: dM = (dY - sum(dY Y)) / s; the softmax's:
+    s (g - sum(g s))."""
+    steps = []
+    soft, _ = sinkhorn_lanes_first(lanes_first(logits), iters, eps, steps)
+    grad = lanes_first(grad)
     for matrix, sums, dim in reversed(steps):
-        grad = (grad - (grad * matrix).sum(dim, keepdim=True)) / sums
-    return soft * (grad - (grad * soft).sum(-2, keepdim=True))
+        grad = (grad - (grad * matrix).sum(dim, keepdim=True)).div_(sums)
+    return (soft * (grad - (grad * soft).sum(0, keepdim=True))).movedim((0, 1), (-2, -1))
 
 
 def pre_mix(a, stream):
@@ -234,7 +257,7 @@ def mix_in(stream, params, iters):
     pre, post, res = (projected * inv_rms).split([n, n, n * n], dim=-1)
     a = torch.sigmoid(gate[0] * pre + bias_pre) + EPS
     c = 2 * torch.sigmoid(gate[1] * post + bias_post)
-    b = sinkhorn_knopp(gate[2] * res.unflatten(-1, (n, n)) + bias_res, iters)
+    b = sinkhorn_forward(gate[2] * res.unflatten(-1, (n, n)) + bias_res, iters)
     return pre_mix(a, x).to(stream.dtype), (a, b, c, projected, inv_rms)
 
 

@@ -244,22 +244,13 @@ def _compose_rank(rank, world, steps, plain):
     torch.set_num_threads(1)
     cfg, train = compose.ComposeConfig(), compose.Training(steps)
     seconds = []
-    if plain:
-        model = compose.make_model(cfg, 1, train.seed)
-        model.attend(compose.documents(cfg))
-        opts, experts = compose.reference_optimizers(model, train)
-        with muon_zero.torch_muon_newton_schulz_in(train.ns_dtype):  # compose's reference's
+    if plain:  # compose.reference_training's steps, one by one: the reference the tests prove
+        model, opts, experts = compose.reference_model(cfg, train)
+        with muon_zero.torch_muon_newton_schulz_in(train.ns_dtype):
             for step in range(steps):
                 began = time.perf_counter()
                 tokens = compose.batch_tokens(cfg, cfg.batch, step, train.seed)
-                model(tokens[:, :-1], tokens[:, 1:]).backward()
-                for stack, leaves in experts.items():
-                    for e, leaf in enumerate(leaves):
-                        leaf.grad = stack.grad[e]
-                for opt in opts:
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                model.zero_grad(set_to_none=True)
+                compose.reference_step(model, opts, experts, tokens)
                 seconds.append(time.perf_counter() - began)
         return statistics.median(seconds[1:])
 

@@ -84,7 +84,7 @@ def sinkhorn_backward(logits, grad, iters=20, eps=mhc.EPS):
 
 
 LAYOUT = {"lanes_matmul": lanes_matmul, "sinkhorn_knopp": sinkhorn_knopp,
-          "sinkhorn_backward": sinkhorn_backward}  # fmt: skip
+          "sinkhorn_forward": sinkhorn_knopp, "sinkhorn_backward": sinkhorn_backward}  # fmt: skip
 
 
 def kernel_namespace(module=mhc):
