@@ -449,7 +449,7 @@ def reference_training(cfg, dp, train, device="cpu"):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-# ---- 5. The command line: validation at the door, the demo -----------------------------------
+# ---- appendix: the command line, its validation, then the demo -----------------------------------
 
 
 def check_layout(cfg, pp, cp, dp, world):
