@@ -545,7 +545,7 @@ def pipeline_step(
     posts each receive only when needed. groups: StageLinks' (a device mesh's pipeline links)."""
     group = groups["forward"] if groups else None  # the pipeline's ranks (default: the world)
     stage, world = pipeline_rank(group)
-    check_pipeline_step(model, idx, targets, n_micro, variant, block, overlap, group)
+    agree_pipeline_step(model, idx, targets, n_micro, variant, block, overlap, group)
     # hint: forward(i) and backward(i) each receive, compute, send; then run the phases in order
     ### BEGIN SOLUTION
     first, stop = stage_layers(model.cfg.n_layers, world, stage)
@@ -699,7 +699,7 @@ def check_variant(variant, block):
         )
 
 
-def validate_pipeline_inputs(model, idx, targets, n_micro, variant, block, group):
+def check_pipeline_inputs(model, idx, targets, n_micro, variant, block, group):
     (stage, world), cfg, device = pipeline_rank(group), model.cfg, model.embed.weight.device
     got = f"got {tuple(idx.shape)} {idx.dtype} and {tuple(targets.shape)} {targets.dtype}"
     if idx.shape != targets.shape or idx.dim() != 2 or idx.shape[1] != cfg.seq_len:
@@ -717,7 +717,7 @@ def validate_pipeline_inputs(model, idx, targets, n_micro, variant, block, group
     one_f_one_b(world, stage, n_micro)
 
 
-def check_pipeline_step(model, idx, targets, n_micro, variant, block, overlap, group):
+def agree_pipeline_step(model, idx, targets, n_micro, variant, block, overlap, group):
     """This rank's validation on every step (local: shapes, dtypes), then
     launch.agree_when_changed: the stages compare when the model first runs on a group and
     whenever any stage's settings change: the config, the settings, the batch's digest and, the
@@ -725,7 +725,7 @@ def check_pipeline_step(model, idx, targets, n_micro, variant, block, overlap, g
     seed). Other steps compare only a digest of the settings: one small all-reduce."""
     error = None
     try:
-        validate_pipeline_inputs(model, idx, targets, n_micro, variant, block, group)
+        check_pipeline_inputs(model, idx, targets, n_micro, variant, block, group)
     except ValueError as e:
         error = str(e)
     settings = {
