@@ -94,7 +94,7 @@ class Training:
 # ---- 1. The model: F alternates compressed attention and a routed MoE, each inside mHC -------
 
 
-class Attention(nn.Module):
+class AttentionSublayer(nn.Module):
     """F of an even sublayer: RMSNorm -> CSA or HCA (cp_compress) -> output projection.
     [B, s, C] -> [B, s, C]. The normalised input is cheap to redo: forgotten."""
 
@@ -170,7 +170,8 @@ class ComposeModel(nn.Module):
         kinds = {0: "csa", 2: "hca"}
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.sublayers = nn.ModuleList(
-            Attention(cfg, kinds[i % 4]) if i % 2 == 0 else MoE(cfg) for i in range(cfg.n_layers)
+            AttentionSublayer(cfg, kinds[i % 4]) if i % 2 == 0 else MoE(cfg)
+            for i in range(cfg.n_layers)
         )
         self.hcs = nn.ModuleList(mhc.HyperConnection(cfg.n_hc, cfg.dim) for _ in self.sublayers)
         self.hyper_head = mhc.HyperHead(cfg.n_hc, cfg.dim)
@@ -181,7 +182,7 @@ class ComposeModel(nn.Module):
     def attend(self, cu_seqlens, group=None):
         """Every attention layer: the documents' boundaries, and the CP group (None: reference)."""
         for f in self.sublayers:
-            if isinstance(f, Attention):
+            if isinstance(f, AttentionSublayer):
                 f.core.cu_seqlens, f.core.group = cu_seqlens, group
 
     def stream_shape(self, batch):
@@ -340,7 +341,7 @@ def train_step(model, opt, tokens, cfg, layout, phase=None, step=1, allow_nonfin
         loss, stats = mhc.pipeline_step(
             model, idx, targets, cfg.n_micro, "optimised", groups=layout.pipeline
         )
-    total = compose_guard.agree(step, tokens, cfg, layout, model, loss, allow_nonfinite)
+    total = compose_guard.agreed_loss(step, tokens, cfg, layout, model, loss, allow_nonfinite)
     with phase("optimizer"):
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -462,7 +463,7 @@ def reference_training(cfg, dp, train, device="cpu"):
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-# ---- 5. The command line: validation at the door, the demo -----------------------------------
+# ---- appendix: the command line, its validation, then the demo -----------------------------------
 
 
 def check_layout(cfg, pp, cp, dp, world):

@@ -486,7 +486,7 @@ def format_budget(rows):
     )
 
 
-def check_fits(parser, args, world):
+def check_layout_fits(parser, args, world):
     """benchmarks/bench_compose.py's door: a layout whose predicted peak cannot fit this machine
     is a one-line usage error before any work (launch.check_fits)."""
     grad_sync = "bf16_sr" if args.v4 else "exact"

@@ -10,12 +10,13 @@ HCA (m' = 128) without overlap. Packed documents are compressed on their own, a 
 block dropped. So a pooling window can straddle a rank boundary, and how many entries a rank
 produces depends on where the documents start: it is not s/m.
 
-The fix, in two stages. (1) Rank i sends rank i+1 the raw rows it needs (the halo, `halo_rows`);
-every rank pools the blocks that END on it into a zero-padded buffer of s/m + 1 entries. (2) One
-all-gather of those equal buffers, then a select-and-pad (one index_select) gives the cp_size*s/m
-entries of the single-device compressed sequence. Queries stay local: what a query may see follows
-by rule from global positions (`visibility`) and, for CSA, from the indexer's top-k. The protocol
-is one function, `context_parallel_compress`. The public V4 attention (transformers) loads through
+The fix, in two phases (the report's "two stages"; in this project a stage is a pipeline stage).
+(1) Rank i sends rank i+1 the raw rows it needs (the halo, `halo_rows`); every rank pools the blocks
+that END on it into a zero-padded buffer of s/m + 1 entries. (2) One all-gather of those equal
+buffers, then a select-and-pad (one index_select) gives the cp_size*s/m entries of the single-device
+compressed sequence. Queries stay local: what a query may see follows by rule from global positions
+(`visibility`) and, for CSA, from the indexer's top-k. The protocol is one function,
+`context_parallel_compress`. The public V4 attention (transformers) loads through
 `interop.v4_attention` and agrees (tests/test_cp_v4_oracle.py), but pools across documents.
 
 Run:
@@ -114,7 +115,7 @@ def local_entry_rows(ends, doc_starts, rank, seq_per_rank, ratio, overlap):
 
 
 def compress_local(ext_kv, ext_score, ape, own_rows, prev_rows, slots):
-    """Pool this rank's entries from its halo-extended shard into a fixed buffer (stage 1).
+    """Pool this rank's entries from its halo-extended shard into a fixed buffer (phase 1).
     ext_kv, ext_score: [halo + s, sets, C]; own_rows / prev_rows from local_entry_rows (set 0 of an
     entry's own block, set 1 of the block before). -> [slots, C]: the n valid entries first, in the
     order of own_rows, zero rows after, so every rank sends an equal buffer."""
@@ -174,7 +175,7 @@ class CompressedShard:
 
 
 def context_parallel_compress(kv, gate, ape, norm, cu_seqlens, ratio, overlap, group=None):
-    """V4's two-stage protocol, on one rank: its shard of raw compressor rows -> every entry of the
+    """V4's two-phase protocol, on one rank: its shard of raw compressor rows -> every entry of the
     whole packed sequence, identical to compressing it on one device, and local visibility.
     kv, gate: [s, sets, C] this rank's raw rows and logits (rank r holds tokens [r*s, (r+1)*s));
     ape [ratio, sets, C]; norm: the compressor's RMSNorm, [n, C] -> [n, C]; cu_seqlens [D+1] of the
@@ -185,17 +186,17 @@ def context_parallel_compress(kv, gate, ape, norm, cu_seqlens, ratio, overlap, g
     rank, cp, s = dist.get_rank(group), dist.get_world_size(group), kv.shape[0]
     slots, total = s // ratio + 1, cp * s // ratio
 
-    # stage 1a, halo exchange: the previous rank's last raw rows, those the blocks ending here pool
+    # phase 1a, halo exchange: the previous rank's last raw rows, those the blocks ending here pool
     halo = halo_rows(ratio, overlap)
     raw = torch.stack([kv, gate], dim=1)  # [s, 2, sets, C]
     ext = torch.cat([halo_from_previous(raw, halo, group), raw])  # [halo + s, 2, sets, C]
 
-    # stage 1b, local compression: the blocks that END on this rank, into s/m + 1 slots
+    # phase 1b, local compression: the blocks that END on this rank, into s/m + 1 slots
     ends, doc_starts = compressed_entry_ends(cu_seqlens, ratio)
     own_rows, prev_rows = local_entry_rows(ends, doc_starts, rank, s, ratio, overlap)
     buffer = norm(compress_local(ext[:, 0], ext[:, 1], ape, own_rows, prev_rows, slots))
 
-    # stage 2: all-gather the equal-sized buffers, keep each rank's valid prefix, pad at the tail
+    # phase 2: all-gather the equal-sized buffers, keep each rank's valid prefix, pad at the tail
     counts = entries_per_rank(ends, s, cp).tolist()
     entries = select_and_pad(all_gather_entries(buffer, group), counts, total)
 
@@ -407,7 +408,7 @@ class CompressedAttention(nn.Module):
     def context_parallel(self, x, cu_seqlens, group=None):
         """Under CP: x [s, dim] is this rank's contiguous shard, cu_seqlens [D+1] the whole packed
         sequence's. -> ([s, H, D] for the local queries, Extras with global entries and counts)."""
-        check_inputs(self, x, cu_seqlens, group)  # every rank, before any data moves (appendix)
+        agree_inputs(self, x, cu_seqlens, group)  # every rank, before any data moves (appendix)
         first, cu = dist.get_rank(group) * x.shape[0], cu_seqlens.to(x.device)
         proj = self.project(x)
         shard = context_parallel_compress(
@@ -442,7 +443,7 @@ class CompressedAttention(nn.Module):
     def reference(self, x, cu_seqlens):
         """On one device: x [T, dim], cu_seqlens [D+1] -> ([T, H, D], Extras); dense masks."""
         T, D, m = x.shape[0], self.head_dim, self.ratio
-        validate_layout(T, cu_seqlens, 1, m, self.overlap, self.top_k, self.window)
+        check_packing(T, cu_seqlens, 1, m, self.overlap, self.top_k, self.window)
         proj = self.project(x)
         pooled = compress_reference(proj.kv, proj.gate, self.ape, cu_seqlens, m, self.overlap)
         entries = self.normalise(pooled)
@@ -477,8 +478,8 @@ def shard_sequence(x, cp_size, rank):
 
 
 # ==== appendix: validation and the agreement guard, then the demo =================================
-def validate_layout(seq_per_rank, cu_seqlens, cp_size, ratio, overlap, top_k, window):
-    """Raise ValueError, saying how to fix it, unless the protocol supports this layout. Local to
+def check_packing(seq_per_rank, cu_seqlens, cp_size, ratio, overlap, top_k, window):
+    """Raise ValueError, saying how to fix it, unless the protocol supports this packing. Local to
     one rank, no collective; top_k may exceed the entries (the selection pads with -1, as V4's)."""
     s, cu, ints = seq_per_rank, cu_seqlens, (torch.int64, torch.int32, torch.int16, torch.int8)
     if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2 or cu.dtype not in ints:
@@ -506,10 +507,10 @@ def validate_layout(seq_per_rank, cu_seqlens, cp_size, ratio, overlap, top_k, wi
             raise ValueError(text)
 
 
-def check_inputs(layer, x, cu_seqlens, group=None, entry="context_parallel"):
-    """Validate this rank's input on every call (local: shapes, dtypes, the layout), then
+def agree_inputs(layer, x, cu_seqlens, group=None, entry="context_parallel"):
+    """Validate this rank's input on every call (local: shapes, dtypes, the packing), then
     launch.agree_when_changed: the ranks compare when the layer first runs on a group and whenever
-    any rank's layout changes (a new packing): the settings, the layout and, the first time, each
+    any rank's packing changes: the settings, the packing and, the first time, each
     weight's digest; the verdict travels as one more field, so a refusal is reported beside the
     field that caused it, on every rank."""
     dim, error = layer.wq.shape[0], None
@@ -520,23 +521,23 @@ def check_inputs(layer, x, cu_seqlens, group=None, entry="context_parallel"):
         if x.dtype != layer.wq.dtype:
             raise ValueError(f"x must have the weights' dtype {layer.wq.dtype}, got {x.dtype}")
         sizes = (layer.ratio, layer.overlap, layer.top_k, layer.window)
-        validate_layout(x.shape[0], cu_seqlens, dist.get_world_size(group), *sizes)
+        check_packing(x.shape[0], cu_seqlens, dist.get_world_size(group), *sizes)
     except ValueError as err:
         error = str(err)
     try:  # any input, even one validation refused; one too odd to describe joins with its error
         cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens
-        layout = {"entry point": entry, "tokens per rank": x.shape[0] if x.dim() else None}
-        layout |= {"x features": tuple(x.shape[1:]), "x dtype": str(x.dtype), "cu_seqlens": cu}
+        fields = {"entry point": entry, "tokens per rank": x.shape[0] if x.dim() else None}
+        fields |= {"x features": tuple(x.shape[1:]), "x dtype": str(x.dtype), "cu_seqlens": cu}
         settings = "kind ratio window top_k heads head_dim index_heads index_dim".split()
-        layout |= {"dim": dim} | {name: getattr(layer, name) for name in settings}
+        fields |= {"dim": dim} | {name: getattr(layer, name) for name in settings}
     except Exception as err:
-        layout, error = {"entry point": entry}, error or f"unreadable input: {err!r}"
+        fields, error = {"entry point": entry}, error or f"unreadable input: {err!r}"
 
     def weights(first):  # the layer's first comparison: each weight's digest, exactly
         named = layer.named_parameters() if first else []
         return {f"weight {n}": launch.weights_digest([(n, p)]) for n, p in named}
 
-    fields = {**layout, "validation": error or "passed"}
+    fields |= {"validation": error or "passed"}
     device = layer.wq.device  # where the layer's data lives, whatever x is
     launch.agree_when_changed(layer, fields, device, None, group, "cp_compress", entry, weights)
     if error:  # the same on every rank: the fields agreed
@@ -565,15 +566,15 @@ def probe_loss(out, extras, grad_out, grad_scores):
     return loss
 
 
-def stage_bytes(layer, seq_per_rank, cp_size, rank, itemsize=4):
-    """Bytes this rank sends in each stage of context_parallel (rank r+1 receives the halos rank r
+def phase_bytes(layer, seq_per_rank, cp_size, rank, itemsize=4):
+    """Bytes this rank sends in each phase of context_parallel (rank r+1 receives the halos rank r
     sends): the halo's raw kv and gate rows, the window's K/V rows, the all-gather's buffer."""
     sets, C = (2, layer.head_dim + layer.index_dim) if layer.overlap else (1, layer.head_dim)
     sends = rank + 1 < cp_size  # the last rank sends no halo
     return {
-        "stage1_halo": sends * halo_rows(layer.ratio, layer.overlap) * 2 * sets * C * itemsize,
+        "phase1_halo": sends * halo_rows(layer.ratio, layer.overlap) * 2 * sets * C * itemsize,
         "window_halo": sends * (layer.window - 1) * layer.head_dim * itemsize,
-        "stage2_allgather": (cp_size - 1) * (seq_per_rank // layer.ratio + 1) * C * itemsize,
+        "phase2_allgather": (cp_size - 1) * (seq_per_rank // layer.ratio + 1) * C * itemsize,
     }
 
 
@@ -626,7 +627,7 @@ def demo(args, rank, cp, device):
     for name, layer in layers.items():
         m, cu = layer.ratio, packed_boundaries(cp * s, s, layer.ratio, args.seed).to(device)
         out_err, grad_err, counts = compare_with_reference(layer.to(device), x, cu)
-        sent = stage_bytes(layer, s, cp, rank, x.element_size())
+        sent = phase_bytes(layer, s, cp, rank, x.element_size())
         local = torch.tensor([*sent.values(), counts[rank], out_err, grad_err], dtype=torch.float64)
         table = [torch.empty_like(local, device=device) for _ in range(cp)]
         dist.all_gather(table, local.to(device))
@@ -668,7 +669,7 @@ def parse_args(argv=None):
     for m, overlap in ((args.m_csa, True), (args.m_hca, False)):
         cu = packed_boundaries(world * s, s, m, args.seed)
         try:  # the layers' own checks, as a usage error before any process group exists
-            validate_layout(s, cu, world, m, overlap, args.top_k, args.window)
+            check_packing(s, cu, world, m, overlap, args.top_k, args.window)
         except ValueError as err:
             parser.error(f"--seq-per-rank {s}, m={m}: {err}")
         if compressed_entry_ends(cu, m)[0].numel() == 0:  # "yes" about nothing would prove nothing

@@ -28,9 +28,9 @@ parts compute what the public V4 code does (tests/test_mhc_v4_oracle.py; interop
 import argparse
 import math
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -167,7 +167,7 @@ class HyperHead(nn.Module):
 
 
 def lanes_matmul(m, x):
-    """m [..., p, q] @ x [..., q, r], the small per-token products (compiled/ swaps in its own)."""
+    """m [..., p, q] @ x [..., q, r], the small per-token products (compiled/ re-binds its own)."""
     return m @ x
 
 
@@ -322,13 +322,29 @@ def collapse_backward(grad_out, stream, kept, params):
     return grad_x.to(stream.dtype), *(g.to(p.dtype) for g, p in zip(grads, params))
 
 
+@dataclass(frozen=True)
+class Kernels:
+    """The six kernels section 3 runs, passed to it as one object. EAGER: this file's functions;
+    compiled/mhc_compiled.py builds the same six under torch.compile (compiled_kernels)."""
+
+    mix_in: Callable
+    mix_out: Callable
+    mix_out_backward: Callable
+    mix_in_backward: Callable
+    collapse: Callable
+    collapse_backward: Callable
+
+
+EAGER = Kernels(mix_in, mix_out, mix_out_backward, mix_in_backward, collapse, collapse_backward)
+
+
 # ---- 3. selective recomputation ------------------------------------------------------------------
 
 
 class RecomputedBlock(torch.autograd.Function):
     """Run layers X_0 -> X_L keeping only X_0 [..., n, d], each F output f [..., d] and each
-    layer's coefficients (mix_in's kept). Forward: the mixing without autograd (kernels: this
-    module's, or compiled ones); each F once, with grad, on a detached leaf input, so F's graph
+    layer's coefficients (mix_in's kept). Forward: the mixing without autograd (kernels: EAGER,
+    or compiled ones); each F once, with grad, on a detached leaf input, so F's graph
     stays. Backward: rebuild X_1..X_{L-1} with the post-mix alone, then per layer: post-mix
     backward, F's kept graph (its .grad filled directly: use loss.backward()), mix_in's backward.
     head (the last block's HyperHead): return its collapse [..., d], rebuild X_L too."""
@@ -398,9 +414,8 @@ def head_params(head):  # the HyperHead's, in the order collapse and its backwar
     return (head.proj, head.gate, head.bias)
 
 
-def run_recomputed_block(stream, layers, iters=20, kernels=None, head=None):
+def run_recomputed_block(stream, layers, iters=20, kernels=EAGER, head=None):
     """[(sublayer, hc), ...] on X [..., n, d] by RecomputedBlock (-> [..., d] with a head)."""
-    kernels = kernels or sys.modules[__name__]
     for _, hc in layers:
         hc.check_stream(stream)
     if not torch.is_grad_enabled():  # nothing to keep: a plain forward
@@ -428,7 +443,7 @@ def default_recompute_block(n, n_layers):
     return max(1, round(math.sqrt(n * n_layers / (n + 2))))
 
 
-def run_recomputed_layers(stream, layers, block, iters=20, kernels=None, head=None):
+def run_recomputed_layers(stream, layers, block, iters=20, kernels=EAGER, head=None):
     """One stage's [(sublayer, hc), ...] in blocks of L_r = `block`, a head in the last one."""
     blocks = recompute_blocks(0, len(layers), block)
     for first, stop in blocks:
@@ -553,7 +568,7 @@ def pipeline_step(
     posts each receive only when needed. groups: StageLinks' (a device mesh's pipeline links)."""
     group = groups["forward"] if groups else None  # the pipeline's ranks (default: the world)
     stage, world = pipeline_rank(group)
-    check_pipeline_step(model, idx, targets, n_micro, variant, block, overlap, group)
+    agree_pipeline_step(model, idx, targets, n_micro, variant, block, overlap, group)
     # hint: forward(i) and backward(i) each receive, compute, send; then run the phases in order
     ### BEGIN SOLUTION
     first, stop = stage_layers(model.cfg.n_layers, world, stage)
@@ -628,11 +643,12 @@ class MLP(nn.Module):  # F of an MLP layer: a 4x GELU MLP, [batch, T, d] -> same
 
 class Transformer(nn.Module):
     """Pre-norm attention and MLP sublayers F, alternating. hyper: each an mHC layer, the lanes
-    made once from the embedding and collapsed once by hyper_head, as V4; else x' = x + F(x)."""
+    made once from the embedding and collapsed once by hyper_head, as V4; else x' = x + F(x).
+    kernels: what the fused and optimised variants run (EAGER, or compiled/'s)."""
 
-    def __init__(self, cfg, hyper=True):
+    def __init__(self, cfg, hyper=True, kernels=EAGER):
         super().__init__()
-        self.cfg, self.hyper = cfg, hyper
+        self.cfg, self.hyper, self.kernels = cfg, hyper, kernels
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.sublayers = nn.ModuleList(
             Attention(cfg) if i % 2 == 0 else MLP(cfg) for i in range(cfg.n_layers)
@@ -670,7 +686,7 @@ class Transformer(nn.Module):
                 stream = mhc_layer_reference(stream, sublayer, hc, cfg.sinkhorn_iters)
             return head(stream) if final else stream  # X' = B X + C F(A X), every layer
         block = 1 if variant == "fused" else block or default_recompute_block(cfg.n_hc, end - start)
-        return run_recomputed_layers(stream, layers, block, cfg.sinkhorn_iters, None, head)
+        return run_recomputed_layers(stream, layers, block, cfg.sinkhorn_iters, self.kernels, head)
 
     def head_loss(self, stream, targets):
         """The HyperHead (unless run_layers(final=True) ran it), norm, LM head, cross-entropy."""
@@ -706,7 +722,7 @@ def check_variant(variant, block):
         )
 
 
-def validate_pipeline_inputs(model, idx, targets, n_micro, variant, block, group):
+def check_pipeline_inputs(model, idx, targets, n_micro, variant, block, group):
     (stage, world), cfg, device = pipeline_rank(group), model.cfg, model.embed.weight.device
     got = f"got {tuple(idx.shape)} {idx.dtype} and {tuple(targets.shape)} {targets.dtype}"
     if idx.shape != targets.shape or idx.dim() != 2 or idx.shape[1] != cfg.seq_len:
@@ -724,7 +740,7 @@ def validate_pipeline_inputs(model, idx, targets, n_micro, variant, block, group
     one_f_one_b(world, stage, n_micro)
 
 
-def check_pipeline_step(model, idx, targets, n_micro, variant, block, overlap, group):
+def agree_pipeline_step(model, idx, targets, n_micro, variant, block, overlap, group):
     """This rank's validation on every step (local: shapes, dtypes), then
     launch.agree_when_changed: the stages compare when the model first runs on a group and
     whenever any stage's settings change: the config, the settings, the batch's digest and, the
@@ -732,7 +748,7 @@ def check_pipeline_step(model, idx, targets, n_micro, variant, block, overlap, g
     seed). Other steps compare only a digest of the settings: one small all-reduce."""
     error = None
     try:
-        validate_pipeline_inputs(model, idx, targets, n_micro, variant, block, group)
+        check_pipeline_inputs(model, idx, targets, n_micro, variant, block, group)
     except ValueError as e:
         error = str(e)
     settings = {

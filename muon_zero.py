@@ -12,7 +12,7 @@ The fix (V4 §3.4.1), in the order of this file:
   1. the optimizer math: Nesterov momentum, Newton-Schulz in BF16 on the Frobenius-normalised
      matrix, update RMS rescaling, decoupled weight decay; AdamW for embeddings, head, norms.
   2. the naive baseline (KellerJordan's muon.py): whole matrices dealt round-robin, then gathered.
-  3. V4's layout: which tensors Muon updates (`muon_param_groups`); dense matrices packed whole,
+  3. V4's placement: which tensors Muon updates (`muon_param_groups`); dense matrices packed whole,
      largest first, into `zero_width` buckets padded to the largest (a plain reduce-scatter); MoE
      experts flattened (all downs, ups, gates) into one vector split over every rank without
      cutting a matrix; same-shape neighbours form one stacked momentum and one batched
@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch.amp.grad_scaler import OptState
 
 import launch
-from guards.muon_zero_guard import check, check_group  # the checks before any collective
+from guards.muon_zero_guard import check_and_agree, check_group  # the checks before any collective
 from models.tiny_moe import TinyMoE, demo_batch  # the demo's model and data
 
 # ---- 1. The optimizer math (V4 Algorithm 1) ------------------------------------------------------
@@ -166,7 +166,7 @@ def round_robin_step(params, momenta, process_group=None, lr=0.02, weight_decay=
         dist.broadcast(p, group=process_group, group_src=i % world)
 
 
-# ---- 3. V4's layout: who owns what (pure functions: usable at V4 scale without processes) --------
+# ---- 3. V4's placement: who owns what (pure functions: usable at V4 scale without processes) -----
 
 # A param group's role: which rule updates its tensors, and how Muon cuts them into matrices.
 EXPERT_ROLES = ("expert_down", "expert_up", "expert_gate")  # V4's order of the flat expert vector
@@ -495,7 +495,7 @@ def sharded_step(
     like, means = params[0], []
     for shards in kinds:
         # 1. pack: my gradients as one zero-padded chunk per peer, chunk q = what peer q owns
-        packed = pack(shards.chunks, shards.chunk_numel, grads, like)  # [P, S]
+        packed = pack_chunks(shards.chunks, shards.chunk_numel, grads, like)  # [P, S]
         # 2. reduce-scatter: chunk q of every peer lands on peer q and is summed there (V4's MoE
         #    recipe: bf16 stochastic rounding, all-to-all, fp32 sum); then across the replicas
         summed = reduce_scatter_sum(packed, shards.group, grad_sync, generator)  # [S]
@@ -513,7 +513,8 @@ def sharded_step(
             mean_grad.mul_(scale)
     for shards, mean_grad, buffers in zip(kinds, means, momenta):
         # 4. update the matrices I own: one batched Newton-Schulz call per same-shape run
-        values = pack([shards.chunks[shards.mine]], shards.chunk_numel, params, like)[0]  # [S]
+        owned = [shards.chunks[shards.mine]]
+        values = pack_chunks(owned, shards.chunk_numel, params, like)[0]  # [S]
         for run, M in zip(shards.runs, buffers):
             span = slice(run.offset, run.offset + M.numel())
             run_settings = [settings[s.param_group] for s in run.slots]
@@ -521,12 +522,12 @@ def sharded_step(
             G, W = mean_grad[span].view_as(M), values[span].view_as(M)
             update_run(G, W, M, run_settings, active, run.batched)
         # 5. all-gather every peer's updated chunk and unpack it into the parameters, everywhere
-        unpack(all_gather_chunks(values, shards.group, shards.peers), shards.chunks, params)
+        unpack_chunks(all_gather_chunks(values, shards.group, shards.peers), shards.chunks, params)
     return scale
     ### END SOLUTION
 
 
-def pack(chunks, numel, tensors, like):
+def pack_chunks(chunks, numel, tensors, like):
     """Copy each slot's matrix from tensors[slot.param] into a zero-padded [len(chunks), numel]
     of `like`'s dtype and device."""
     out = like.new_empty(len(chunks), numel)  # zeroed only where nothing is copied
@@ -542,8 +543,8 @@ def pack(chunks, numel, tensors, like):
     return out
 
 
-def unpack(flat, chunks, tensors):
-    """The inverse of pack: flat [len(chunks), numel] back into each slot's matrix, in place."""
+def unpack_chunks(flat, chunks, tensors):
+    """The inverse of pack_chunks: flat [len(chunks), numel] back into each slot's matrix."""
     for q, slots in enumerate(chunks):
         for s in slots:
             s.of(tensors).copy_(flat[q, s.offset : s.offset + math.prod(s.shape)].view(s.shape))
@@ -684,7 +685,7 @@ class MuonZeRO(torch.optim.Optimizer):
         # the door: every local check, then one agreement collective; all ranks raise alike
         agreed = dict(zero_width=zero_width, balance=balance, grad_sync=grad_sync, betas=betas)
         agreed["max_grad_norm"] = max_grad_norm
-        check(self.param_groups, process_group, agreed, EXPERT_ROLES, plan_muon)
+        check_and_agree(self.param_groups, process_group, agreed, EXPERT_ROLES, plan_muon)
         self.device = self.params[0].device
         self.built_for = [(tuple(p.shape), p.dtype, p.device) for p in self.params]
 
@@ -936,7 +937,7 @@ def state_of(opt, gather):
         for run, M in zip(shards.runs, buffers):
             values[run.offset : run.offset + M.numel()] = M.flatten()
         whole = {s.param: torch.zeros_like(opt.params[s.param]) for c in shards.chunks for s in c}
-        unpack(all_gather_chunks(values, shards.group, shards.peers), shards.chunks, whole)
+        unpack_chunks(all_gather_chunks(values, shards.group, shards.peers), shards.chunks, whole)
         for i, momentum_buffer in whole.items():
             state[i]["momentum_buffer"] = momentum_buffer
     state.update((k, v) for k, v in opt.state.items() if not torch.is_tensor(k))  # hooks', as torch
@@ -1115,7 +1116,7 @@ def parse_args(argv=None):
     return args
 
 
-def train(args, rank, world, device):
+def demo(args, rank, world, device):
     start, per_rank = time.perf_counter(), args.batch // world
     model = TinyMoE().to(device)  # launch.setup seeded every rank alike: the same initial model
     groups = [{**g, "lr": 3e-3} if g["role"] == "adamw" else g for g in muon_param_groups(model)]
@@ -1153,4 +1154,4 @@ def train(args, rank, world, device):
 
 
 if __name__ == "__main__":
-    launch.run(train, parse_args())
+    launch.run(demo, parse_args())

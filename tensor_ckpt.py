@@ -118,31 +118,25 @@ def in_place(proxy_class):
     return type("InPlace" + proxy_class.__name__, (proxy_class,), methods)
 
 
-def trace(module, leaf_modules=(), trace_into=(), arguments=None, examples=()):
-    """Trace ``module`` into a GraphModule sharing its parameters. With ``arguments`` (which of
-    forward's arguments, fx_models.Arguments) a forward FX cannot take as it is goes through a
-    generated one; Python on shapes is traced knowing those of ``examples`` (the placeholders'
-    tensors), and ``gm.meta["shapes"]`` says the graph then holds for those shapes only."""
-    root, knows_shapes = module if arguments is None else arguments.root(), False
-    tensor_ckpt_guard.refuse_hooks_traced_into(Tracer(leaf_modules, trace_into), module)
+def trace(module, tracer=None, root=None):
+    """Trace ``module`` into a GraphModule sharing its parameters. ``tracer``: an fx.Tracer
+    (default ``Tracer()``); ``root``: what it traces in the module's place (checkpoint_tensors'
+    adapter: the module with a forward that takes one tensor per placeholder). A tracer with
+    ``knows_shapes`` set ran Python on shapes knowing the examples': ``gm.meta["shapes"]`` says
+    the graph then holds for those shapes only."""
+    tracer = tracer or Tracer()
+    tensor_ckpt_guard.refuse_hooks_traced_into(tracer, module)
     effects = tensor_ckpt_guard.SideEffects(module)  # Python's random, tensors changed unrecorded
     fastpath = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)  # attention's inference path branches on shapes
     with effects.watching():  # what the trace runs instead of recording is refused after it
         try:
-            graph = Tracer(leaf_modules, trace_into).trace(root)
-        except Exception as err:  # TraceError, or what a Proxy raises in len(), iter(), bool()...
-            if arguments is None:
-                raise fx_models.untraceable(module, err) from err
-            graph = fx_models.trace_knowing_shapes(
-                Tracer(leaf_modules, trace_into), root, module, arguments, examples
-            )
-            knows_shapes = True
+            graph = tracer.trace(module if root is None else root)
         finally:
             torch.backends.mha.set_fastpath_enabled(fastpath)
     effects.check()
     gm = fx.GraphModule(module, graph, class_name=type(module).__name__ + "Traced")
-    gm.meta["shapes"] = knows_shapes
+    gm.meta["shapes"] = getattr(tracer, "knows_shapes", False)
     return gm
 
 
@@ -710,25 +704,24 @@ class TensorCheckpoint(nn.Module):
     frozen, the autocast state, and the input shapes where the trace read them), traced on the
     first call with that key, so a stale graph never runs. Without gradients the module runs."""
 
-    def __init__(self, module, arguments, names, leaf_modules, trace_into):
+    def __init__(self, module, root, flatten, tracer, names):
         super().__init__()
         self.module, self.recomputations = module, 0  # recompute subgraphs run, over all backwards
-        self.arguments, self.names, self.plans = arguments, names, {}  # plan key -> Plan
-        self.opaque, self.knows_shapes = (leaf_modules, trace_into), False  # for trace()
+        self.root, self.flatten, self.tracer = root, flatten, tracer  # checkpoint_tensors' door
+        self.names, self.plans, self.knows_shapes = names, {}, False  # plan key -> Plan
 
     def plan_key(self, inputs):
         shapes = [(t.shape, t.dtype, t.device) for t in inputs] if self.knows_shapes else None
         hooks = tensor_ckpt_guard.hooked(self.module)  # a hook added or removed: planned anew
         return frozen_values(self.module), autocast_state(), shapes and tuple(shapes), hooks
 
-    def plan_for(self, args, kwargs):
-        """This call's plan (``self.plan``, traced now if none fits) and its traced tensors, one
-        per placeholder (fx_models: the arguments the trace took, the others as traced)."""
-        inputs = self.arguments.flatten(args, kwargs)
+    def plan_for(self, inputs):
+        """The plan (``self.plan``) for this call's traced tensors ``inputs``, one per placeholder;
+        traced now (``self.tracer(inputs)``) if none fits."""
         if (key := self.plan_key(inputs)) not in self.plans:
             buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
             try:
-                gm = trace(self.module, *self.opaque, self.arguments, inputs)
+                gm = trace(self.module, self.tracer(inputs), self.root)
                 with tensor_ckpt_guard.hooks_off(self.module):
                     infos, saved_keys = profile(gm, tuple(inputs))
             finally:  # the trace and the example run must not move BatchNorm's statistics
@@ -737,7 +730,13 @@ class TensorCheckpoint(nn.Module):
             self.knows_shapes |= gm.meta["shapes"]
             self.plans[key := self.plan_key(inputs)] = make_plan(gm, infos, saved_keys, self.names)
         self.plan = self.plans[key]
-        return self.plan, inputs
+        return self.plan
+
+    def placed(self, args, kwargs):
+        """A call's arguments as the trace's placeholders take them (``self.flatten``, the
+        adapter's, entered here once per call), and their plan."""
+        inputs = self.flatten(args, kwargs)
+        return self.plan_for(inputs), inputs
 
     gm = property(lambda self: self.plan.gm)
 
@@ -749,7 +748,7 @@ class TensorCheckpoint(nn.Module):
         return with_forward(self.module, lambda *args, **kwargs: run(args, kwargs), args, kwargs)
 
     def forgetting(self, plain, args, kwargs):  # the call, with the plan's tensors forgotten
-        lookup = TensorCheckpoint.plan_for  # Python: under torch.compile, one graph break
+        lookup = TensorCheckpoint.placed  # Python: under torch.compile, one graph break
         if torch.compiler.is_compiling():  # (so compile without fullgraph=True)
             lookup = eagerly(lookup)
         plan, inputs = lookup(self, args, kwargs)
@@ -782,11 +781,16 @@ def checkpoint_tensors(
     forgotten, or the FX nodes ``names`` (a model you cannot edit). ``leaf_modules`` run as one
     node, ``trace_into`` torch.nn classes are traced inside, ``concrete_args`` {name: value} fixes
     other arguments for every call. ``.plan`` says what happens."""
+    # the FX adapter, settled here once: the path sees a plain root, flat tensors and a tracer
     arguments = fx_models.Arguments(module, example_inputs, concrete_args)
-    ckpt = TensorCheckpoint(module, arguments, names, leaf_modules, trace_into)
-    by_name = isinstance(example_inputs, dict)
-    ckpt.plan_for(() if by_name else tuple(example_inputs), example_inputs if by_name else {})
-    eagerly(TensorCheckpoint.plan_for)  # made here, not inside a Dynamo trace, which skips it
+    tracer_class = type("Adapted" + Tracer.__name__, (fx_models.ShapeFallback, Tracer), {})
+
+    def tracer(examples):  # one tracer per trace, falling back to the examples' shapes
+        return tracer_class(leaf_modules, trace_into, arguments=arguments, examples=examples)
+
+    ckpt = TensorCheckpoint(module, arguments.root(), arguments.flatten, tracer, names)
+    ckpt.plan_for(arguments.examples)
+    eagerly(TensorCheckpoint.placed)  # made here, not inside a Dynamo trace, which skips it
     return ckpt
 
 
@@ -859,7 +863,7 @@ def compiled_forgetting(plan, inputs):
     return checkpoint(plan.tagged, *inputs, use_reentrant=False, context_fn=policy)
 
 
-# ---- 6. Reading a plan: print(model.plan) --------------------------------------------------------
+# ---- appendix: reading a plan (print(model.plan)), then the demo ---------------------------------
 def plan_table(plan):
     """The plan as a table: per forgotten storage, what is freed and what backward runs again."""
     rng_mib, held_mib = mib_text(plan.rng_bytes), mib_text(plan.held_bytes)
@@ -901,7 +905,7 @@ def mib_text(nbytes):  # MiB, or KiB below one MiB
     return f"{nbytes / 2**20:.2f} MiB" if mib else f"{nbytes / 2**10:.1f} KiB"
 
 
-# ---- 7. Demo: a transformer block stack with V4-style marks, trained data-parallel ---------------
+# ---- the demo: a transformer block stack with V4-style marks, trained data-parallel --------------
 class MarkedLayer(nn.Module):
     """Pre-norm transformer layer, marked V4-style: forget what is large and cheap, keep matmuls."""
 

@@ -1,8 +1,8 @@
 """What agreeing across ranks on every call costs compose's training step, against agreeing once.
 
-cp_compress.check_inputs used to hash every weight and run an all_gather_object on every call of
+cp_compress.agree_inputs used to hash every weight and run an all_gather_object on every call of
 context_parallel (compose calls it once per sequence row, in every attention layer, forward and
-recomputation), and mhc.check_pipeline_step ran one on every step. Both now agree when a model or
+recomputation), and mhc.agree_pipeline_step ran one on every step. Both now agree when a model or
 layer first runs on a group, or its settings change on any rank, and otherwise compare one digest
 (launch.agree_when_changed: one all_reduce of three numbers). This
 times compose's step both ways, interleaved in one run, at 1x2x1 (CP) and 2x1x1 (the pipeline):
@@ -36,11 +36,11 @@ import mhc  # noqa: E402
 @contextlib.contextmanager
 def agreeing_every_call():
     """The old path: each check forgets what was agreed, so every call compares across ranks."""
-    check_inputs, check_step = cp_compress.check_inputs, mhc.check_pipeline_step
+    agree_inputs, check_step = cp_compress.agree_inputs, mhc.agree_pipeline_step
 
-    def check_inputs_every_call(layer, *args, **kwargs):
+    def agree_inputs_every_call(layer, *args, **kwargs):
         launch._AGREED.pop(layer, None)  # weights' digests and all, as every call did
-        return check_inputs(layer, *args, **kwargs)
+        return agree_inputs(layer, *args, **kwargs)
 
     def check_step_every_step(model, *args):
         agreed = launch._AGREED.get(model, {})
@@ -48,23 +48,23 @@ def agreeing_every_call():
             agreed[key] = None
         return check_step(model, *args)
 
-    cp_compress.check_inputs, mhc.check_pipeline_step = (
-        check_inputs_every_call,
+    cp_compress.agree_inputs, mhc.agree_pipeline_step = (
+        agree_inputs_every_call,
         check_step_every_step,
     )
     try:
         yield
     finally:
-        cp_compress.check_inputs, mhc.check_pipeline_step = check_inputs, check_step
+        cp_compress.agree_inputs, mhc.agree_pipeline_step = agree_inputs, check_step
 
 
 @contextlib.contextmanager
 def measuring_checks(counts, spent):
     """Count launch.agree's calls and time the two checks, into the last entry of each list."""
-    agree, check_inputs, check_step = (
+    agree, agree_inputs, check_step = (
         launch.agree,
-        cp_compress.check_inputs,
-        mhc.check_pipeline_step,
+        cp_compress.agree_inputs,
+        mhc.agree_pipeline_step,
     )
 
     def counted(*args, **kwargs):
@@ -82,12 +82,12 @@ def measuring_checks(counts, spent):
         return call
 
     launch.agree = counted
-    cp_compress.check_inputs, mhc.check_pipeline_step = timed(check_inputs), timed(check_step)
+    cp_compress.agree_inputs, mhc.agree_pipeline_step = timed(agree_inputs), timed(check_step)
     try:
         yield
     finally:
         launch.agree = agree
-        cp_compress.check_inputs, mhc.check_pipeline_step = check_inputs, check_step
+        cp_compress.agree_inputs, mhc.agree_pipeline_step = agree_inputs, check_step
 
 
 def step_times(layout, steps, every_call):
@@ -116,8 +116,8 @@ def step_times(layout, steps, every_call):
 def demo(args, rank, world, device):
     launch.say(
         f"compose's step on {world} ranks: the slowest rank's median over {args.steps - 1} steps "
-        f"x {args.repeats} runs each way, interleaved; checks = time inside check_inputs and "
-        "check_pipeline_step"
+        f"x {args.repeats} runs each way, interleaved; checks = time inside agree_inputs and "
+        "agree_pipeline_step"
     )
     columns = ("layout", 7), ("agreements/step", 16), ("checks ms/step", 15)
     columns += ("step ms: every call", 20), ("once", 6), ("ratio", 6)

@@ -7,9 +7,9 @@
 compose.run_layout trains the layout; the first --record steps run under memory_timeline's
 recorder (this stage's parameters, gradients, optimizer state, activations; recorded steps are
 not timed), and every step's collectives are counted where they are called (count_sent_bytes).
-Before any work compose_budget.check_fits refuses a layout whose predicted peak cannot fit this
-machine; then rank 0 prints compose_budget's table of every layout of the world, runs, and prints
-measured / predicted per rank. --json writes every rank's record (and each recorded timeline
+Before any work compose_budget.check_layout_fits refuses a layout whose predicted peak cannot fit
+this machine; then rank 0 prints compose_budget's table of every layout of the world, runs, and
+prints measured / predicted per rank. --json writes every rank's record (and each recorded timeline
 beside it, for notebook 05). Every option of compose.py (--check, --save, --resume, --v4,
 --float64 ...) works here too.
 """
@@ -153,7 +153,7 @@ class StepRecorder:
 
 def parse_args(argv=None):
     """compose's options and the benchmark's, checked at the door: a --json folder that is
-    missing, and a layout whose predicted peak cannot fit (compose_budget.check_fits)."""
+    missing, and a layout whose predicted peak cannot fit (compose_budget.check_layout_fits)."""
     parser = argparse.ArgumentParser(
         description="compose.py on the layout --pp x --cp x --dp of the torchrun ranks, its "
         "memory and bytes per link measured against compose_budget's prediction."
@@ -170,7 +170,7 @@ def parse_args(argv=None):
         parser.error(f"--json {args.json}: the folder {folder} is missing or not writable")
     args.device_bytes = int(args.device_memory * 2**30)
     args.intra_bw, args.inter_bw = args.intra_bw * 1e9, args.inter_bw * 1e9  # bytes per second
-    compose_budget.check_fits(parser, args, int(os.environ.get("WORLD_SIZE", "1")))
+    compose_budget.check_layout_fits(parser, args, int(os.environ.get("WORLD_SIZE", "1")))
     return args
 
 

@@ -59,7 +59,7 @@ def allgather_baseline(layer, x, cu_seqlens, group=None):
     """The simple baseline: all-gather the raw compressor rows (and window K/V) of every token and
     compress the whole sequence on every rank; the attention is the layer's own. Same result as
     layer.context_parallel. -> ([s, H, D], Extras)."""
-    cpc.check_inputs(layer, x, cu_seqlens, group, entry="allgather_baseline")
+    cpc.agree_inputs(layer, x, cu_seqlens, group, entry="allgather_baseline")
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     s, D, m = x.shape[0], layer.head_dim, layer.ratio
@@ -84,7 +84,7 @@ def allgather_baseline(layer, x, cu_seqlens, group=None):
 def bytes_sent(layer, method, s, world, rank):
     """Bytes this rank hands to the collectives, per stage, for one step of `method`."""
     if method == "context_parallel":
-        return cpc.stage_bytes(layer, s, world, rank)
+        return cpc.phase_bytes(layer, s, world, rank)
     channels = layer.head_dim + (layer.index_dim if layer.overlap else 0)
     sets = 2 if layer.overlap else 1
     return {
@@ -154,7 +154,7 @@ def measure(rank, world, layer_name, total, device, reps=3):
     row["raw_kv_allgather"] = (
         (world - 1) * s * channels * 4
     )  # raw K/V alone: C floats a token, fp32
-    row["entries_allgather"] = row["context_parallel"]["detail"]["stage2_allgather"]
+    row["entries_allgather"] = row["context_parallel"]["detail"]["phase2_allgather"]
     return row
 
 

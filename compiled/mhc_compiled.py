@@ -17,16 +17,19 @@ fuses each into a few loops over the lanes. What is compiled, and why:
 The block's bookkeeping (keep X_0, each f and the coefficients, rebuild, walk backwards) stays in
 Python: mhc.RecomputedBlock, a few calls per layer.
 
-The kernels are mhc.py's own functions, re-bound (kernel_namespace) to three layout primitives
-Inductor fuses better: lanes_matmul as a broadcast sum (a bmm stays an external call that writes
-its output and reads it back), and Sinkhorn and its backward with the tokens on the last axis (so
-each of the 40 steps vectorises across tokens instead of looping over 4-wide rows).
+The kernels are mhc.py's own functions, copied with globals of their own (kernel_namespace; mhc's
+module is read, never changed) in which three layout primitives are ones Inductor fuses better:
+lanes_matmul as a broadcast sum (a bmm stays an external call that writes its output and reads it
+back), and Sinkhorn and its backward with the tokens on the last axis (so each of the 40 steps
+vectorises across tokens instead of looping over 4-wide rows). compiled_kernels hands them over as
+an mhc.Kernels, the object mhc.py's block and model take in place of mhc.EAGER.
 
 Settings: dynamic=False, one graph per shape (a shape change compiles again); dynamo's recompile
 limit is raised to 64 (every C, grad mode and F type is one more graph of the same code), and
 reaching it raises instead of falling back silently to eager. Timings: benchmarks/bench_mhc.py.
 """
 
+import dataclasses
 import types
 
 import torch
@@ -110,16 +113,15 @@ def compiled(fn, backend="inductor"):
     return _COMPILED[fn, backend]
 
 
-KERNELS = ("mix_in", "mix_out", "mix_out_backward", "mix_in_backward", "collapse",
-           "collapse_backward")  # fmt: skip
+KERNELS = tuple(field.name for field in dataclasses.fields(mhc.Kernels))
 _SPACE = {}
 
 
 def compiled_kernels(backend="inductor"):
-    """The re-bound KERNELS, each compiled, as the `kernels` mhc.RecomputedBlock takes (a fresh
-    namespace each call; the compiled functions and their graphs are cached)."""
+    """mhc.Kernels of the re-bound kernels, each compiled: what mhc.Transformer(kernels=...) and
+    mhc.RecomputedBlock take in place of mhc.EAGER (compiled functions and graphs are cached)."""
     space = _SPACE.setdefault("space", kernel_namespace())
-    return types.SimpleNamespace(**{name: compiled(space[name], backend) for name in KERNELS})
+    return mhc.Kernels(**{name: compiled(space[name], backend) for name in KERNELS})
 
 
 def residual_layer(x, sublayer):

@@ -1,7 +1,7 @@
 """compose's agreement at every step, before the update: one all-gather of three numbers per rank
 (the replica's batch digest, the loss, the first non-finite gradient) gives every rank the same
 verdict, so a run stops with the same one line everywhere (Refused) and no rank is left waiting.
-compose.train_step calls agree(); nothing here imports compose.
+compose.train_step calls agreed_loss(); nothing here imports compose.
 """
 
 import math
@@ -66,7 +66,7 @@ def check_step(step, gathered, cfg, layout, model, allow_nonfinite):
     return total
 
 
-def agree(step, tokens, cfg, layout, model, loss, allow_nonfinite=False):
+def agreed_loss(step, tokens, cfg, layout, model, loss, allow_nonfinite=False):
     """Every rank's (replica digest, loss or 0, first non-finite gradient), all-gathered and
     judged alike on every rank (check_step). -> the loss summed over the ranks, or Refused."""
     device = model.embed.weight.device

@@ -101,7 +101,7 @@ def agreement_fields(param_groups, settings):
     return fields
 
 
-def check(param_groups, process_group, settings, expert_roles, plan):
+def check_and_agree(param_groups, process_group, settings, expert_roles, plan):
     """Every local check on this rank, then one agreement collective: all ranks raise together.
     settings: zero_width, balance, grad_sync, max_grad_norm, betas; plan: the chapter's plan_muon,
     which checks zero_width and balance."""

@@ -6,8 +6,9 @@ the trace, and so does Python arithmetic on a shape (``(*x.shape[:-1], -1)``). `
 which arguments a trace takes and gives it a generated forward of the same class that takes their
 tensors one by one and passes ``concrete_args`` {name: value} by keyword; it takes every later call
 apart the same way, refusing one whose fixed arguments are not as they were traced.
-``trace_knowing_shapes`` traces again with proxies that answer shape, dtype and device from the
-example inputs, as HF's old tracer did: the graph then holds for inputs shaped like the examples.
+``ShapeFallback``, mixed into the tracer, traces again with proxies that answer shape, dtype and
+device from the example inputs, as HF's old tracer did: the graph then holds for inputs shaped like
+the examples.
 The refusal for code FX cannot trace lives here too.
 """
 
@@ -226,15 +227,39 @@ class KnownProxy(fx.Proxy):
         return len(value) if isinstance(value, torch.Tensor) else super().__len__()
 
 
-class _KnowsShapes:
-    """Mixed in before a tracer class: each node it creates also runs on the example values."""
+class ShapeFallback:
+    """Mixed in before a tracer class (tensor_ckpt's, at its door): ``trace(root)`` as that class
+    does, and where FX cannot take the forward as it is, once more with proxies that know the
+    shapes of ``examples`` (one tensor per placeholder), every node run on them as it is recorded
+    (no gradients, generators forked, inputs copied); ``knows_shapes`` then says so. Where both
+    fail it raises ``untraceable``'s error for ``arguments.module``."""
+
+    def __init__(self, *args, arguments, examples, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.arguments, self.examples, self.knows_shapes = arguments, examples, False
+
+    def trace(self, root, concrete_args=None):
+        try:
+            return super().trace(root, concrete_args)
+        except Exception:  # TraceError, or what a Proxy raises in len(), iter(), bool()...
+            pass
+        self.knows_shapes, self.values = True, {}  # node -> its value in the example run
+        self.interpreter = fx.Interpreter(root, graph=fx.Graph())
+        self.interpreter.env = self.values
+        self.interpreter.args_iter = iter([t.detach().clone() for t in self.examples])
+        devices = [t.device for t in self.examples if t.device.type == "cuda"]
+        with torch.random.fork_rng(devices):
+            try:
+                return super().trace(root, concrete_args)
+            except Exception as err:
+                raise untraceable(self.arguments.module, err, self.arguments) from err
 
     def proxy(self, node):
-        return KnownProxy(node, self)
+        return KnownProxy(node, self) if self.knows_shapes else super().proxy(node)
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
-        if kind != "output":
+        if self.knows_shapes and kind != "output":
             try:  # FX's patches of Module.__call__ lifted (its own private way): real modules run
                 with torch.no_grad(), fx._symbolic_trace._maybe_revert_all_patches():
                     with tensor_ckpt_guard.excused():  # a recorded node: it runs in every call
@@ -242,22 +267,6 @@ class _KnowsShapes:
             except Exception:  # a value it cannot compute stays symbolic
                 pass
         return node
-
-
-def trace_knowing_shapes(tracer, root, module, arguments, examples):
-    """A new ``tracer``'s trace of ``root``, its proxies knowing the shapes of ``examples`` (one
-    tensor per placeholder): it becomes a subclass that runs every node on the example values as
-    it records it (no gradients, generators forked, inputs copied). Raises ``untraceable``."""
-    tracer.__class__ = type("Knowing" + type(tracer).__name__, (_KnowsShapes, type(tracer)), {})
-    tracer.values, tracer.interpreter = {}, fx.Interpreter(root, graph=fx.Graph())
-    tracer.interpreter.env = tracer.values  # node -> its value in the example run
-    tracer.interpreter.args_iter = iter([t.detach().clone() for t in examples])
-    devices = [t.device for t in examples if t.device.type == "cuda"]
-    with torch.random.fork_rng(devices):
-        try:
-            return tracer.trace(root)
-        except Exception as err:
-            raise untraceable(module, err, arguments) from err
 
 
 def untraceable(module, err, arguments=None):

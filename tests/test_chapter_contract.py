@@ -28,8 +28,20 @@ def test_chapters_table_matches_the_files():
     )
 
 
+REACH_BACK = """import sys
+
+
+def run(kernels=None):
+    kernels = kernels or sys.modules[__name__]
+    return kernels.step()
+"""
+
+
 def test_the_measure_sees_a_call_back_and_a_reach_back():
     # the two breaches the contract names must show up, or the table could say 0 for anything
-    rows = {name: chapters.contract(name) for name in ("muon_zero.py", "mhc.py")}
-    assert "plan_muon" in rows["muon_zero.py"][5], "muon_zero hands plan_muon to its guard: unseen"
-    assert rows["mhc.py"][4] >= 1, "mhc reaches back through sys.modules: unseen"
+    muon = chapters.contract("muon_zero.py")
+    assert "plan_muon" in muon[5], "muon_zero hands plan_muon to its guard: unseen"
+    planted = chapters.contract("planted.py", REACH_BACK)
+    assert planted[4] == 1, f"a sys.modules reach-back went unseen: counted {planted[4]}"
+    reaching = {name: chapters.contract(name)[4] for name in chapters.CHAPTERS}
+    assert not any(reaching.values()), f"chapters reach back through sys.modules: {reaching}"

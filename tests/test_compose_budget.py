@@ -4,7 +4,7 @@ against itself.
 Parameters: the nn.Module built here from mhc and cp_compress modules, tensor by tensor. Optimizer
 state and gradient traffic: MuonZeRO itself on gloo ranks (its state_bytes and its shards' chunk
 sizes). Pipeline sends: mhc.pipeline_step's own byte counters on gloo ranks. CP traffic:
-cp_compress.stage_bytes, the chapter's count of what one layer sends. Bytes are integers, so every
+cp_compress.phase_bytes, the chapter's count of what one layer sends. Bytes are integers, so every
 comparison is exact.
 """
 
@@ -257,7 +257,7 @@ def test_pp_send_equals_what_the_pipeline_sends():
 
 
 def cp_layers(cfg, first, stop):
-    """The stage's attention layers as the chapter's modules (stage_bytes reads their sizes)."""
+    """A pipeline stage's attention layers as the chapter's modules (phase_bytes reads sizes)."""
     kinds = [compose_budget.sublayer_kind(i) for i in range(first, stop)]
     return [AttentionF(cfg, kind).core.attention for kind in kinds if kind != "moe"]
 
@@ -272,11 +272,11 @@ def test_cp_bytes_equal_the_chapters_count(cfg, pp, cp):
         first, stop = mhc.stage_layers(cfg.n_layers, pp, p)
         halo = gather = 0
         for layer in cp_layers(cfg, first, stop):
-            sent = cpc.stage_bytes(layer, s, cp, c)  # forward: to the next rank, to every peer
-            back = cpc.stage_bytes(layer, s, cp, cp - 1 - c)  # backward runs the line reversed
-            halo += sent["stage1_halo"] + sent["window_halo"]
-            halo += back["stage1_halo"] + back["window_halo"]
-            gather += 2 * sent["stage2_allgather"]  # all-gather, then its reduce-scatter
+            sent = cpc.phase_bytes(layer, s, cp, c)  # forward: to the next rank, to every peer
+            back = cpc.phase_bytes(layer, s, cp, cp - 1 - c)  # backward runs the line reversed
+            halo += sent["phase1_halo"] + sent["window_halo"]
+            halo += back["phase1_halo"] + back["window_halo"]
+            gather += 2 * sent["phase2_allgather"]  # all-gather, then its reduce-scatter
         rank = (p * cp + c) * dp
         assert row.sent[rank]["cp_halo"] == cfg.batch * halo
         assert row.sent[rank]["cp_gather"] == cfg.batch * gather

@@ -197,26 +197,26 @@ def test_shard_sequence():
         cpc.shard_sequence(x, 5, 0)
 
 
-def test_validate_layout_refuses_bad_input():
+def test_validate_packing_refuses_bad_input():
     cu = torch.tensor([0, 10, 32])
-    cpc.validate_layout(16, cu, 2, 4, True, 8, 6)  # fine
+    cpc.check_packing(16, cu, 2, 4, True, 8, 6)  # fine
     with pytest.raises(
         ValueError, match="must be a positive multiple of the compression ratio m=4"
     ):
-        cpc.validate_layout(18, torch.tensor([0, 36]), 2, 4, True, 8, 6)
+        cpc.check_packing(18, torch.tensor([0, 36]), 2, 4, True, 8, 6)
     with pytest.raises(ValueError, match="halo"):
-        cpc.validate_layout(4, torch.tensor([0, 8]), 2, 4, True, 1, 2)  # 2m-1 = 7 rows > s = 4
+        cpc.check_packing(4, torch.tensor([0, 8]), 2, 4, True, 1, 2)  # 2m-1 = 7 rows > s = 4
     with pytest.raises(ValueError, match=r"must sum to cp_size\*s = 2\*16 = 32 tokens, got 30"):
-        cpc.validate_layout(16, torch.tensor([0, 10, 30]), 2, 4, True, 8, 6)
+        cpc.check_packing(16, torch.tensor([0, 10, 30]), 2, 4, True, 8, 6)
     with pytest.raises(ValueError, match="strictly increase"):
-        cpc.validate_layout(16, torch.tensor([0, 10, 10, 32]), 2, 4, True, 8, 6)
-    cpc.validate_layout(16, cu, 2, 4, True, 512, 6)  # top_k > T/m: allowed, padded with -1
+        cpc.check_packing(16, torch.tensor([0, 10, 10, 32]), 2, 4, True, 8, 6)
+    cpc.check_packing(16, cu, 2, 4, True, 512, 6)  # top_k > T/m: allowed, padded with -1
     with pytest.raises(ValueError, match="window must be >= 1"):
-        cpc.validate_layout(16, cu, 2, 4, True, 8, 0)
+        cpc.check_packing(16, cu, 2, 4, True, 8, 0)
     with pytest.raises(ValueError, match="cu_seqlens must be a 1-D integer tensor"):
-        cpc.validate_layout(16, cu[None], 2, 4, True, 8, 6)
+        cpc.check_packing(16, cu[None], 2, 4, True, 8, 6)
     with pytest.raises(ValueError, match="sliding window"):
-        cpc.validate_layout(16, cu, 2, 4, True, 8, 20)
+        cpc.check_packing(16, cu, 2, 4, True, 8, 20)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -717,16 +717,16 @@ def _bytes_on_the_wire(rank, world_size):
         sent.update(p2p=0, all_gather=0)
         with torch.no_grad():
             layer.context_parallel(cpc.shard_sequence(x, world_size, rank), cu)
-        expected = cpc.stage_bytes(layer, S, world_size, rank)
+        expected = cpc.phase_bytes(layer, S, world_size, rank)
         results.append((dict(sent), expected))
     return results
 
 
-def test_stage_bytes_counts_what_the_forward_sends():
+def test_phase_bytes_counts_what_the_forward_sends():
     for rank_results in run_ranks(_bytes_on_the_wire, 3, timeout=60):
         for sent, expected in rank_results:
-            assert sent["p2p"] == expected["stage1_halo"] + expected["window_halo"], (
+            assert sent["p2p"] == expected["phase1_halo"] + expected["window_halo"], (
                 sent,
                 expected,
             )
-            assert sent["all_gather"] == expected["stage2_allgather"], (sent, expected)
+            assert sent["all_gather"] == expected["phase2_allgather"], (sent, expected)

@@ -115,6 +115,32 @@ def test_kernels_forward_matches_the_equations_token_by_token():
         assert (kept[i] - want).abs().max() < 1e-12, name
 
 
+def test_the_model_runs_the_kernels_it_is_given_and_eager_by_default():
+    """Transformer(kernels=...) runs that mhc.Kernels, forward and backward, every kernel; a model
+    built without it runs mhc.EAGER, and the two give the same loss (compiled/ relies on both)."""
+    calls = dict.fromkeys(mhc.Kernels.__dataclass_fields__, 0)
+
+    def counted(name, fn):
+        def call(*args):
+            calls[name] += 1
+            return fn(*args)
+
+        return call
+
+    kernels = mhc.Kernels(**{name: counted(name, getattr(mhc.EAGER, name)) for name in calls})
+    plain = build(n_layers=2)
+    given = mhc.Transformer(plain.cfg, kernels=kernels)
+    given.load_state_dict(plain.state_dict())
+    idx, tgt = batch(0)
+    loss = given(idx, tgt, variant="fused")
+    loss.backward()
+    assert all(n > 0 for n in calls.values()), f"kernels the model never ran: {calls}"
+    ran = dict(calls)
+    assert torch.equal(plain(idx, tgt, variant="fused"), loss.detach()), "given kernels: other loss"
+    assert calls == ran, "a model built without kernels= ran someone else's kernels"
+    assert plain.kernels is mhc.EAGER
+
+
 def test_initial_mixing_is_the_lane_mean_or_one_half_at_one_lane():
     """The docstrings' promise at alpha = 0: A = 1/n + eps and the head the lanes' mean (times
     1 + n eps) for n >= 2; at n = 1 a sigmoid cannot reach 1, so A = 1/2 + eps and the head

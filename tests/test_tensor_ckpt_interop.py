@@ -307,3 +307,14 @@ def test_no_file_reaches_back_into_the_chapter():
     assert not [m for m in imports("tensor_ckpt.py") if m.startswith(("benchmarks", "tests"))]
     for helper in ("guards/tensor_ckpt_guard.py", "interop/fx_models.py"):
         assert "tensor_ckpt" not in imports(helper), f"{helper} imports the chapter back"
+    # the FX adapter is settled at the door: trace and plan_for see a plain root, flat tensors
+    # and a tracer; no function of the chapter but checkpoint_tensors names fx_models
+    tree = ast.parse((root / "tensor_ckpt.py").read_text())
+    naming = {
+        f.name
+        for f in ast.walk(tree)
+        if isinstance(f, (ast.FunctionDef, ast.ClassDef))
+        for n in ast.walk(f)
+        if isinstance(n, ast.Name) and n.id == "fx_models"
+    }
+    assert naming <= {"checkpoint_tensors"}, f"the FX adapter is entered from {sorted(naming)}"

@@ -303,7 +303,7 @@ check(
     "answer_allgather_bytes",
     answer_allgather_bytes,
     number(
-        cpc.stage_bytes(hca_v4, 4096, 8, rank=0)["stage2_allgather"],
+        cpc.phase_bytes(hca_v4, 4096, 8, rank=0)["phase2_allgather"],
         unit="B",
         hint="Slots per buffer (this section's title), times numbers per slot, times 4 bytes, "
         "times the peers it goes to.",

@@ -114,7 +114,7 @@ return list(zip([0, *ends], [*ends, len(numels)]))
 like = params[0]
 averaged = []
 for sh in kinds:
-    packed = pack(sh.chunks, sh.chunk_numel, grads, like)
+    packed = pack_chunks(sh.chunks, sh.chunk_numel, grads, like)
     chunk = reduce_scatter_sum(packed, sh.group, grad_sync, generator)
     if sh.replica_group is not None:
         dist.all_reduce(chunk, group=sh.replica_group)
@@ -130,7 +130,7 @@ if max_norm is not None:
     clip = torch.clamp(max_norm / (torch.sqrt(local + replicated_sq) + 1e-6), max=1.0)
     averaged = [chunk * clip for chunk in averaged]
 for sh, chunk, buffers in zip(kinds, averaged, momenta):
-    mine = pack([sh.chunks[sh.mine]], sh.chunk_numel, params, like)[0]
+    mine = pack_chunks([sh.chunks[sh.mine]], sh.chunk_numel, params, like)[0]
     for run, M in zip(sh.runs, buffers):
         lo, hi = run.offset, run.offset + M.numel()
         update_run(
@@ -140,7 +140,7 @@ for sh, chunk, buffers in zip(kinds, averaged, momenta):
             [settings[s.param_group] for s in run.slots],
             [has_grad[s.param] for s in run.slots],
         )
-    unpack(all_gather_chunks(mine, sh.group, sh.peers), sh.chunks, params)
+    unpack_chunks(all_gather_chunks(mine, sh.group, sh.peers), sh.chunks, params)
 return clip
 ### END SOLUTION
 """,

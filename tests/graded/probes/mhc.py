@@ -90,7 +90,7 @@ def recomputed_block(stream, weight, with_head, params):
     head = model.hyper_head if with_head else None
     calls = count_f_calls(model)
     stream = stream.clone().requires_grad_()
-    out = mhc.run_recomputed_block(stream, layers, 20, None, head)
+    out = mhc.run_recomputed_block(stream, layers, 20, head=head)
     (out * weight).sum().backward()
     return {"stream": stream.grad, "grads": grads(model), "calls": calls[0]}
 
