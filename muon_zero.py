@@ -345,6 +345,16 @@ def plan_muon(dense_shapes, expert_shapes, world_size, zero_width=None, balance=
     return MuonPlan(world_size, zero_width, dense, buckets, experts, ranges, bucket, chunk)
 
 
+def plan_refusal(world_size, zero_width, balance):
+    """Why plan_muon refuses these settings (its message), or None: the guard raises it with its
+    own checks, on every rank, before any collective."""
+    try:
+        plan_muon([], [], world_size, zero_width, balance)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
 @dataclass(frozen=True)
 class Slot:
     """One Muon matrix inside a flat chunk: params[param], or expert `expert` of that stack."""
@@ -685,7 +695,8 @@ class MuonZeRO(torch.optim.Optimizer):
         # the door: every local check, then one agreement collective; all ranks raise alike
         agreed = dict(zero_width=zero_width, balance=balance, grad_sync=grad_sync, betas=betas)
         agreed["max_grad_norm"] = max_grad_norm
-        check_and_agree(self.param_groups, process_group, agreed, EXPERT_ROLES, plan_muon)
+        refused = plan_refusal(self.world_size, zero_width, balance)
+        check_and_agree(self.param_groups, process_group, agreed, EXPERT_ROLES, refused)
         self.device = self.params[0].device
         self.built_for = [(tuple(p.shape), p.dtype, p.device) for p in self.params]
 

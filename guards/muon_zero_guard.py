@@ -101,11 +101,10 @@ def agreement_fields(param_groups, settings):
     return fields
 
 
-def check_and_agree(param_groups, process_group, settings, expert_roles, plan):
+def check_and_agree(param_groups, process_group, settings, expert_roles, plan_refused):
     """Every local check on this rank, then one agreement collective: all ranks raise together.
-    settings: zero_width, balance, grad_sync, max_grad_norm, betas; plan: the chapter's plan_muon,
-    which checks zero_width and balance."""
-    world = dist.get_world_size(process_group) if process_group is not None else 1
+    settings: zero_width, balance, grad_sync, max_grad_norm, betas; plan_refused: why the
+    chapter's plan refuses zero_width and balance (its message), or None."""
     if process_group is not None and dist.get_rank(process_group) < 0:
         raise ValueError("this rank is not a member of process_group; build MuonZeRO on members")
     params = [p for g in param_groups for p in g["params"]]
@@ -121,7 +120,8 @@ def check_and_agree(param_groups, process_group, settings, expert_roles, plan):
         pair = isinstance(betas, (tuple, list)) and len(betas) == 2
         if not (pair and all(map(_coefficient, betas))):
             raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
-        plan([], [], world, settings["zero_width"], settings["balance"])
+        if plan_refused:
+            raise ValueError(plan_refused)
         for k, g in enumerate(param_groups):
             check_group(k, g, expert_roles)
         if len(devices := {str(p.device) for p in params}) > 1:

@@ -37,10 +37,24 @@ def run(kernels=None):
 """
 
 
+CALL_BACK = """from guards import muon_zero_guard
+
+
+def plan(x):
+    return x
+
+
+def build(groups):
+    muon_zero_guard.check_and_agree(groups, None, {}, (), plan)
+"""
+
+
 def test_the_measure_sees_a_call_back_and_a_reach_back():
     # the two breaches the contract names must show up, or the table could say 0 for anything
-    muon = chapters.contract("muon_zero.py")
-    assert "plan_muon" in muon[5], "muon_zero hands plan_muon to its guard: unseen"
+    planted = chapters.contract("planted.py", CALL_BACK)
+    assert planted[5] == ["plan"], f"a chapter function handed to a guard went unseen: {planted}"
+    handed = {name: chapters.contract(name)[5] for name in ("muon_zero.py", "mhc.py")}
+    assert not any(handed.values()), f"chapters hand their functions to helpers: {handed}"
     planted = chapters.contract("planted.py", REACH_BACK)
     assert planted[4] == 1, f"a sys.modules reach-back went unseen: counted {planted[4]}"
     reaching = {name: chapters.contract(name)[4] for name in chapters.CHAPTERS}
