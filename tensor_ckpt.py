@@ -411,37 +411,17 @@ def make_plan(gm, infos, saved_keys, names=None):
             return n.op in ("placeholder", "get_attr") or not infos[n].holds_tensors
         return infos[n].key not in forgotten and infos[n].key in kept_keys
 
-    roots, units, held, costly = {by_storage[key][0] for key in forgotten}, [], {}, []
-    for key, name in forgotten.items():
+    roots, units, held = {by_storage[key][0] for key in forgotten}, [], {}
+    for key in forgotten:
         root = by_storage[key][0]
         others = roots - {root}  # forgotten too: their recomputed value is read, once
         sub, frontier = recompute_subgraph(root, lambda m: is_kept(m) or m in others)
-        sub = sorted(sub, key=position.get)
-        deps, frontier = (
-            sorted((f for f in frontier if (f in roots) == dep), key=position.get)
-            for dep in (True, False)
-        )
-        for f in frontier:  # a tensor autograd would not keep: held for this recompute alone
+        unit = forgotten_unit(root, by_storage[key], sub, frontier, roots, position, infos)
+        unit.saved = key in saved_keys
+        for f in unit.frontier:  # a tensor autograd would not keep: held for this recompute alone
             if infos[f].is_tensor and infos[f].key not in saved_keys | params:
                 held[infos[f].key] = infos[f].nbytes
-        units.append(
-            ForgottenUnit(
-                name=root.name,
-                members=[n.name for n in by_storage[key] if n.target is not forget],
-                root=root,
-                nodes=sub,
-                frontier=frontier,
-                deps=deps,
-                shape=infos[root].layout[1],
-                nbytes=infos[root].nbytes,
-                saved=key in saved_keys,
-                op_flops=[(n.name, infos[n].flops) for n in sub],
-                random_nodes=[n.name for n in sub if infos[n].random],
-            )
-        )
-        if matmuls := [n for n in sub if infos[n].flops and n.name != name]:
-            ops = ", ".join(f"'{n.name}' ({flops_text(infos[n].flops)})" for n in matmuls)
-            costly.append(f"forgetting '{name}' recomputes {ops}")
+        units.append(unit)
     units.sort(key=lambda u: position[u.root])  # dependencies first
     snapshots = [
         rng_snapshot(infos[n].key[0] if infos[n].is_tensor else torch.device("cpu"))
@@ -450,14 +430,45 @@ def make_plan(gm, infos, saved_keys, names=None):
     rng_bytes = sum(s.nbytes for snap in snapshots for s in snap[:2] if s is not None)
     plan = Plan(units=units, held_bytes=sum(held.values()), rng_bytes=rng_bytes, gm=gm)
     tensor_ckpt_guard.check(plan, infos, marked)
-    for text in costly:  # allowed, but worth a line: a forget that pulls a matmul into backward
-        warnings.warn(
-            f"tensor_ckpt: {text} in every backward: its storage, or a tensor its "
-            "recompute needs, is not kept by autograd (a view of an op's output shares "
-            "that output's storage). Forget a tensor computed after it, or keep it.",
-            stacklevel=5,
-        )
+    warn_costly({infos[u.root].key: u for u in units}, forgotten, infos)
     return plan
+
+
+def forgotten_unit(root, members, sub, frontier, roots, position, infos):
+    """One forgotten storage's recompute: the subgraph ``sub`` in graph order, the frontier it
+    reads split into other forgotten roots (deps) and kept values."""
+    deps, frontier = (
+        sorted((f for f in frontier if (f in roots) == dep), key=position.get)
+        for dep in (True, False)
+    )
+    sub = sorted(sub, key=position.get)
+    return ForgottenUnit(
+        name=root.name,
+        members=[n.name for n in members if n.target is not forget],
+        root=root,
+        nodes=sub,
+        frontier=frontier,
+        deps=deps,
+        shape=infos[root].layout[1],
+        nbytes=infos[root].nbytes,
+        saved=False,
+        op_flops=[(n.name, infos[n].flops) for n in sub],
+        random_nodes=[n.name for n in sub if infos[n].random],
+    )
+
+
+def warn_costly(unit_of, forgotten, infos):
+    """Allowed, but worth a line: a forget that pulls a matmul into every backward."""
+    for key, name in forgotten.items():  # storage key -> the name marked in it
+        if matmuls := [n for n in unit_of[key].nodes if infos[n].flops and n.name != name]:
+            ops = ", ".join(f"'{n.name}' ({flops_text(infos[n].flops)})" for n in matmuls)
+            warnings.warn(
+                f"tensor_ckpt: forgetting '{name}' recomputes {ops} in every backward: its "
+                "storage, or a tensor its recompute needs, is not kept by autograd (a view of "
+                "an op's output shares that output's storage). Forget a tensor computed after "
+                "it, or keep it.",
+                stacklevel=6,
+            )
 
 
 # ---- 3. The runtime: one forward that frees as it goes, two saved-tensor hooks -------------------
