@@ -175,7 +175,7 @@ def storage_key(t):  # the memory a tensor lives in, shared by its views
     return (t.device, t.untyped_storage().data_ptr())
 
 
-def layout_of(t):  # where a tensor sits in its storage
+def geometry_of(t):  # where a tensor sits in its storage
     return (t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
 
 
@@ -242,7 +242,7 @@ class NodeInfo:
     is_tensor: bool = False
     key: tuple = None  # storage identity (tensors only)
     nbytes: int = 0  # bytes of the whole storage
-    layout: tuple = None  # (dtype, size, stride, storage_offset)
+    geometry: tuple = None  # (dtype, size, stride, storage_offset)
     flops: int = 0  # matmul / attention / conv FLOPs of this op (FlopCounterMode)
     random: bool = False  # it moved the generator, or the graph says it can draw
     mutates: tuple = ()  # storage keys it modified in place (args, module params/buffers)
@@ -292,7 +292,8 @@ def profile(gm, example_inputs):
                     n, env, changed
                 )
             if isinstance(env[n], torch.Tensor):
-                info.is_tensor, info.key, info.layout = True, storage_key(env[n]), layout_of(env[n])
+                info.is_tensor, info.key = True, storage_key(env[n])
+                info.geometry = geometry_of(env[n])
                 info.nbytes = env[n].untyped_storage().nbytes()
             else:
                 info.holds_tensors = bool(tensors_in(env[n]))
@@ -449,7 +450,7 @@ def forgotten_unit(root, members, sub, frontier, roots, position, infos):
         nodes=sub,
         frontier=frontier,
         deps=deps,
-        shape=infos[root].layout[1],
+        shape=infos[root].geometry[1],
         nbytes=infos[root].nbytes,
         saved=False,
         op_flops=[(n.name, infos[n].flops) for n in sub],
@@ -535,7 +536,7 @@ class ForwardCall:
 
     def register_root(self, live, v):
         """``v`` is a forgotten storage's first tensor: from now on saving it saves a handle."""
-        live.layout = (*layout_of(v), v.untyped_storage().nbytes())
+        live.geometry = (*geometry_of(v), v.untyped_storage().nbytes())
         self.by_key[storage_key(v)] = (weakref.ref(v.untyped_storage()), live)
         for packed in self.opening:  # saved by v's own op before we knew v was forgotten
             if self.live_storage(packed.tensor) is live:
@@ -618,7 +619,7 @@ class LiveStorage:
     unit: ForgottenUnit
     owner: nn.Module  # the TensorCheckpoint: its module runs the ops, it counts recomputations
     autocast: tuple  # (device type, enabled, dtype) of the forward, re-entered by the recompute
-    layout: tuple = None  # (dtype, shape, stride, offset, storage bytes) of the root in forward
+    geometry: tuple = None  # (dtype, shape, stride, offset, storage bytes) of the root in forward
     inputs: dict = field(default_factory=dict)  # frontier node -> value kept for the recompute
     versions: dict = field(default_factory=dict)  # frontier node -> its _version after forward
     rng: dict = field(default_factory=dict)  # random node -> rng_snapshot before it ran
@@ -636,11 +637,11 @@ class LiveStorage:
                 "wrong. Do not modify it before backward."
             )
 
-    def check_layout(self, v):  # a recompute that ran otherwise than the forward did
-        if (layout := (*layout_of(v), v.untyped_storage().nbytes())) != self.layout:
+    def check_geometry(self, v):  # a recompute that ran otherwise than the forward did
+        if (geometry := (*geometry_of(v), v.untyped_storage().nbytes())) != self.geometry:
             raise RuntimeError(
-                f"tensor_ckpt: recomputed '{self.unit.name}' has layout {layout}, forward had "
-                f"{self.layout}"
+                f"tensor_ckpt: recomputed '{self.unit.name}' has geometry {geometry}, forward had "
+                f"{self.geometry}"
             )
 
     def as_in_forward(self):  # no_grad, autocast as in forward (torch.utils.checkpoint does too)
@@ -665,7 +666,7 @@ class LiveStorage:
                     with replayed_rng(self.rng.get(n)):
                         env[n] = run_node(self.owner.module, n, env)
             self.value = env[self.unit.root]
-            self.check_layout(self.value)
+            self.check_geometry(self.value)
             self.owner.recomputations += 1
             for dep in self.deps.values():
                 dep.release()

@@ -95,7 +95,7 @@ for n in self.unit.nodes:
     with self.as_in_forward(), replayed_rng(self.rng.get(n)):
         env[n] = run_node(self.owner.module, n, env)
 value = env[self.unit.root]
-self.check_layout(value)
+self.check_geometry(value)
 self.value = value
 self.owner.recomputations += 1
 for dep in self.deps.values():

@@ -203,7 +203,7 @@ return packed
                 "    call.opening.append(packed)",
                 (
                     "    opening = next(s for s in call.storages.values() if"
-                    " s.layout is None)\n"
+                    " s.geometry is None)\n"
                     "    return packed.to_handle(opening)"
                 ),
             ),

@@ -246,7 +246,7 @@ def live_storages(model, x_name_values, specs):
     node = {n.name: n for n in gm.graph.nodes}
     owner = types.SimpleNamespace(module=model, recomputations=0)
     made = {}
-    for name, nodes, frontier, deps, uses, layout in specs:
+    for name, nodes, frontier, deps, uses, geo in specs:
         unit = tc.ForgottenUnit(
             name=name,
             members=[name],
@@ -254,13 +254,13 @@ def live_storages(model, x_name_values, specs):
             nodes=[node[n] for n in nodes],
             frontier=[node[f] for f in frontier],
             deps=[node[d] for d in deps],
-            shape=layout[1],
-            nbytes=layout[4],
+            shape=geo[1],
+            nbytes=geo[4],
             saved=True,
             op_flops=[],
             random_nodes=[],
         )
-        live = made[name] = tc.LiveStorage(unit, owner, tc.autocast_state(), layout=layout)
+        live = made[name] = tc.LiveStorage(unit, owner, tc.autocast_state(), geometry=geo)
         live.inputs = {node[f]: x_name_values[f] for f in frontier}
         live.versions = {node[f]: x_name_values[f]._version for f in frontier}
         live.deps = {node[d]: made[d] for d in deps}
@@ -268,8 +268,8 @@ def live_storages(model, x_name_values, specs):
     return made, owner, node
 
 
-def layout(t):
-    return (*tc.layout_of(t), t.untyped_storage().nbytes())
+def storage_geometry(t):
+    return (*tc.geometry_of(t), t.untyped_storage().nbytes())
 
 
 def recompute_cases(state, x):
@@ -283,7 +283,10 @@ def recompute_cases(state, x):
     made, owner, _ = live_storages(
         model,
         {"x": x},
-        [("fc1", ["fc1"], ["x"], [], 2, layout(h)), ("gelu", ["gelu"], [], ["fc1"], 1, layout(g))],
+        [
+            ("fc1", ["fc1"], ["x"], [], 2, storage_geometry(h)),
+            ("gelu", ["gelu"], [], ["fc1"], 1, storage_geometry(g)),
+        ],
     )
     fc1, gelu = made["fc1"], made["gelu"]
     rounds = []
@@ -319,7 +322,7 @@ def dropout_case(state, h, seed):
         torch.manual_seed(seed)
         d = model.drop(F.gelu(h))
     made, owner, node = live_storages(
-        model, {"fc1": h}, [("drop", ["gelu", "drop"], ["fc1"], [], 1, layout(d))]
+        model, {"fc1": h}, [("drop", ["gelu", "drop"], ["fc1"], [], 1, storage_geometry(d))]
     )
     live = made["drop"]
     torch.manual_seed(seed)
