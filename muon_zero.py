@@ -606,19 +606,20 @@ def update_run(G, W, M, settings, active, batched=True):
 
 
 def build_groups(process_group, world_size, zero_width):
-    """(shard group, replica group): ranks r // Z share a replica (the reduce-scatter peers), ranks
-    r % Z a position (the cross-replica all-reduce); only members create one (a DP subgroup)."""
+    """(shard group, replica group): ranks r // zero_width share a replica (the reduce-scatter
+    peers), ranks r % zero_width a position (the cross-replica all-reduce); only members create
+    one (a DP subgroup)."""
     if zero_width == world_size:
         return process_group, None
-    rank, Z = dist.get_rank(process_group), zero_width
+    rank = dist.get_rank(process_group)
 
     def new_group(ranks):
         members = [dist.get_global_rank(process_group, r) for r in ranks]
         return launch.new_group(members, use_local_synchronization=True)  # the launch's timeout
 
-    start = rank // Z * Z
-    shard = new_group(range(start, start + Z)) if Z > 1 else None
-    return shard, new_group(range(rank % Z, world_size, Z))
+    start = rank // zero_width * zero_width
+    shard = new_group(range(start, start + zero_width)) if zero_width > 1 else None
+    return shard, new_group(range(rank % zero_width, world_size, zero_width))
 
 
 def unscale_for(grad_scaler, opt):
@@ -712,14 +713,15 @@ class MuonZeRO(torch.optim.Optimizer):
         ]
         shapes = [s.shape for s in self.dense_matrices], [s.shape for s in self.expert_matrices]
         self.plan = plan_muon(*shapes, self.world_size, zero_width, balance)
-        self.zero_width = Z = self.plan.zero_width
-        shard_group, replica_group = build_groups(process_group, self.world_size, Z)
+        self.zero_width = zero_width = self.plan.zero_width  # None became the world size
+        shard_group, replica_group = build_groups(process_group, self.world_size, zero_width)
         self.shards = []  # the same kinds on every rank: one owning none still joins
         if self.dense_matrices:  # reduce-scatter over my replica, all-reduce across replicas
             buckets = [[self.dense_matrices[i] for i in b] for b in self.plan.dense_buckets]
-            replicas = dict(replica_group=replica_group, counted=self.rank < Z)
+            replicas = dict(replica_group=replica_group, counted=self.rank < zero_width)
             replicas.update(device_type=self.device.type)
-            self.shards.append(make_shards(buckets, self.rank % Z, shard_group, Z, **replicas))
+            mine = self.rank % zero_width
+            self.shards.append(make_shards(buckets, mine, shard_group, zero_width, **replicas))
         if self.expert_matrices:  # reduce-scatter over every rank
             pieces = [self.expert_matrices[a:b] for a, b in self.plan.expert_ranges]
             self.shards.append(
@@ -1133,8 +1135,11 @@ def demo(args, rank, world, device):
     groups = [{**g, "lr": 3e-3} if g["role"] == "adamw" else g for g in muon_param_groups(model)]
     sync = dict(zero_width=args.zero_width, grad_sync=args.grad_sync)
     opt = MuonZeRO(groups, lr=args.lr, max_grad_norm=args.max_grad_norm, **sync)
-    Z = opt.zero_width
-    launch.say(f"{world} rank(s) = {world // Z} replica(s) x zero width {Z}; the plan (elements):")
+    replicas = world // opt.zero_width
+    launch.say(
+        f"{world} rank(s) = {replicas} replica(s) x zero width {opt.zero_width}; "
+        "the plan (elements):"
+    )
     launch.say(format_plan(opt.plan))
     data = torch.Generator().manual_seed(1)
     for step in range(1, args.steps + 1):
