@@ -412,18 +412,18 @@ def make_plan(gm, infos, saved_keys, names=None):
             return n.op in ("placeholder", "get_attr") or not infos[n].holds_tensors
         return infos[n].key not in forgotten and infos[n].key in kept_keys
 
-    roots, units, held = {by_storage[key][0] for key in forgotten}, [], {}
+    roots, unit_of, held = {by_storage[key][0] for key in forgotten}, {}, {}
     for key in forgotten:
         root = by_storage[key][0]
         others = roots - {root}  # forgotten too: their recomputed value is read, once
         sub, frontier = recompute_subgraph(root, lambda m: is_kept(m) or m in others)
-        unit = forgotten_unit(root, by_storage[key], sub, frontier, roots, position, infos)
-        unit.saved = key in saved_keys
+        saved = key in saved_keys
+        unit = forgotten_unit(root, by_storage[key], sub, frontier, roots, position, infos, saved)
+        unit_of[key] = unit
         for f in unit.frontier:  # a tensor autograd would not keep: held for this recompute alone
             if infos[f].is_tensor and infos[f].key not in saved_keys | params:
                 held[infos[f].key] = infos[f].nbytes
-        units.append(unit)
-    units.sort(key=lambda u: position[u.root])  # dependencies first
+    units = sorted(unit_of.values(), key=lambda u: position[u.root])  # dependencies first
     snapshots = [
         rng_snapshot(infos[n].key[0] if infos[n].is_tensor else torch.device("cpu"))
         for n in {n for u in units for n in u.nodes if infos[n].random}
@@ -431,13 +431,13 @@ def make_plan(gm, infos, saved_keys, names=None):
     rng_bytes = sum(s.nbytes for snap in snapshots for s in snap[:2] if s is not None)
     plan = Plan(units=units, held_bytes=sum(held.values()), rng_bytes=rng_bytes, gm=gm)
     tensor_ckpt_guard.check(plan, infos, marked)
-    warn_costly({infos[u.root].key: u for u in units}, forgotten, infos)
+    warn_costly(unit_of, forgotten, infos)
     return plan
 
 
-def forgotten_unit(root, members, sub, frontier, roots, position, infos):
+def forgotten_unit(root, members, sub, frontier, roots, position, infos, saved):
     """One forgotten storage's recompute: the subgraph ``sub`` in graph order, the frontier it
-    reads split into other forgotten roots (deps) and kept values."""
+    reads split into other forgotten roots (deps) and kept values; ``saved``: autograd saves it."""
     deps, frontier = (
         sorted((f for f in frontier if (f in roots) == dep), key=position.get)
         for dep in (True, False)
@@ -452,7 +452,7 @@ def forgotten_unit(root, members, sub, frontier, roots, position, infos):
         deps=deps,
         shape=infos[root].geometry[1],
         nbytes=infos[root].nbytes,
-        saved=False,
+        saved=saved,
         op_flops=[(n.name, infos[n].flops) for n in sub],
         random_nodes=[n.name for n in sub if infos[n].random],
     )
