@@ -179,10 +179,16 @@ def graded_regions(root=ROOT):
     ]
 
 
+def assignment_paths(root=ROOT):
+    """{base name: path as assignment_files gives it}: a region names its file by base name
+    (memory_timeline.py), the tree holds memory/memory_timeline.py."""
+    return {os.path.basename(f): f for f in assignment_files(root)}
+
+
 def region_table(regions, root=ROOT):
     """What tools/regions.json holds: each region's file (and its path), name, stub line and
     message."""
-    paths = {os.path.basename(f): f for f in assignment_files(root)}
+    paths = assignment_paths(root)
     return [
         {
             "file": r.file,

@@ -51,6 +51,7 @@ from assignments import (  # noqa: E402
     ROOT,
     all_regions,
     assignment_files,
+    assignment_paths,
     graded_regions,
     support_files,
     write_student,
@@ -838,14 +839,14 @@ def splice(text, region, body):
 
 def files_of_regions(root, regions):
     """The assignment files (as assignment_files names them) that hold ``regions``."""
-    paths = {os.path.basename(f): f for f in assignment_files(root)}  # memory/...
+    paths = assignment_paths(root)
     return {paths.get(r.file, r.file) for r in regions}
 
 
 def stage_with(staged, root, bodies):
     """The reference in ``staged``, each (Region, body) pair of ``bodies`` spliced in."""
     write_student(staged, root, only=set())  # every file, every region filled
-    paths = {os.path.basename(f): f for f in assignment_files(root)}  # memory/...
+    paths = assignment_paths(root)
     by_file = defaultdict(list)
     for region, body in bodies:
         by_file[region.file].append((region, body))
@@ -970,7 +971,7 @@ def _code_lines(body):
 
 def reference_body(root, region):
     """The reference's text of ``region``, markers included."""
-    paths = {os.path.basename(f): f for f in assignment_files(root)}
+    paths = assignment_paths(root)
     with open(os.path.join(root, paths.get(region.file, region.file))) as f:
         return "".join(f.readlines()[region.begin - 1 : region.end])
 
