@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 DEFAULT_TIMEOUT_S = 60.0
 TIMEOUT_ENV = "PG_TIMEOUT_S"
+FAILED_KEY = "launch/failed"  # stop_together: the first failure, in the world's store
 STOP_GRACE_S = 5.0  # stop_together, after a timeout: no rank coming for this long ends the wait
 _AGREED = weakref.WeakKeyDictionary()  # owner -> {(group, key): digest of what its ranks agreed on}
 _NAMED_GROUPS = weakref.WeakKeyDictionary()  # the world group -> {name: a group over every rank}
@@ -101,21 +102,29 @@ def teardown():
 
 def run(demo, args):
     """setup -> demo(args, rank, world, device) -> teardown, for a file's main(). A peer that
-    stops answering times the waiting collective out: one line on stderr, exit status 1."""
+    stops answering times the waiting collective out: one line on stderr, exit status 1. A rank
+    whose links the first rank to time out closed (its abort) ends the same way."""
     rank, world, device = setup(args.backend, args.device, getattr(args, "seed", 0), args.timeout)
     try:
         demo(args, rank, world, device)
     except (RuntimeError, dist.DistError) as err:
-        if not timed_out(err):
+        first = None if isinstance(err, Stopped) else peer_failure()
+        if first is not None and not timed_out(first):
+            stop_together(err, "the run")  # a peer's own error stopped it first: say that one
+        if not timed_out(first or err):
             raise
+        # said before the wait: torchrun ends every rank once one leaves
+        print(
+            f"rank {rank}: a peer did not answer within the {timeout_seconds(args.timeout):g} "
+            f"s process-group timeout (it crashed, hangs or was stopped); set --timeout or "
+            f"${TIMEOUT_ENV} to wait longer",
+            file=sys.stderr,
+            flush=True,
+        )
         if world > 1 and not isinstance(err, Stopped):  # so that every rank can say it too
             with contextlib.suppress(Stopped):
                 stop_together(err, "the run")
-        sys.exit(
-            f"rank {rank}: a peer did not answer within the {timeout_seconds(args.timeout):g} "
-            f"s process-group timeout (it crashed, hangs or was stopped); set --timeout or "
-            f"${TIMEOUT_ENV} to wait longer"
-        )
+        sys.exit(1)
     finally:
         teardown()
 
@@ -169,6 +178,19 @@ def device_mesh(device_type, shape, names):
     return init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=override)
 
 
+def peer_failure():
+    """The first failure a rank recorded in stop_together (its text), or None: no group, or none
+    failed yet. The first rank records it before it aborts its links, so a peer whose wait failed
+    because they closed finds it here."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    store = dist.group.WORLD.get_group_store()
+    with contextlib.suppress(RuntimeError, dist.DistError):
+        if store.check([FAILED_KEY]):
+            return store.get(FAILED_KEY).decode()
+    return None
+
+
 class Stopped(RuntimeError):
     """What every rank raises after stop_together: the first failure, the same text everywhere."""
 
@@ -188,7 +210,7 @@ def stop_together(err, what):
     rank, world, timeout = dist.get_rank(), dist.get_world_size(), group_timeout().total_seconds()
     store = dist.group.WORLD.get_group_store()
     mine = f"rank {rank} raised {type(err).__name__}: {err}"
-    first = store.compare_set("launch/failed", "", mine).decode()
+    first = store.compare_set(FAILED_KEY, "", mine).decode()
     if first == mine:
         for group in list(dist.distributed_c10d._world.pg_map):  # torch lists them nowhere public
             group.abort()  # where a backend closes links on abort, peers blocked on them fail now
