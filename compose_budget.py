@@ -98,7 +98,7 @@ def gather_buffer_bytes(cfg, kind, cp):
     return (cfg.seq_len // cp // ratio + 1) * ch * FP32
 
 
-def link_bytes(cfg, where, plan, tensors, grad_sync="bf16_sr"):
+def link_bytes(cfg, where, plan, grad_sync="bf16_sr"):
     """Bytes rank `where` (a Rank) sends per training step on each link, {link: bytes}.
 
     pp_send: n_micro micro-batch streams to the next stage (forward) and as many gradients to the
@@ -110,9 +110,9 @@ def link_bytes(cfg, where, plan, tensors, grad_sync="bf16_sr"):
         reduce-scatter in backward (the same bytes).
     grad_reduce_scatter: MuonZeRO's all-to-all of the packed gradient chunks, one to each of the
         other G - 1 peers (dense buckets over the zero width, expert runs over the group), in
-        bf16 under grad_sync "bf16_sr" (fp32 under "exact"); plus AdamW's fp32 all-reduce of the
-        trained AdamW tensors, 2 (G-1)/G of their size (a ring).
-    param_all_gather: every updated fp32 chunk to the other peers.
+        bf16 under grad_sync "bf16_sr" (fp32 under "exact"); plus AdamW's chunks (its tensors
+        dealt whole over the group, ZeRO-1), always in fp32.
+    param_all_gather: every updated fp32 chunk to the other peers, AdamW's too.
     """
     # hint: count each collective from the sender's side; a pipeline end has one neighbour, CP's
     # ends one halo direction; the gradient's payload dtype follows grad_sync
@@ -135,10 +135,9 @@ def link_bytes(cfg, where, plan, tensors, grad_sync="bf16_sr"):
     grad_item = BF16 if grad_sync == "bf16_sr" else FP32
     Z = plan.zero_width
     dense, experts = plan.dense_bucket_numel, plan.expert_chunk_numel
-    adamw = sum(t.numel for t in tensors if t.role == "adamw" and t.trains)
-    sent["grad_reduce_scatter"] = ((Z - 1) * dense + (G - 1) * experts) * grad_item
-    sent["grad_reduce_scatter"] += 2 * (G - 1) * adamw * FP32 // G
-    sent["param_all_gather"] = ((Z - 1) * dense + (G - 1) * experts) * FP32
+    adamw = (G - 1) * plan.adamw_chunk_numel * FP32
+    sent["grad_reduce_scatter"] = ((Z - 1) * dense + (G - 1) * experts) * grad_item + adamw
+    sent["param_all_gather"] = ((Z - 1) * dense + (G - 1) * experts) * FP32 + adamw
     return sent
     ### END SOLUTION
 
@@ -146,12 +145,14 @@ def link_bytes(cfg, where, plan, tensors, grad_sync="bf16_sr"):
 @dataclass(frozen=True)
 class PlanSizes:
     """The sizes link_bytes reads from MuonZeRO's plan (muon_zero.MuonPlan), and the elements each
-    group rank owns (its momentum); plan_sizes reads them from plan_muon's plan."""
+    group rank owns (its momentum, its AdamW moments); plan_sizes reads them from plan_muon's."""
 
     zero_width: int
     dense_bucket_numel: int  # the largest dense bucket: every bucket is padded to it
     expert_chunk_numel: int  # the largest expert run: every run is padded to it
-    owned_numel: tuple  # per group rank: elements of the matrices it owns
+    adamw_chunk_numel: int  # the largest AdamW bucket: every bucket is padded to it
+    owned_numel: tuple = ()  # per group rank: elements of the matrices it owns
+    owned_adamw_numel: tuple = ()  # per group rank: elements of the AdamW tensors it owns
 
 
 def meta_model(cfg):
@@ -183,7 +184,8 @@ def model_tensors(cfg):
 
 def muon_plan(tensors, group_size):
     """MuonZeRO's own plan (muon_zero.plan_muon) over the ranks that hold one stage: the trained
-    dense matrices in parameter order, experts flattened as V4 does (all downs, ups, gates)."""
+    dense matrices in parameter order, experts flattened as V4 does (all downs, ups, gates), the
+    trained AdamW tensors in parameter order."""
     trained = [t for t in tensors if t.trains]
     dense = [t.shape for t in trained if t.role == "dense"]
     experts = [
@@ -193,12 +195,14 @@ def muon_plan(tensors, group_size):
         if t.role == role
         for _ in range(t.shape[0])
     ]
-    return muon_zero.plan_muon(dense, experts, group_size)
+    adamw = [t.shape for t in trained if t.role == "adamw"]
+    return muon_zero.plan_muon(dense, experts, group_size, adamw_shapes=adamw)
 
 
 def plan_sizes(plan):
-    """What link_bytes and the optimizer's bytes read from MuonZeRO's plan (PlanSizes):
-    its padded bucket and chunk, and per group rank the elements of the matrices it owns."""
+    """What link_bytes and the optimizer's bytes read from MuonZeRO's plan (PlanSizes): its
+    padded buckets and chunk, and per group rank the elements of the matrices and the AdamW
+    tensors it owns."""
     owned = []
     for rank in range(plan.world_size):
         dense, experts = plan.owned(rank)
@@ -206,9 +210,15 @@ def plan_sizes(plan):
             sum(math.prod(plan.dense_shapes[i]) for i in dense)
             + sum(math.prod(plan.expert_shapes[i]) for i in experts)
         )
-    return PlanSizes(
-        plan.zero_width, plan.dense_bucket_numel, plan.expert_chunk_numel, tuple(owned)
-    )
+    adamw = [sum(math.prod(plan.adamw_shapes[i]) for i in b) for b in plan.adamw_buckets]
+    sizes = plan.dense_bucket_numel, plan.expert_chunk_numel, plan.adamw_chunk_numel
+    return PlanSizes(plan.zero_width, *sizes, tuple(owned), tuple(adamw))
+
+
+def optimizer_bytes(plan, group_rank):
+    """MuonZeRO's fp32 state on a group rank: the momentum of its matrices, AdamW's two moments
+    of its tensors."""
+    return (plan.owned_numel[group_rank] + 2 * plan.owned_adamw_numel[group_rank]) * FP32
 
 
 def f_saved_elements(cfg, kind, cp):
@@ -404,16 +414,15 @@ def layout_budget(
         plan = plan_sizes(muon_plan(tensors, cp * dp))
         numel = sum(t.numel for t in tensors)
         trained = sum(t.numel for t in tensors if t.trains)
-        adamw_numel = sum(t.numel for t in tensors if t.trains and t.role == "adamw")
         activations = activation_bytes(cfg, Rank(p, 0, 0, pp, cp, dp), saved)
         for c in range(cp):
-            sent = link_bytes(cfg, Rank(p, c, 0, pp, cp, dp), plan, tensors, grad_sync)
+            sent = link_bytes(cfg, Rank(p, c, 0, pp, cp, dp), plan, grad_sync)
             for d in range(dp):
                 where = Rank(p, c, d, pp, cp, dp)
                 out.held[where.rank] = {
                     "parameters": numel * FP32,
                     "gradients": trained * FP32,  # every .grad, fp32, kept through the step
-                    "optimizer": (plan.owned_numel[where.group_rank] + 2 * adamw_numel) * FP32,
+                    "optimizer": optimizer_bytes(plan, where.group_rank),
                     "activations": activations,  # the same on every rank of a stage
                 }
                 out.sent[where.rank] = dict(sent)  # link_bytes does not depend on d

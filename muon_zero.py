@@ -19,7 +19,8 @@ The fix (V4 §3.4.1), in the order of this file:
      Newton-Schulz call.
   4. the sharded step, `sharded_step`: pack -> reduce-scatter (bf16 stochastic rounding,
      all-to-all, fp32 sum) -> clip the averaged gradient -> update owned matrices -> all-gather;
-     then `MuonZeRO`, the torch.optim.Optimizer around it.
+     then `MuonZeRO`, the torch.optim.Optimizer around it, which shards AdamW's tensors as
+     ZeRO-1 does (element-wise, so exact), dealt whole so that each keeps its moments on one rank.
 Below the fence: checkpoints (a rank's share, the gathered whole, torch.distributed.checkpoint at
 any world size) and the demo.
 
@@ -38,7 +39,7 @@ import os
 import time
 from collections import namedtuple
 from copy import deepcopy
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from itertools import accumulate, groupby
 
 import torch
@@ -308,6 +309,19 @@ def split_experts(numels, world_size):
     ### END SOLUTION
 
 
+def deal_whole(numels, peers):
+    """AdamW's tensors, whole, to `peers` buckets.  numels: list -> list of index lists.
+
+    Largest first, each to the lightest bucket: ZeRO-1 for AdamW, cut at tensor boundaries so
+    that each tensor's moments live whole on one rank (a state dict keeps them per tensor)."""
+    buckets, load = [[] for _ in range(peers)], [0] * peers
+    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        q = min(range(peers), key=lambda k: (load[k], k))
+        buckets[q].append(i)
+        load[q] += numels[i]
+    return [sorted(b) for b in buckets]
+
+
 @dataclass
 class MuonPlan:
     """Who owns what. Rank r sits at position r % zero_width of replica r // zero_width; it owns
@@ -321,15 +335,25 @@ class MuonPlan:
     expert_ranges: list  # world_size (start, end) runs of expert indices
     dense_bucket_numel: int = 0  # the largest bucket: every bucket is padded to it
     expert_chunk_numel: int = 0  # the largest run: every run is padded to it
+    adamw_shapes: list = field(default_factory=list)  # AdamW's tensors, in parameter order
+    adamw_buckets: list = field(default_factory=list)  # world_size lists of AdamW indices
+    adamw_chunk_numel: int = 0  # the largest AdamW bucket: every one is padded to it
 
     def owned(self, rank):
         """(dense indices, expert indices) whose Muon update `rank` computes."""
         a, b = self.expert_ranges[rank] if self.expert_shapes else (0, 0)
         return self.dense_buckets[rank % self.zero_width], list(range(a, b))
 
+    def owned_adamw(self, rank):
+        """AdamW indices whose moments `rank` holds and whose update it computes."""
+        return self.adamw_buckets[rank]
 
-def plan_muon(dense_shapes, expert_shapes, world_size, zero_width=None, balance="both"):
-    """Build the ownership plan.  dense_shapes, expert_shapes: [(n, m)]; experts in flat order."""
+
+def plan_muon(
+    dense_shapes, expert_shapes, world_size, zero_width=None, balance="both", adamw_shapes=()
+):
+    """Build the ownership plan.  dense_shapes, expert_shapes: [(n, m)]; experts in flat order;
+    adamw_shapes: AdamW's tensors, any shape, dealt whole over every rank."""
     zero_width = world_size if zero_width is None else zero_width
     if not isinstance(zero_width, int) or zero_width < 1 or world_size % zero_width:
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
@@ -342,7 +366,11 @@ def plan_muon(dense_shapes, expert_shapes, world_size, zero_width=None, balance=
     ranges = split_experts([math.prod(s) for s in experts], world_size)
     bucket = max((sum(math.prod(dense[i]) for i in b) for b in buckets), default=0)
     chunk = max((sum(map(math.prod, experts[a:b])) for a, b in ranges), default=0)
-    return MuonPlan(world_size, zero_width, dense, buckets, experts, ranges, bucket, chunk)
+    adamw = [tuple(s) for s in adamw_shapes]
+    dealt = deal_whole([math.prod(s) for s in adamw], world_size)
+    adamw_chunk = max((sum(math.prod(adamw[i]) for i in b) for b in dealt), default=0)
+    plan = MuonPlan(world_size, zero_width, dense, buckets, experts, ranges, bucket, chunk)
+    return replace(plan, adamw_shapes=adamw, adamw_buckets=dealt, adamw_chunk_numel=adamw_chunk)
 
 
 def plan_refusal(world_size, zero_width, balance):
@@ -416,11 +444,16 @@ MuonSettings = namedtuple(
 )
 
 
+def back_to_back(slot_lists):
+    """Each list's slots back to back from offset 0 (their offsets set)."""
+    offsets = [accumulate((math.prod(s.shape) for s in c), initial=0) for c in slot_lists]
+    return [[replace(s, offset=o) for s, o in zip(c, at)] for c, at in zip(slot_lists, offsets)]
+
+
 def make_shards(matrix_lists, mine, process_group, peers, device_type="cpu", **kw):
     """Each peer's matrices back to back from offset 0; my chunk's same-shape neighbours: Runs,
     batched or not as batch_newton_schulz decides for `device_type`."""
-    offsets = [accumulate((math.prod(s.shape) for s in c), initial=0) for c in matrix_lists]
-    chunks = [[replace(s, offset=o) for s, o in zip(c, at)] for c, at in zip(matrix_lists, offsets)]
+    chunks = back_to_back(matrix_lists)
     same_shape = [list(slots) for _, slots in groupby(chunks[mine], key=lambda s: s.shape)]
     runs = [
         Run(
@@ -497,8 +530,8 @@ def sharded_step(
     world_size: ranks of process_group, whose gradients are averaged; grad_sync: "bf16_sr" rounds
     what is sent with `generator`'s noise, else it travels exact; max_norm: clip the averaged
     gradient to this norm over the whole model (None: don't); replicated_sq: squared norm of the
-    gradients every rank holds whole (AdamW's). Returns the clip factor (1 without clipping), for
-    the AdamW gradients. Buffers take the parameters' dtype.
+    gradients outside these kinds (AdamW's), the same on every rank. Returns the clip factor (1
+    without clipping), for the AdamW gradients. Buffers take the parameters' dtype.
     """
     # hint: per kind: pack, reduce_scatter_sum (+ replicas), mean; clip; update_run per run; gather
     ### BEGIN SOLUTION
@@ -711,8 +744,12 @@ class MuonZeRO(torch.optim.Optimizer):
             for i, p, k in self._params_of((role,))
             for e in range(p.size(0))
         ]
+        self.adamw_tensors = [
+            Slot(i, None, k, tuple(p.shape)) for i, p, k in self._params_of(("adamw",))
+        ]
         shapes = [s.shape for s in self.dense_matrices], [s.shape for s in self.expert_matrices]
-        self.plan = plan_muon(*shapes, self.world_size, zero_width, balance)
+        adamw_shapes = [s.shape for s in self.adamw_tensors]
+        self.plan = plan_muon(*shapes, self.world_size, zero_width, balance, adamw_shapes)
         self.zero_width = zero_width = self.plan.zero_width  # None became the world size
         shard_group, replica_group = build_groups(process_group, self.world_size, zero_width)
         self.shards = []  # the same kinds on every rank: one owning none still joins
@@ -727,6 +764,11 @@ class MuonZeRO(torch.optim.Optimizer):
             self.shards.append(
                 make_shards(pieces, self.rank, process_group, self.world_size, self.device.type)
             )
+        # AdamW's tensors, whole, over every rank (ZeRO-1): no runs, an element-wise update
+        dealt = back_to_back([[self.adamw_tensors[i] for i in b] for b in self.plan.adamw_buckets])
+        self.adamw_shards = Shards(
+            dealt, self.plan.adamw_chunk_numel, self.rank, [], process_group, self.world_size
+        )
         self.momenta = None  # per kind, a stacked buffer per run; created in the first step
         self.steps = 0
 
@@ -788,19 +830,21 @@ class MuonZeRO(torch.optim.Optimizer):
             return loss
         if self.momenta is None:
             self._new_momenta()
-        # AdamW is element-wise, so plain data parallelism is exact: one all-reduce, all step
-        adamw = [(p, k) for i, p, k in self._params_of(("adamw",)) if has_grad[i]]
-        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p, _ in adamw]
-        flat = torch.cat([self.params[0].new_zeros(0), *(g.flatten() for g in grads)])
-        if self.world_size > 1 and adamw:
-            dist.all_reduce(flat, group=self.process_group)
-        flat /= self.world_size
+        # AdamW is element-wise, so ZeRO-1 is exact: reduce-scatter, update mine, all-gather
+        adamw, like = self.adamw_shards, self.params[0]
+        mean = like.new_zeros(0)  # my chunk of AdamW's averaged gradient
+        if self.adamw_tensors:
+            packed = pack_chunks(adamw.chunks, adamw.chunk_numel, grads, like)  # [W, S]
+            mean = reduce_scatter_sum(packed, adamw.group, "exact", None).div_(self.world_size)
+        adamw_sq = mean.square().sum()  # my share of the clip norm; the others hold the rest
+        if self.max_grad_norm is not None and self.world_size > 1:
+            dist.all_reduce(adamw_sq, group=self.process_group)
         settings = [MuonSettings(*(g[k] for k in MuonSettings._fields)) for g in self.param_groups]
         noise = torch.Generator(self.device)
         noise.manual_seed(rounding_seed(self.seed, self.rank, self.steps))
         scale = sharded_step(
             self.shards,
-            [p.grad for p in self.params],
+            grads,
             [p.detach() for p in self.params],
             self.momenta,
             settings,
@@ -809,21 +853,30 @@ class MuonZeRO(torch.optim.Optimizer):
             grad_sync=self.grad_sync,
             generator=noise,
             max_norm=self.max_grad_norm,
-            replicated_sq=flat.square().sum(),
+            replicated_sq=adamw_sq,
             process_group=self.process_group,
         )
-        for (p, k), grad in zip(adamw, flat.mul_(scale).split([p.numel() for p, _ in adamw])):
-            g, state = self.param_groups[k], self.state[p]
-            if not state:
-                state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
-            state["step"] += 1
-            hyper = dict(lr=g["lr"], betas=(g["momentum"], g["beta2"]), eps=g["eps"])
-            moments = state["exp_avg"], state["exp_avg_sq"], state["step"]
-            adamw_update(
-                p.detach(), grad.view_as(p), *moments, weight_decay=g["weight_decay"], **hyper
-            )
+        if self.adamw_tensors:
+            params = [p.detach() for p in self.params]
+            values = pack_chunks([adamw.chunks[adamw.mine]], adamw.chunk_numel, params, like)[0]
+            for s in (s for s in adamw.chunks[adamw.mine] if has_grad[s.param]):
+                span = slice(s.offset, s.offset + math.prod(s.shape))
+                self._adamw_update(s, values[span].view(s.shape), mean[span].view(s.shape) * scale)
+            unpack_chunks(all_gather_chunks(values, adamw.group, adamw.peers), adamw.chunks, params)
         self.steps += 1
         return loss
+
+    def _adamw_update(self, slot, param, grad):
+        """One AdamW step of an AdamW tensor I own, in place; its moments created on its first."""
+        g, state = self.param_groups[slot.param_group], self.state[self.params[slot.param]]
+        if not state:
+            state.update(
+                step=0, exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param)
+            )
+        state["step"] += 1
+        hyper = dict(lr=g["lr"], betas=(g["momentum"], g["beta2"]), eps=g["eps"])
+        moments = state["exp_avg"], state["exp_avg_sq"], state["step"]
+        adamw_update(param, grad, *moments, weight_decay=g["weight_decay"], **hyper)
 
     def _new_momenta(self):
         """Zero momentum: a stacked buffer [count, n, m] per run of mine. self.state shows each
@@ -834,7 +887,7 @@ class MuonZeRO(torch.optim.Optimizer):
             [self.params[0].new_zeros(len(r.slots), *r.shape) for r in shards.runs]
             for shards in self.shards
         ]
-        for _, p, _ in self._params_of(("dense", *EXPERT_ROLES)):
+        for _, p, _ in self._params_of(ROLES):
             self.state.setdefault(p, {})
         for shards, buffers in zip(self.shards, self.momenta):
             for run, M in zip(shards.runs, buffers):
@@ -900,6 +953,7 @@ class MuonZeRO(torch.optim.Optimizer):
             )
         state = {k: v for k, v in self.__dict__.items() if not k.startswith("_optimizer_")}
         state["shards"] = [replace(s, group=None, replica_group=None) for s in self.shards]
+        state["adamw_shards"] = replace(self.adamw_shards, group=None)
         return dict(state, process_group=None)
 
     def __setstate__(self, state):
@@ -912,11 +966,12 @@ class MuonZeRO(torch.optim.Optimizer):
                     M.copy_(saved)
 
     def _process_groups(self):
-        groups = [self.process_group] + [g for s in self.shards for g in (s.group, s.replica_group)]
+        shards = [*self.shards, self.adamw_shards]
+        groups = [self.process_group] + [g for s in shards for g in (s.group, s.replica_group)]
         return [g for g in groups if g is not None]
 
     def local_state_tensors(self):
-        """The state tensors this rank holds: its stacked Muon momenta and the AdamW moments."""
+        """The state tensors this rank holds: its stacked Muon momenta and its AdamW moments."""
         states = [s for s in self.state.values() if isinstance(s, dict)]  # not a hook's extras
         moments = [s[k] for s in states for k in ("exp_avg", "exp_avg_sq") if k in s]
         return [M for buffers in self.momenta or [] for M in buffers] + moments
@@ -927,14 +982,14 @@ class MuonZeRO(torch.optim.Optimizer):
 
 # ==== appendix: checkpoints, then the demo (TinyMoE, models/tiny_moe.py) ==========================
 #
-# A state dict, by parameter index: AdamW's {"step", "exp_avg", "exp_avg_sq"}, whole on every rank;
+# A state dict, by parameter index: AdamW's {"step", "exp_avg", "exp_avg_sq"}, whole, on its owner;
 # Muon's {"momentum_buffer"}: a matrix's momentum, or an expert stack's, whole [E, n, m] when
 # gathered, else {expert: [n, m]} for the experts this rank owns; {} for what a rank lacks. Each
 # param group carries "steps", the rounding noise's counter. torch.distributed.checkpoint needs
 # nothing more: get_optimizer_state_dict(model, opt) names each rank's share by parameter names,
-# dcp.save writes each key once, from a rank holding it (a matrix's owner; replicas and AdamW's
-# copies deduplicated), and at any world size and zero width the new owners' template, filled by
-# dcp.load key by key, goes to set_optimizer_state_dict: whole matrices move to their new owners.
+# dcp.save writes each key once, from a rank holding it (a tensor's owner; replicas deduplicated),
+# and at any world size and zero width the new owners' template, filled by dcp.load key by key,
+# goes to set_optimizer_state_dict: whole tensors move to their new owners.
 
 
 def state_of(opt, gather):
@@ -953,6 +1008,8 @@ def state_of(opt, gather):
         unpack_chunks(all_gather_chunks(values, shards.group, shards.peers), shards.chunks, whole)
         for i, momentum_buffer in whole.items():
             state[i]["momentum_buffer"] = momentum_buffer
+    if gather and opt.adamw_tensors:
+        gather_adamw(opt, state)
     state.update((k, v) for k, v in opt.state.items() if not torch.is_tensor(k))  # hooks', as torch
     groups, start, number = [], 0, {}
     keys = dict.fromkeys(sorted({k for g in opt.param_groups for k in g}))  # None: not this role's
@@ -963,6 +1020,29 @@ def state_of(opt, gather):
         groups.append({**keys, **g, "params": params, "steps": opt.steps})
         start += len(g["params"])
     return {"state": state, "param_groups": groups}
+
+
+def gather_adamw(opt, state):
+    """Every AdamW tensor's step and moments, whole, into `state` (a collective): the owners'
+    chunks all-gathered, their steps summed (each tensor has one owner; 0: never stepped)."""
+    shards, like = opt.adamw_shards, opt.params[0]
+    mine = shards.chunks[shards.mine]
+    held = [opt.state.get(p, {}) for p in opt.params]
+    steps = torch.zeros(len(opt.adamw_tensors), dtype=torch.int64, device=like.device)
+    for j, s in enumerate(opt.adamw_tensors):
+        steps[j] = int(held[s.param].get("step", 0))  # 0 where another rank owns it
+    if opt.world_size > 1:
+        dist.all_reduce(steps, group=opt.process_group)
+    whole = {}
+    for key in ("exp_avg", "exp_avg_sq"):
+        values = pack_chunks([mine], shards.chunk_numel, [h.get(key) for h in held], like)[0]
+        whole[key] = {s.param: torch.zeros_like(opt.params[s.param]) for s in opt.adamw_tensors}
+        unpack_chunks(
+            all_gather_chunks(values, shards.group, shards.peers), shards.chunks, whole[key]
+        )
+    for j, s in enumerate(opt.adamw_tensors):
+        if steps[j]:
+            state[s.param] = {"step": int(steps[j]), **{k: whole[k][s.param] for k in whole}}
 
 
 def _as_group_value(key, value):
@@ -1037,8 +1117,9 @@ def load_state(opt, state_dict):
     opt.steps = max((g.get("steps", 0) for g in saved), default=0)
     opt.state.clear()
     opt.state.update(extras)
+    mine = {s.param for s in opt.adamw_shards.chunks[opt.adamw_shards.mine]}
     for i, p in enumerate(opt.params):
-        if "exp_avg" in state.get(i, {}):
+        if i in mine and "exp_avg" in state.get(i, {}):  # another rank's AdamW: its owner loads
             opt.state[p] = {
                 k: v if k == "step" else torch.as_tensor(v).to(p).clone()
                 for k, v in state[i].items()

@@ -37,7 +37,7 @@ import muon_zero as mz  # noqa: E402
 def v4_flash_inventory(layers=range(43), hidden=4096, heads=64, head_dim=512, q_rank=1024,
                        o_groups=8, o_rank=1024, index_heads=64, index_dim=128, experts=256,
                        expert_dim=2048, hash_layers=3, n_hc=4):  # fmt: skip
-    """Muon matrices of a DeepSeek-V4-Flash-like model.  -> (dense, experts, adamw numel).
+    """Muon matrices of a DeepSeek-V4-Flash-like model.  -> (dense, experts, AdamW numels).
 
     Shapes are [out, in] as stored. Choices where the config does not pin a shape down (ours):
     - the grouped output projection wo_a is one stored matrix [groups·o_rank, heads·head_dim/g];
@@ -68,7 +68,7 @@ def v4_flash_inventory(layers=range(43), hidden=4096, heads=64, head_dim=512, q_
         dense += [(2 * n_hc + n_hc * n_hc, n_hc * hidden)] * 2  # mHC projections
     down = [(hidden, expert_dim)] * (len(layers) * experts)
     up = gate = [(expert_dim, hidden)] * (len(layers) * experts)
-    adamw = 2 * 129280 * hidden + len(layers) * (4 * hidden) + hidden  # embed, head, norms
+    adamw = [129280 * hidden] * 2 + [hidden] * (4 * len(layers) + 1)  # embed, head, norms
     return dense, down + up + gate, adamw
 
 
@@ -171,12 +171,14 @@ PLAN_HEADERS = ["dp", "cap", "replicas", "by NS cost", "by elements", "by both (
 
 def bench_plan():
     dense, experts, adamw = v4_flash_inventory()
+    adamw_numel = sum(adamw)
     dense_numel = sum(n * m for n, m in dense)
     expert_numel = sum(n * m for n, m in experts)
     largest = max(n * m for n, m in dense) / 1e6
     print(f"V4-Flash-like inventory: {len(dense)} dense matrices ({dense_numel / 1e9:.2f} B "
           f"elements, {len(set(dense))} distinct shapes, largest {largest:.1f} M), {len(experts)} "
-          f"expert matrices ({expert_numel / 1e9:.1f} B), AdamW {adamw / 1e9:.2f} B")  # fmt: skip
+          f"expert matrices ({expert_numel / 1e9:.1f} B), "
+          f"AdamW {adamw_numel / 1e9:.2f} B")  # fmt: skip
     print("\nTable 1. Ownership plan for the whole model (no pipeline parallelism). 'cap' is the "
           "ZeRO width;\ndp/cap replica groups repeat the dense updates. Each packing cell: max "
           "dense matrices per rank /\npadding of the dense buckets (padded to the largest) / "
@@ -197,12 +199,21 @@ def bench_plan():
         per_rank = max(
             r["numel"] + r["dense_padding"] + r["expert_padding"] for r in rank_rows(plan)
         )
-        memory.append([str(dp), f"{4 * per_rank / 2**30:.2f}", f"{8 * adamw / 2**30:.2f}",
-                       f"{4 * (dense_numel + expert_numel) / 2**30:.1f}",
-                       f"{8 * (dense_numel + expert_numel + adamw) / 2**30:.1f}"])  # fmt: skip
+        dealt = mz.deal_whole(adamw, dp)  # AdamW's tensors, whole, as MuonZeRO deals them
+        adamw_rank = max(sum(adamw[i] for i in b) for b in dealt)
+        memory.append(
+            [
+                str(dp),
+                f"{4 * per_rank / 2**30:.2f}",
+                f"{8 * adamw_rank / 2**30:.2f}",
+                f"{4 * (dense_numel + expert_numel) / 2**30:.1f}",
+                f"{8 * (dense_numel + expert_numel + adamw_numel) / 2**30:.1f}",
+            ]
+        )
     print("\nTable 2. fp32 optimizer state held per rank at V4-Flash scale, GiB (whole model, no "
           "width cap).\nMuonZeRO: one momentum per Muon element, sharded (padding included), plus "
-          "replicated AdamW\nmoments for embedding/head.")  # fmt: skip
+          "AdamW's moments\nof the tensors dealt whole to the rank (the largest rank: one "
+          "embedding or head).")  # fmt: skip
     headers = ["dp", "MuonZeRO Muon", "+ AdamW part", "replicated Muon", "replicated AdamW (all)"]
     print(table(memory, headers))
 

@@ -163,7 +163,7 @@ def test_parameter_bytes_per_rank_are_the_stage_modules():
 
 
 def test_plan_equals_muonzeros_plan_of_the_module():
-    """The budget's plan is MuonZeRO's: the same dense matrices and expert matrices, same order."""
+    """The budget's plan is MuonZeRO's: the same dense, expert and AdamW tensors, same order."""
     model = make_model(CFG)
     for pp, group in ((1, 4), (2, 2), (4, 1)):
         for stage in range(pp):
@@ -173,7 +173,8 @@ def test_plan_equals_muonzeros_plan_of_the_module():
             dense = [tuple(p.shape) for p in groups.get("dense", [])]
             experts = [tuple(p.shape[1:]) for role in mz.EXPERT_ROLES
                        for p in groups.get(role, []) for _ in range(p.shape[0])]  # fmt: skip
-            want = mz.plan_muon(dense, experts, group)
+            adamw = [tuple(p.shape) for p in groups.get("adamw", [])]
+            want = mz.plan_muon(dense, experts, group, adamw_shapes=adamw)
             got = compose_budget.muon_plan(compose_budget.stage_tensors(CFG, pp, stage), group)
             assert got == want
 
@@ -193,8 +194,7 @@ def check_muonzero(rank, world, pp, stage, grad_sync):
     opt.step()
     chunks = {("experts" if s.peers == world and s is opt.shards[-1] and opt.expert_matrices
                else "dense"): (s.chunk_numel, s.peers) for s in opt.shards}  # fmt: skip
-    adamw = sum(p.numel() for g in opt.param_groups if g["role"] == "adamw" for p in g["params"])
-    return opt.state_bytes(), chunks, adamw
+    return opt.state_bytes(), chunks, (opt.adamw_shards.chunk_numel, opt.adamw_shards.peers)
 
 
 SLOW = pytest.mark.slow
@@ -221,9 +221,9 @@ def test_optimizer_and_gradient_bytes_equal_muonzeros(pp, cp, dp, grad_sync):
                 f"MuonZeRO holds {state_bytes}"
             )
             sent = sum((peers - 1) * numel for numel, peers in chunks.values())
-            ring = 2 * (group - 1) * adamw * 4 // group
-            assert row.sent[rank]["grad_reduce_scatter"] == item * sent + ring
-            assert row.sent[rank]["param_all_gather"] == 4 * sent
+            adamw_sent = (adamw[1] - 1) * adamw[0] * 4  # AdamW's chunks travel in fp32
+            assert row.sent[rank]["grad_reduce_scatter"] == item * sent + adamw_sent
+            assert row.sent[rank]["param_all_gather"] == 4 * sent + adamw_sent
 
 
 # ---- pipeline sends: mhc's own counters ---------------------------------------------------------

@@ -6,6 +6,7 @@ Tolerance of a resumed run against the uninterrupted one (relative error of the 
 ||Δ_test - Δ_ref|| / ||Δ_ref||), fp32 NS and fp32 gradient sync: 1e-5, fp32 reassociation only.
 """
 
+import math
 import time
 
 import pytest
@@ -83,8 +84,10 @@ def check_checkpoint(rank, world, checkpoint=None):
     if checkpoint is None:
         mid, opt = run_muon_zero(P0, rank, world, steps=3, zero_width=2, **kw)
         state = opt.gather_state_dict()
+        share = opt.state_dict()["state"]
+        adamw = [i for i, s in share.items() if "exp_avg" in s]  # the AdamW tensors I hold
         end, _ = run_muon_zero(P0, rank, world, steps=5, zero_width=2, **kw)
-        return dict(mid=mid, state=state, end=end)
+        return dict(mid=mid, state=state, end=end, adamw=adamw, chunk=opt.plan.adamw_chunk_numel)
     mid, state, end = checkpoint["mid"], checkpoint["state"], checkpoint["end"]
     keys = [set(state["state"].get(i, {})) for i in range(len(P0))]
     out = {
@@ -108,8 +111,26 @@ def check_checkpoint(rank, world, checkpoint=None):
 
 def test_checkpoint_saved_at_4_ranks_resumes_at_2():
     """Saved at W=4 / zero width 2 after 3 of 5 steps, resumed at W=2 / width 1: the
-    uninterrupted run, to fp32 reassociation."""
-    saved = run_ranks(check_checkpoint, 4)[0]
+    uninterrupted run, to fp32 reassociation. At W=4 each AdamW tensor's moments live on one
+    rank."""
+    ranks = run_ranks(check_checkpoint, 4)
+    # AdamW's state is sharded as ZeRO-1 shards it: each tensor's moments on one rank, whole
+    first = len(DENSE) + len(EXPERT)
+    holders = {
+        i: [r for r, out in enumerate(ranks) if i in out["adamw"]]
+        for i in range(first, first + len(ADAMW))
+    }
+    assert all(len(h) == 1 for h in holders.values()), (
+        f"AdamW tensor -> ranks holding its moments {holders}: each must be held by exactly one"
+    )
+    sizes = [math.prod(shape) for shape in ADAMW.values()]
+    for r, out in enumerate(ranks):
+        held = sum(sizes[i - first] for i in out["adamw"])
+        assert held <= out["chunk"] < sum(sizes), (
+            f"rank {r} holds {held} AdamW elements; the plan's bucket is {out['chunk']} of "
+            f"{sum(sizes)}"
+        )
+    saved = ranks[0]
     for r in run_ranks(check_checkpoint, 2, args=(saved,)):
         assert r["resume_err"] < FP32_TOL, r["resume_err"]
         assert r["state_complete"] and r["roundtrip_exact"], r

@@ -234,7 +234,8 @@ check(
 # slowest rank sets the step time).
 
 # %%
-full_dense, all_experts, adamw_numel = bench.v4_flash_inventory()
+full_dense, all_experts, adamw_tensors = bench.v4_flash_inventory()
+adamw_numel = sum(adamw_tensors)
 widths = [8, 16, 32, 64, 128, 256]
 balances = ("ns_cost", "numel", "both")
 summaries = {b: [bench.plan_summary(mz.plan_muon(full_dense, [], w, w, balance=b)) for w in widths]
@@ -342,10 +343,12 @@ check(
 )
 
 # %%
-print(f"replicated Muon: {4 * (dense_total + expert_total) / 2**30:,.0f} GiB of momentum per "
-      f"rank, against a few GiB sharded (your answer); plus "
-      f"{8 * adamw_numel / 2**30:.1f} GiB of AdamW moments for the embedding and head, which "
-      f"every rank keeps whole")  # fmt: skip
+print(
+    f"replicated Muon: {4 * (dense_total + expert_total) / 2**30:,.0f} GiB of momentum per "
+    f"rank, against a few GiB sharded (your answer); plus "
+    f"{8 * adamw_numel / 2**30:.1f} GiB of AdamW moments for the embedding, head and norms, "
+    f"dealt whole over the ranks: the embedding's on one rank, the head's on another"
+)
 
 # %% [markdown]
 # ## 4. Memory per rank on a small model: the state shrinks, the temporaries grow

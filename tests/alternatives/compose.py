@@ -47,9 +47,9 @@ if where.cp > 1:
 item = {"bf16_sr": BF16}.get(grad_sync, FP32)
 chunks = (plan.zero_width - 1) * plan.dense_bucket_numel
 chunks += (G - 1) * plan.expert_chunk_numel
-trained = sum(t.numel for t in tensors if t.trains and t.role == "adamw")
-out["grad_reduce_scatter"] = chunks * item + (G - 1) * trained * FP32 * 2 // G
-out["param_all_gather"] = chunks * FP32
+adamw_bytes = FP32 * plan.adamw_chunk_numel * (G - 1)
+out["grad_reduce_scatter"] = chunks * item + adamw_bytes
+out["param_all_gather"] = chunks * FP32 + adamw_bytes
 return out
 ### END SOLUTION
 """,

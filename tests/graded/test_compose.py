@@ -152,24 +152,16 @@ def drawn(cfg):
 
 CFG, ODD = drawn(CFG), drawn(ODD)
 # MuonZeRO's plan as link_bytes reads it (compose_budget.PlanSizes), for a group of G ranks
-PLAN = dict(dense_bucket_numel=12_345, expert_chunk_numel=6_789)
+PLAN = dict(dense_bucket_numel=12_345, expert_chunk_numel=6_789, adamw_chunk_numel=321)
 if DRAW:
-    PLAN = dict(
-        dense_bucket_numel=RNG.randrange(1, 50_000), expert_chunk_numel=RNG.randrange(1, 50_000)
-    )
-TENSORS = [("sublayers.0.norm.weight", (64,), "adamw", True),
-           ("hcs.0.bias_res", (4, 4), "adamw", True),
-           ("sublayers.0.core.attention.norm_index", (16,), "adamw", False),
-           ("sublayers.0.wo", (64, 64), "dense", True),
-           ("sublayers.1.w_up", (4, 128, 64), "expert_up", True)]  # fmt: skip
-ADAMW_TRAINED = 64 + 16  # the trained AdamW tensors' elements
+    PLAN = {key: RNG.randrange(1, 50_000) for key in PLAN}
 
 
 def query(cfg, layout, p, c, grad_sync="bf16_sr"):
     """One link_bytes call at rank (p, c, 0) of layout (pp, cp, dp)."""
     pp, cp, dp = layout
     plan = dict(PLAN, zero_width=cp * dp)
-    return cfg, (p, c, 0, pp, cp, dp), plan, TENSORS, grad_sync
+    return cfg, (p, c, 0, pp, cp, dp), plan, grad_sync
 
 
 def link_bytes(*queries):
@@ -292,15 +284,16 @@ def test_graded_gradients_travel_in_bf16_parameters_in_fp32():
         G = layout[1] * layout[2]
         chunk = PLAN["dense_bucket_numel"] + PLAN["expert_chunk_numel"]  # one peer's share
         item = BF16 if sync == "bf16_sr" else FP32
-        ring = 2 * (G - 1) * ADAMW_TRAINED * FP32 // G  # a ring all-reduce sends 2 (G-1)/G
-        want = (G - 1) * chunk * item + ring
+        adamw = (G - 1) * PLAN["adamw_chunk_numel"] * FP32  # AdamW's chunk, always fp32
+        want = (G - 1) * chunk * item + adamw
         assert sent["grad_reduce_scatter"] == want, (
             f"grad_reduce_scatter: MuonZeRO sends each of the G - 1 peers its padded chunk in "
-            f"bf16 under grad_sync bf16_sr (2 bytes; fp32 under fp32) and all-reduces AdamW's "
-            f"trained fp32 gradients (a ring: 2 (G-1)/G of their bytes): got "
-            f"{sent['grad_reduce_scatter']}, expected {want} at G = {G}, grad_sync {sync}"
+            f"bf16 under grad_sync bf16_sr (2 bytes; fp32 under fp32) and its padded AdamW chunk "
+            f"in fp32: got {sent['grad_reduce_scatter']}, expected {want} at G = {G}, "
+            f"grad_sync {sync}"
         )
-        assert sent["param_all_gather"] == (G - 1) * chunk * FP32, (
-            f"param_all_gather: every updated chunk goes to the G - 1 peers in fp32: got "
-            f"{sent['param_all_gather']}, expected {(G - 1) * chunk * FP32} at G = {G}"
+        gathered = (G - 1) * chunk * FP32 + adamw
+        assert sent["param_all_gather"] == gathered, (
+            f"param_all_gather: every updated chunk goes to the G - 1 peers in fp32, AdamW's "
+            f"too: got {sent['param_all_gather']}, expected {gathered} at G = {G}"
         )

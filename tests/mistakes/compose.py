@@ -115,9 +115,15 @@ BUDGET_MISTAKES = [
     ),
     Mistake(
         region="compose_budget.link_bytes",
-        name="AdamW's frozen tensors all-reduced too",
+        name="AdamW's gradients sent in the Muon gradients' bf16",
         message="grad_reduce_scatter: MuonZeRO sends each of the G - 1 peers its padded chunk",
-        edits=(('t.role == "adamw" and t.trains', 't.role == "adamw"'),),
+        edits=(("plan.adamw_chunk_numel * FP32", "plan.adamw_chunk_numel * grad_item"),),
+    ),
+    Mistake(
+        region="compose_budget.link_bytes",
+        name="AdamW's updated tensors never gathered",
+        message="param_all_gather: every updated chunk goes to the G - 1 peers in fp32",
+        edits=(("* experts) * FP32 + adamw", "* experts) * FP32"),),
     ),
 ]
 # ==== end of the budget's block

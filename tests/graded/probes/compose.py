@@ -60,13 +60,12 @@ def layouts_on_a_fake_world(world_size, shapes):
 
 def link_bytes(queries):
     """compose_budget.link_bytes for each query: (config fields, (p, c, d, pp, cp, dp), plan sizes
-    {zero_width, dense_bucket_numel, expert_chunk_numel}, tensors [(name, shape, role, trains)],
-    grad_sync). The plan is handed over as layout_budget hands it (compose_budget.PlanSizes)."""
+    {zero_width, dense_bucket_numel, expert_chunk_numel, adamw_chunk_numel}, grad_sync). The plan
+    is handed over as layout_budget hands it (compose_budget.PlanSizes)."""
     out = []
-    for fields, where, plan, tensors, grad_sync in queries:
+    for fields, where, plan, grad_sync in queries:
         cfg = compose.ComposeConfig(**fields)
-        sizes = compose_budget.PlanSizes(**plan, owned_numel=())
-        held = [compose_budget.ParamSpec(n, tuple(s), role, on) for n, s, role, on in tensors]
-        sent = compose_budget.link_bytes(cfg, compose_budget.Rank(*where), sizes, held, grad_sync)
+        sizes = compose_budget.PlanSizes(**plan)
+        sent = compose_budget.link_bytes(cfg, compose_budget.Rank(*where), sizes, grad_sync)
         out.append(dict(sent))
     return out
