@@ -312,8 +312,9 @@ def split_experts(numels, world_size):
 def deal_whole(numels, peers):
     """AdamW's tensors, whole, to `peers` buckets.  numels: list -> list of index lists.
 
-    Largest first, each to the lightest bucket: ZeRO-1 for AdamW, cut at tensor boundaries so
-    that each tensor's moments live whole on one rank (a state dict keeps them per tensor)."""
+    Largest first, each to the lightest bucket, as torch's ZeroRedundancyOptimizer deals its
+    parameters: ZeRO-1 for AdamW, cut at tensor boundaries so that each tensor's moments live
+    whole on one rank (a state dict keeps them per tensor)."""
     buckets, load = [[] for _ in range(peers)], [0] * peers
     for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
         q = min(range(peers), key=lambda k: (load[k], k))
