@@ -17,10 +17,10 @@ import torch
 import torch.nn as nn
 
 import compose
-import compose_budget
 import cp_compress as cpc
 import mhc
 import muon_zero as mz
+from layouts import compose_budget
 from spawn import run_ranks
 
 CFG = compose.ComposeConfig()
