@@ -1,5 +1,5 @@
-"""The budget (compose_budget.py, link_bytes included) against the chapters' own objects, never
-against itself.
+"""The budget (layouts/compose_budget.py, link_bytes included) against the chapters' own objects,
+never against itself.
 
 Parameters: the nn.Module built here from mhc and cp_compress modules, tensor by tensor. Optimizer
 state and gradient traffic: MuonZeRO itself on gloo ranks (its state_bytes and its shards' chunk
