@@ -16,8 +16,8 @@ same pipeline ranks); mhc.pipeline_step runs 1F1B with selective recomputation, 
 protocol runs in every attention F, MuonZeRO steps each stage, tensor_ckpt forgets normalised
 inputs and activation outputs. K steps at every layout equal K steps of `reference_training`: one
 process, none of the four techniques, torch.optim.Muon + AdamW.
-Beside it: compose_budget.py predicts every layout's bytes per rank and per link before anything
-runs, compose_checkpoint.py saves at one layout and resumes at any other, and
+Beside it, in layouts/: compose_budget.py predicts every layout's bytes per rank and per link
+before anything runs, compose_checkpoint.py saves at one layout and resumes at any other; and
 benchmarks/bench_compose.py sets what a run measures beside the prediction.
 
     python compose.py                                                  # one process
@@ -40,7 +40,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import compose_checkpoint
 import cp_compress
 import launch
 import mhc
@@ -48,6 +47,7 @@ import muon_zero
 import tensor_ckpt
 from guards import compose_guard  # the agreement of every step: Refused, one line on every rank
 from guards.compose_guard import Refused
+from layouts import compose_checkpoint
 from tensor_ckpt import forget
 
 

@@ -27,9 +27,9 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # this checkout's files, before any other on the path
 import compose  # noqa: E402
-import compose_budget  # noqa: E402
 import launch  # noqa: E402
 import mhc  # noqa: E402
+from layouts import compose_budget  # noqa: E402
 from memory.memory_timeline import MemoryTimeline  # noqa: E402
 
 LINKS = (*compose_budget.SENT, "control")

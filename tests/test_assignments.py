@@ -208,7 +208,7 @@ def _fake_repo(path, source=FAKE, tests=FAKE_TESTS, stem="fake", probes=FAKE_PRO
     graded = path / "tests" / "graded"
     os.makedirs(graded / "probes")
     os.makedirs(path / "tests" / "mistakes")
-    shutil.copy(os.path.join(ROOT, "pytest.ini"), path / "pytest.ini")
+    shutil.copy(os.path.join(ROOT, "pyproject.toml"), path / "pyproject.toml")
     shutil.copy(os.path.join(ROOT, "tests", "graded", "conftest.py"), graded / "conftest.py")
     shutil.copy(os.path.join(ROOT, "tests", "mistakes", "__init__.py"), path / "tests" / "mistakes")
     (graded / "probes" / "__init__.py").write_text("")

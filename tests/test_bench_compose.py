@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import compose
-import compose_budget
+from layouts import compose_budget
 from spawn import run_torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

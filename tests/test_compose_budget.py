@@ -1,5 +1,5 @@
-"""The budget (compose_budget.py, link_bytes included) against the chapters' own objects, never
-against itself.
+"""The budget (layouts/compose_budget.py, link_bytes included) against the chapters' own objects,
+never against itself.
 
 Parameters: the nn.Module built here from mhc and cp_compress modules, tensor by tensor. Optimizer
 state and gradient traffic: MuonZeRO itself on gloo ranks (its state_bytes and its shards' chunk
@@ -17,10 +17,10 @@ import torch
 import torch.nn as nn
 
 import compose
-import compose_budget
 import cp_compress as cpc
 import mhc
 import muon_zero as mz
+from layouts import compose_budget
 from spawn import run_ranks
 
 CFG = compose.ComposeConfig()

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import compose
-import compose_checkpoint
+from layouts import compose_checkpoint
 from spawn import RankFailure, run_ranks, run_torchrun
 
 # CLI-expressible (--layers 4 --seq-len 128): every sublayer kind, whole HCA entries per document

@@ -380,6 +380,32 @@ def test_the_syllabus_mapping_is_the_same_in_the_readme_and_the_assignments():
     )
 
 
+# what a checkout holds that git does not (.gitignore): make's outputs and Python's cache
+UNTRACKED = {"build", "results", "__pycache__"}
+
+
+def layout_names(readme):
+    """The names README's Layout block lists in its first column: files, folders/, .ci/run."""
+    block = re.search(r"^## Layout\n\n```\n(.*?)^```", readme, flags=re.M | re.S).group(1)
+    names = set()
+    for line in block.splitlines():
+        for word in re.split(r"\s{2,}", line.strip()):
+            if re.fullmatch(r"[\w.-]+(/|\.\w+)|Makefile|\.ci/run", word):
+                names.add(word.rstrip("/").split("/")[0])
+    return names
+
+
+def test_the_readme_layout_is_the_root_as_it_is():
+    """Every entry of the repository root is in README's Layout block, and nothing else is."""
+    listed = layout_names(markdown_of(os.path.join(ROOT, "README.md")))
+    root = {n for n in os.listdir(ROOT) if n not in UNTRACKED and not n.startswith(".")}
+    root |= {".ci"}  # the one hidden entry a reader needs: CI's script
+    assert listed == root, (
+        f"README's Layout block differs from the root: not listed {sorted(root - listed)}, "
+        f"listed but absent {sorted(listed - root)}"
+    )
+
+
 def test_the_imports_each_chapter_is_said_to_have_are_its_imports():
     """docs/running.md's table names each technique file's imports from this repository."""
     text = markdown_of(os.path.join(ROOT, "docs/running.md"))

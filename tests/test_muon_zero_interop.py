@@ -49,9 +49,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-import compose_checkpoint
 import launch
 import muon_zero as mz
+from layouts import compose_checkpoint
 from memory.memory_timeline import MemoryTimeline
 from spawn import run_ranks
 

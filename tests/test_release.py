@@ -52,7 +52,7 @@ def test_student_repository_holds_what_a_student_needs_and_nothing_private(kit):
     for name in assignments.assignment_files(ROOT):
         assert name in names, f"{name}: the student version is missing"
     expected = {"launch.py", "Makefile", "README.md", ".gitignore", "requirements.txt"}
-    expected |= {"requirements-test.txt", "pytest.ini", "tests/graded/conftest.py"}
+    expected |= {"requirements-test.txt", "pyproject.toml", "tests/graded/conftest.py"}
     expected |= {"tests/graded/probes/__init__.py", "tools/regions.json"}
     expected |= {"tools/grade.py", "tools/grade_plugin.py", "tools/assignments.py", "tools/venv.sh"}
     expected |= {"tools/sandbox.py", "tools/sandbox_child.py"}

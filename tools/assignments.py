@@ -46,7 +46,7 @@ ASSIGNMENT_FILES = (  # the notebooks' order: memory_timeline is assignment 1, t
     "cp_compress.py",
     "tensor_ckpt.py",
     "compose.py",
-    "compose_budget.py",
+    "layouts/compose_budget.py",
 )
 BEGIN, END, HINT = "### BEGIN SOLUTION", "### END SOLUTION", "# hint:"
 REGION_TABLE = os.path.join("tools", "regions.json")  # the student repository's, written by release

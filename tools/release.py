@@ -50,7 +50,6 @@ SUPPORT = (
     "launch.py",
     "requirements.txt",
     "requirements-test.txt",
-    "pytest.ini",
     "pyproject.toml",
     "tests/graded/__init__.py",
     "tests/graded/conftest.py",

@@ -19,17 +19,17 @@
 # (data, pipeline and shard dimensions interact non-linearly). The graded exercise
 # ([assignment 6 in docs/assignments.md][a6]) has two regions: `layout_groups` in `compose.py`
 # (the mesh's process groups: the pipeline's two links, the CP group, the stage group) and the
-# budget's `link_bytes` in `compose_budget.py` (what each link carries per step). It composes
-# the four chapters: notebooks 01 (MuonZeRO), 02a and 02b (mHC and its pipeline), 03 (compressed
-# attention under CP) and 04 (tensor checkpointing). Terms in bold are defined where they first
-# appear and in the [glossary](../docs/GLOSSARY.md).
+# budget's `link_bytes` in `layouts/compose_budget.py` (what each link carries per step). It
+# composes the four chapters: notebooks 01 (MuonZeRO), 02a and 02b (mHC and its pipeline), 03
+# (compressed attention under CP) and 04 (tensor checkpointing). Terms in bold are defined where
+# they first appear and in the [glossary](../docs/GLOSSARY.md).
 # Ranks, stages and coordinates are numbered from 0 (they are indices), training steps from 1.
 #
 # Every number in this notebook carries its evidence: [MEASURED] on this CPU when the notebook
 # ran, [PAPER] for DeepSeek-V4's own figures, [DERIVED] for what follows by arithmetic; the
 # [evidence ledger](../docs/EVIDENCE.md) defines the tags and says where each figure comes from.
 #
-# [a6]: ../docs/assignments.md#6-composepy-compose_budgetpy-the-capstone
+# [a6]: ../docs/assignments.md#6-composepy-layoutscompose_budgetpy-the-capstone
 
 # %%
 import contextlib
@@ -49,11 +49,11 @@ import torch
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 
 import compose
-import compose_budget
+from layouts import compose_budget
 from memory.memory_timeline import COLORS, MiB
 from memory.plots import plot_timelines
 from notebooks.checks import check, number, one_of
-from spawn import run_torchrun
+from tests.spawn import run_torchrun
 
 plt.rcParams.update({"figure.dpi": 110, "font.size": 10})
 torch.set_num_threads(2)

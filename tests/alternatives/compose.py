@@ -1,4 +1,5 @@
-"""Correct bodies for the regions of compose.py and compose_budget.py, each unlike the reference."""
+"""Correct bodies for the regions of compose.py and layouts/compose_budget.py, each unlike the
+reference."""
 
 from tests.alternatives import Alternative
 

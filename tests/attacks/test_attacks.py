@@ -143,7 +143,7 @@ def triple(x):
 def _course(path):
     """The two-file course: a repository shaped like this one, with this one's tools."""
     os.makedirs(path / "tests" / "graded" / "probes")
-    for name in ("pytest.ini", "pyproject.toml", "requirements.txt", "requirements-test.txt"):
+    for name in ("pyproject.toml", "requirements.txt", "requirements-test.txt"):
         shutil.copy(os.path.join(ROOT, name), path / name)
     shutil.copytree(os.path.join(ROOT, "tools"), path / "tools", ignore=_no_cache)
     shutil.copy(os.path.join(ROOT, "tests", "graded", "conftest.py"), path / "tests" / "graded")

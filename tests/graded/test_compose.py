@@ -1,9 +1,9 @@
-"""Graded tests of compose.py's layout_groups (the mesh's process groups) and compose_budget.py's
-link_bytes (what each link carries per step). The probes (tests/graded/probes/compose.py) run the
-student's code in a worker and hand back group ranks and byte counts; every expected value is
-worked out here: the mesh's groups by their properties (coordinates round-trip through the
-global rank, each group's size and shared coordinates; the list of every group ships only in the
-autograder), the bytes from the tensors' shapes.
+"""Graded tests of compose.py's layout_groups (the mesh's process groups) and
+layouts/compose_budget.py's link_bytes (what each link carries per step). The probes
+(tests/graded/probes/compose.py) run the student's code in a worker and hand back group ranks and
+byte counts; every expected value is worked out here: the mesh's groups by their properties
+(coordinates round-trip through the global rank, each group's size and shared coordinates; the list
+of every group ships only in the autograder), the bytes from the tensors' shapes.
 
 layout_groups runs on 2 real gloo ranks (4 in the ungraded tier) and, for the meshes of 4 and 8
 ranks whose dimensions' order shows, rank by rank on torch's fake process group in one process.

@@ -1,4 +1,4 @@
-"""Plausible wrong bodies for the solution regions of compose.py and compose_budget.py (see
+"""Plausible wrong bodies for the solution regions of compose.py and layouts/compose_budget.py (see
 tests/mistakes/__init__.py)."""
 
 from tests.mistakes import Mistake

@@ -1,6 +1,6 @@
-"""Probes for tests/graded/test_compose.py: they run the regions of compose.py and compose_budget.py
-in a worker and return what came out as plain values (group ranks, byte counts); the tests
-decide."""
+"""Probes for tests/graded/test_compose.py: they run the regions of compose.py and
+layouts/compose_budget.py in a worker and return what came out as plain values (group ranks,
+byte counts); the tests decide."""
 
 import datetime
 import types
@@ -8,8 +8,8 @@ import types
 import torch.distributed as dist
 
 import compose
-import compose_budget
 import launch
+from layouts import compose_budget
 
 
 def _view(pp, cp, dp):

@@ -6,8 +6,8 @@ derived from a tensor the chapters make (named in each docstring), so the peaks 
 benchmarks/bench_compose.py measures can be set beside it rank by rank: link_bytes says what
 each link carries per step, the rest what each rank holds, and budget_table ranks the layouts.
 
-    python -c "import compose, compose_budget as b; print(b.format_budget(b.budget_table(
-        compose.ComposeConfig(), 4, 80 * 2**30, 100e9, 25e9)))"
+    python -c "import compose; from layouts import compose_budget as b; print(b.format_budget(
+        b.budget_table(compose.ComposeConfig(), 4, 80 * 2**30, 100e9, 25e9)))"
 """
 
 import math

@@ -1,6 +1,7 @@
 """Multi-rank test harness: run one function on W real gloo processes.
 
-    from spawn import run_ranks, run_torchrun
+    from spawn import run_ranks, run_torchrun        # in tests/ (beside conftest.py)
+    from tests.spawn import run_ranks, run_torchrun  # from the notebooks and benchmarks
     results = run_ranks(my_check, world_size=4, args=(seed,))   # my_check(rank, world_size, seed)
 
 Each rank is a real process with its own gloo process group (free TCP port per run, a timeout on the
@@ -159,7 +160,7 @@ def run_ranks(fn, world_size, args=(), kwargs=None, timeout=120.0):
     return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
 
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 
 
 def descendants(pid):
