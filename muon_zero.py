@@ -734,7 +734,14 @@ class MuonZeRO(torch.optim.Optimizer):
         check_and_agree(self.param_groups, process_group, agreed, EXPERT_ROLES, refused)
         self.device = self.params[0].device
         self.built_for = [(tuple(p.shape), p.dtype, p.device) for p in self.params]
+        self._place(zero_width, balance)
+        self.momenta = None  # per kind, a stacked buffer per run; created in the first step
+        self.steps = 0
 
+    def _place(self, zero_width, balance):
+        """V4's placement: who owns which matrix and AdamW tensor (self.plan), and per kind the
+        chunks each collective moves (self.shards: Muon's kinds; self.adamw_shards)."""
+        process_group = self.process_group
         # V4's matrices: dense in parameter order; experts flattened, all downs, then ups, gates.
         self.dense_matrices = [
             Slot(i, None, k, tuple(p.shape)) for i, p, k in self._params_of(("dense",))
@@ -770,8 +777,6 @@ class MuonZeRO(torch.optim.Optimizer):
         self.adamw_shards = Shards(
             dealt, self.plan.adamw_chunk_numel, self.rank, [], process_group, self.world_size
         )
-        self.momenta = None  # per kind, a stacked buffer per run; created in the first step
-        self.steps = 0
 
     def add_param_group(self, param_group):
         if getattr(self, "plan", None) is not None:
@@ -831,13 +836,8 @@ class MuonZeRO(torch.optim.Optimizer):
             return loss
         if self.momenta is None:
             self._new_momenta()
-        # AdamW is element-wise, so ZeRO-1 is exact: reduce-scatter, update mine, all-gather
-        adamw, like = self.adamw_shards, self.params[0]
-        mean = like.new_zeros(0)  # my chunk of AdamW's averaged gradient
-        if self.adamw_tensors:
-            packed = pack_chunks(adamw.chunks, adamw.chunk_numel, grads, like)  # [W, S]
-            mean = reduce_scatter_sum(packed, adamw.group, "exact", None).div_(self.world_size)
-        adamw_sq = mean.square().sum()  # my share of the clip norm; the others hold the rest
+        adamw_grad = self._adamw_mean(grads)  # my chunk of AdamW's averaged gradient
+        adamw_sq = adamw_grad.square().sum()  # my share of the clip norm; the others hold theirs
         if self.max_grad_norm is not None and self.world_size > 1:
             dist.all_reduce(adamw_sq, group=self.process_group)
         settings = [MuonSettings(*(g[k] for k in MuonSettings._fields)) for g in self.param_groups]
@@ -857,15 +857,30 @@ class MuonZeRO(torch.optim.Optimizer):
             replicated_sq=adamw_sq,
             process_group=self.process_group,
         )
-        if self.adamw_tensors:
-            params = [p.detach() for p in self.params]
-            values = pack_chunks([adamw.chunks[adamw.mine]], adamw.chunk_numel, params, like)[0]
-            for s in (s for s in adamw.chunks[adamw.mine] if has_grad[s.param]):
-                span = slice(s.offset, s.offset + math.prod(s.shape))
-                self._adamw_update(s, values[span].view(s.shape), mean[span].view(s.shape) * scale)
-            unpack_chunks(all_gather_chunks(values, adamw.group, adamw.peers), adamw.chunks, params)
+        self._adamw_step(adamw_grad.mul_(scale), has_grad)
         self.steps += 1
         return loss
+
+    # AdamW is element-wise, so ZeRO-1 is exact: reduce-scatter, update mine, all-gather.
+
+    def _adamw_mean(self, grads):
+        """My chunk [S] of AdamW's gradients averaged over the ranks, exact (empty: no AdamW)."""
+        adamw, like = self.adamw_shards, self.params[0]
+        if not self.adamw_tensors:
+            return like.new_zeros(0)
+        packed = pack_chunks(adamw.chunks, adamw.chunk_numel, grads, like)  # [W, S]
+        return reduce_scatter_sum(packed, adamw.group, "exact", None).div_(self.world_size)
+
+    def _adamw_step(self, grad, has_grad):
+        """Update the AdamW tensors I own from my chunk of the gradient, then all-gather them."""
+        if not self.adamw_tensors:
+            return
+        adamw, params = self.adamw_shards, [p.detach() for p in self.params]
+        values = pack_chunks([adamw.chunks[adamw.mine]], adamw.chunk_numel, params, grad)[0]
+        for s in (s for s in adamw.chunks[adamw.mine] if has_grad[s.param]):
+            span = slice(s.offset, s.offset + math.prod(s.shape))
+            self._adamw_update(s, values[span].view(s.shape), grad[span].view(s.shape))
+        unpack_chunks(all_gather_chunks(values, adamw.group, adamw.peers), adamw.chunks, params)
 
     def _adamw_update(self, slot, param, grad):
         """One AdamW step of an AdamW tensor I own, in place; its moments created on its first."""

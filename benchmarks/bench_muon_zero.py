@@ -73,7 +73,7 @@ def v4_flash_inventory(layers=range(43), hidden=4096, heads=64, head_dim=512, q_
 
 
 def record_rank_timeline(rank, world, zero_width=None, steps=2, optimizer="muon_zero"):
-    """One rank's memory timeline for the notebook (on W gloo ranks via tests/spawn.py, or alone).
+    """One rank's memory timeline for the notebook (on W gloo ranks via tools/spawn.py, or alone).
 
     optimizer: "muon_zero" (sharded; at world 1 this is replicated Muon) or "adamw" (torch's).
     """
@@ -371,7 +371,7 @@ def _agreement_torch(steps=5):
 
 def bench_agreement():
     """Table 6: relative error of the parameter change after 5 steps, max over tensors."""
-    from tests.spawn import run_ranks
+    from tools.spawn import run_ranks
 
     torch.manual_seed(0)
     start = {n: p.detach().clone() for n, p in mz.TinyMoE().named_parameters()}
@@ -582,7 +582,7 @@ def _vs_ddp_rank(rank, world, full, repeats):
 def vs_ddp_two_ranks(full=False, repeats=5):
     """The dense model at 2 gloo ranks: per rank, step time (slowest rank), optimizer state and
     bytes sent, MuonZeRO against all-reduce + torch.optim.Muon + AdamW."""
-    from tests.spawn import run_ranks
+    from tools.spawn import run_ranks
 
     return run_ranks(_vs_ddp_rank, 2, args=(full, repeats), timeout=1200)
 

@@ -268,7 +268,7 @@ def _compose_rank(rank, world, steps, plain):
 
 
 def chapter_compose(full):
-    from tests.spawn import run_ranks
+    from tools.spawn import run_ranks
 
     steps, repeats = (6, 3) if full else (4, 2)
     times = {"plain": [], "1x1x1": [], "1x1x2": []}

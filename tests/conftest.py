@@ -5,9 +5,9 @@ import sys
 # `make gpu-check`): hide CUDA before anything imports torch, for this process and its children.
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
-# The technique files live at the repository root, the tests' helpers (spawn.py among them)
-# beside this file; both import by name. Children (spawn's fork server, run_torchrun) inherit
-# this sys.path.
+# The technique files live at the repository root, the tests' helpers beside this file; both
+# import by name (the process spawner as tools.spawn). Children (spawn's fork server,
+# run_torchrun) inherit this sys.path.
 HERE = os.path.dirname(os.path.abspath(__file__))
 for path in (os.path.dirname(HERE), HERE):
     if path in sys.path:

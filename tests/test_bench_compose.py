@@ -9,7 +9,7 @@ import pytest
 
 import compose
 from layouts import compose_budget
-from spawn import run_torchrun
+from tools.spawn import run_torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))

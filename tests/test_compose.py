@@ -32,7 +32,7 @@ import torch
 import compose
 import cp_compress
 import muon_zero
-from spawn import RankFailure, RankTimeout, run_ranks
+from tools.spawn import RankFailure, RankTimeout, run_ranks
 
 STEPS = 3
 # every sublayer kind on 4 layers (CSA, MoE, HCA, MoE); T = 64 shards over 2 or 4 CP ranks, 96

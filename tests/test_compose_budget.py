@@ -21,7 +21,7 @@ import cp_compress as cpc
 import mhc
 import muon_zero as mz
 from layouts import compose_budget
-from spawn import run_ranks
+from tools.spawn import run_ranks
 
 CFG = compose.ComposeConfig()
 ODD = dataclasses.replace(

@@ -22,7 +22,7 @@ import torch
 
 import compose
 from layouts import compose_checkpoint
-from spawn import RankFailure, run_ranks, run_torchrun
+from tools.spawn import RankFailure, run_ranks, run_torchrun
 
 # CLI-expressible (--layers 4 --seq-len 128): every sublayer kind, whole HCA entries per document
 CFG = compose.ComposeConfig(n_layers=4, seq_len=128)

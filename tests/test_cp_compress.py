@@ -26,7 +26,7 @@ from graded.references_cp_compress import close, layouts
 
 import cp_compress as cpc
 from benchmarks.bench_cp_compress import allgather_baseline
-from spawn import RankFailure, run_ranks
+from tools.spawn import RankFailure, run_ranks
 
 S = 24  # tokens per rank: a multiple of m = 4 (CSA) and m' = 8 (HCA in tests)
 M, M_HCA = 4, 8
@@ -654,7 +654,7 @@ def test_one_token_per_rank_matches_the_reference(world_size):
 # slow: the demo at 2 ranks stays (test_nccl_rules replays it)
 @pytest.mark.slow
 def test_demo_hca_compares_entries_at_three_ranks():
-    from spawn import run_torchrun
+    from tools.spawn import run_torchrun
 
     out = run_torchrun("cp_compress.py", nproc=3, timeout=240).stdout
     assert out.count("matches the single-device reference: yes") == 2, out

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import launch
-from spawn import ROOT, RankFailure, descendants, free_port, kill_tree, run_ranks
+from tools.spawn import ROOT, RankFailure, descendants, free_port, kill_tree, run_ranks
 
 
 def _agree_case(rank, world, case):
@@ -177,7 +177,7 @@ def _group_timeouts(rank, world):
 
 
 def test_every_group_launch_makes_keeps_the_world_timeout():
-    """tests/spawn.py gives its world max(5, timeout) s: each group launch makes has the same
+    """tools/spawn.py gives its world max(5, timeout) s: each group launch makes has the same
     (torch's constructors would give a new gloo group 30 minutes)."""
     for rank, timeouts in enumerate(run_ranks(_group_timeouts, 2, timeout=30)):
         assert set(timeouts.values()) == {30.0}, f"rank {rank}: group timeouts {timeouts}"

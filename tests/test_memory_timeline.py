@@ -24,7 +24,7 @@ from memory.memory_timeline import (  # noqa: E402
     predicted_optimizer_state_bytes,
 )
 from memory.plots import plot_timeline, plot_timelines  # noqa: E402
-from spawn import run_ranks  # noqa: E402
+from tools.spawn import run_ranks  # noqa: E402
 
 MiB = 2**20
 

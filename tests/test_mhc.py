@@ -18,7 +18,7 @@ import torch
 from graded.probes.mhc import batch, build  # the graded tests' model, built the same way
 
 import mhc
-from spawn import RankFailure, RankTimeout, run_ranks, run_torchrun
+from tools.spawn import RankFailure, RankTimeout, run_ranks, run_torchrun
 
 EPS = 1e-6
 

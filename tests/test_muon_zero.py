@@ -25,7 +25,7 @@ from graded.models_muon_zero import (
 
 import muon_zero as mz
 from benchmarks import bench_muon_zero as bench
-from spawn import RankFailure, run_ranks, run_torchrun
+from tools.spawn import RankFailure, run_ranks, run_torchrun
 
 STEPS = 5
 LR_MUON, LR_ADAM = 0.05, 0.01

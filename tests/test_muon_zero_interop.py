@@ -53,7 +53,7 @@ import launch
 import muon_zero as mz
 from layouts import compose_checkpoint
 from memory.memory_timeline import MemoryTimeline
-from spawn import run_ranks
+from tools.spawn import run_ranks
 
 VOCAB, EXPERTS = 16, 5
 GLOBAL_BATCH, SEQ, SAVED_AT, STEPS = 12, 6, 3, 5  # 12 samples split evenly over 1-4 ranks

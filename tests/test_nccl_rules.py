@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from spawn import run_torchrun
+from tools.spawn import run_torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))

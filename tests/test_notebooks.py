@@ -34,7 +34,7 @@ def _names(paths):
 def test_repository_importable_from_notebooks_folder():
     """What a kernel started in notebooks/ sees: the venv must know the repository root."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    probe = "import mhc, tests.spawn; print(mhc.__file__)"
+    probe = "import mhc, tools.spawn; print(mhc.__file__)"
     out = subprocess.run(
         [sys.executable, "-c", probe], cwd=NOTEBOOKS, env=env, capture_output=True, text=True
     )

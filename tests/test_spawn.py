@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from spawn import RankFailure, RankTimeout, run_ranks, run_torchrun
+from tools.spawn import RankFailure, RankTimeout, run_ranks, run_torchrun
 
 
 def _all_reduce_rank_ids(rank, world_size):

@@ -16,7 +16,7 @@ import time
 import pytest
 
 import launch
-from spawn import ROOT, free_port, kill_tree
+from tools.spawn import ROOT, free_port, kill_tree
 
 TIMEOUT_S = 4
 # after its timeout a rank waits for the ranks still answering until none has come for

@@ -17,12 +17,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import spawn
 import tensor_ckpt as tc
 from benchmarks.ckpt_meters import activation_bytes as meter_bytes
 from memory.memory_timeline import MemoryTimeline
-from spawn import run_ranks, run_torchrun
 from tensor_ckpt import checkpoint_tensors, flops_text, forget
+from tools import spawn
+from tools.spawn import run_ranks, run_torchrun
 
 B, T, C, H = 2, 16, 32, 4
 F32 = 4  # bytes

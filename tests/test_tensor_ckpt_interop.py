@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 import tensor_ckpt as tc
 from benchmarks.ckpt_meters import saved_by_graph
-from spawn import run_ranks
 from tensor_ckpt import checkpoint_tensors, forget
+from tools.spawn import run_ranks
 
 B, T, C, H = 2, 8, 32, 4
 

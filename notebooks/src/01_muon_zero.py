@@ -33,7 +33,7 @@ import muon_zero as mz
 from benchmarks import bench_muon_zero as bench  # the V4-Flash-like inventory
 from memory.memory_timeline import MiB
 from notebooks.checks import check, number
-from tests.spawn import run_ranks  # real gloo ranks, as the tests use
+from tools.spawn import run_ranks  # real gloo ranks, as the tests use
 
 plt.rcParams.update({"figure.dpi": 110, "font.size": 10, "legend.fontsize": 10})
 torch.set_num_threads(2)

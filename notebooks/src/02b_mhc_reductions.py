@@ -48,7 +48,7 @@ from benchmarks import bench_mhc
 from memory.memory_timeline import MemoryTimeline, MiB
 from memory.plots import plot_timelines
 from notebooks.checks import check, number
-from tests.spawn import run_ranks
+from tools.spawn import run_ranks
 
 plt.rcParams.update({"figure.dpi": 110, "font.size": 10})
 torch.set_num_threads(1)  # small tensors: threads only add contention

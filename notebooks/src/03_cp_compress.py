@@ -40,7 +40,7 @@ from benchmarks import bench_cp_compress as bench
 from memory.memory_timeline import MiB
 from memory.plots import plot_timelines
 from notebooks.checks import check, number
-from tests.spawn import run_ranks, run_torchrun
+from tools.spawn import run_ranks, run_torchrun
 
 plt.rcParams.update({"figure.dpi": 110, "font.size": 10})
 torch.set_num_threads(2)

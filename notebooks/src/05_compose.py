@@ -53,7 +53,7 @@ from layouts import compose_budget
 from memory.memory_timeline import COLORS, MiB
 from memory.plots import plot_timelines
 from notebooks.checks import check, number, one_of
-from tests.spawn import run_torchrun
+from tools.spawn import run_torchrun
 
 plt.rcParams.update({"figure.dpi": 110, "font.size": 10})
 torch.set_num_threads(2)

@@ -1,7 +1,7 @@
-"""Multi-rank test harness: run one function on W real gloo processes.
+"""Multi-rank harness for the tests, notebooks and benchmarks: run one function on W real gloo
+processes.
 
-    from spawn import run_ranks, run_torchrun        # in tests/ (beside conftest.py)
-    from tests.spawn import run_ranks, run_torchrun  # from the notebooks and benchmarks
+    from tools.spawn import run_ranks, run_torchrun
     results = run_ranks(my_check, world_size=4, args=(seed,))   # my_check(rank, world_size, seed)
 
 Each rank is a real process with its own gloo process group (free TCP port per run, a timeout on the
