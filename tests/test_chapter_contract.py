@@ -59,3 +59,35 @@ def test_the_measure_sees_a_call_back_and_a_reach_back():
     assert planted[4] == 1, f"a sys.modules reach-back went unseen: counted {planted[4]}"
     reaching = {name: chapters.contract(name)[4] for name in chapters.CHAPTERS}
     assert not any(reaching.values()), f"chapters reach back through sys.modules: {reaching}"
+
+
+def top_imports(path):
+    """The first name of every module a Python file imports (static imports only)."""
+    import ast
+
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_nothing_outside_tests_imports_tests_and_no_chapter_imports_the_tools():
+    """tests/ is imported from tests/ alone (the notebooks and benchmarks take the spawner from
+    tools/); a chapter imports neither tests/, tools/ nor benchmarks/."""
+    import subprocess
+
+    files = subprocess.run(
+        ["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    outside = [f for f in files if not f.startswith("tests/")]
+    assert outside, "git ls-files found no Python file outside tests/"
+    offenders = [f for f in outside if "tests" in top_imports(os.path.join(ROOT, f))]
+    assert not offenders, f"{offenders} import tests/: move what they need out of tests/"
+    for chapter in ("muon_zero.py", "mhc.py", "cp_compress.py", "tensor_ckpt.py", "compose.py"):
+        found = top_imports(os.path.join(ROOT, chapter)) & {"tests", "tools", "benchmarks"}
+        assert not found, f"{chapter} imports {sorted(found)}"
