@@ -20,7 +20,7 @@ The fix (V4 §3.4.1), in the order of this file:
   4. the sharded step, `sharded_step`: pack -> reduce-scatter (bf16 stochastic rounding,
      all-to-all, fp32 sum) -> clip the averaged gradient -> update owned matrices -> all-gather;
      then `MuonZeRO`, the torch.optim.Optimizer around it, which shards AdamW's tensors as
-     ZeRO-1 does (element-wise, so exact), dealt whole so that each keeps its moments on one rank.
+     ZeRO-1 does (element-wise, so exact), in blocks of whole rows dealt largest first.
 Below the fence: checkpoints (a rank's share, the gathered whole, torch.distributed.checkpoint at
 any world size) and the demo.
 
@@ -309,12 +309,27 @@ def split_experts(numels, world_size):
     ### END SOLUTION
 
 
+# AdamW's tensors are dealt in blocks of whole rows of about this many elements: the fullest rank
+# then holds at most one block more than an equal share (an embedding is not one rank's alone),
+# and a block's key in a state dict (its index in its tensor) is the same at any world size.
+ADAMW_BLOCK_NUMEL = 1 << 20
+
+
+def adamw_blocks(shape):
+    """Cut a tensor of `shape` into blocks of whole rows.  -> [(start row, end row)], [None]
+    for a 0-d tensor. Rows of dim 0, about ADAMW_BLOCK_NUMEL elements each."""
+    if len(shape) == 0:
+        return [None]
+    per = max(1, ADAMW_BLOCK_NUMEL // max(1, math.prod(shape[1:])))
+    return [(a, min(a + per, shape[0])) for a in range(0, shape[0], per)] or [(0, 0)]
+
+
 def deal_whole(numels, peers):
-    """AdamW's tensors, whole, to `peers` buckets.  numels: list -> list of index lists.
+    """Items, whole, to `peers` buckets.  numels: list -> list of index lists.
 
     Largest first, each to the lightest bucket, as torch's ZeroRedundancyOptimizer deals its
-    parameters: ZeRO-1 for AdamW, cut at tensor boundaries so that each tensor's moments live
-    whole on one rank (a state dict keeps them per tensor)."""
+    parameters: ZeRO-1 for AdamW, cut at block boundaries so that each block's moments live
+    whole on one rank."""
     buckets, load = [[] for _ in range(peers)], [0] * peers
     for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
         q = min(range(peers), key=lambda k: (load[k], k))
@@ -337,7 +352,8 @@ class MuonPlan:
     dense_bucket_numel: int = 0  # the largest bucket: every bucket is padded to it
     expert_chunk_numel: int = 0  # the largest run: every run is padded to it
     adamw_shapes: list = field(default_factory=list)  # AdamW's tensors, in parameter order
-    adamw_buckets: list = field(default_factory=list)  # world_size lists of AdamW indices
+    adamw_blocks: list = field(default_factory=list)  # (tensor, block, rows, numel) each
+    adamw_buckets: list = field(default_factory=list)  # world_size lists of block indices
     adamw_chunk_numel: int = 0  # the largest AdamW bucket: every one is padded to it
 
     def owned(self, rank):
@@ -346,7 +362,7 @@ class MuonPlan:
         return self.dense_buckets[rank % self.zero_width], list(range(a, b))
 
     def owned_adamw(self, rank):
-        """AdamW indices whose moments `rank` holds and whose update it computes."""
+        """AdamW blocks (indices into adamw_blocks) whose moments `rank` holds and updates."""
         return self.adamw_buckets[rank]
 
 
@@ -354,7 +370,7 @@ def plan_muon(
     dense_shapes, expert_shapes, world_size, zero_width=None, balance="both", adamw_shapes=()
 ):
     """Build the ownership plan.  dense_shapes, expert_shapes: [(n, m)]; experts in flat order;
-    adamw_shapes: AdamW's tensors, any shape, dealt whole over every rank."""
+    adamw_shapes: AdamW's tensors, any shape, dealt over every rank in blocks of rows."""
     zero_width = world_size if zero_width is None else zero_width
     if not isinstance(zero_width, int) or zero_width < 1 or world_size % zero_width:
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
@@ -368,10 +384,21 @@ def plan_muon(
     bucket = max((sum(math.prod(dense[i]) for i in b) for b in buckets), default=0)
     chunk = max((sum(map(math.prod, experts[a:b])) for a, b in ranges), default=0)
     adamw = [tuple(s) for s in adamw_shapes]
-    dealt = deal_whole([math.prod(s) for s in adamw], world_size)
-    adamw_chunk = max((sum(math.prod(adamw[i]) for i in b) for b in dealt), default=0)
+    blocks = [
+        (t, j, rows, math.prod(shape[1:]) * (rows[1] - rows[0]) if rows else 1)
+        for t, shape in enumerate(adamw)
+        for j, rows in enumerate(adamw_blocks(shape))
+    ]
+    dealt = deal_whole([numel for *_, numel in blocks], world_size)
+    adamw_chunk = max((sum(blocks[i][3] for i in b) for b in dealt), default=0)
     plan = MuonPlan(world_size, zero_width, dense, buckets, experts, ranges, bucket, chunk)
-    return replace(plan, adamw_shapes=adamw, adamw_buckets=dealt, adamw_chunk_numel=adamw_chunk)
+    return replace(
+        plan,
+        adamw_shapes=adamw,
+        adamw_blocks=blocks,
+        adamw_buckets=dealt,
+        adamw_chunk_numel=adamw_chunk,
+    )
 
 
 def plan_refusal(world_size, zero_width, balance):
@@ -386,18 +413,23 @@ def plan_refusal(world_size, zero_width, balance):
 
 @dataclass(frozen=True)
 class Slot:
-    """One Muon matrix inside a flat chunk: params[param], or expert `expert` of that stack."""
+    """One tensor inside a flat chunk: params[param] (a Muon matrix), expert `expert` of that
+    stack, or rows `rows` of an AdamW tensor (its block `block`)."""
 
     param: int  # index into MuonZeRO.params
     expert: int | None  # index into a stack [E, n, m]; None for a dense matrix
     param_group: int  # index into MuonZeRO.param_groups: its hyperparameters
-    shape: tuple  # (n, m)
+    shape: tuple  # (n, m); an AdamW block's own shape
     offset: int = 0  # where it starts inside its chunk
+    rows: tuple | None = None  # an AdamW block's (start, end) rows of its tensor
+    block: int | None = None  # an AdamW block's index in its tensor: its key in a state dict
 
     def of(self, tensors):
-        """This matrix inside a per-parameter list of tensors (a view)."""
+        """This tensor inside a per-parameter list of tensors (a view)."""
         t = tensors[self.param]
-        return t if self.expert is None else t[self.expert]
+        if self.expert is not None:
+            return t[self.expert]
+        return t if self.rows is None else t[self.rows[0] : self.rows[1]]
 
 
 @dataclass
@@ -443,6 +475,11 @@ class Shards:
 MuonSettings = namedtuple(
     "MuonSettings", "lr weight_decay momentum nesterov ns_coefficients ns_dtype update_rms"
 )
+
+
+def block_shape(shape, rows):
+    """The shape of rows (start, end) of a tensor of `shape` (the tensor's, for rows None)."""
+    return tuple(shape) if rows is None else (rows[1] - rows[0], *shape[1:])
 
 
 def back_to_back(slot_lists):
@@ -752,12 +789,14 @@ class MuonZeRO(torch.optim.Optimizer):
             for i, p, k in self._params_of((role,))
             for e in range(p.size(0))
         ]
-        self.adamw_tensors = [
-            Slot(i, None, k, tuple(p.shape)) for i, p, k in self._params_of(("adamw",))
-        ]
+        adamw = self._params_of(("adamw",))
         shapes = [s.shape for s in self.dense_matrices], [s.shape for s in self.expert_matrices]
-        adamw_shapes = [s.shape for s in self.adamw_tensors]
+        adamw_shapes = [tuple(p.shape) for _, p, _ in adamw]
         self.plan = plan_muon(*shapes, self.world_size, zero_width, balance, adamw_shapes)
+        self.adamw_blocks = [  # AdamW's tensors in blocks of rows, as the plan cut them
+            Slot(adamw[t][0], None, adamw[t][2], block_shape(adamw_shapes[t], rows), 0, rows, j)
+            for t, j, rows, _ in self.plan.adamw_blocks
+        ]
         self.zero_width = zero_width = self.plan.zero_width  # None became the world size
         shard_group, replica_group = build_groups(process_group, self.world_size, zero_width)
         self.shards = []  # the same kinds on every rank: one owning none still joins
@@ -772,8 +811,8 @@ class MuonZeRO(torch.optim.Optimizer):
             self.shards.append(
                 make_shards(pieces, self.rank, process_group, self.world_size, self.device.type)
             )
-        # AdamW's tensors, whole, over every rank (ZeRO-1): no runs, an element-wise update
-        dealt = back_to_back([[self.adamw_tensors[i] for i in b] for b in self.plan.adamw_buckets])
+        # AdamW's blocks over every rank (ZeRO-1): no runs, an element-wise update
+        dealt = back_to_back([[self.adamw_blocks[i] for i in b] for b in self.plan.adamw_buckets])
         self.adamw_shards = Shards(
             dealt, self.plan.adamw_chunk_numel, self.rank, [], process_group, self.world_size
         )
@@ -866,33 +905,39 @@ class MuonZeRO(torch.optim.Optimizer):
     def _adamw_mean(self, grads):
         """My chunk [S] of AdamW's gradients averaged over the ranks, exact (empty: no AdamW)."""
         adamw, like = self.adamw_shards, self.params[0]
-        if not self.adamw_tensors:
+        if not self.adamw_blocks:
             return like.new_zeros(0)
         packed = pack_chunks(adamw.chunks, adamw.chunk_numel, grads, like)  # [W, S]
         return reduce_scatter_sum(packed, adamw.group, "exact", None).div_(self.world_size)
 
     def _adamw_step(self, grad, has_grad):
-        """Update the AdamW tensors I own from my chunk of the gradient, then all-gather them."""
-        if not self.adamw_tensors:
+        """Update the AdamW blocks I own from my chunk of the gradient, then all-gather them.
+        A tensor's step counts once however many of its blocks I own."""
+        if not self.adamw_blocks:
             return
         adamw, params = self.adamw_shards, [p.detach() for p in self.params]
         values = pack_chunks([adamw.chunks[adamw.mine]], adamw.chunk_numel, params, grad)[0]
-        for s in (s for s in adamw.chunks[adamw.mine] if has_grad[s.param]):
+        mine = [s for s in adamw.chunks[adamw.mine] if has_grad[s.param]]
+        for i in dict.fromkeys(s.param for s in mine):
+            state = self.state[self.params[i]]
+            state["step"] = state.get("step", 0) + 1
+        for s in mine:
             span = slice(s.offset, s.offset + math.prod(s.shape))
             self._adamw_update(s, values[span].view(s.shape), grad[span].view(s.shape))
         unpack_chunks(all_gather_chunks(values, adamw.group, adamw.peers), adamw.chunks, params)
 
-    def _adamw_update(self, slot, param, grad):
-        """One AdamW step of an AdamW tensor I own, in place; its moments created on its first."""
-        g, state = self.param_groups[slot.param_group], self.state[self.params[slot.param]]
-        if not state:
-            state.update(
-                step=0, exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param)
-            )
-        state["step"] += 1
+    def _adamw_update(self, block, param, grad):
+        """One AdamW step of a block I own, in place; its moments ({block: tensor} in its
+        tensor's state) created on its first."""
+        g, state = self.param_groups[block.param_group], self.state[self.params[block.param]]
+        moments = [state.setdefault(key, {}) for key in ("exp_avg", "exp_avg_sq")]
+        for m in moments:
+            m.setdefault(block.block, torch.zeros_like(param))
         hyper = dict(lr=g["lr"], betas=(g["momentum"], g["beta2"]), eps=g["eps"])
-        moments = state["exp_avg"], state["exp_avg_sq"], state["step"]
-        adamw_update(param, grad, *moments, weight_decay=g["weight_decay"], **hyper)
+        exp_avg, exp_avg_sq = (m[block.block] for m in moments)
+        adamw_update(
+            param, grad, exp_avg, exp_avg_sq, state["step"], weight_decay=g["weight_decay"], **hyper
+        )
 
     def _new_momenta(self):
         """Zero momentum: a stacked buffer [count, n, m] per run of mine. self.state shows each
@@ -989,7 +1034,9 @@ class MuonZeRO(torch.optim.Optimizer):
     def local_state_tensors(self):
         """The state tensors this rank holds: its stacked Muon momenta and its AdamW moments."""
         states = [s for s in self.state.values() if isinstance(s, dict)]  # not a hook's extras
-        moments = [s[k] for s in states for k in ("exp_avg", "exp_avg_sq") if k in s]
+        moments = [
+            m for s in states for k in ("exp_avg", "exp_avg_sq") if k in s for m in s[k].values()
+        ]
         return [M for buffers in self.momenta or [] for M in buffers] + moments
 
     def state_bytes(self):
@@ -998,7 +1045,8 @@ class MuonZeRO(torch.optim.Optimizer):
 
 # ==== appendix: checkpoints, then the demo (TinyMoE, models/tiny_moe.py) ==========================
 #
-# A state dict, by parameter index: AdamW's {"step", "exp_avg", "exp_avg_sq"}, whole, on its owner;
+# A state dict, by parameter index: AdamW's {"step", "exp_avg", "exp_avg_sq"}, whole when gathered,
+# else each moment {block: rows} for the blocks of the tensor this rank owns (ADAMW_BLOCK_NUMEL);
 # Muon's {"momentum_buffer"}: a matrix's momentum, or an expert stack's, whole [E, n, m] when
 # gathered, else {expert: [n, m]} for the experts this rank owns; {} for what a rank lacks. Each
 # param group carries "steps", the rounding noise's counter. torch.distributed.checkpoint needs
@@ -1024,7 +1072,7 @@ def state_of(opt, gather):
         unpack_chunks(all_gather_chunks(values, shards.group, shards.peers), shards.chunks, whole)
         for i, momentum_buffer in whole.items():
             state[i]["momentum_buffer"] = momentum_buffer
-    if gather and opt.adamw_tensors:
+    if gather and opt.adamw_blocks:
         gather_adamw(opt, state)
     state.update((k, v) for k, v in opt.state.items() if not torch.is_tensor(k))  # hooks', as torch
     groups, start, number = [], 0, {}
@@ -1040,25 +1088,33 @@ def state_of(opt, gather):
 
 def gather_adamw(opt, state):
     """Every AdamW tensor's step and moments, whole, into `state` (a collective): the owners'
-    chunks all-gathered, their steps summed (each tensor has one owner; 0: never stepped)."""
+    blocks all-gathered, each tensor's step the largest any rank holds (0: never stepped)."""
     shards, like = opt.adamw_shards, opt.params[0]
-    mine = shards.chunks[shards.mine]
-    held = [opt.state.get(p, {}) for p in opt.params]
-    steps = torch.zeros(len(opt.adamw_tensors), dtype=torch.int64, device=like.device)
-    for j, s in enumerate(opt.adamw_tensors):
-        steps[j] = int(held[s.param].get("step", 0))  # 0 where another rank owns it
+    tensors = list(dict.fromkeys(s.param for s in opt.adamw_blocks))
+    held = {i: opt.state.get(opt.params[i], {}) for i in tensors}
+    steps = torch.tensor([int(held[i].get("step", 0)) for i in tensors], device=like.device)
     if opt.world_size > 1:
-        dist.all_reduce(steps, group=opt.process_group)
+        dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=opt.process_group)
     whole = {}
     for key in ("exp_avg", "exp_avg_sq"):
-        values = pack_chunks([mine], shards.chunk_numel, [h.get(key) for h in held], like)[0]
-        whole[key] = {s.param: torch.zeros_like(opt.params[s.param]) for s in opt.adamw_tensors}
-        unpack_chunks(
-            all_gather_chunks(values, shards.group, shards.peers), shards.chunks, whole[key]
-        )
-    for j, s in enumerate(opt.adamw_tensors):
-        if steps[j]:
-            state[s.param] = {"step": int(steps[j]), **{k: whole[k][s.param] for k in whole}}
+        values = like.new_zeros(shards.chunk_numel)  # my blocks' moments, laid out as in the step
+        for s in shards.chunks[shards.mine]:
+            if (m := held[s.param].get(key, {}).get(s.block)) is not None:
+                values[s.offset : s.offset + m.numel()] = m.flatten()
+        whole[key] = {i: torch.zeros_like(opt.params[i]) for i in tensors}
+        gathered = all_gather_chunks(values, shards.group, shards.peers)
+        unpack_chunks(gathered, shards.chunks, whole[key])
+    for i, step in zip(tensors, steps.tolist(), strict=True):
+        if step:
+            state[i] = {"step": step, **{key: whole[key][i] for key in whole}}
+
+
+def saved_block(held, block):
+    """An AdamW block's moment in a saved one: rows of the whole tensor (a gathered dict's), or
+    its entry in {block: tensor} (a share's), None if absent."""
+    if not isinstance(held, dict):
+        return block.of({block.param: torch.as_tensor(held)})
+    return held.get(block.block, held.get(str(block.block)))
 
 
 def _as_group_value(key, value):
@@ -1133,13 +1189,21 @@ def load_state(opt, state_dict):
     opt.steps = max((g.get("steps", 0) for g in saved), default=0)
     opt.state.clear()
     opt.state.update(extras)
-    mine = {s.param for s in opt.adamw_shards.chunks[opt.adamw_shards.mine]}
-    for i, p in enumerate(opt.params):
-        if i in mine and "exp_avg" in state.get(i, {}):  # another rank's AdamW: its owner loads
-            opt.state[p] = {
-                k: v if k == "step" else torch.as_tensor(v).to(p).clone()
-                for k, v in state[i].items()
-            }
+    for s in opt.adamw_shards.chunks[opt.adamw_shards.mine]:  # another rank's: its owner loads
+        entry, p = state.get(s.param, {}), opt.params[s.param]
+        if "exp_avg" not in entry:  # never stepped
+            continue
+        target = opt.state.setdefault(p, {})
+        target["step"] = entry["step"]
+        for key in ("exp_avg", "exp_avg_sq"):
+            if (block := saved_block(entry[key], s)) is None:
+                raise ValueError(
+                    f"state_dict holds no AdamW {key} for block {s.block} of parameter {s.param}, "
+                    f"which this rank owns: a state_dict() is one rank's share; to resume at "
+                    f"another world size save gather_state_dict(), or use "
+                    f"torch.distributed.checkpoint"
+                )
+            target.setdefault(key, {})[s.block] = torch.as_tensor(block).to(p).clone()
     opt.momenta = None
     if has_momentum:  # new buffers, then copies: a DCP template's tensors are views of the old
         opt._new_momenta()

@@ -68,7 +68,7 @@ def v4_flash_inventory(layers=range(43), hidden=4096, heads=64, head_dim=512, q_
         dense += [(2 * n_hc + n_hc * n_hc, n_hc * hidden)] * 2  # mHC projections
     down = [(hidden, expert_dim)] * (len(layers) * experts)
     up = gate = [(expert_dim, hidden)] * (len(layers) * experts)
-    adamw = [129280 * hidden] * 2 + [hidden] * (4 * len(layers) + 1)  # embed, head, norms
+    adamw = [(129280, hidden)] * 2 + [(hidden,)] * (4 * len(layers) + 1)  # embed, head, norms
     return dense, down + up + gate, adamw
 
 
@@ -171,7 +171,7 @@ PLAN_HEADERS = ["dp", "cap", "replicas", "by NS cost", "by elements", "by both (
 
 def bench_plan():
     dense, experts, adamw = v4_flash_inventory()
-    adamw_numel = sum(adamw)
+    adamw_numel = sum(math.prod(s) for s in adamw)
     dense_numel = sum(n * m for n, m in dense)
     expert_numel = sum(n * m for n, m in experts)
     largest = max(n * m for n, m in dense) / 1e6
@@ -195,12 +195,11 @@ def bench_plan():
     print(table(plan_rows(s_dense, s_experts, [(dp, dp) for dp in (8, 16, 32, 64)]), PLAN_HEADERS))
     memory = []
     for dp in (8, 16, 32, 64, 128, 256):
-        plan = mz.plan_muon(dense, experts, dp, dp)
+        plan = mz.plan_muon(dense, experts, dp, dp, adamw_shapes=adamw)
         per_rank = max(
             r["numel"] + r["dense_padding"] + r["expert_padding"] for r in rank_rows(plan)
         )
-        dealt = mz.deal_whole(adamw, dp)  # AdamW's tensors, whole, as MuonZeRO deals them
-        adamw_rank = max(sum(adamw[i] for i in b) for b in dealt)
+        adamw_rank = plan.adamw_chunk_numel  # the fullest rank's AdamW blocks
         memory.append(
             [
                 str(dp),
@@ -210,10 +209,11 @@ def bench_plan():
                 f"{8 * (dense_numel + expert_numel + adamw_numel) / 2**30:.1f}",
             ]
         )
-    print("\nTable 2. fp32 optimizer state held per rank at V4-Flash scale, GiB (whole model, no "
-          "width cap).\nMuonZeRO: one momentum per Muon element, sharded (padding included), plus "
-          "AdamW's moments\nof the tensors dealt whole to the rank (the largest rank: one "
-          "embedding or head).")  # fmt: skip
+    print(
+        "\nTable 2. fp32 optimizer state held per rank at V4-Flash scale, GiB (whole model, no "
+        "width cap).\nMuonZeRO: one momentum per Muon element, sharded (padding included), plus "
+        "AdamW's\nmoments of the blocks of rows dealt to the rank (the fullest rank's)."
+    )
     headers = ["dp", "MuonZeRO Muon", "+ AdamW part", "replicated Muon", "replicated AdamW (all)"]
     print(table(memory, headers))
 

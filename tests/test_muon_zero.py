@@ -77,17 +77,25 @@ def all_equal_across_ranks(tensors):
 # --------------------------------------------------------------------------------------------------
 
 
+# AdamW blocks of 3 rows of the [VOCAB, DIM] embedding and head: each is cut, and its blocks dealt
+# over the ranks, as V4's vocabulary-sized tensors are at scale
+BLOCK_NUMEL = 3 * DIM
+
+
 def check_checkpoint(rank, world, checkpoint=None):
     """Without a checkpoint: save after 3 of 5 steps (and run all 5); with one: resume it here at
-    zero width 1 for the last 2 steps."""
+    zero width 1 for the last 2 steps. AdamW's tensors in blocks of BLOCK_NUMEL elements."""
+    mz.ADAMW_BLOCK_NUMEL = BLOCK_NUMEL
     P0, kw = make_params(), dict(ns_dtype=torch.float32, grad_sync="fp32")
     if checkpoint is None:
         mid, opt = run_muon_zero(P0, rank, world, steps=3, zero_width=2, **kw)
         state = opt.gather_state_dict()
-        share = opt.state_dict()["state"]
-        adamw = [i for i, s in share.items() if "exp_avg" in s]  # the AdamW tensors I hold
+        share = opt.state_dict()["state"]  # AdamW's moments {block: rows} of the blocks I own
+        blocks = {
+            (i, b): m.numel() for i, s in share.items() for b, m in s.get("exp_avg", {}).items()
+        }
         end, _ = run_muon_zero(P0, rank, world, steps=5, zero_width=2, **kw)
-        return dict(mid=mid, state=state, end=end, adamw=adamw, chunk=opt.plan.adamw_chunk_numel)
+        return dict(mid=mid, state=state, end=end, blocks=blocks, chunk=opt.plan.adamw_chunk_numel)
     mid, state, end = checkpoint["mid"], checkpoint["state"], checkpoint["end"]
     keys = [set(state["state"].get(i, {})) for i in range(len(P0))]
     out = {
@@ -109,26 +117,25 @@ def check_checkpoint(rank, world, checkpoint=None):
     return out
 
 
-def test_checkpoint_saved_at_4_ranks_resumes_at_2():
+def test_checkpoint_saved_at_4_ranks_resumes_at_2(monkeypatch):
     """Saved at W=4 / zero width 2 after 3 of 5 steps, resumed at W=2 / width 1: the
-    uninterrupted run, to fp32 reassociation. At W=4 each AdamW tensor's moments live on one
-    rank."""
+    uninterrupted run, to fp32 reassociation. At W=4 AdamW's state is sharded as ZeRO-1 shards
+    it: each block's moments on one rank, no rank past an equal share by more than a block."""
     ranks = run_ranks(check_checkpoint, 4)
-    # AdamW's state is sharded as ZeRO-1 shards it: each tensor's moments on one rank, whole
-    first = len(DENSE) + len(EXPERT)
-    holders = {
-        i: [r for r, out in enumerate(ranks) if i in out["adamw"]]
-        for i in range(first, first + len(ADAMW))
-    }
-    assert all(len(h) == 1 for h in holders.values()), (
-        f"AdamW tensor -> ranks holding its moments {holders}: each must be held by exactly one"
+    held = [out["blocks"] for out in ranks]
+    owners = [key for blocks in held for key in blocks]
+    assert len(owners) == len(set(owners)), f"an AdamW block's moments on two ranks: {held}"
+    total = sum(math.prod(shape) for shape in ADAMW.values())
+    assert sum(n for blocks in held for n in blocks.values()) == total, (
+        f"the ranks' AdamW blocks {held} do not cover the {total} AdamW elements once"
     )
-    sizes = [math.prod(shape) for shape in ADAMW.values()]
-    for r, out in enumerate(ranks):
-        held = sum(sizes[i - first] for i in out["adamw"])
-        assert held <= out["chunk"] < sum(sizes), (
-            f"rank {r} holds {held} AdamW elements; the plan's bucket is {out['chunk']} of "
-            f"{sum(sizes)}"
+    monkeypatch.setattr(mz, "ADAMW_BLOCK_NUMEL", BLOCK_NUMEL)
+    cut = sum(len(mz.adamw_blocks(shape)) > 1 for shape in ADAMW.values())
+    assert cut == 2, f"BLOCK_NUMEL cuts {cut} AdamW tensors, the embedding and head expected"
+    for r, (blocks, out) in enumerate(zip(held, ranks, strict=True)):
+        assert sum(blocks.values()) <= out["chunk"] <= total / 4 + BLOCK_NUMEL, (
+            f"rank {r} holds {sum(blocks.values())} AdamW elements; the plan's bucket is "
+            f"{out['chunk']}, an equal share {total / 4} plus a block {BLOCK_NUMEL} at most"
         )
     saved = ranks[0]
     for r in run_ranks(check_checkpoint, 2, args=(saved,)):

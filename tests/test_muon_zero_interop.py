@@ -539,7 +539,9 @@ def muon_zero_float64(rank, world, steps, lr_muon=LR_MUON, scheduler=None, amp=F
 
 
 def float64_runs(rank, world):
-    """muon_zero_float64 for STEPS, and at 2 ranks under amp's GradScaler too: one launch."""
+    """muon_zero_float64 for STEPS, and at 2 ranks under amp's GradScaler too: one launch. The
+    embedding and head cut into AdamW blocks of 3 rows dealt over the ranks, as at scale."""
+    mz.ADAMW_BLOCK_NUMEL = 3 * 12
     amp = muon_zero_float64(rank, world, STEPS, amp=True) if world == 2 else None
     return muon_zero_float64(rank, world, STEPS), amp
 

@@ -234,8 +234,7 @@ check(
 # slowest rank sets the step time).
 
 # %%
-full_dense, all_experts, adamw_tensors = bench.v4_flash_inventory()
-adamw_numel = sum(adamw_tensors)
+full_dense, all_experts, adamw_shapes = bench.v4_flash_inventory()
 widths = [8, 16, 32, 64, 128, 256]
 balances = ("ns_cost", "numel", "both")
 summaries = {b: [bench.plan_summary(mz.plan_muon(full_dense, [], w, w, balance=b)) for w in widths]
@@ -343,11 +342,13 @@ check(
 )
 
 # %%
+adamw_plan = mz.plan_muon([], [], 256, adamw_shapes=adamw_shapes)
+adamw_total = sum(numel for *_, numel in adamw_plan.adamw_blocks)
 print(
     f"replicated Muon: {4 * (dense_total + expert_total) / 2**30:,.0f} GiB of momentum per "
-    f"rank, against a few GiB sharded (your answer); plus "
-    f"{8 * adamw_numel / 2**30:.1f} GiB of AdamW moments for the embedding, head and norms, "
-    f"dealt whole over the ranks: the embedding's on one rank, the head's on another"
+    f"rank, against a few GiB sharded (your answer); plus {8 * adamw_total / 2**30:.1f} GiB of "
+    f"AdamW moments for the embedding, head and norms, dealt over the 256 ranks in blocks of "
+    f"rows: {8 * adamw_plan.adamw_chunk_numel / 2**30:.3f} GiB on the fullest rank"
 )
 
 # %% [markdown]
