@@ -92,7 +92,7 @@ def chapter_muon_zero(full):
     )
     for k, (what, unit) in {
         "muon_state": ("Muon momentum per rank", "KiB"),
-        "state": ("optimizer state per rank (AdamW's replicated)", "KiB"),
+        "state": ("optimizer state per rank (Muon's and AdamW's)", "KiB"),
         "sent": ("bytes sent per rank", "KiB"),
     }.items():
         for rank, x in enumerate(ranks):
@@ -102,8 +102,8 @@ def chapter_muon_zero(full):
                     f"{x['ours_' + k] / 1024:.0f} {unit}",
                     f"{x['ddp_' + k] / 1024:.0f} {unit}",
                     x["ours_" + k] / x["ddp_" + k],
-                    f"<= {(x['ddp_' + k] / 2 + x['padding']) / x['ddp_' + k]:.2f} (1/2 + padding)"
-                    if k == "muon_state"
+                    f"<= {(x['ddp_' + k] / 2 + x[pad]) / x['ddp_' + k]:.2f} (1/2 + padding)"
+                    if (pad := {"muon_state": "padding", "state": "state_padding"}.get(k))
                     else "",
                 ]
             )

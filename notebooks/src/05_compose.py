@@ -157,14 +157,15 @@ plt.show()
 # `compose_budget.budget_table` predicts, for each factorisation, what each rank holds and sends,
 # from the tensors the chapters make (each formula names them in its docstring): parameters and
 # gradients of the rank's stage in fp32, MuonZeRO's momentum for the matrices its plan gives the
-# rank plus AdamW's two moments, and the activations of the micro-batches in flight. A layout
-# **fits** when its largest rank's sum stays under the device memory. The communication time
-# sends each link's bytes one after another at that link's bandwidth: it leaves out compute,
-# the overlap of communication with compute, per-message latency and the pipeline bubble, so it
-# ranks layouts by what they move, not by how long a step takes. **grad_sync** is the dtype in
-# which MuonZeRO sends the gradients to their owners: `"bf16_sr"`, bf16 with stochastic rounding
-# as V4 does (notebook 01), or `"fp32"`, which the tests use for the **exact proof**: a run whose
-# every update matches one process's `torch.optim.Muon`/`AdamW` to float rounding.
+# rank and AdamW's two moments for the blocks it gives it, and the activations of the micro-batches
+# in flight. A layout **fits** when its largest rank's sum stays under the device memory. The
+# communication time sends each link's bytes one after another at that link's bandwidth: it leaves
+# out compute, the overlap of communication with compute, per-message latency and the pipeline
+# bubble, so it ranks layouts by what they move, not by how long a step takes. **grad_sync** is the
+# dtype in which MuonZeRO sends the Muon gradients to their owners: `"bf16_sr"`, bf16 with
+# stochastic rounding as V4 does (notebook 01), or `"fp32"`, which the tests use for the **exact
+# proof**: a run whose every update matches one process's `torch.optim.Muon`/`AdamW` to float
+# rounding (AdamW's gradients always travel in fp32).
 
 # %%
 cfg = compose.ComposeConfig()
