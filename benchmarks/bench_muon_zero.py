@@ -565,8 +565,9 @@ def _vs_ddp_rank(rank, world, full, repeats):
     dense = [r for s in mine.shards for r in s.runs]
     momentum = sum(M.numel() * M.element_size() for ms in mine.momenta for M in ms)
     owned = sum(4 * math.prod(r.shape) * len(r.slots) for r in dense)
-    adamw = mine.adamw_shards  # AdamW's two fp32 moments of my blocks, padded to the fullest rank
-    adamw_owned = sum(math.prod(s.shape) for s in adamw.chunks[adamw.mine])
+    plan = mine.plan  # its padding: the fullest bucket of each kind over an equal share, in bytes
+    adamw_total = sum(numel for *_, numel in plan.adamw_blocks)
+    adamw_padding = 8 * (plan.adamw_chunk_numel - adamw_total / world)  # two fp32 moments
     return dict(
         ours_ms=1e3 * slowest[0].item(),
         ddp_ms=1e3 * slowest[1].item(),
@@ -578,9 +579,7 @@ def _vs_ddp_rank(rank, world, full, repeats):
         ddp_sent=sent_ddp.sent,
         owned=sum(len(r.slots) for r in dense),
         padding=mine.plan.dense_bucket_numel * 4 - owned,
-        state_padding=mine.plan.dense_bucket_numel * 4
-        - owned
-        + 8 * (adamw.chunk_numel - adamw_owned),
+        state_padding=plan.dense_bucket_numel * 4 - owned + adamw_padding,
     )
 
 
