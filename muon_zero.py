@@ -1053,7 +1053,7 @@ class MuonZeRO(torch.optim.Optimizer):
 # nothing more: get_optimizer_state_dict(model, opt) names each rank's share by parameter names,
 # dcp.save writes each key once, from a rank holding it (a tensor's owner; replicas deduplicated),
 # and at any world size and zero width the new owners' template, filled by dcp.load key by key,
-# goes to set_optimizer_state_dict: whole tensors move to their new owners.
+# goes to set_optimizer_state_dict: whole matrices and AdamW blocks move to their new owners.
 
 
 def state_of(opt, gather):
