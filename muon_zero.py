@@ -1239,9 +1239,11 @@ def torch_muon_newton_schulz_in(dtype):
 
 
 def format_plan(plan):
-    """One line per rank: matrices, elements and padding (matrix entries), NS cost, NS calls."""
+    """One line per rank: matrices, elements and padding (matrix entries), NS cost, NS calls;
+    with AdamW's tensors in the plan, the elements of its blocks and their padding too."""
     rows = [("rank", "replica", "pos", "dense mats", "expert mats", "elements owned")]
     rows[0] += ("dense pad elems", "expert pad elems", "NS MACs/iter", "NS calls")
+    rows[0] += ("AdamW elems", "AdamW pad elems") if plan.adamw_blocks else ()
     for r in range(plan.world_size):
         dense, experts = plan.owned(r)
         shapes = [plan.dense_shapes[i] for i in dense] + [plan.expert_shapes[i] for i in experts]
@@ -1250,6 +1252,9 @@ def format_plan(plan):
         owner = r, r // plan.zero_width, r % plan.zero_width, len(dense), len(experts)
         cost = f"{sum(map(ns_cost, shapes)):.3g}", len([k for k, _ in groupby(shapes)])
         rows.append((*owner, *(f"{n:,}" for n in (d + e, *pads)), *cost))
+        if plan.adamw_blocks:
+            held = sum(plan.adamw_blocks[i][3] for i in plan.owned_adamw(r))
+            rows[-1] += (f"{held:,}", f"{plan.adamw_chunk_numel - held:,}")
     widths = [max(len(h), 6) for h in rows[0]]
     return "\n".join(" ".join(str(c).rjust(w) for c, w in zip(row, widths)) for row in rows)
 

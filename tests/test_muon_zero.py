@@ -190,6 +190,9 @@ def test_plan_muon():
     assert s["expert_padding"] == (4 * 5 - 18) / 18 and 0 <= s["dense_padding"]
     assert s["dense_imbalance"] >= 1
     assert "rank" in mz.format_plan(plan) and len(mz.format_plan(plan).splitlines()) == 5
+    with_adamw = mz.format_plan(mz.plan_muon([(4, 4)], [], 2, adamw_shapes=[(8, 4), (3,)]))
+    held = [int(line.split()[-2].replace(",", "")) for line in with_adamw.splitlines()[1:]]
+    assert "AdamW pad elems" in with_adamw and sorted(held) == [3, 32], with_adamw
     with pytest.raises(ValueError, match="zero_width=3 must divide"):
         mz.plan_muon([(4, 4)], [], world_size=4, zero_width=3)
 
