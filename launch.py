@@ -113,14 +113,15 @@ def run(demo, args):
             stop_together(err, "the run")  # a peer's own error stopped it first: say that one
         if not timed_out(first or err):
             raise
-        # said before the wait: torchrun ends every rank once one leaves
-        print(
+        # said before the wait (torchrun ends every rank once one leaves), in one write so that
+        # the ranks' lines do not interleave
+        line = (
             f"rank {rank}: a peer did not answer within the {timeout_seconds(args.timeout):g} "
             f"s process-group timeout (it crashed, hangs or was stopped); set --timeout or "
-            f"${TIMEOUT_ENV} to wait longer",
-            file=sys.stderr,
-            flush=True,
+            f"${TIMEOUT_ENV} to wait longer\n"
         )
+        sys.stderr.flush()
+        os.write(sys.stderr.fileno(), line.encode())
         if world > 1 and not isinstance(err, Stopped):  # so that every rank can say it too
             with contextlib.suppress(Stopped):
                 stop_together(err, "the run")
