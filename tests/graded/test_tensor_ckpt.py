@@ -20,8 +20,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
 from sandbox import call, on_ranks
 
-from graded.expected import DRAW
-from graded.models_tensor_ckpt import CHAIN_OPS, MODELS, B, C, Chain, H, T, measured_run
+from graded.expected import DRAW, hidden, stored
+from graded.models_tensor_ckpt import CHAIN_OPS, B, C, Chain, H, T, build, measured_run
 
 # The private suite runs these in its slow tier: CI grades the reference with every graded
 # test (make grade-fit); test_sandbox.py and test_memory_timeline.py stay in its default tier.
@@ -45,7 +45,7 @@ def ALL_BUT(region):
 def plain(name, seed=0):
     """The unmarked model, its state (what the probe loads), and an input."""
     torch.manual_seed(SEED + seed)
-    model = MODELS[name]()
+    model = build(name)
     return model, model.state_dict(), torch.randn(B, T, C)
 
 
@@ -94,16 +94,80 @@ ROOT_OPS = {
 }
 
 
+# ---- a chain drawn at grading time: what its checkpoint must cost comes from the zip ----
+# Bytes, FLOPs and op counts are measured in the worker, so each test that scores them also
+# checkpoints this chain, whose costs a reference that traces and recomputes nothing found here
+# (tests/graded/hidden/, only in the autograder zip; the public chain's costs are stored).
+HIDDEN = hidden("tensor_ckpt")
+
+
+def chain_case():
+    """build()'s name of the chain: the public one, or at grading time drawn ops and marks
+    (never the last op: the model's output is not forgotten)."""
+    ops, marked = ("tanh", "gelu", "sin", "relu", "cos"), (0, 1, 3)
+    if DRAW:
+        gen, names = torch.Generator().manual_seed(SEED + 13), sorted(CHAIN_OPS)
+        n = 4 + int(torch.randint(3, (1,), generator=gen))
+        ops = [names[i] for i in torch.randint(len(names), (n,), generator=gen).tolist()]
+        many = 1 + int(torch.randint(n - 1, (1,), generator=gen))
+        marked = sorted(torch.randperm(n - 1, generator=gen)[:many].tolist())
+    return f"chain:{','.join(ops)}:{','.join(map(str, marked))}"
+
+
+CHAIN = chain_case()
+
+
+def chain_costs():
+    """{"freed": bytes, "extra_ops": {aten op: runs}} of checkpointing CHAIN."""
+    _, ops, marked = CHAIN.split(":")
+    _, state, x = plain(CHAIN)
+    ops, marked = ops.split(","), [int(i) for i in marked.split(",")]
+    return stored("tensor_ckpt", "chain", lambda: HIDDEN.chain_checkpoint_costs(ops, marked, state, x))
+
+
+def expected_recomputes(name):
+    """{aten op: how many more times one backward runs it than the plain model's}."""
+    if name != CHAIN:
+        return ROOT_OPS[name]
+    extra = chain_costs()["extra_ops"]  # every op of the chain is counted: none runs more
+    ops = {f"aten.{op}.default" for op in CHAIN.split(":")[1].split(",")} | {"aten.addmm.default"}
+    return {op: extra.get(op, 0) for op in sorted(ops | set(extra))}
+
+
 def assert_recomputed_once(ours, ref, name):
-    """Each forgotten storage's op ran once more in backward than in the plain model's."""
+    """Each forgotten storage's op ran once more in backward than in the plain model's (and the
+    ops its recompute needs that nothing kept, with it)."""
     assert isinstance(ours.get("bwd_ops"), dict), "the op counts of backward are missing"
-    for op, times in ROOT_OPS[name].items():
+    for op, times in expected_recomputes(name).items():
         extra = ours["bwd_ops"].get(op, 0) - ref["bwd_ops"].get(op, 0)
         assert extra == times, (
             f"each forgotten storage is recomputed once per backward: {name}'s backward ran "
             f"{op} {extra} more times than the plain model's, expected {times}"
             + (" (nothing was recomputed: was anything forgotten?)" if extra == 0 else "")
         )
+
+
+def assert_the_chain_costs_what_it_must():
+    """The checkpointed CHAIN: its values, and the bytes, FLOPs and ops the zip's reference
+    says forgetting its marks frees and adds."""
+    ours, ref, model, *_ = checkpointed(CHAIN)
+    assert_bitwise(ours, ref, model, f"the checkpointed {CHAIN} against the plain model")
+    costs = chain_costs()
+    for key in ("fwd_bytes", "bwd_flops"):
+        assert type(ours.get(key)) is int, f"{CHAIN}: the measured {key} is not an int"
+    freed = ref["fwd_bytes"] - ours["fwd_bytes"]
+    assert freed == costs["freed"], (
+        f"a marked output that autograd saves is freed in forward, one it does not save frees "
+        f"nothing: {CHAIN} freed {freed} bytes, expected {costs['freed']}"
+    )
+    assert_recomputed_once(ours, ref, CHAIN)
+    fc = costs["extra_ops"].get("aten.addmm.default", 0) * 2 * B * T * C * C
+    extra = ours["bwd_flops"] - ref["bwd_flops"]
+    assert extra == fc and ours["plan"]["recompute_flops"] == fc, (
+        f"{CHAIN}'s backward ran {extra} FLOPs more than the plain model's and its plan says "
+        f"{ours['plan']['recompute_flops']}, expected {fc} (the linear layer re-run when its "
+        "output is needed and not kept)"
+    )
 
 
 _RUNS = {}
@@ -326,6 +390,7 @@ def test_activation_memory_drops_by_the_forgotten_bytes():
         "view_and_base": B * T * 2 * C * F32,  # a base and its view: once
         "attention": (B * H * T * T + B * T * C) * F32,  # softmax probs + merged heads
         "attention_qkv": 0,  # batched matmul saves copies of q, k: qkv is never saved
+        CHAIN: chain_costs()["freed"],  # drawn at grading time: the zip's reference counts it
     }
     plains = {name: plain(name) for name in cases}
     x = plains["mlp"][2]
@@ -376,6 +441,7 @@ def test_peaks_drop_in_forward_and_in_backward():
         "a recomputed tensor must be freed once the last gradient that needs it has it: "
         f"backward's peak {ours['bwd_peak']} bytes, the plain model's {ref['bwd_peak']}"
     )
+    assert_the_chain_costs_what_it_must()
 
 
 @pytest.mark.parametrize(
@@ -449,6 +515,7 @@ def test_gradients_bitwise_equal_plain_and_torch_checkpoint(name):
         f"backward ran {extra} FLOPs more than the plain model's, the plan recomputes {planned}"
     )
     assert_recomputed_once(ours, ref, name)
+    assert_the_chain_costs_what_it_must()
 
 
 @pytest.mark.grade(points=2, solution="tensor_ckpt.unpack_hook", needs=ALL_BUT("unpack_hook"))
@@ -469,6 +536,7 @@ def test_forgetting_gelu_recomputes_no_matmul_and_view_plus_base_recomputes_once
         f"{extra} extra FLOPs in backward (one fc: {one_fc})"
     )
     assert_recomputed_once(ours, ref, "view_and_base")
+    assert_the_chain_costs_what_it_must()
 
 
 # ---- LiveStorage.recompute ----

@@ -16,12 +16,12 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 from models_tensor_ckpt import (
-    MODELS,
     B,
     Chain,
     Gate,
     LiveBytes,
     OpCount,
+    build,
     measured_run,
     unmarked,
 )
@@ -31,7 +31,7 @@ import tensor_ckpt as tc
 
 
 def model_of(name, state, marks=True):
-    model = MODELS[name](mark=tc.forget if marks else unmarked)
+    model = build(name, mark=tc.forget if marks else unmarked)
     model.load_state_dict(state)
     return model
 
