@@ -1,20 +1,28 @@
 """The small model that memory_timeline.py's tests record: the graded tests, their probes and the
 private tests alike.
 
-Five layers of known sizes (256 -> 1024 -> 256, a LayerNorm, 256 -> 256), seeded, so that its
-parameter, gradient and optimizer-state bytes follow exact formulas on any device.
+Five layers of known sizes by default (256 -> 1024 -> 256, a LayerNorm, 256 -> 256), seeded, so
+that its parameter, gradient and optimizer-state bytes follow exact formulas on any device. At
+grading time the activation tests record layers drawn from the same kinds.
 """
 
 import torch
 import torch.nn as nn
 
+PUBLIC = ("linear 1024", "gelu", "linear 256", "layernorm", "linear 256")
+KINDS = {"gelu": nn.GELU, "relu": nn.ReLU, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid}
 
-def small_model(device="cpu"):
+
+def small_model(device="cpu", layers=PUBLIC):
+    """nn.Sequential of ``layers`` ("linear N": N outputs; "layernorm"; or a KINDS name) on 256
+    inputs, seeded."""
     torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(256, 1024),
-        nn.GELU(),
-        nn.Linear(1024, 256),
-        nn.LayerNorm(256),
-        nn.Linear(256, 256),
-    ).to(device)
+    modules, width = [], 256
+    for layer in layers:
+        kind, *size = layer.split()
+        if kind == "linear":
+            modules.append(nn.Linear(width, int(size[0])))
+            width = int(size[0])
+        else:
+            modules.append(nn.LayerNorm(width) if kind == "layernorm" else KINDS[kind]())
+    return nn.Sequential(*modules).to(device)

@@ -7,12 +7,29 @@ import pytest
 import torch
 from sandbox import call
 
-from graded.expected import DRAW
-from graded.models_memory_timeline import small_model
+from graded.expected import DRAW, hidden
+from graded.models_memory_timeline import KINDS, PUBLIC, small_model
 
-# the batch and its seed move with the draw at grading time (the byte formulas follow the batch)
+# the batch, its seed and the recorded model's layers move with the draw at grading time
 BATCH = 64 if DRAW == 0 else (32, 48, 80, 96, 128)[DRAW % 5]
 SEED = 7919 * DRAW
+H = hidden("memory_timeline")  # the drawn models' activations: only in the autograder zip
+
+
+def drawn_layers():
+    """The public five layers, or at grading time 2-3 linear layers of drawn widths, each followed
+    by a drawn activation or LayerNorm, then a linear layer back to 256."""
+    if DRAW == 0:
+        return PUBLIC
+    gen = torch.Generator().manual_seed(SEED + 3)
+    pick = lambda options: options[int(torch.randint(len(options), (1,), generator=gen))]  # noqa: E731
+    layers = []
+    for _ in range(2 + int(torch.randint(2, (1,), generator=gen))):
+        layers += [f"linear {pick((128, 384, 512, 768))}", pick((*sorted(KINDS), "layernorm"))]
+    return (*layers, "linear 256")
+
+
+LAYERS = drawn_layers()
 
 
 def train(model, opt, x, steps):
@@ -64,11 +81,16 @@ def stepped_state(device, specs):
 def test_activations_are_exactly_the_tensors_saved_for_backward():
     """Each step's batch is made inside the recording, in a "data" phase before the forward: it is
     alive as the forward ends but the forward did not make it, so it is not an activation."""
-    got = call("memory_timeline:activations", batch=BATCH, seed=SEED)
+    got = call("memory_timeline:activations", batch=BATCH, seed=SEED, layers=LAYERS)
+    for key in ("step1", "run"):
+        assert type(got.get(key)) is int, f"the probe's {key} is not an int: {got.get(key)!r}"
     b, h, d = BATCH, 1024, 256
     # Linear1 output (saved by GELU), GELU output (saved by Linear2), Linear2 output, LayerNorm mean
     # and rstd, LayerNorm output (saved by Linear3), its output (saved by square); then the loss
     saved = (b * h + b * h + b * d + 2 * b + b * d + b * d) * 4 + 4
+    if H is not None:  # the zip's reference agrees with the formula, and counts the drawn layers
+        assert H.activation_bytes(PUBLIC, b) == saved, "the hidden reference disagrees"
+        saved = H.activation_bytes(LAYERS, b)
     extra = got["step1"] - saved
     assert extra == 0, (
         f"step 1's activations peak at {got['step1']:,} bytes, the tensors held for backward "
@@ -93,10 +115,10 @@ def test_peaks_agree_with_memtracker_and_the_profiler():
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX, Category, MemoryProfileTimeline
 
-    got = call("memory_timeline:peaks", batch=BATCH, seed=SEED)
+    got = call("memory_timeline:peaks", batch=BATCH, seed=SEED, layers=LAYERS)
     ours = got["peaks"]
 
-    model = small_model()
+    model = small_model(layers=LAYERS)
     opt = torch.optim.AdamW(model.parameters())
     x = torch.randn(BATCH, 256, generator=torch.Generator().manual_seed(SEED))
     tracker = MemTracker()
@@ -117,7 +139,7 @@ def test_peaks_agree_with_memtracker_and_the_profiler():
     by_name = {k.value if hasattr(k, "value") else k: v for k, v in peak.items()}
     input_bytes = x.numel() * 4  # MemTracker counts the input batch, created before our recording
 
-    model = small_model()
+    model = small_model(layers=LAYERS)
     opt = torch.optim.AdamW(model.parameters())
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
                  with_stack=True) as p:  # fmt: skip

@@ -122,7 +122,8 @@ def chain_costs():
     _, ops, marked = CHAIN.split(":")
     _, state, x = plain(CHAIN)
     ops, marked = ops.split(","), [int(i) for i in marked.split(",")]
-    return stored("tensor_ckpt", "chain", lambda: HIDDEN.chain_checkpoint_costs(ops, marked, state, x))
+    costs = lambda: HIDDEN.chain_checkpoint_costs(ops, marked, state, x)  # noqa: E731
+    return stored("tensor_ckpt", "chain", costs)
 
 
 def expected_recomputes(name):

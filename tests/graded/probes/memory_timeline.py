@@ -2,7 +2,7 @@
 and call its functions, and return plain numbers. The verdicts are the test's."""
 
 import torch
-from models_memory_timeline import small_model
+from models_memory_timeline import PUBLIC, small_model
 
 from memory.memory_timeline import MemoryTimeline, predicted_optimizer_state_bytes
 
@@ -10,10 +10,10 @@ OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch
               "Muon": torch.optim.Muon}  # fmt: skip
 
 
-def activations(steps=3, batch=64, seed=0):
+def activations(steps=3, batch=64, seed=0, layers=PUBLIC):
     """SGD, a batch made each step in a "data" phase inside the recording (before the forward):
     the activations' peak of step 1, of the run, and their bytes as each backward ends."""
-    model = small_model()
+    model = small_model(layers=layers)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     tl = MemoryTimeline(model, opt)
     g = torch.Generator().manual_seed(seed)
@@ -36,9 +36,9 @@ def activations(steps=3, batch=64, seed=0):
     }
 
 
-def peaks(steps=3, batch=64, seed=0):
+def peaks(steps=3, batch=64, seed=0, layers=PUBLIC):
     """AdamW, the batch made before the recording: every category's peak, and the total's."""
-    model = small_model()
+    model = small_model(layers=layers)
     opt = torch.optim.AdamW(model.parameters())
     x = torch.randn(batch, 256, generator=torch.Generator().manual_seed(seed))
     tl = MemoryTimeline(model, opt)
