@@ -118,23 +118,21 @@ def in_place(proxy_class):
     return type("InPlace" + proxy_class.__name__, (proxy_class,), methods)
 
 
-def trace(module, tracer=None, root=None):
+def trace(module, tracer=None, root=None, watch=None):
     """Trace ``module`` into a GraphModule sharing its parameters. ``tracer``: an fx.Tracer
     (default ``Tracer()``); ``root``: what it traces in the module's place (checkpoint_tensors'
     adapter: the module with a forward that takes one tensor per placeholder). A tracer with
     ``knows_shapes`` set ran Python on shapes knowing the examples': ``gm.meta["shapes"]`` says
-    the graph then holds for those shapes only."""
+    the graph then holds for those shapes only. ``watch``: a context manager around the trace
+    (the door's guard, which refuses what a trace would freeze)."""
     tracer = tracer or Tracer()
-    tensor_ckpt_guard.refuse_hooks_traced_into(tracer, module)
-    effects = tensor_ckpt_guard.SideEffects(module)  # Python's random, tensors changed unrecorded
     fastpath = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)  # attention's inference path branches on shapes
-    with effects.watching():  # what the trace runs instead of recording is refused after it
+    with watch or contextlib.nullcontext():
         try:
             graph = tracer.trace(module if root is None else root)
         finally:
             torch.backends.mha.set_fastpath_enabled(fastpath)
-    effects.check()
     gm = fx.GraphModule(module, graph, class_name=type(module).__name__ + "Traced")
     gm.meta["shapes"] = getattr(tracer, "knows_shapes", False)
     return gm
@@ -251,15 +249,15 @@ class NodeInfo:
     holds_tensors: bool = False  # a tuple/list with tensors in it (split, unbind, module outputs)
 
 
-def profile(gm, example_inputs):
+def profile(gm, example_inputs, python_drew=lambda: False):
     """Run ``gm`` once, node by node: a NodeInfo per node, and the storage keys autograd saved.
-    Every value stays alive during the run, so one address means one storage."""
+    Every value stays alive during the run, so one address means one storage. ``python_drew()``:
+    whether Python's or NumPy's generator moved since it was last asked (the door's watch)."""
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     device, saved = rng_snapshot(example_inputs)[2], []
     buffers = {storage_key(b) for b in gm.buffers()}  # kernels may change them unversioned
     infos, env = {nodes[-1]: NodeInfo()}, dict(zip(placeholders, example_inputs))
-    python_rng = tensor_ckpt_guard.random_states()  # put back after: planning draws nothing
 
     pack = lambda t: saved.append(t.detach()) or saved[-1]  # noqa: E731 (learns what is saved)
     fork = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
@@ -271,7 +269,6 @@ def profile(gm, example_inputs):
                 called = gm.get_submodule(n.target) if n.op == "call_module" else nn.Module()
                 touched += [*called.parameters(), *called.buffers()]
                 versions, rng = [t._version for t in touched], rng_snapshot(device)
-                drawn = tensor_ckpt_guard.comparable(tensor_ckpt_guard.random_states())
                 values = [t.clone() if storage_key(t) in buffers else t for t in touched]
                 with count_flops() as flops:
                     env[n] = run_node(gm, n, env)
@@ -279,9 +276,7 @@ def profile(gm, example_inputs):
                 info.random = can_draw(gm, n) or any(
                     a is not None and not torch.equal(a, b) for a, b in moved
                 )
-                info.draws_python = drawn != tensor_ckpt_guard.comparable(
-                    tensor_ckpt_guard.random_states()
-                )
+                info.draws_python = python_drew()
                 changed = [  # batch_norm updates its running statistics without a version bump
                     t
                     for t, v, c in zip(touched, versions, values)
@@ -297,7 +292,6 @@ def profile(gm, example_inputs):
                 info.nbytes = env[n].untyped_storage().nbytes()
             else:
                 info.holds_tensors = bool(tensors_in(env[n]))
-    tensor_ckpt_guard.set_random_states(python_rng)
     return infos, {storage_key(t) for t in saved}
 
 
@@ -365,6 +359,7 @@ class Plan:
     held_bytes: int  # frontier tensors autograd would not keep: held for the recompute
     rng_bytes: int  # generator snapshots kept per random node and forward, for the replay
     gm: fx.GraphModule
+    marked: list  # the nodes forget() marked or names= named (an unknown name as a string)
 
     def __post_init__(self):
         self.nodes = list(self.gm.graph.nodes)
@@ -391,7 +386,7 @@ class Plan:
 def make_plan(gm, infos, saved_keys, names=None):
     """What to forget (the ``forget()`` marks, or the nodes ``names``) and how to bring each
     storage back. A recompute reads another forgotten storage's recomputed value, not its ops.
-    What cannot be recomputed exactly is refused by one check() on the finished plan."""
+    What cannot be recomputed exactly is refused at the door, by the guard's check() of it."""
     nodes = list(gm.graph.nodes)
     position, by_storage = {n: i for i, n in enumerate(nodes)}, storage_units(nodes, infos)
     by_name = {n.name: n for n in nodes}  # an unknown name stays a string, for check() to refuse
@@ -429,8 +424,7 @@ def make_plan(gm, infos, saved_keys, names=None):
         for n in {n for u in units for n in u.nodes if infos[n].random}
     ]
     rng_bytes = sum(s.nbytes for snap in snapshots for s in snap[:2] if s is not None)
-    plan = Plan(units=units, held_bytes=sum(held.values()), rng_bytes=rng_bytes, gm=gm)
-    tensor_ckpt_guard.check(plan, infos, marked)
+    plan = Plan(units, sum(held.values()), rng_bytes, gm, marked)
     warn_costly(unit_of, forgotten, infos)
     return plan
 
@@ -732,15 +726,19 @@ class TensorCheckpoint(nn.Module):
         traced now (``self.tracer(inputs)``) if none fits."""
         if (key := self.plan_key(inputs)) not in self.plans:
             buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
-            try:
-                gm = trace(self.module, self.tracer(inputs), self.root)
-                with tensor_ckpt_guard.hooks_off(self.module):
-                    infos, saved_keys = profile(gm, tuple(inputs))
+            tracer = self.tracer(inputs)
+            try:  # the guard refuses what the trace would freeze, and quiets the example run
+                watch = tensor_ckpt_guard.tracing(tracer, self.module)
+                gm = trace(self.module, tracer, self.root, watch)
+                with tensor_ckpt_guard.example_run(self.module) as python_drew:
+                    infos, saved_keys = profile(gm, tuple(inputs), python_drew)
             finally:  # the trace and the example run must not move BatchNorm's statistics
                 for b, copy in buffers:
                     b.detach().copy_(copy)
             self.knows_shapes |= gm.meta["shapes"]
-            self.plans[key := self.plan_key(inputs)] = make_plan(gm, infos, saved_keys, self.names)
+            plan = make_plan(gm, infos, saved_keys, self.names)
+            tensor_ckpt_guard.check(plan, infos)  # what cannot be recomputed exactly is refused
+            self.plans[key := self.plan_key(inputs)] = plan
         self.plan = self.plans[key]
         return self.plan
 

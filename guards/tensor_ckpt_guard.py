@@ -15,10 +15,11 @@ import torch
 import torch.fx as fx
 
 
-def check(plan, infos, marked):
-    """Refuse an empty example input, a mark that cannot be forgotten (``marked``: the nodes
+def check(plan, infos):
+    """Refuse an empty example input, a mark that cannot be forgotten (``plan.marked``: the nodes
     forget() marked or ``names=`` named, an unknown name as a string) and a recompute that cannot
     reproduce the forward's value. ``infos``: what the example run learned per node."""
+    marked = plan.marked
     if empty := [n.name for n in plan.placeholders if infos[n].is_tensor and not infos[n].nbytes]:
         raise ValueError(
             f"tensor_ckpt: the example input '{empty[0]}' is empty: it allocates no "
@@ -165,6 +166,36 @@ PYTHON_RANDOM = {  # module -> functions a forward may draw from (numpy's only i
     "numpy.random": "random rand randn randint uniform normal choice shuffle permutation "
     "binomial random_sample".split(),
 }
+
+
+@contextlib.contextmanager
+def tracing(tracer, module):
+    """Around a trace of ``module``: refused first, a module with hooks the trace runs through;
+    after it, what the trace froze instead of recording (SideEffects)."""
+    refuse_hooks_traced_into(tracer, module)
+    effects = SideEffects(module)
+    with effects.watching():
+        yield
+    effects.check()
+
+
+@contextlib.contextmanager
+def example_run(module):
+    """Around planning's example run: no hook runs, and Python's and NumPy's generators are put
+    back after it. Yields ``drew()``: whether either moved since it was last asked."""
+    states = random_states()
+    last = [comparable(states)]
+
+    def drew():
+        now = comparable(random_states())
+        moved, last[0] = now != last[0], now
+        return moved
+
+    try:
+        with hooks_off(module):
+            yield drew
+    finally:
+        set_random_states(states)
 
 
 @contextlib.contextmanager
