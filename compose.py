@@ -157,12 +157,10 @@ class MoE(nn.Module):
         return torch.einsum("bseh,ech,bse->bsc", hidden, self.w_down, gates)
 
 
-class ComposeModel(nn.Module):
+class ComposeModel(mhc.PipelineModel):
     """Embedding -> n_hc lanes -> L mHC layers X' = B X + C F(A X) -> HyperHead -> RMSNorm -> LM
     head. Sublayer i: CSA when i % 4 == 0, HCA when i % 4 == 2, MoE when odd. `cfg` is what one
     rank holds (seq_len = T / cp: mhc.pipeline_step checks shapes against it)."""
-
-    hyper = True  # mhc.pipeline_step's model interface: an mHC model
 
     def __init__(self, cfg, cp=1):
         super().__init__()
@@ -184,13 +182,6 @@ class ComposeModel(nn.Module):
         for f in self.sublayers:
             if isinstance(f, AttentionSublayer):
                 f.core.cu_seqlens, f.core.group = cu_seqlens, group
-
-    def stream_shape(self, batch):
-        return (batch, self.cfg.seq_len, self.cfg.n_hc, self.cfg.dim)
-
-    def embed_stream(self, idx):  # [B, s] -> [B, s, n, C], the embedding in every lane
-        x = self.embed(idx)
-        return x.unsqueeze(-2).expand(*x.shape[:-1], self.cfg.n_hc, x.shape[-1])
 
     def run_layers(self, stream, start, end, variant="naive", block=None, final=False):
         """Layers [start, end); "naive": the plain autograd layer; "optimised": mhc's fused

@@ -108,7 +108,7 @@ class HyperConnection(nn.Module):
             raise ValueError(
                 f"mHC stream must have shape [..., n_hc={self.n}, dim={self.dim}], "
                 f"got {tuple(stream.shape)}: expand the embedding into n_hc lanes "
-                "once (Transformer.embed_stream)"
+                "once (PipelineModel.embed_stream)"
             )
 
 
@@ -562,10 +562,11 @@ class StageLinks:
 def pipeline_step(
     model, idx, targets, n_micro, variant="fused", block=None, overlap=True, groups=None
 ):
-    """One training step's forward and backward over the pipeline stages. idx, targets [batch, T]:
-    the same on every rank; variant, block: as Transformer.run_layers. Fills this stage's .grad for
-    the batch's mean loss; -> (loss on the last stage else None, PipelineStats). overlap=False
-    posts each receive only when needed. groups: StageLinks' (a device mesh's pipeline links)."""
+    """One training step's forward and backward over the pipeline stages. model: a PipelineModel;
+    idx, targets [batch, T]: the same on every rank; variant, block: as its run_layers. Fills this
+    stage's .grad for the batch's mean loss; -> (loss on the last stage else None, PipelineStats).
+    overlap=False posts each receive only when needed. groups: StageLinks' (a device mesh's
+    pipeline links)."""
     group = groups["forward"] if groups else None  # the pipeline's ranks (default: the world)
     stage, world = pipeline_rank(group)
     agree_pipeline_step(model, idx, targets, n_micro, variant, block, overlap, group)
@@ -641,7 +642,34 @@ class MLP(nn.Module):  # F of an MLP layer: a 4x GELU MLP, [batch, T, d] -> same
         return self.down(gelu(self.up(self.norm(x))))
 
 
-class Transformer(nn.Module):
+class PipelineModel(nn.Module):
+    """What pipeline_step asks of a model: ``cfg`` (seq_len, n_layers, n_hc, dim), ``embed`` (an
+    nn.Embedding: its weight gives the stream's dtype and device), ``hyper`` (n lanes, or one
+    residual stream), and the four methods below. Transformer is one; compose.ComposeModel is
+    another, with CSA/HCA/MoE sublayers."""
+
+    hyper = True
+
+    def stream_shape(self, batch):
+        """What flows between layers and stages: [batch, T, n, d] ([batch, T, d]: residual)."""
+        return (batch, self.cfg.seq_len, *((self.cfg.n_hc,) if self.hyper else ()), self.cfg.dim)
+
+    def embed_stream(self, idx):
+        """idx [batch, T] -> [batch, T, n, d], n stride-0 copies (a first block keeps d, not nd)."""
+        x = self.embed(idx)  # (batch, T, d)
+        return x.unsqueeze(-2).expand(*x.shape[:-1], self.cfg.n_hc, -1) if self.hyper else x
+
+    def run_layers(self, stream, start, end, variant="naive", block=None, final=False):
+        """Layers [start, end) of the stream as ``variant`` runs them; final (the last stage): end
+        with the lanes collapsed -> [batch, T, d]."""
+        raise NotImplementedError
+
+    def head_loss(self, stream, targets):
+        """The last stage's output -> the mean cross-entropy against targets."""
+        raise NotImplementedError
+
+
+class Transformer(PipelineModel):
     """Pre-norm attention and MLP sublayers F, alternating. hyper: each an mHC layer, the lanes
     made once from the embedding and collapsed once by hyper_head, as V4; else x' = x + F(x).
     kernels: what the fused and optimised variants run (EAGER, or compiled/'s)."""
@@ -660,15 +688,6 @@ class Transformer(nn.Module):
             self.hyper_head = HyperHead(n, dim, cfg.gate_init)
         self.norm = RMSNorm(cfg.dim)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-
-    def stream_shape(self, batch):
-        """What flows between layers and stages: [batch, T, n, d] ([batch, T, d]: residual)."""
-        return (batch, self.cfg.seq_len, *((self.cfg.n_hc,) if self.hyper else ()), self.cfg.dim)
-
-    def embed_stream(self, idx):
-        """idx [batch, T] -> [batch, T, n, d], n stride-0 copies (a first block keeps d, not nd)."""
-        x = self.embed(idx)  # (batch, T, d)
-        return x.unsqueeze(-2).expand(*x.shape[:-1], self.cfg.n_hc, -1) if self.hyper else x
 
     def run_layers(self, stream, start, end, variant="naive", block=None, final=False):
         """Layers [start, end) as one of VARIANTS: "naive" the plain autograd layer, "fused" each
