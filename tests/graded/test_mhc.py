@@ -135,7 +135,12 @@ def test_sinkhorn_matches_v4_and_is_doubly_stochastic():
         f"rows of B must sum to 1 (to eps), worst |row sum - 1| = {rows:.1e}: every round ends "
         f"with the row step (sum over dim=-1), after the column step (dim=-2)"
     )
-    assert cols < 1e-5, f"columns of B must sum to 1 after 20 rounds, worst error {cols:.1e}"
+    # 20 rounds leave the columns as far from 1 as V4's own Sinkhorn leaves them for these logits
+    # (up to 1.1e-5 at some draws), never much further
+    v4_cols = (want.sum(-2) - 1).abs().max().item()
+    assert cols < max(1e-5, 2 * v4_cols), (
+        f"columns of B must sum to 1 after 20 rounds, worst error {cols:.1e} (V4's: {v4_cols:.1e})"
+    )
     err = (b - want).abs().max().item()
     assert err < 1e-12, (
         f"B differs from V4's Sinkhorn by {err:.1e}: V4's order is a softmax down each column "

@@ -167,11 +167,29 @@ def fp32_ref(P0):
     return stored("muon_zero", "fp32 steps", lambda: H.reference_fp32(P0))
 
 
+def fp32_tolerance(P0, steps=STEPS):
+    """FP32_TOL, or ten times this draw's own fp32 rounding where that is larger: the fp32
+    reference's distance from its float64 run. Newton-Schulz amplifies rounding when a momentum
+    matrix is nearly rank-deficient: over seeds 0-149 that distance has median 3e-6 and reaches
+    1.1e-4, so a fixed 1e-5 failed correct solutions at one draw in ten. The student
+    repository grades the public case only, whose rounding is 2.5e-6: FP32_TOL."""
+    if H is None:
+        return FP32_TOL
+    wide = {k: v.double() for k, v in P0.items()}
+    own = rel_change_error(P0, H.reference_fp32(P0, steps), H.reference_fp32(wide, steps))
+    return max(FP32_TOL, 10 * own)
+
+
+@pytest.fixture(scope="module")
+def fp32_tol(P0):
+    return fp32_tolerance(P0)
+
+
 # --------------------------------------------------------------------------------------------------
 # The multi-rank check: one launch per world size, many checks on what it returns
 
 
-def assert_world(results, world, P0, torch_ref, fp32_ref, split_grads, A, B, G):
+def assert_world(results, world, P0, torch_ref, fp32_ref, fp32_tol, split_grads, A, B, G):
     """Each check's first line says what is wrong in the student's terms, with the numbers."""
     assert len(results) == world, f"{len(results)} ranks answered, {world} ran"
     widths = [z for z in (4, 3, 2, 1) if world % z == 0]  # the probe's, never the worker's keys
@@ -187,14 +205,14 @@ def assert_world(results, world, P0, torch_ref, fp32_ref, split_grads, A, B, G):
             replicas = f"; with {world // z} replica groups each dense bucket must also be summed"
             gather = "; ranks end with different parameters: is every updated chunk all-gathered?"
             hint = f"{replicas} across the replicas" if z < world else ("" if same else gather)
-            assert err < FP32_TOL and same, (
+            assert err < fp32_tol and same, (
                 f"{where}, zero_width {z}: fp32 MuonZeRO is {err:.2e} from the per-matrix fp32 "
-                f"reference (tolerance {FP32_TOL:g}){hint}"
+                f"reference (tolerance {fp32_tol:.2g}){hint}"
             )
         assert replicas_equal(results, "bf16_sr"), f"{where}: replicas differ after a bf16_sr step"
         spread = max(rel_change_error(P0, r[f"fp32_width{z}"], r[f"fp32_width{widths[0]}"])
                      for z in widths)  # fmt: skip
-        assert spread < FP32_TOL, f"{where}: zero widths disagree by {spread:.2e}"
+        assert spread < fp32_tol, f"{where}: zero widths disagree by {spread:.2e}"
         # torch's 5-step quintic does not converge, so bf16 rounding stays amplified in its output:
         # two correct op orders differ by ~5e-2 after 5 steps on this model; a wrong rule by > 0.2.
         err = rel_change_error(P0, r["bf16_vs_torch"], torch_ref)
@@ -256,7 +274,7 @@ def assert_world(results, world, P0, torch_ref, fp32_ref, split_grads, A, B, G):
 
 @pytest.mark.grade(points=3, solution="muon_zero.sharded_step", needs=SHARDED_NEEDS)
 @pytest.mark.parametrize("world", WORLDS)
-def test_matches_single_process_references(world, P0, torch_ref, fp32_ref):
+def test_matches_single_process_references(world, P0, torch_ref, fp32_ref, fp32_tol):
     split_grads = {k: split_mean(P0[k].shape, world, 50 + i + SEED)
                    for i, k in enumerate((*DENSE, *EXPERT))}  # fmt: skip
     A = torch.randn(6, 10, generator=torch.Generator().manual_seed(5 + SEED))
@@ -264,7 +282,7 @@ def test_matches_single_process_references(world, P0, torch_ref, fp32_ref):
     G = torch.randn(7, 4, generator=torch.Generator().manual_seed(7 + SEED))
     results = on_ranks("muon_zero:check_world", world, P0, BATCHES, split_grads, A, B, G,
                        timeout=150)  # fmt: skip
-    assert_world(results, world, P0, torch_ref, fp32_ref, split_grads, A, B, G)
+    assert_world(results, world, P0, torch_ref, fp32_ref, fp32_tol, split_grads, A, B, G)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -349,6 +367,7 @@ def test_data_parallel_subgroups_of_a_wider_world(world):
     results = on_ranks("muon_zero:data_parallel_stages", world, P0s, BATCHES, MAX_NORM,
                        timeout=150)  # fmt: skip
     refs = stored("muon_zero", "fp32 stages", lambda: [H.reference_fp32(P) for P in P0s])
+    tols = [fp32_tolerance(P) for P in P0s]
     for rank, r in enumerate(results):
         stage = rank // (world // 2)
         what = (f"two pipeline stages, each a data-parallel subgroup of {world // 2} rank(s): "
@@ -356,8 +375,9 @@ def test_data_parallel_subgroups_of_a_wider_world(world):
         assert_reading(r["reading"], P0s[stage], *BATCHES[0], MAX_NORM,
                        what + " (collectives must stay inside process_group)")  # fmt: skip
         err = rel_change_error(P0s[stage], r["params"], refs[stage])
-        assert err < FP32_TOL, (
-            f"{what} is {err:.2e} from the fp32 reference of its stage (tolerance {FP32_TOL:g})"
+        assert err < tols[stage], (
+            f"{what} is {err:.2e} from the fp32 reference of its stage (tolerance "
+            f"{tols[stage]:.2g})"
         )
 
 
@@ -366,10 +386,10 @@ def test_same_shape_matrices_share_one_stack_and_one_ns_call(P0):
     got = call("muon_zero:stacks_and_calls", P0, BATCHES[:2])
     # the steps themselves: a forged count of stacks and calls earns nothing on its own
     two = stored("muon_zero", "fp32 2 steps", lambda: H.reference_fp32(P0, steps=2))
-    err = rel_change_error(P0, got["params"], two)
-    assert err < FP32_TOL, (
+    err, tol = rel_change_error(P0, got["params"], two), fp32_tolerance(P0, steps=2)
+    assert err < tol, (
         f"2 fp32 steps on one process are {err:.2e} from the per-matrix fp32 reference "
-        f"(tolerance {FP32_TOL:g})"
+        f"(tolerance {tol:.2g})"
     )
     assert got["stable"], (
         "the stacked momentum buffers must be updated in place: they are the resting layout"
