@@ -338,6 +338,9 @@ def deal_whole(numels, peers):
     return [sorted(b) for b in buckets]
 
 
+AdamWBlock = namedtuple("AdamWBlock", "tensor block rows numel")  # rows: (first, end), or ()
+
+
 @dataclass
 class MuonPlan:
     """Who owns what. Rank r sits at position r % zero_width of replica r // zero_width; it owns
@@ -352,7 +355,7 @@ class MuonPlan:
     dense_bucket_numel: int = 0  # the largest bucket: every bucket is padded to it
     expert_chunk_numel: int = 0  # the largest run: every run is padded to it
     adamw_shapes: list = field(default_factory=list)  # AdamW's tensors, in parameter order
-    adamw_blocks: list = field(default_factory=list)  # (tensor, block, rows, numel) each
+    adamw_blocks: list = field(default_factory=list)  # AdamWBlock each
     adamw_buckets: list = field(default_factory=list)  # world_size lists of block indices
     adamw_chunk_numel: int = 0  # the largest AdamW bucket: every one is padded to it
 
@@ -364,6 +367,10 @@ class MuonPlan:
     def owned_adamw(self, rank):
         """AdamW blocks (indices into adamw_blocks) whose moments `rank` holds and updates."""
         return self.adamw_buckets[rank]
+
+    def adamw_numel(self, rank):
+        """Elements of the AdamW blocks `rank` owns."""
+        return sum(self.adamw_blocks[i].numel for i in self.adamw_buckets[rank])
 
 
 def plan_muon(
@@ -385,12 +392,12 @@ def plan_muon(
     chunk = max((sum(map(math.prod, experts[a:b])) for a, b in ranges), default=0)
     adamw = [tuple(s) for s in adamw_shapes]
     blocks = [
-        (t, j, rows, math.prod(shape[1:]) * (rows[1] - rows[0]) if rows else 1)
+        AdamWBlock(t, j, rows, math.prod(shape[1:]) * (rows[1] - rows[0]) if rows else 1)
         for t, shape in enumerate(adamw)
         for j, rows in enumerate(adamw_blocks(shape))
     ]
-    dealt = deal_whole([numel for *_, numel in blocks], world_size)
-    adamw_chunk = max((sum(blocks[i][3] for i in b) for b in dealt), default=0)
+    dealt = deal_whole([b.numel for b in blocks], world_size)
+    adamw_chunk = max((sum(blocks[i].numel for i in b) for b in dealt), default=0)
     plan = MuonPlan(world_size, zero_width, dense, buckets, experts, ranges, bucket, chunk)
     return replace(
         plan,
@@ -1253,7 +1260,7 @@ def format_plan(plan):
         cost = f"{sum(map(ns_cost, shapes)):.3g}", len([k for k, _ in groupby(shapes)])
         rows.append((*owner, *(f"{n:,}" for n in (d + e, *pads)), *cost))
         if plan.adamw_blocks:
-            held = sum(plan.adamw_blocks[i][3] for i in plan.owned_adamw(r))
+            held = plan.adamw_numel(r)
             rows[-1] += (f"{held:,}", f"{plan.adamw_chunk_numel - held:,}")
     widths = [max(len(h), 6) for h in rows[0]]
     return "\n".join(" ".join(str(c).rjust(w) for c, w in zip(row, widths)) for row in rows)

@@ -566,7 +566,7 @@ def _vs_ddp_rank(rank, world, full, repeats):
     momentum = sum(M.numel() * M.element_size() for ms in mine.momenta for M in ms)
     owned = sum(4 * math.prod(r.shape) * len(r.slots) for r in dense)
     plan = mine.plan  # its padding: the fullest bucket of each kind over an equal share, in bytes
-    adamw_total = sum(numel for *_, numel in plan.adamw_blocks)
+    adamw_total = sum(b.numel for b in plan.adamw_blocks)
     adamw_padding = 8 * (plan.adamw_chunk_numel - adamw_total / world)  # two fp32 moments
     return dict(
         ours_ms=1e3 * slowest[0].item(),

@@ -210,7 +210,7 @@ def plan_sizes(plan):
             sum(math.prod(plan.dense_shapes[i]) for i in dense)
             + sum(math.prod(plan.expert_shapes[i]) for i in experts)
         )
-    adamw = [sum(plan.adamw_blocks[i][3] for i in b) for b in plan.adamw_buckets]
+    adamw = [plan.adamw_numel(rank) for rank in range(plan.world_size)]
     sizes = plan.dense_bucket_numel, plan.expert_chunk_numel, plan.adamw_chunk_numel
     return PlanSizes(plan.zero_width, *sizes, tuple(owned), tuple(adamw))
 

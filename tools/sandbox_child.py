@@ -497,7 +497,8 @@ SITE_PATH = []  # the zygote's sys.path without its own folder: the interpreter'
 
 
 def descendants(pid):
-    """Every process below ``pid`` (Linux /proc); tools/sandbox.py kills with it too."""
+    """Every process below ``pid`` (Linux /proc); tools/sandbox.py and tools/spawn.py kill with
+    it too."""
     children = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():

@@ -27,6 +27,8 @@ import sys
 import time
 import traceback
 
+from tools.sandbox_child import descendants  # the zygote's walk of /proc, written once
+
 _CONTEXT = None
 
 
@@ -161,26 +163,6 @@ def run_ranks(fn, world_size, args=(), kwargs=None, timeout=120.0):
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
-
-
-def descendants(pid):
-    """Every process below ``pid`` (Linux /proc; elsewhere none are found)."""
-    children = {}
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(parent, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        below = children.get(todo.pop(), [])
-        found += below
-        todo += below
-    return found
 
 
 def kill_tree(pid):
