@@ -98,39 +98,47 @@ class AttentionSublayer(nn.Module):
     """F of an even sublayer: RMSNorm -> CSA or HCA (cp_compress) -> output projection.
     [B, s, C] -> [B, s, C]. The normalised input is cheap to redo: forgotten."""
 
-    def __init__(self, cfg, kind):
+    def __init__(self, cfg, kind, documents):
         super().__init__()
         ratio = cfg.csa_ratio if kind == "csa" else cfg.hca_ratio
         self.norm = mhc.RMSNorm(cfg.dim)
         sizes = (cfg.n_heads, cfg.head_dim, ratio, cfg.window, cfg.top_k, cfg.index_heads)
         core = cp_compress.CompressedAttention(kind, cfg.dim, *sizes, cfg.index_dim)
-        self.core = Compressed(core)
+        self.core = Compressed(core, documents)
         self.wo = nn.Parameter(torch.randn(cfg.n_heads * cfg.head_dim, cfg.dim) / cfg.dim**0.5)
 
     def forward(self, x):
         return self.core(forget(self.norm(x))) @ self.wo
 
 
+@dataclass
+class Documents:
+    """What every attention layer reads besides its input, set once per layout by
+    ComposeModel.attend: the documents' boundaries and the CP group (None: the reference)."""
+
+    cu_seqlens: torch.Tensor = None
+    group: object = None
+
+
 class Compressed(nn.Module):
     """The attention proper, one sequence at a time: `.reference` over the whole sequence (group
     None), else `.context_parallel` on this rank's shard. A leaf for tensor_ckpt's FX trace: its
-    halo and all-gather depend on data FX cannot see (document boundaries, ranks)."""
+    halo and all-gather depend on data FX cannot see (``documents``, shared by every layer)."""
 
-    def __init__(self, attention):
+    def __init__(self, attention, documents):
         super().__init__()
-        self.attention, self.cu_seqlens, self.group = attention, None, None
+        self.attention, self.documents = attention, documents
         attention.ape.no_muon = True  # a [m, sets, C] positional bias, not an expert stack
         for p in (getattr(attention, n, None) for n in ("wq_index", "w_index", "norm_index")):
             if p is not None:  # top-k is not differentiable: V4 trains the indexer apart
                 p.requires_grad_(False)
 
     def forward(self, x):  # [B, s, C] -> [B, s, H * D]
-        if self.group is None:
-            rows = [self.attention.reference(row, self.cu_seqlens)[0] for row in x]
+        cu_seqlens, group = self.documents.cu_seqlens, self.documents.group
+        if group is None:
+            rows = [self.attention.reference(row, cu_seqlens)[0] for row in x]
         else:
-            rows = [
-                self.attention.context_parallel(row, self.cu_seqlens, self.group)[0] for row in x
-            ]
+            rows = [self.attention.context_parallel(row, cu_seqlens, group)[0] for row in x]
         return torch.stack(rows).flatten(-2)
 
 
@@ -167,8 +175,9 @@ class ComposeModel(mhc.PipelineModel):
         self.cfg = replace(cfg, seq_len=cfg.seq_len // cp)
         kinds = {0: "csa", 2: "hca"}
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.documents = Documents()  # read by every attention layer, set by attend()
         self.sublayers = nn.ModuleList(
-            AttentionSublayer(cfg, kinds[i % 4]) if i % 2 == 0 else MoE(cfg)
+            AttentionSublayer(cfg, kinds[i % 4], self.documents) if i % 2 == 0 else MoE(cfg)
             for i in range(cfg.n_layers)
         )
         self.hcs = nn.ModuleList(mhc.HyperConnection(cfg.n_hc, cfg.dim) for _ in self.sublayers)
@@ -179,9 +188,7 @@ class ComposeModel(mhc.PipelineModel):
 
     def attend(self, cu_seqlens, group=None):
         """Every attention layer: the documents' boundaries, and the CP group (None: reference)."""
-        for f in self.sublayers:
-            if isinstance(f, AttentionSublayer):
-                f.core.cu_seqlens, f.core.group = cu_seqlens, group
+        self.documents.cu_seqlens, self.documents.group = cu_seqlens, group
 
     def run_layers(self, stream, start, end, variant="naive", block=None, final=False):
         """Layers [start, end); "naive": the plain autograd layer; "optimised": mhc's fused
