@@ -101,9 +101,10 @@ grade-alternatives: venv-test
 	$(PY) tools/grade.py --check-alternatives $(ONLY)
 
 # the reference graded inside Gradescope's default limits (768 MB, half a CPU; a cgroup: root):
-# full marks, peak working set <= 650 MB, <= 360 s, else it fails
+# full marks, peak working set <= 650 MB, <= 360 s, else it fails; at a drawn case whose fp32
+# rounding is among the largest seen (GRADE_DRAW to pick another), as the autograder draws them
 grade-fit: venv-test
-	$(PY) tools/measure_grading.py
+	GRADE_DRAW=$${GRADE_DRAW:-628923452} $(PY) tools/measure_grading.py
 
 # the graded tests' expected values for their public cases, from the references only the autograder
 # zip holds (tests/graded/hidden/): the student repository's tests read them; the reference's check
