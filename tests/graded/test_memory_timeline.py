@@ -89,8 +89,8 @@ def test_activations_are_exactly_the_tensors_saved_for_backward():
     # and rstd, LayerNorm output (saved by Linear3), its output (saved by square); then the loss
     saved = (b * h + b * h + b * d + 2 * b + b * d + b * d) * 4 + 4
     if H is not None:  # the zip's reference agrees with the formula, and counts the drawn layers
-        assert H.activation_bytes(PUBLIC, b) == saved, "the hidden reference disagrees"
-        saved = H.activation_bytes(LAYERS, b)
+        assert H.bytes_held_for_backward(PUBLIC, b) == saved, "the hidden reference disagrees"
+        saved = H.bytes_held_for_backward(LAYERS, b)
     extra = got["step1"] - saved
     assert extra == 0, (
         f"step 1's activations peak at {got['step1']:,} bytes, the tensors held for backward "

@@ -8,7 +8,7 @@ import torch
 from graded.models_memory_timeline import small_model
 
 
-def activation_bytes(layers, batch):
+def bytes_held_for_backward(layers, batch):
     """Bytes of the storages one forward of small_model(layers) on a [batch, 256] batch makes
     and autograd saves for backward, plus the loss's: what is alive as that forward ends."""
     model = small_model(layers=layers)
