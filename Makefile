@@ -113,7 +113,8 @@ expected: venv-test
 	rm -f tests/graded/stored/*.pt
 	GRADE_WRITE_EXPECTED=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider \
 	  tests/graded/test_mhc.py tests/graded/test_muon_zero.py tests/graded/test_cp_compress.py \
-	  tests/graded/test_tensor_ckpt.py::test_activation_memory_drops_by_the_forgotten_bytes
+	  tests/graded/test_tensor_ckpt.py::test_activation_memory_drops_by_the_forgotten_bytes \
+	  tests/graded/test_compose.py
 
 # the course kit: build/release/student/ (the repository a student clones, no solution in it) and
 # build/release/autograder.zip (Gradescope's setup.sh and run_autograder); then the leak search
