@@ -488,23 +488,32 @@ def check_packing(seq_per_rank, cu_seqlens, cp_size, ratio, overlap, top_k, wind
     if ratio < 1:
         raise ValueError(f"the compression ratio m must be >= 1, got {ratio}")
     halo, lap = (halo_rows(ratio, overlap) if cp_size > 1 else 0), " with overlap" * overlap
-    for bad, text in (  # the first that fails is the one reported
-        (window < 1, f"window must be >= 1 (it includes the query's own token), got {window}"),
-        (top_k is not None and top_k < 1, f"top_k must be >= 1, got {top_k}"),
-        (s <= 0 or s % ratio, f"tokens per rank must be a positive multiple of the compression "
-         f"ratio m={ratio}, got s={s}; pad the sequence so s is a multiple of {ratio}"),
-        (halo > s, f"the compression halo must come from one rank: {halo} rows for m={ratio}"
-         f"{lap}, got s={s}; use s >= {halo} or fewer ranks"),
-        (cp_size > 1 and window - 1 > s, f"the sliding window's {window - 1} rows must come "
-         f"from one rank, got s={s}; use s >= {window - 1} or fewer ranks"),
-        (cu[0] != 0 or bool((cu[1:] <= cu[:-1]).any()),
-         f"cu_seqlens must start at 0 and strictly increase, got {cu.tolist()}"),
-        (cu[-1] != cp_size * s, f"document lengths must sum to cp_size*s = {cp_size}*{s} = "
-         f"{cp_size * s} tokens, got {int(cu[-1])}; the last entry of cu_seqlens is the full "
-         "packed length"),
-    ):  # fmt: skip
-        if bad:
-            raise ValueError(text)
+    if window < 1:
+        raise ValueError(f"window must be >= 1 (it includes the query's own token), got {window}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if s <= 0 or s % ratio:
+        raise ValueError(
+            f"tokens per rank must be a positive multiple of the compression ratio m={ratio}, "
+            f"got s={s}; pad the sequence so s is a multiple of {ratio}"
+        )
+    if halo > s:
+        raise ValueError(
+            f"the compression halo must come from one rank: {halo} rows for m={ratio}{lap}, "
+            f"got s={s}; use s >= {halo} or fewer ranks"
+        )
+    if cp_size > 1 and window - 1 > s:
+        raise ValueError(
+            f"the sliding window's {window - 1} rows must come from one rank, got s={s}; use "
+            f"s >= {window - 1} or fewer ranks"
+        )
+    if cu[0] != 0 or bool((cu[1:] <= cu[:-1]).any()):
+        raise ValueError(f"cu_seqlens must start at 0 and strictly increase, got {cu.tolist()}")
+    if cu[-1] != cp_size * s:
+        raise ValueError(
+            f"document lengths must sum to cp_size*s = {cp_size}*{s} = {cp_size * s} tokens, got "
+            f"{int(cu[-1])}; the last entry of cu_seqlens is the full packed length"
+        )
 
 
 def agree_inputs(layer, x, cu_seqlens, group=None, entry="context_parallel"):
@@ -524,14 +533,18 @@ def agree_inputs(layer, x, cu_seqlens, group=None, entry="context_parallel"):
         check_packing(x.shape[0], cu_seqlens, dist.get_world_size(group), *sizes)
     except ValueError as err:
         error = str(err)
-    try:  # any input, even one validation refused; one too odd to describe joins with its error
-        cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens
-        fields = {"entry point": entry, "tokens per rank": x.shape[0] if x.dim() else None}
-        fields |= {"x features": tuple(x.shape[1:]), "x dtype": str(x.dtype), "cu_seqlens": cu}
-        settings = "kind ratio window top_k heads head_dim index_heads index_dim".split()
-        fields |= {"dim": dim} | {name: getattr(layer, name) for name in settings}
-    except Exception as err:
-        fields, error = {"entry point": entry}, error or f"unreadable input: {err!r}"
+    # any input, even one validation refused, is described: what is not a tensor by its type
+    cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else repr(cu_seqlens)
+    if isinstance(x, torch.Tensor):
+        shape = {
+            "tokens per rank": x.shape[0] if x.dim() else None,
+            "x features": tuple(x.shape[1:]),
+        }
+        fields = {"entry point": entry, **shape, "x dtype": str(x.dtype), "cu_seqlens": cu}
+    else:
+        fields = {"entry point": entry, "x": type(x).__name__, "cu_seqlens": cu}
+    settings = "kind ratio window top_k heads head_dim index_heads index_dim".split()
+    fields |= {"dim": dim} | {name: getattr(layer, name) for name in settings}
 
     def weights(first):  # the layer's first comparison: each weight's digest, exactly
         named = layer.named_parameters() if first else []
