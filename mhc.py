@@ -609,6 +609,36 @@ def pipeline_step(
     ### END SOLUTION
 
 
+class PipelineModel(nn.Module):
+    """What pipeline_step asks of a model: ``cfg`` (seq_len, n_layers, n_hc, dim), ``embed`` (an
+    nn.Embedding: its weight gives the stream's dtype and device), ``hyper`` (n lanes, or one
+    residual stream), and the four methods below. Transformer is one; compose.ComposeModel is
+    another, with CSA/HCA/MoE sublayers."""
+
+    hyper = True
+
+    def stream_shape(self, batch):
+        """What flows between layers and stages: [batch, T, n, d] ([batch, T, d]: residual)."""
+        return (batch, self.cfg.seq_len, *((self.cfg.n_hc,) if self.hyper else ()), self.cfg.dim)
+
+    def embed_stream(self, idx):
+        """idx [batch, T] -> [batch, T, n, d], n stride-0 copies (a first block keeps d, not nd)."""
+        x = self.embed(idx)  # (batch, T, d)
+        return x.unsqueeze(-2).expand(*x.shape[:-1], self.cfg.n_hc, -1) if self.hyper else x
+
+    def run_layers(self, stream, start, end, variant="naive", block=None, final=False):
+        """Layers [start, end) of the stream as ``variant`` runs them; final (the last stage): end
+        with the lanes collapsed -> [batch, T, d]."""
+        raise NotImplementedError
+
+    def head_loss(self, stream, targets):
+        """The last stage's output -> the mean cross-entropy against targets."""
+        raise NotImplementedError
+
+
+# ---- appendix: the demo's model, validation and the agreement guard, then the demo ---------------
+
+
 # ---- the small transformer -----------------------------------------------------------------------
 
 
@@ -640,33 +670,6 @@ class MLP(nn.Module):  # F of an MLP layer: a 4x GELU MLP, [batch, T, d] -> same
 
     def forward(self, x):
         return self.down(gelu(self.up(self.norm(x))))
-
-
-class PipelineModel(nn.Module):
-    """What pipeline_step asks of a model: ``cfg`` (seq_len, n_layers, n_hc, dim), ``embed`` (an
-    nn.Embedding: its weight gives the stream's dtype and device), ``hyper`` (n lanes, or one
-    residual stream), and the four methods below. Transformer is one; compose.ComposeModel is
-    another, with CSA/HCA/MoE sublayers."""
-
-    hyper = True
-
-    def stream_shape(self, batch):
-        """What flows between layers and stages: [batch, T, n, d] ([batch, T, d]: residual)."""
-        return (batch, self.cfg.seq_len, *((self.cfg.n_hc,) if self.hyper else ()), self.cfg.dim)
-
-    def embed_stream(self, idx):
-        """idx [batch, T] -> [batch, T, n, d], n stride-0 copies (a first block keeps d, not nd)."""
-        x = self.embed(idx)  # (batch, T, d)
-        return x.unsqueeze(-2).expand(*x.shape[:-1], self.cfg.n_hc, -1) if self.hyper else x
-
-    def run_layers(self, stream, start, end, variant="naive", block=None, final=False):
-        """Layers [start, end) of the stream as ``variant`` runs them; final (the last stage): end
-        with the lanes collapsed -> [batch, T, d]."""
-        raise NotImplementedError
-
-    def head_loss(self, stream, targets):
-        """The last stage's output -> the mean cross-entropy against targets."""
-        raise NotImplementedError
 
 
 class Transformer(PipelineModel):
@@ -715,9 +718,6 @@ class Transformer(PipelineModel):
     def forward(self, idx, targets, variant="naive", block=None):
         x = self.run_layers(self.embed_stream(idx), 0, self.cfg.n_layers, variant, block, True)
         return self.head_loss(x, targets)
-
-
-# ---- appendix: validation and the agreement guard, then the demo ---------------------------------
 
 
 def check_config(cfg):
