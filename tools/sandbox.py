@@ -832,18 +832,32 @@ def _outcome(w, timeout, oom_before):
     return {"ok": False, "kind": "died", "message": message}, output
 
 
-def _run(probe, world_size, args, kwargs, timeout):
-    """``probe`` in 1 worker (world_size 0) or ``world_size`` rank workers; their values."""
+def _inputs_file(args, kwargs):
+    """A file of the probe's inputs that a worker can open by its name but no worker can list:
+    the name reaches only the worker whose request carries it."""
     import torch
 
-    timeout = _timeout(timeout)
-    fd, path = tempfile.mkstemp(prefix="probe-args-", suffix=".pt", dir=_private_dir("args"))
+    folder = _private_dir("args")
+    os.chmod(folder, 0o711)
+    fd, path = tempfile.mkstemp(prefix="probe-args-", suffix=".pt", dir=folder)
     with os.fdopen(fd, "wb") as f:
         torch.save({"args": args, "kwargs": kwargs}, f)
     os.chmod(path, 0o644)
+    return path
+
+
+def _run(probe, world_size, args, kwargs, timeout, per_rank=None):
+    """``probe`` in 1 worker (world_size 0) or ``world_size`` rank workers; their values. Rank r
+    also gets ``per_rank[r]`` as keyword arguments, in a file of its own."""
+    timeout = _timeout(timeout)
+    ranks = max(1, world_size)
+    if per_rank is None:
+        paths = [_inputs_file(args, kwargs)] * ranks
+    else:
+        paths = [_inputs_file(args, {**kwargs, **own}) for own in per_rank]
     port = free_port()
     requests = []
-    for rank in range(max(1, world_size)):
+    for rank in range(ranks):
         env = _env()
         if world_size:
             env.update(
@@ -854,12 +868,13 @@ def _run(probe, world_size, args, kwargs, timeout):
                 LOCAL_RANK=str(rank),
                 SANDBOX_GROUP_TIMEOUT_S=str(max(5, int(timeout))),
             )
-        requests.append(_request(probe=probe, args=path, env=env, tag=f"{probe}/{rank}"))
+        requests.append(_request(probe=probe, args=paths[rank], env=env, tag=f"{probe}/{rank}"))
     oom_before = _oom_kills()
     try:
         workers = run_workers(requests, timeout)
     finally:
-        os.unlink(path)
+        for path in set(paths):
+            os.unlink(path)
     outcomes = [_outcome(w, timeout, oom_before) for w in workers]
     errors = {r: o for r, (o, _) in enumerate(outcomes) if not o.get("ok")}
     if errors:
@@ -908,11 +923,15 @@ def call(probe, *args, timeout=120.0, **kwargs):
     return _run(probe, 0, args, kwargs, timeout)[0]
 
 
-def on_ranks(probe, world_size, *args, timeout=120.0, **kwargs):
-    """``probe(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks; values by rank."""
+def on_ranks(probe, world_size, *args, timeout=120.0, per_rank=None, **kwargs):
+    """``probe(rank, world_size, *args, **kwargs, **per_rank[rank])`` on ``world_size`` gloo
+    ranks; values by rank. What is in ``per_rank[r]`` reaches rank r alone (its data shard): a
+    submission that answers without the collectives cannot see the other ranks' inputs."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    return _run(probe, world_size, args, kwargs, timeout)
+    if per_rank is not None and len(per_rank) != world_size:
+        raise ValueError(f"per_rank has {len(per_rank)} entries for {world_size} ranks")
+    return _run(probe, world_size, args, kwargs, timeout, per_rank)
 
 
 def torchrun(file, nproc, args=(), timeout=300.0, check=True):

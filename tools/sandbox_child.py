@@ -59,7 +59,7 @@ TRACEBACK_LINES = 12
 DECOY_FD = 3  # where a result pipe would be expected: the grader rejects a call with a byte on it
 MAGIC = b"SANDBOX-RECORD\n"  # a frame: MAGIC, the payload's length (8 bytes), the payload
 _RESULT = {"fd": None}  # the record's descriptor, drawn per worker
-PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 36, 38
 
 
 def _prctl(option, value):
@@ -472,6 +472,7 @@ def _worker(request, out_fd, result_fd, decoy_fd):
         os.setresgid(gid, gid, gid)
         os.setresuid(uid, uid, uid)
     _prctl(PR_SET_NO_NEW_PRIVS, 1)
+    _prctl(PR_SET_DUMPABLE, 0)  # another rank, the same user, cannot read this one's memory
     os.umask(0o077)
     os.chdir(request["cwd"])
     os.environ.clear()

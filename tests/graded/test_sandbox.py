@@ -193,6 +193,15 @@ def test_the_call_stops_where_this_files_time_ends(monkeypatch):
     assert error.value.kind == "budget"
 
 
+def test_a_rank_gets_its_own_inputs_and_nothing_of_the_others():
+    shards = [torch.full((2,), float(r)) for r in range(3)]
+    got = on_ranks("selftest:own_shard", 3, per_rank=[{"shard": t} for t in shards])
+    assert [r["shard"].tolist() for r in got] == [t.tolist() for t in shards]
+    if sandbox.identity()[0] is not None:  # a worker of another user than the grader's
+        assert all(r["listed"] is None for r in got), "a worker listed the probes' input files"
+        assert not any(r["readable"] for r in got), "a worker read another rank's memory"
+
+
 @pytest.mark.skipif(sandbox.identity()[0] is None, reason=sandbox.identity()[2])
 def test_as_root_the_worker_is_the_sandbox_user_and_writes_only_its_scratch(tmp_path):
     uid = sandbox.identity()[0]
