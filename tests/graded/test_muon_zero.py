@@ -30,6 +30,7 @@ from graded.models_muon_zero import (
     ADAMW,
     DENSE,
     EXPERT,
+    GLOBAL_BATCH,
     batch,
     forward_loss,
     make_params,
@@ -62,8 +63,15 @@ ungraded = pytest.mark.ungraded
 WORLDS = [1, 2, pytest.param(3, marks=ungraded), pytest.param(4, marks=ungraded)]
 
 
-BATCHES = [batch(s) for s in range(STEPS)]
+BATCHES = [batch(s) for s in range(STEPS)]  # drawn with DRAW (models_muon_zero.batch)
 SEED = 7919 * DRAW  # every other input of the graded cases moves with the draw
+
+
+def rank_slices(world, batches=BATCHES):
+    """[world] lists: rank r's slice of each global batch, what on_ranks hands to rank r alone."""
+    per = GLOBAL_BATCH // world
+    return [[(x[r * per : (r + 1) * per], y[r * per : (r + 1) * per]) for x, y in batches]
+            for r in range(world)]  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
@@ -87,7 +95,7 @@ def reference_torch(P, steps=STEPS, max_norm=None):
     )
     norms = []
     for s in range(steps):
-        forward_loss(L, *batch(s)).backward()
+        forward_loss(L, *BATCHES[s]).backward()
         if max_norm is not None:
             every = mats + [L[k] for k in ADAMW]
             norms.append(torch.nn.utils.clip_grad_norm_(every, max_norm).item())
@@ -280,8 +288,9 @@ def test_matches_single_process_references(world, P0, torch_ref, fp32_ref, fp32_
     A = torch.randn(6, 10, generator=torch.Generator().manual_seed(5 + SEED))
     B = torch.randn(7, 4, generator=torch.Generator().manual_seed(6 + SEED))
     G = torch.randn(7, 4, generator=torch.Generator().manual_seed(7 + SEED))
-    results = on_ranks("muon_zero:check_world", world, P0, BATCHES, split_grads, A, B, G,
-                       timeout=150)  # fmt: skip
+    own = [{"slices": mine, "grads": {k: g[r] for k, g in split_grads.items()},
+            "G": G if r == 0 else None} for r, mine in enumerate(rank_slices(world))]  # fmt: skip
+    results = on_ranks("muon_zero:check_world", world, P0, A, B, per_rank=own, timeout=150)
     assert_world(results, world, P0, torch_ref, fp32_ref, fp32_tol, split_grads, A, B, G)
 
 
@@ -342,7 +351,8 @@ def test_clipping_inside_step_matches_clip_grad_norm_on_one_process(world, P0):
     zero width (2 ranks at width 1: two replica groups)."""
     ref, norms = reference_torch(P0, max_norm=MAX_NORM)
     assert min(norms) > 2 * MAX_NORM, f"clipping never bit: norms down to {min(norms)}"
-    results = on_ranks("muon_zero:clipping", world, P0, BATCHES, MAX_NORM, timeout=150)
+    own = [{"slices": mine} for mine in rank_slices(world)]
+    results = on_ranks("muon_zero:clipping", world, P0, MAX_NORM, per_rank=own, timeout=150)
     for rank, r in enumerate(results):
         for z in (z for z in (1, 2, 3, 4) if world % z == 0):
             what = f"rank {rank} of {world}, zero_width {z}"
@@ -364,7 +374,9 @@ def test_data_parallel_subgroups_of_a_wider_world(world):
     data-parallel subgroup with its own parameters; each matches the fp32 reference of its own
     parameters, and one clipped step's factor is clip_grad_norm_'s on its own gradient only."""
     P0s = [make_params(seed=2 * DRAW + s) for s in (0, 1)]
-    results = on_ranks("muon_zero:data_parallel_stages", world, P0s, BATCHES, MAX_NORM,
+    dp = world // 2
+    own = [{"P0": P0s[r // dp], "slices": rank_slices(dp)[r % dp]} for r in range(world)]
+    results = on_ranks("muon_zero:data_parallel_stages", world, MAX_NORM, per_rank=own,
                        timeout=150)  # fmt: skip
     refs = stored("muon_zero", "fp32 stages", lambda: [H.reference_fp32(P) for P in P0s])
     tols = [fp32_tolerance(P) for P in P0s]
@@ -505,6 +517,11 @@ def test_muon_update_matches_torch_muon_rule():
                 f"torch.optim.Muon's average form lerp(M, G, 1 - momentum)"
             )
             rms, want_rms = got.pow(2).mean().sqrt().item(), want.pow(2).mean().sqrt().item()
+            turned = rel(got * (want_rms / rms), want)  # the direction alone, its scale aside
+            assert turned < 1e-3, (
+                f"{what}: the update points {turned:.3g} away from torch.optim.Muon's rule "
+                f"(X = lerp(G, M, momentum) with Nesterov, else M), its scale aside"
+            )
             assert abs(rms / want_rms - 1) < 2e-2, (  # NS(X) is not exactly orthogonal
                 f"{what}: update RMS {rms:.4f}, expected {want_rms:.4f}: the update must be "
                 f"NS(X)·sqrt(max(n, m))·update_rms"

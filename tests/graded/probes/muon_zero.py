@@ -2,8 +2,9 @@
 test gives and return plain values (tensors, numbers, strings). The verdicts are the test's.
 
 The model is the test's small MoE block (models_muon_zero, which the test's reference runs too):
-dense matrices, expert stacks, and AdamW tensors; each rank trains on its slice of every global
-batch."""
+dense matrices, expert stacks, and AdamW tensors. Each rank is handed its own slice of every
+global batch and its own gradients (on_ranks' per_rank), never another rank's: the mean over the
+ranks exists only through the optimizer's collectives."""
 
 import torch
 import torch.distributed as dist
@@ -30,16 +31,14 @@ def coefficients(name):
     return {"v4": mz.V4_NS_COEFFICIENTS, "standard": mz.STANDARD_NS_COEFFICIENTS}[name]
 
 
-def train(P, batches, rank, world, start=0, **kw):
+def train(P, slices, **kw):
     """Every rank: its slice of each global batch, backward, MuonZeRO.step(). -> (params, opt)."""
     if "ns_coefficients" in kw:
         kw["ns_coefficients"] = coefficients(kw["ns_coefficients"])
     L = leaves(P)
     opt = mz.MuonZeRO(groups(L), lr=LR_MUON, **kw)
-    for x, y in batches:
-        per = x.size(0) // world
-        mine = slice(rank * per, (rank + 1) * per)
-        forward_loss(L, x[mine], y[mine]).backward()
+    for x, y in slices:
+        forward_loss(L, x, y).backward()
         opt.step()
         opt.zero_grad()
     return {k: v.detach() for k, v in L.items()}, opt
@@ -53,30 +52,31 @@ def error_of(fn):
     return None
 
 
-def check_world(rank, world, P0, batches, split_grads, A, B, G):
-    """Everything test_matches_single_process_references compares, from one launch."""
+def check_world(rank, world, P0, A, B, slices, grads, G):
+    """Everything test_matches_single_process_references compares, from one launch. slices: this
+    rank's slice of each batch; grads: its gradient of each matrix; G: rank 0's only (else None)."""
     torch.manual_seed(1234 + rank)  # different per rank: nothing may depend on rank-local noise
     out = {}
-    out["bf16_vs_torch"], _ = train(P0, batches, rank, world, ns_coefficients="standard",
+    out["bf16_vs_torch"], _ = train(P0, slices, ns_coefficients="standard",
                                     update_rms=0.2, grad_sync="fp32")  # fmt: skip
     for z in (z for z in (1, 2, 3, 4) if world % z == 0):
         out[f"fp32_width{z}"], _ = train(
-            P0, batches, rank, world, ns_dtype=torch.float32, grad_sync="fp32", zero_width=z
+            P0, slices, ns_dtype=torch.float32, grad_sync="fp32", zero_width=z
         )
     width = max(z for z in (1, 2, 3) if world % z == 0 and (z < world or world == 1))
-    out["bf16_sr"], opt = train(P0, batches, rank, world, grad_sync="bf16_sr", zero_width=width)
+    out["bf16_sr"], opt = train(P0, slices, grad_sync="bf16_sr", zero_width=width)
     out["state_bytes"] = opt.state_bytes()
     for ns_dtype in (torch.float32, torch.bfloat16):  # one step on the given per-rank gradients
         L = leaves(P0)
         opt = mz.MuonZeRO(groups(L), lr=LR_MUON, grad_sync="bf16_sr", ns_dtype=ns_dtype)
-        for k, grads in split_grads.items():
-            L[k].grad = grads[rank].clone()
+        for k, grad in grads.items():
+            L[k].grad = grad.clone()
         opt.step()
-        out[f"sr_one_step_{str(ns_dtype)[6:]}"] = {k: L[k].detach() for k in split_grads}
+        out[f"sr_one_step_{str(ns_dtype)[6:]}"] = {k: L[k].detach() for k in grads}
     # a gradient nowhere (a) and on rank 0 only (b)
     a, b = A.clone().requires_grad_(), B.clone().requires_grad_()
     opt = mz.MuonZeRO([a, b], lr=0.1, ns_dtype=torch.float32, grad_sync="fp32")
-    b.grad = G.clone() if rank == 0 else None
+    b.grad = None if G is None else G.clone()
     opt.step()
     out["none_a"], out["none_b"] = a.detach(), b.detach()
     if world > 1:  # bad input: every rank raises the same ValueError, and nobody is left waiting
@@ -94,8 +94,8 @@ def check_world(rank, world, P0, batches, split_grads, A, B, G):
     return out
 
 
-def one_step_reading(P0, x, y, rank, dp, process_group=None, **kw):
-    """One step from zero state on this rank's slice: what sharded_step returned (the clip
+def one_step_reading(P0, x, y, process_group=None, **kw):
+    """One step from zero state on this rank's slice x, y: what sharded_step returned (the clip
     factor) and the state it left, whole (the momentum is (1 - 0.95) x the reduced gradient)."""
     returned = []
     real = mz.sharded_step
@@ -109,9 +109,7 @@ def one_step_reading(P0, x, y, rank, dp, process_group=None, **kw):
         L = leaves(P0)
         opt = mz.MuonZeRO(groups(L), lr=LR_MUON, grad_sync="fp32", process_group=process_group,
                           ns_dtype=torch.float32, **kw)  # fmt: skip
-        per = x.size(0) // dp
-        mine = slice(rank * per, (rank + 1) * per)
-        forward_loss(L, x[mine], y[mine]).backward()
+        forward_loss(L, x, y).backward()
         opt.step()
     finally:
         mz.sharded_step = real
@@ -123,37 +121,36 @@ def one_step_reading(P0, x, y, rank, dp, process_group=None, **kw):
     }
 
 
-def clipping(rank, world, P0, batches, max_norm):
+def clipping(rank, world, P0, max_norm, slices):
     """Per zero width: 5 clipped steps, and one step's reading with and without clipping."""
     out = {}
     for z in (z for z in (1, 2, 3, 4) if world % z == 0):
-        out[f"steps_width{z}"], _ = train(P0, batches, rank, world, ns_coefficients="standard",
+        out[f"steps_width{z}"], _ = train(P0, slices, ns_coefficients="standard",
                                           update_rms=0.2, grad_sync="fp32", zero_width=z,
                                           max_grad_norm=max_norm)  # fmt: skip
         for clip in (None, max_norm):
             out[f"reading_width{z}_clip{clip}"] = one_step_reading(
-                P0, *batches[0], rank, world, zero_width=z, max_grad_norm=clip
+                P0, *slices[0], zero_width=z, max_grad_norm=clip
             )
     return out
 
 
-def data_parallel_stages(rank, world, P0s, batches, max_norm):
+def data_parallel_stages(rank, world, max_norm, P0, slices):
     """Two pipeline stages, ranks [0, world/2) and [world/2, world), each its own MuonZeRO over
-    its data-parallel subgroup, with its own parameters: 5 steps, and one clipped step's reading."""
+    its data-parallel subgroup, with its own parameters P0 (its stage's: the other stage's never
+    reach this rank): 5 steps on its slices, and one clipped step's reading."""
     dp = world // 2
     stages = [dist.new_group(list(range(s * dp, (s + 1) * dp))) for s in (0, 1)]  # every rank
     stage = rank // dp
     width = 1 if stage == 0 or dp == 1 else 2  # the stages make different subgroup calls
-    L = leaves(P0s[stage])
+    L = leaves(P0)
     opt = mz.MuonZeRO(groups(L), lr=LR_MUON, ns_dtype=torch.float32, grad_sync="fp32",
                       process_group=stages[stage], zero_width=width)  # fmt: skip
-    for x, y in batches:
-        per = x.size(0) // dp
-        mine = slice(rank % dp * per, (rank % dp + 1) * per)
-        forward_loss(L, x[mine], y[mine]).backward()
+    for x, y in slices:
+        forward_loss(L, x, y).backward()
         opt.step()
         opt.zero_grad()
-    reading = one_step_reading(P0s[stage], *batches[0], rank % dp, dp, stages[stage],
+    reading = one_step_reading(P0, *slices[0], stages[stage],
                                zero_width=width, max_grad_norm=max_norm)  # fmt: skip
     return {"stage": stage, "params": {k: v.detach() for k, v in L.items()}, "reading": reading}
 
