@@ -453,7 +453,8 @@ def test_data_parallel_replicas_match_single_process(world_size):
     model, state, _ = plain("block")
     torch.manual_seed(SEED + 1)
     x_all = torch.randn(world_size * B, T, C)
-    results = on_ranks("tensor_ckpt:data_parallel", world_size, state, x_all)
+    own = [{"shard": x_all[r * B : (r + 1) * B]} for r in range(world_size)]
+    results = on_ranks("tensor_ckpt:data_parallel", world_size, state, per_rank=own)
     assert all(r["refused"] for r in results), "a bad annotation must be refused on every rank"
     for n in range(1, world_size + 1):
         model.zero_grad(set_to_none=True)

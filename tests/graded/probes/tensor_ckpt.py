@@ -16,7 +16,6 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 from models_tensor_ckpt import (
-    B,
     Chain,
     Gate,
     LiveBytes,
@@ -367,13 +366,13 @@ def forward_bytes(cases, x, weights):
     return out
 
 
-def data_parallel(rank, world_size, state, x_all):
-    """Each rank checkpoints its replica of the Block on its shard: gradients averaged by
-    all_reduce over the first n ranks for every n, and through DDP over all ranks."""
+def data_parallel(rank, world_size, state, shard):
+    """Each rank checkpoints its replica of the Block on its shard (handed to it alone): gradients
+    averaged by all_reduce over the first n ranks for every n, and through DDP over all ranks."""
     import torch.distributed as dist
 
     model = model_of("block", state)
-    x = x_all[rank * B : (rank + 1) * B].clone().requires_grad_()
+    x = shard.clone().requires_grad_()
     try:  # a bad annotation is refused on every rank before any collective, so nobody waits
         tc.checkpoint_tensors(model, (x,), names=["no_such_tensor"])
         refused = False
