@@ -39,36 +39,10 @@ import launch
 RMS_EPS = 1e-6  # V4's rms_norm_eps (F.rms_norm's default, the dtype's machine eps, differs)
 
 
-# ---- The compressor (V4 §2.3): softmax pooling of m raw rows, one document at a time -------------
+# ---- V4's RMSNorm ------------------------------------------------------------------------------
 def rms_norm(x, weight):
     """V4's RMSNorm over the last dim: x / sqrt(mean(x^2) + 1e-6) * weight (a learned weight)."""
     return F.rms_norm(x, (x.shape[-1],), weight, eps=RMS_EPS)
-
-
-def compress_reference(kv, score, ape, cu_seqlens, ratio, overlap):
-    """Single-device compression of a packed sequence, document by document (the reference).
-    kv, score: [T, sets, C] raw rows (with overlap, sets = 2: set 0 pools an entry's own block, set
-    1 is read by the next entry); ape: [ratio, sets, C] a bias on the logits. Entry j of a document
-    is a per-channel softmax over the rows of blocks j-1 and j (block -1: logit -inf, value 0).
-    -> entries [T//ratio, C], zero rows at the tail."""
-    T, _, C = kv.shape
-    pooled = []
-    for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
-        n = (b - a) // ratio
-        if n == 0:
-            continue
-        kv_blocks = kv[a : a + n * ratio].unflatten(0, (n, ratio))  # [n, m, sets, C]
-        logit_blocks = score[a : a + n * ratio].unflatten(0, (n, ratio)) + ape
-        if overlap:
-            kv_prev = torch.cat([kv.new_zeros(1, ratio, C), kv_blocks[:-1, :, 1]])
-            logit_prev = torch.cat([kv.new_full((1, ratio, C), -math.inf), logit_blocks[:-1, :, 1]])
-            kv_win = torch.cat([kv_prev, kv_blocks[:, :, 0]], dim=1)  # [n, 2m, C]
-            logit_win = torch.cat([logit_prev, logit_blocks[:, :, 0]], dim=1)
-        else:
-            kv_win, logit_win = kv_blocks[:, :, 0], logit_blocks[:, :, 0]
-        pooled.append((kv_win * logit_win.softmax(dim=1)).sum(dim=1))
-    entries = torch.cat(pooled) if pooled else kv.new_zeros(0, C)
-    return torch.cat([entries, kv.new_zeros(T // ratio - entries.shape[0], C)])
 
 
 # ---- Under CP: which blocks end on which rank, and which raw rows they pool ----------------------
@@ -119,7 +93,7 @@ def compress_local(ext_kv, ext_score, ape, own_rows, prev_rows, slots):
     ext_kv, ext_score: [halo + s, sets, C]; own_rows / prev_rows from local_entry_rows (set 0 of an
     entry's own block, set 1 of the block before). -> [slots, C]: the n valid entries first, in the
     order of own_rows, zero rows after, so every rank sends an equal buffer."""
-    # hint: the same pooling as compress_reference, but the windows are given as row indices
+    # hint: gather each window's rows by index, then a softmax over the window's rows per channel
     ### BEGIN SOLUTION
     kv_win = ext_kv[own_rows, 0]  # [n, m, C]
     logit_win = ext_score[own_rows, 0] + ape[:, 0]
@@ -134,6 +108,20 @@ def compress_local(ext_kv, ext_score, ape, own_rows, prev_rows, slots):
     assert pooled.shape[0] <= slots, "at most s/m blocks end on a rank; the buffer has s/m + 1"
     return F.pad(pooled, (0, 0, 0, slots - pooled.shape[0]))
     ### END SOLUTION
+
+
+def compress_reference(kv, score, ape, cu_seqlens, ratio, overlap):
+    """Single-device compression of a packed sequence: the protocol's phase 1 at one rank that
+    holds all T rows (its halo is rows of nothing before the first document). kv, score:
+    [T, sets, C] raw rows (with overlap, sets = 2: set 0 pools an entry's own block, set 1 is read
+    by the next entry); ape: [ratio, sets, C] a bias on the logits. Entry j of a document is a
+    per-channel softmax over the rows of blocks j-1 and j (block -1: logit -inf, value 0).
+    -> entries [T//ratio, C], document by document, zero rows at the tail."""
+    T, halo = kv.shape[0], halo_rows(ratio, overlap)
+    ends, starts = compressed_entry_ends(cu_seqlens, ratio)
+    own_rows, prev_rows = local_entry_rows(ends, starts, 0, T, ratio, overlap)
+    ext_kv, ext_score = (torch.cat([t.new_zeros(halo, *t.shape[1:]), t]) for t in (kv, score))
+    return compress_local(ext_kv, ext_score, ape, own_rows, prev_rows, T // ratio)
 
 
 def select_and_pad(gathered, counts, total):

@@ -240,12 +240,19 @@ def layer_runs(world_size):
         cases = []
         for kind, m in (("csa", M), ("hca", M_HCA)):
             for cu in layouts(world_size, S, m):
-                # the same inputs on every rank; DRAW moves them at grading time
+                # DRAW moves the inputs at grading time; each rank is handed only its shard
                 g = torch.Generator().manual_seed(int(cu.sum()) + 7919 * DRAW)
                 x = torch.randn(world_size * S, 16, generator=g)
                 grad_out = torch.randn(world_size * S, 2, D, generator=g)
                 cases.append((kind, m, cu, x, grad_out, layer_params(kind, m, g)))
-        runs = on_ranks("cp_compress:layer_runs", world_size, cases, WINDOW, TOP_K, timeout=120)
+        shared = [(kind, m, cu, params) for kind, m, cu, _, _, params in cases]
+
+        def rank_rows(r):  # rank r's rows of x and grad_out, case by case
+            return [(shard(x, world_size, r), shard(dy, world_size, r)) for *_, x, dy, _ in cases]
+
+        own = [{"shards": rank_rows(r)} for r in range(world_size)]
+        runs = on_ranks("cp_compress:layer_runs", world_size, shared, WINDOW, TOP_K,
+                        per_rank=own, timeout=120)  # fmt: skip
         _RUNS[world_size] = cases, runs
     return _RUNS[world_size]
 
@@ -392,14 +399,27 @@ def test_cp_matches_plain_sdpa_attention(world_size):
 # --------------------------------------------------------------------------------------------------
 
 
-def check_boundaries(results, s, m):
-    """Raw values group_rank*10000 + local position: what crossed each boundary, both ways."""
+def boundary_tags(cp):
+    """Each group rank's numbers for boundary_values: {"value", "weight", "fill", "mult"} -> a
+    list by group rank. The kit's are the group ranks themselves; at grading time they are drawn
+    (distinct values 1-99, so a halo's rows name the rank they came from)."""
+    if DRAW == 0:
+        return {"value": list(range(cp)), "weight": list(range(cp)), "fill": list(range(cp)),
+                "mult": [g + 1 for g in range(cp)]}  # fmt: skip
+    g = torch.Generator().manual_seed(11 + 7919 * DRAW)
+    draw = [(torch.randperm(99, generator=g)[:cp] + 1).tolist() for _ in range(4)]
+    return dict(zip(("value", "weight", "fill", "mult"), draw, strict=True))
+
+
+def check_boundaries(results, s, m, tags):
+    """Raw values tag*10000 + local position: what crossed each boundary, both ways."""
     results = [r for r in results if r is not None]
     cp = len(results)
     assert sorted(r["rank"] for r in results) == list(range(cp)), "each group rank answers once"
+    owner = {t: g for g, t in enumerate(tags["value"])}  # a row's tag -> its group rank
 
     def expect(p):
-        return (p // s) * 10000 + p % s  # the value of global position p
+        return tags["value"][p // s] * 10000 + p % s  # the value of global position p
 
     final = next(r for r in results if r["rank"] == cp - 1)
     for res in results:
@@ -411,7 +431,7 @@ def check_boundaries(results, s, m):
             last_ok = cp > 1 and [int(v) for v in final["by_overlap"][k]["halo"]] == [
                 expect(p) for p in range((cp - 1) * s - h, (cp - 1) * s)
             ]
-            came_from_next = any(halo) and halo[0] // 10000 == rank + 1
+            came_from_next = any(halo) and owner.get(halo[0] // 10000) == rank + 1
             assert not (came_from_next and not (rank == 0 and last_ok)), (
                 f"the halo comes from the PREVIOUS rank (exchange_halo sends to rank + 1 and "
                 f"receives from rank - 1): rank {rank} received rows of rank {rank + 1}"
@@ -419,7 +439,7 @@ def check_boundaries(results, s, m):
             if rank == 0:
                 assert not any(halo), (
                     f"rank 0 has no previous rank: its halo must be zeros (the line does not wrap "
-                    f"around like a ring), got values of rank {max(halo) // 10000}"
+                    f"around like a ring), got values of rank {owner.get(max(halo) // 10000)}"
                 )
             else:
                 want = [expect(p) for p in range(rank * s - h, rank * s)]
@@ -430,7 +450,8 @@ def check_boundaries(results, s, m):
                 )
             grad = [int(v) for v in got["grad"]]
             last = rank + 1 == cp
-            want = [0] * s if last else [0] * (s - h) + [(rank + 1) * 100 + i for i in range(h)]
+            after = [tags["weight"][rank + 1] * 100 + i for i in range(h)] if not last else []
+            want = [0] * s if last else [0] * (s - h) + after
             assert grad == want, (
                 f"to_next=False is the backward pass: rank {rank + 1} sends the halo's gradient "
                 f"back to rank {rank}, onto its last {h} rows"
@@ -456,11 +477,11 @@ def check_boundaries(results, s, m):
                         f"rows {end - 2 * m + 1}..{end - m}, got values {e['prev']}"
                     )
         gathered = res["gathered"]
-        assert gathered[:, 0, 0].tolist() == list(range(cp)), (
+        assert gathered[:, 0, 0].tolist() == tags["fill"], (
             f"all_gather_entries must stack the ranks' buffers in rank order: got "
             f"{gathered[:, 0, 0].tolist()}"
         )
-        total = cp * (cp + 1) / 2
+        total = sum(tags["mult"])
         assert torch.equal(res["gather_grad"], torch.full((3, 2), total)), (
             f"all_gather_entries' backward sums every rank's gradient for a buffer: expected "
             f"{total}, got {res['gather_grad'].flatten()[:2].tolist()}"
@@ -478,18 +499,28 @@ def check_boundaries(results, s, m):
 )
 def test_boundary_values_show_exactly_what_crossed(world_size, members):
     s, m = 16, 4
+    group = members or list(range(world_size))
+    tags = boundary_tags(len(group))
+    own = [{"tags": {k: v[group.index(r)] for k, v in tags.items()} if r in group else None}
+           for r in range(world_size)]  # fmt: skip
     if members is None:
-        results = on_ranks("cp_compress:boundary_values", world_size, s, m, members, timeout=60)
+        results = on_ranks("cp_compress:boundary_values", world_size, s, m, members,
+                           per_rank=own, timeout=60)  # fmt: skip
     else:
         try:
-            results = on_ranks("cp_compress:boundary_values", world_size, s, m, members, timeout=30)
+            results = on_ranks("cp_compress:boundary_values", world_size, s, m, members,
+                               per_rank=own, timeout=30)  # fmt: skip
         except StudentCodeError as e:
             raise AssertionError(
                 f"exchange_halo on a CP group {members} of a {world_size}-rank world failed: peers "
                 f"must be addressed by global rank (dist.get_global_rank(group, r))\n{e}"
             ) from None
-    check_boundaries(results, s, m)
+    check_boundaries(results, s, m, tags)
     # the second rank's first entry (ends at 16): 7 rows from the first (9..15), its own row 0
     second = next(r for r in results if r is not None and r["rank"] == 1)
     first = second["by_overlap"][0]["sources"][0]
-    assert first["prev"] + first["own"] == [9, 10, 11, 12, 13, 14, 15, 10000]
+    want = [tags["value"][0] * 10000 + p for p in range(9, 16)] + [tags["value"][1] * 10000]
+    assert first["prev"] + first["own"] == want, (
+        f"group rank 1's first entry (ending at 16) pools rows 9..15 of rank 0 and its own row 0: "
+        f"values {want}, got {first['prev'] + first['own']}"
+    )

@@ -43,14 +43,14 @@ def make_layer(kind, m, window, top_k):
     return layer
 
 
-def layer_runs(rank, world_size, cases, window, top_k):
-    """For each (kind, m, cu, x, grad_out, params) (x, grad_out: the whole sequence's; params:
-    the layer's, drawn by the test): the protocol's
-    output on this rank (counts, entries, visible, the halo sizes it asked for), then the layer's
-    output on this rank's shard and the gradients of sum(out * grad_out) (input, parameters)."""
+def layer_runs(rank, world_size, cases, window, top_k, shards):
+    """For each (kind, m, cu, params) (params: the layer's, drawn by the test) with this rank's
+    (x, grad_out) in ``shards`` (its rows alone: the other ranks' reach it only through the
+    protocol): the protocol's output on this rank (counts, entries, visible, the halo sizes it
+    asked for), then the layer's output and the gradients of sum(out * grad_out) (input, params)."""
     out = []
     real = cpc.halo_from_previous
-    for kind, m, cu, x, grad_out, params in cases:
+    for (kind, m, cu, params), (x, grad_out) in zip(cases, shards, strict=True):
         layer = make_layer(kind, m, window, top_k)
         layer.load_state_dict(params, strict=True)  # the test's: its reference reads the same
         shipped = []
@@ -62,7 +62,7 @@ def layer_runs(rank, world_size, cases, window, top_k):
         cpc.halo_from_previous = recording
         try:
             with torch.no_grad():
-                proj = layer.project(cpc.shard_sequence(x, world_size, rank))
+                proj = layer.project(x)
                 shard = cpc.context_parallel_compress(
                     proj.kv, proj.gate, layer.ape, layer.normalise, cu, m, layer.overlap
                 )
@@ -71,9 +71,9 @@ def layer_runs(rank, world_size, cases, window, top_k):
             return out
         finally:
             cpc.halo_from_previous = real
-        x_cp = cpc.shard_sequence(x, world_size, rank).clone().requires_grad_()
+        x_cp = x.clone().requires_grad_()
         y, _ = layer.context_parallel(x_cp, cu)
-        (y * cpc.shard_sequence(grad_out, world_size, rank)).sum().backward()
+        (y * grad_out).sum().backward()
         out.append(
             {
                 "counts": [int(c) for c in shard.counts],
@@ -88,20 +88,23 @@ def layer_runs(rank, world_size, cases, window, top_k):
     return out
 
 
-def boundary_values(rank, world_size, s, m, members=None):
-    """Raw values group_rank*10000 + local position through halo_from_previous (forward and
-    backward) on the CP group of ``members`` (default: the world), the rows local_entry_rows
-    picks from [halo | own rows], and all_gather_entries forward and backward."""
+def boundary_values(rank, world_size, s, m, members=None, tags=None):
+    """Raw values tag*10000 + local position through halo_from_previous (forward and backward) on
+    the CP group of ``members`` (default: the world), the rows local_entry_rows picks from
+    [halo | own rows], and all_gather_entries forward and backward. tags: this rank's own numbers
+    (value, weight, fill, mult), drawn by the test and handed to this rank alone: another rank's
+    reach it only through the exchange."""
     group = dist.new_group(members) if members else None
     if members and rank not in members:
         return None
     me, cp = dist.get_rank(group), dist.get_world_size(group)
-    value = (me * 10000 + torch.arange(s, dtype=torch.float32))[:, None].requires_grad_()
+    value = (tags["value"] * 10000 + torch.arange(s, dtype=torch.float32))[:, None]
+    value.requires_grad_()
     out = {"rank": me, "by_overlap": []}
     for overlap in (True, False):
         h = cpc.halo_rows(m, overlap)
         halo = cpc.halo_from_previous(value, h, group)
-        weight = (me * 100 + torch.arange(halo.shape[0], dtype=torch.float32))[:, None]
+        weight = (tags["weight"] * 100 + torch.arange(halo.shape[0], dtype=torch.float32))[:, None]
         (halo * weight).sum().backward()
         grad, value.grad = value.grad.flatten().tolist(), None
         cu = torch.tensor(sorted({0, cp * s} | {b - (2 * m - 1) for b in range(s, cp * s, s)}))
@@ -116,8 +119,8 @@ def boundary_values(rank, world_size, s, m, members=None):
         out["by_overlap"].append(
             {"halo": halo.detach().flatten().tolist(), "grad": grad, "sources": sources}
         )
-    buf = torch.full((3, 2), float(me)).requires_grad_()
+    buf = torch.full((3, 2), float(tags["fill"])).requires_grad_()
     gathered = cpc.all_gather_entries(buf, group)
-    (gathered * (me + 1)).sum().backward()
+    (gathered * tags["mult"]).sum().backward()
     out["gathered"], out["gather_grad"] = gathered.detach(), buf.grad
     return out
