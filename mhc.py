@@ -30,7 +30,7 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -184,41 +184,17 @@ def norm_then_project_backward(grad, x, weight, projected, inv_rms):
     return torch.addcmul(scaled @ weight.T, through_rms, x, value=-1), grad_weight
 
 
-def lanes_first(t):  # [..., n, n] -> [n, n, ...] in memory, for sinkhorn_lanes_first
-    return t.movedim((-2, -1), (0, 1)).contiguous()
-
-
-def sinkhorn_lanes_first(logits, iters=20, eps=EPS, steps=None):
-    """sinkhorn_knopp's steps on logits laid out [n, n, ...]: lanes first in memory, each sum adds n
-    contiguous rows of tokens, far cheaper than an n-long run per token at small n. steps: a list
-    that receives each step's (Y, s, dim), for the backward. -> (softmax, B), both [n, n, ...]."""
-    soft = torch.softmax(logits, dim=0)
-    matrix = soft + eps
-    for dim in [1] + [0, 1] * (iters - 1):  # sinkhorn_knopp's order: rows, columns, rows, ...
-        sums = matrix.sum(dim, keepdim=True).add_(eps)
-        matrix = matrix / sums
-        if steps is not None:
-            steps.append((matrix, sums, dim))
-    return soft, matrix
-
-
-def sinkhorn_forward(logits, iters=20, eps=EPS):
-    """sinkhorn_knopp computed lanes first: [..., n, n] -> [..., n, n], per token in memory again
-    (the post-mix reads B per token)."""
-    b = sinkhorn_lanes_first(lanes_first(logits), iters, eps)[1]
-    return b.movedim((0, 1), (-2, -1)).contiguous()
-
-
 def sinkhorn_backward(logits, grad, iters=20, eps=EPS):
-    """d logits of sinkhorn_knopp given dB [..., n, n]: replay its steps (lanes first), walk them
-    back. For Y = M / s, s = sum(M) + eps: dM = (dY - sum(dY Y)) / s; the softmax's:
-    s (g - sum(g s))."""
-    steps = []
-    soft, _ = sinkhorn_lanes_first(lanes_first(logits), iters, eps, steps)
-    grad = lanes_first(grad)
-    for matrix, sums, dim in reversed(steps):
-        grad = (grad - (grad * matrix).sum(dim, keepdim=True)).div_(sums)
-    return (soft * (grad - (grad * soft).sum(0, keepdim=True))).movedim((0, 1), (-2, -1))
+    """d logits of sinkhorn_knopp given dB [..., n, n]: sinkhorn_knopp replayed under autograd.
+    The one kernel whose backward is not written out: its replay would be sinkhorn_knopp again.
+    What the replay saves lives only inside this call: no caller's saved-tensor hook sees it."""
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
+        x = logits.detach().requires_grad_()
+        return torch.autograd.grad(sinkhorn_knopp(x, iters, eps), x, grad)[0]
+
+
+def _kept(t):
+    return t
 
 
 def pre_mix(a, stream):
@@ -250,14 +226,12 @@ def post_mix_backward(grad_out, b, stream, c, f):
 
 def mix_in(stream, params, iters):
     """mhc_coefficients and the pre-mix, forward only: X [..., n, d] -> (h = A X, kept). params:
-    hc_params(hc). kept = (A, B, C, x W, 1/rms): all backward needs besides X, per token."""
-    proj, gate, bias_pre, bias_post, bias_res = (p.to(mixing_dtype(stream.dtype)) for p in params)
-    n, x = stream.shape[-2], stream.to(proj.dtype)
-    projected, inv_rms = norm_then_project(x.flatten(-2), proj)
-    pre, post, res = (projected * inv_rms).split([n, n, n * n], dim=-1)
-    a = torch.sigmoid(gate[0] * pre + bias_pre) + EPS
-    c = 2 * torch.sigmoid(gate[1] * post + bias_post)
-    b = sinkhorn_forward(gate[2] * res.unflatten(-1, (n, n)) + bias_res, iters)
+    hc_params(hc). kept = (A, B, C, x W, 1/rms): all backward needs besides X, per token. The
+    coefficients come from mhc_coefficients, where they are written once; x W and 1/rms are
+    projected again beside it, for the backward."""
+    a, b, c = mhc_coefficients(stream, params, iters)
+    x = stream.to(a.dtype)
+    projected, inv_rms = norm_then_project(x.flatten(-2), params.proj.to(a.dtype))
     return pre_mix(a, x).to(stream.dtype), (a, b, c, projected, inv_rms)
 
 
@@ -406,8 +380,27 @@ class RecomputedBlock(torch.autograd.Function):
         ### END SOLUTION
 
 
+class MixingParams(NamedTuple):
+    """One layer's mixing parameters as tensors, named as HyperConnection names them, so that
+    mhc_coefficients reads them as it reads the layer (n and dim from their shapes)."""
+
+    proj: torch.Tensor
+    gate: torch.Tensor
+    bias_pre: torch.Tensor
+    bias_post: torch.Tensor
+    bias_res: torch.Tensor
+
+    @property
+    def n(self):
+        return self.bias_pre.shape[-1]
+
+    @property
+    def dim(self):
+        return self.proj.shape[0] // self.bias_pre.shape[-1]
+
+
 def hc_params(hc):  # one layer's mixing parameters, in the order mix_in and its backward use
-    return (hc.proj, hc.gate, hc.bias_pre, hc.bias_post, hc.bias_res)
+    return MixingParams(hc.proj, hc.gate, hc.bias_pre, hc.bias_post, hc.bias_res)
 
 
 def head_params(head):  # the HyperHead's, in the order collapse and its backward use

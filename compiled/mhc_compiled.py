@@ -4,10 +4,10 @@ Run eagerly, mhc.py's mixing kernels are still a string of separate ops plus Pyt
 the same functions go to torch.compile (Inductor: C++ loops on CPUs, Triton kernels on GPUs), which
 fuses each into a few loops over the lanes. What is compiled, and why:
   - the six kernels (mix_in, mix_out, their backwards, the head's collapse and its
-    backward), each one region. They are pure functions with their backward written out, so every
-    region is an inference graph: no autograd inside, nothing saved, nothing for AOTAutograd to
-    partition, and Sinkhorn's replay fuses into the same loops as the gates around it. The
-    parameters are arguments, so one graph serves every layer of a shape.
+    backward), each one region. They are pure functions with their backward written out (Sinkhorn's
+    replayed under autograd), so every region is an inference graph: nothing saved, nothing for
+    AOTAutograd to partition. The parameters are arguments, so one graph serves every layer of a
+    shape.
   - F on its own (torch.compile of each sublayer), run once per layer per step; the residual model
     compiles x + F(x) per layer, so F is compiled in every variant alike.
   - not an autograd.Function with a hand-written backward (dynamo traces its forward, not its
@@ -18,11 +18,11 @@ The block's bookkeeping (keep X_0, each f and the coefficients, rebuild, walk ba
 Python: mhc.RecomputedBlock, a few calls per layer.
 
 The kernels are mhc.py's own functions, copied with globals of their own (kernel_namespace; mhc's
-module is read, never changed) in which three layout primitives are ones Inductor fuses better:
+module is read, never changed) in which one layout primitive is one Inductor fuses better:
 lanes_matmul as a broadcast sum (a bmm stays an external call that writes its output and reads it
-back), and Sinkhorn and its backward with the tokens on the last axis (so each of the 40 steps
-vectorises across tokens instead of looping over 4-wide rows). compiled_kernels hands them over as
-an mhc.Kernels, the object mhc.py's block and model take in place of mhc.EAGER.
+back). Sinkhorn is mhc.sinkhorn_knopp itself, the graded function, and its backward a replay of it:
+written once, so no second copy of it sits beside the assignment. compiled_kernels hands the
+kernels over as an mhc.Kernels, the object mhc.py's block and model take in place of mhc.EAGER.
 
 Settings: dynamic=False, one graph per shape (a shape change compiles again); dynamo's recompile
 limit is raised to 64 (every C, grad mode and F type is one more graph of the same code), and
@@ -50,44 +50,7 @@ def lanes_matmul(m, x):
     return (m.unsqueeze(-1) * x.unsqueeze(-3)).sum(-2)
 
 
-def lane_sum(m, dim):
-    """m.sum(dim, keepdim=True) over a lane axis as n - 1 adds: elementwise work Inductor fuses
-    into the loop around it, where a sum is a loop of its own."""
-    parts = m.unbind(dim)
-    total = parts[0]
-    for part in parts[1:]:
-        total = total + part
-    return total.unsqueeze(dim)
-
-
-def sinkhorn_knopp(logits, iters=20, eps=mhc.EPS):
-    """mhc.sinkhorn_knopp's steps with the tokens last ([n, n, ...], a view). [..., n, n]."""
-    m = logits.movedim((-2, -1), (0, 1))
-    m = torch.softmax(m, dim=0) + eps
-    for dim in [1] + [0, 1] * (iters - 1):
-        m = m / (lane_sum(m, dim) + eps)
-    # back to [..., n, n] in memory too: the post-mix reads B per token (with B tokens-last,
-    # Inductor would loop lanes outermost and read the stream n times)
-    return m.movedim((0, 1), (-2, -1)).contiguous()
-
-
-def sinkhorn_backward(logits, grad, iters=20, eps=mhc.EPS):
-    """mhc.sinkhorn_backward with the tokens last. [..., n, n]."""
-    logits, grad = logits.movedim((-2, -1), (0, 1)), grad.movedim((-2, -1), (0, 1))
-    soft = torch.softmax(logits, dim=0)
-    matrix, steps = soft + eps, []
-    for dim in [1] + [0, 1] * (iters - 1):
-        sums = lane_sum(matrix, dim) + eps
-        matrix = matrix / sums
-        steps.append((matrix, sums, dim))
-    for matrix, sums, dim in reversed(steps):
-        grad = (grad - lane_sum(grad * matrix, dim)) / sums
-    grad = soft * (grad - lane_sum(grad * soft, 0))
-    return grad.movedim((0, 1), (-2, -1))
-
-
-LAYOUT = {"lanes_matmul": lanes_matmul, "sinkhorn_knopp": sinkhorn_knopp,
-          "sinkhorn_forward": sinkhorn_knopp, "sinkhorn_backward": sinkhorn_backward}  # fmt: skip
+LAYOUT = {"lanes_matmul": lanes_matmul}
 
 
 def kernel_namespace(module=mhc):
