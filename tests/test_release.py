@@ -27,6 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import assignments  # noqa: E402
 import release  # noqa: E402
+import twins  # noqa: E402
 
 ENV = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "GRADE_SUBMISSION")}
 
@@ -189,6 +190,25 @@ def test_a_helper_that_renames_a_region_is_found(kit, tmp_path):
     assert not any(line in signatures for line in lines), "the renamed copy shares a line"
     hits = release.reimplementations(str(folder), shapes)
     assert any(region.qualname in what for _, _, what in hits), hits
+
+
+@pytest.mark.slow  # every function of the kit called on ten regions' inputs: about two minutes
+def test_no_function_of_the_kit_answers_a_region_and_a_planted_one_is_found(kit, tmp_path):
+    """The behavioural search: a Sinkhorn written tokens-last, with none of the region's lines or
+    its shape, planted in a helper module of the kit, is the only function found."""
+    planted = tmp_path / "planted"
+    shutil.copytree(kit[0], planted)
+    (planted / "compiled" / "helpers.py").write_text(
+        "import torch\n\n\n"
+        "def balance(z, n_iter=20, tiny=1e-6):\n"
+        "    w = torch.softmax(z.movedim((-2, -1), (0, 1)), 0) + tiny\n"
+        "    for axis in [1] + [0, 1] * (n_iter - 1):\n"
+        "        w = w / (w.sum(axis, keepdim=True) + tiny)\n"
+        "    return w.movedim((0, 1), (-2, -1))\n"
+    )
+    found = twins.twins(str(planted))
+    assert found == [("compiled.helpers.balance", "mhc.sinkhorn_knopp")], found
+    assert set(twins.REGIONS) == set(twins.regions(twins.chapters(ROOT), 1))
 
 
 def test_private_answers_are_searched_for(tmp_path):

@@ -40,6 +40,7 @@ import zipfile
 TOOLS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TOOLS)
 import assignments  # noqa: E402
+import twins  # noqa: E402
 
 ROOT = assignments.ROOT
 TEMPLATES = os.path.join(TOOLS, "student")
@@ -750,13 +751,15 @@ def main(argv=None):
             (f"autograder.zip:{n}", line, what)
             for n, line, what in leaks(tmp, ROOT, signatures, shapes, autograder=True)
         ]
+    answering = twins.twins(student)  # what answers a region, whatever its text
+    found += [(f"{where} (a function)", 0, f"answers {region}") for where, region in answering]
     for name, line, what in found:
         print(f"LEAK {name}:{line}: {what}")
     regions = len(assignments.all_regions())
     print(
         f"leak search: {len(signatures)} solution lines of {regions} regions and the private "
-        f"answers, and the shapes of {len(shapes)} regions, in every released file: "
-        f"{len(found)} found"
+        f"answers, the shapes of {len(shapes)} regions, and every function of the student "
+        f"repository called on {len(twins.REGIONS)} pure regions' inputs: {len(found)} found"
     )
     return 1 if found else 0
 
