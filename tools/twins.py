@@ -218,7 +218,7 @@ def twins(student, root=ROOT):
     region on both draws."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "answers.pt")
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "GRADE_DRAW": "0"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "GRADE_DRAW": "0", "PYTHONWARNINGS": "ignore"}
         me = os.path.abspath(__file__)
         for where, mode in ((root, "answers"), (os.path.abspath(student), "twins")):
             subprocess.run(
