@@ -184,11 +184,12 @@ def example_run(module):
     """Around planning's example run: no hook runs, and Python's and NumPy's generators are put
     back after it. Yields ``drew()``: whether either moved since it was last asked."""
     states = random_states()
-    last = [comparable(states)]
+    last = comparable(states)
 
     def drew():
+        nonlocal last
         now = comparable(random_states())
-        moved, last[0] = now != last[0], now
+        moved, last = now != last, now
         return moved
 
     try:

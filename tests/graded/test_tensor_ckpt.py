@@ -13,6 +13,8 @@ Each region has tests that run it alone: the probe builds what the other regions
 others' tests name it as the cause. `needs` lists the regions a test runs besides its own.
 """
 
+import functools
+
 import pytest
 import torch
 import torch.fx as fx
@@ -117,6 +119,7 @@ def chain_case():
 CHAIN = chain_case()
 
 
+@functools.cache  # the zip's reference runs the chain once for every test that reads it
 def chain_costs():
     """{"freed": bytes, "extra_ops": {aten op: runs}} of checkpointing CHAIN."""
     _, ops, marked = CHAIN.split(":")
