@@ -160,10 +160,12 @@ class HyperHead(nn.Module):
 
 
 # ---- 2. fused lane mixing ------------------------------------------------------------------------
-# Each operation a pure forward and a pure backward, no autograd inside: what one kernel reads,
-# computes and writes; section 3 runs them. compiled/mhc_compiled.py hands these same functions to
-# torch.compile, which fuses each into a few loops over the lanes: pure functions with their
-# backward written out have nothing to save or partition, and one graph serves every layer.
+# Each operation a pure forward and a pure backward: what one kernel reads, computes and writes;
+# section 3 runs them. Autograd only inside Sinkhorn's backward, a replay of the graded
+# sinkhorn_knopp that lives and dies in the call. compiled/mhc_compiled.py hands these same
+# functions to torch.compile, which fuses each into a few loops over the lanes: pure functions
+# with their backward written out have nothing to save or partition, and one graph serves every
+# layer.
 
 
 def lanes_matmul(m, x):
@@ -188,12 +190,12 @@ def sinkhorn_backward(logits, grad, iters=20, eps=EPS):
     """d logits of sinkhorn_knopp given dB [..., n, n]: sinkhorn_knopp replayed under autograd.
     The one kernel whose backward is not written out: its replay would be sinkhorn_knopp again.
     What the replay saves lives only inside this call: no caller's saved-tensor hook sees it."""
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
         x = logits.detach().requires_grad_()
         return torch.autograd.grad(sinkhorn_knopp(x, iters, eps), x, grad)[0]
 
 
-def _kept(t):
+def _as_is(t):
     return t
 
 
