@@ -191,7 +191,19 @@ def muon_param_groups(model, adamw_names=OUTPUT_HEAD_NAMES, expert_roles=None):
     "gate"), else a ValueError; a torch.nn layer's 3-D or 4-D weight (a convolution's) or one
     named "conv" is none: a ValueError says to send it to AdamW.
     """
-    expert_roles, adamw_ids, owner = dict(expert_roles or {}), set(), {}
+    adamw_ids, owner = declared_adamw(model)
+    by_role = {role: [] for role in ROLES}
+    for name, p in model.named_parameters():
+        declared = id(p) in adamw_ids
+        by_role[role_of(name, p, owner[id(p)], declared, adamw_names, expert_roles or {})].append(p)
+    return [{"params": ps, "role": role} for role, ps in by_role.items() if ps]
+
+
+def declared_adamw(model):
+    """(ids of the tensors their holder sends to AdamW, {tensor id: the module holding it}): an
+    nn.Embedding's weight, HF's input and output embeddings, a module's `no_muon` or
+    `_adamw_params` names."""
+    adamw_ids, owner = set(), {}
     for module in model.modules():
         owner.update((id(p), module) for p in module.parameters(recurse=False))
         if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
@@ -202,38 +214,38 @@ def muon_param_groups(model, adamw_names=OUTPUT_HEAD_NAMES, expert_roles=None):
         found = getattr(model, ends, lambda: None)()
         if isinstance(found, nn.Module):
             adamw_ids |= {id(p) for p in found.parameters()}
-    by_role = {role: [] for role in ROLES}
-    for name, p in model.named_parameters():
-        modules = name.split(".")[:-1]  # whole module names: "output" is not "output_gate"
-        named = any(name.startswith(a + ".") or a in modules for a in adamw_names)
-        bias = name.rsplit(".", 1)[-1].startswith("bias")
-        tokens = set(name.lower().replace(".", "_").split("_"))
-        layer = is_torch_layer(owner[id(p)])  # Linear, Conv1d, ... or a subclass
-        table = not layer and bool(tokens & EMBEDDING_TOKENS)  # a bare embedding table
-        if id(p) in adamw_ids or getattr(p, "no_muon", False) or named or bias or p.ndim < 2:
-            by_role["adamw"].append(p)
-        elif table:
-            by_role["adamw"].append(p)
-        elif p.ndim == 2:
-            by_role["dense"].append(p)
-        elif (p.ndim == 3 and not layer and "conv" not in tokens) or name in expert_roles:
-            found = [r for r in EXPERT_ROLES if r.split("_")[1] in tokens]
-            role = expert_roles.get(name, found[0] if len(found) == 1 else None)
-            if role not in EXPERT_ROLES:
-                raise ValueError(
-                    f"expert stack {name!r} {tuple(p.shape)}: cannot tell a down, up "
-                    f"or gate projection (role {role!r}); pass expert_roles="
-                    f"{{{name!r}: 'expert_down'}} (or _up / _gate)"
-                )
-            by_role[role].append(p)
-        else:
-            what = f"a {type(owner[id(p)]).__name__}'s weight" if layer else f"a {p.ndim}-D tensor"
+    return adamw_ids, owner
+
+
+def role_of(name, p, module, declared, adamw_names, expert_roles):
+    """The role (ROLES) of parameter ``name`` held by ``module`` (``declared``: sent to AdamW by
+    its holder), by muon_param_groups' rules; a ValueError for a tensor Muon cannot take."""
+    modules = name.split(".")[:-1]  # whole module names: "output" is not "output_gate"
+    named = any(name.startswith(a + ".") or a in modules for a in adamw_names)
+    bias = name.rsplit(".", 1)[-1].startswith("bias")
+    tokens = set(name.lower().replace(".", "_").split("_"))
+    layer = is_torch_layer(module)  # Linear, Conv1d, ... or a subclass
+    table = not layer and bool(tokens & EMBEDDING_TOKENS)  # a bare embedding table
+    if declared or getattr(p, "no_muon", False) or named or bias or p.ndim < 2 or table:
+        return "adamw"
+    if p.ndim == 2:
+        return "dense"
+    if (p.ndim == 3 and not layer and "conv" not in tokens) or name in expert_roles:
+        found = [r for r in EXPERT_ROLES if r.split("_")[1] in tokens]
+        role = expert_roles.get(name, found[0] if len(found) == 1 else None)
+        if role not in EXPERT_ROLES:
             raise ValueError(
-                f"parameter {name!r} {tuple(p.shape)} is {what}, not a matrix [n, m] or an "
-                f"expert stack [E, n, m] (MuonZeRO does not flatten a filter to [out, in*k]): "
-                f"send it to AdamW with model.get_parameter({name!r}).no_muon = True"
+                f"expert stack {name!r} {tuple(p.shape)}: cannot tell a down, up "
+                f"or gate projection (role {role!r}); pass expert_roles="
+                f"{{{name!r}: 'expert_down'}} (or _up / _gate)"
             )
-    return [{"params": ps, "role": role} for role, ps in by_role.items() if ps]
+        return role
+    what = f"a {type(module).__name__}'s weight" if layer else f"a {p.ndim}-D tensor"
+    raise ValueError(
+        f"parameter {name!r} {tuple(p.shape)} is {what}, not a matrix [n, m] or an "
+        f"expert stack [E, n, m] (MuonZeRO does not flatten a filter to [out, in*k]): "
+        f"send it to AdamW with model.get_parameter({name!r}).no_muon = True"
+    )
 
 
 def is_torch_layer(module):
