@@ -580,6 +580,7 @@ def sharded_step(
     process_group=None,
 ):
     """V4's sharded Muon step for every kind of matrices; every rank ends with the same params.
+    One function on purpose: the distributed protocol, its steps numbered in the order they run.
 
     kinds: Shards (dense buckets, the expert vector); grads, params: per-parameter lists (a grad
     may be None: zero here); momenta: per kind, a stacked buffer [count, n, m] per run of mine;
