@@ -11,6 +11,7 @@ answer shipped beside the stub. Two draws per region, so a coincidence on one in
 Usage: python tools/twins.py STUDENT_DIR  (prints one line per twin; exit 1 if any)
 """
 
+import copy
 import json
 import os
 import subprocess
@@ -187,16 +188,18 @@ def _child(root, mode, path):
                 if fn.__module__ != module.__name__:
                     continue
                 for region, (args, kwargs) in inputs.items():
-                    if region == f"{name.split('.')[-1]}.{fname}":
+                    module_name, _, qualname = region.partition(".")
+                    if fn is getattr(mods[module_name], qualname):  # the stub itself
                         continue
                     try:
                         inspect.signature(fn).bind(*args, **kwargs)
                     except (TypeError, ValueError):
                         continue
                     signal.alarm(SECONDS)
-                    try:
+                    try:  # on copies: a candidate that writes into its inputs spoils no other
+                        mine_args, mine_kwargs = copy.deepcopy((args, kwargs))
                         with open(os.devnull, "w") as quiet, redirect_stdout(quiet):
-                            got = fn(*args, **kwargs)
+                            got = fn(*mine_args, **mine_kwargs)
                     except BaseException:
                         continue
                     finally:
