@@ -169,8 +169,16 @@ class HyperHead(nn.Module):
 
 
 def lanes_matmul(m, x):
-    """m [..., p, q] @ x [..., q, r], the small per-token products (compiled/ re-binds its own)."""
-    return m @ x
+    """m [..., p, q] @ x [..., q, r] -> [..., p, r], the small per-token products. Under
+    torch.compile, as loops Inductor fuses with their neighbours (a bmm stays an external call
+    that writes its output and reads it back): a short sum (q <= n) as a broadcast product summed
+    over q; a long one (q = C, as dB = dX' X^T) as p * r dot products over the contiguous axis."""
+    if not torch.compiler.is_compiling():
+        return m @ x
+    if m.shape[-1] > x.shape[-1]:  # one loop with p * r accumulators, not p * r dependent chains
+        rows, cols = m.unbind(-2), x.unbind(-1)
+        return torch.stack([torch.stack([(r * c).sum(-1) for c in cols], -1) for r in rows], -2)
+    return (m.unsqueeze(-1) * x.unsqueeze(-3)).sum(-2)
 
 
 def norm_then_project(x, weight):

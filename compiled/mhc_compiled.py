@@ -17,12 +17,12 @@ fuses each into a few loops over the lanes. What is compiled, and why:
 The block's bookkeeping (keep X_0, each f and the coefficients, rebuild, walk backwards) stays in
 Python: mhc.RecomputedBlock, a few calls per layer.
 
-The kernels are mhc.py's own functions, copied with globals of their own (kernel_namespace; mhc's
-module is read, never changed) in which one layout primitive is one Inductor fuses better:
-lanes_matmul as a broadcast sum (a bmm stays an external call that writes its output and reads it
-back). Sinkhorn is mhc.sinkhorn_knopp itself, the graded function, and its backward a replay of it:
-written once, so no second copy of it sits beside the assignment. compiled_kernels hands the
-kernels over as an mhc.Kernels, the object mhc.py's block and model take in place of mhc.EAGER.
+The kernels are mhc.py's own functions (mhc.EAGER), handed to torch.compile as they are; the one
+place they differ under the compiler is mhc.lanes_matmul, which writes its small products as loops
+Inductor fuses (torch.compiler.is_compiling). Sinkhorn is mhc.sinkhorn_knopp itself, the graded
+function, and its backward a replay of it: written once, so no second copy of it sits beside the
+assignment. compiled_kernels hands the kernels over as an mhc.Kernels, the object mhc.py's block
+and model take in place of mhc.EAGER.
 
 Settings: dynamic=False, one graph per shape (a shape change compiles again); dynamo's recompile
 limit is raised to 64 (every C, grad mode and F type is one more graph of the same code), and
@@ -30,41 +30,10 @@ reaching it raises instead of falling back silently to eager. Timings: benchmark
 """
 
 import dataclasses
-import types
 
 import torch
 
 import mhc
-
-
-def lanes_matmul(m, x):
-    """m [..., p, q] @ x [..., q, r] -> [..., p, r] as loops Inductor fuses with their neighbours.
-
-    A short sum (q <= n) as a broadcast product summed over q. A long one (q = C, as dB = dX' X^T)
-    as p * r dot products over the contiguous last axis: one loop with p * r accumulators, where a
-    [p, r, q] product summed would give p * r loops of one dependent chain each.
-    """
-    if m.shape[-1] > x.shape[-1]:  # a long sum (p, r <= n)
-        rows, cols = m.unbind(-2), x.unbind(-1)
-        return torch.stack([torch.stack([(r * c).sum(-1) for c in cols], -1) for r in rows], -2)
-    return (m.unsqueeze(-1) * x.unsqueeze(-3)).sum(-2)
-
-
-LAYOUT = {"lanes_matmul": lanes_matmul}
-
-
-def kernel_namespace(module=mhc):
-    """module's globals with every function it defines re-bound to them and LAYOUT swapped in:
-    mix_in, post_mix_backward, ... are mhc.py's own code, calling the primitives above."""
-    space = dict(vars(module))
-    for name, fn in vars(module).items():
-        if isinstance(fn, types.FunctionType) and fn.__module__ == module.__name__:
-            copy = types.FunctionType(fn.__code__, space, name, fn.__defaults__, fn.__closure__)
-            copy.__kwdefaults__, copy.__doc__ = fn.__kwdefaults__, fn.__doc__
-            space[name] = copy
-    space.update(LAYOUT)
-    return space
-
 
 _COMPILED = {}
 
@@ -77,14 +46,12 @@ def compiled(fn, backend="inductor"):
 
 
 KERNELS = tuple(field.name for field in dataclasses.fields(mhc.Kernels))
-_SPACE = {}
 
 
 def compiled_kernels(backend="inductor"):
-    """mhc.Kernels of the re-bound kernels, each compiled: what mhc.Transformer(kernels=...) and
+    """mhc.Kernels of mhc.EAGER's kernels, each compiled: what mhc.Transformer(kernels=...) and
     mhc.RecomputedBlock take in place of mhc.EAGER (compiled functions and graphs are cached)."""
-    space = _SPACE.setdefault("space", kernel_namespace())
-    return mhc.Kernels(**{name: compiled(space[name], backend) for name in KERNELS})
+    return mhc.Kernels(**{name: compiled(getattr(mhc.EAGER, name), backend) for name in KERNELS})
 
 
 def residual_layer(x, sublayer):
