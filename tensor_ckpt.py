@@ -57,7 +57,7 @@ from torch.utils.checkpoint import (
 
 import interop.fx_models as fx_models  # forwards FX cannot take as they are
 import launch
-from guards import tensor_ckpt_guard  # the refusals: one check() per plan, when it is made
+from guards import tensor_ckpt_guard  # the refusals: made once, at the door
 
 
 # ---- 1. Mark a tensor, trace the forward, run it once on examples --------------------------------
@@ -386,7 +386,7 @@ class Plan:
 def make_plan(gm, infos, saved_keys, names=None):
     """What to forget (the ``forget()`` marks, or the nodes ``names``) and how to bring each
     storage back. A recompute reads another forgotten storage's recomputed value, not its ops.
-    What cannot be recomputed exactly is refused at the door, by the guard's check() of it."""
+    What cannot be recomputed exactly is refused by the door's guard, shown the plan in plan_for."""
     nodes = list(gm.graph.nodes)
     position, by_storage = {n: i for i, n in enumerate(nodes)}, storage_units(nodes, infos)
     by_name = {n.name: n for n in nodes}  # an unknown name stays a string, for check() to refuse
@@ -710,15 +710,16 @@ class TensorCheckpoint(nn.Module):
     frozen, the autocast state, and the input shapes where the trace read them), traced on the
     first call with that key, so a stale graph never runs. Without gradients the module runs."""
 
-    def __init__(self, module, root, flatten, tracer, names):
+    def __init__(self, module, root, flatten, tracer, refusals, names):
         super().__init__()
         self.module, self.recomputations = module, 0  # recompute subgraphs run, over all backwards
         self.root, self.flatten, self.tracer = root, flatten, tracer  # checkpoint_tensors' door
+        self.refusals = refusals  # the door's guard, shown each planning
         self.names, self.plans, self.knows_shapes = names, {}, False  # plan key -> Plan
 
     def plan_key(self, inputs):
         shapes = [(t.shape, t.dtype, t.device) for t in inputs] if self.knows_shapes else None
-        hooks = tensor_ckpt_guard.hooked(self.module)  # a hook added or removed: planned anew
+        hooks = self.refusals.key()  # a hook added or removed: planned anew
         return frozen_values(self.module), autocast_state(), shapes and tuple(shapes), hooks
 
     def plan_for(self, inputs):
@@ -728,16 +729,15 @@ class TensorCheckpoint(nn.Module):
             buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
             tracer = self.tracer(inputs)
             try:  # the guard refuses what the trace would freeze, and quiets the example run
-                watch = tensor_ckpt_guard.tracing(tracer, self.module)
-                gm = trace(self.module, tracer, self.root, watch)
-                with tensor_ckpt_guard.example_run(self.module) as python_drew:
+                gm = trace(self.module, tracer, self.root, self.refusals.tracing(tracer))
+                with self.refusals.example_run() as python_drew:
                     infos, saved_keys = profile(gm, tuple(inputs), python_drew)
             finally:  # the trace and the example run must not move BatchNorm's statistics
                 for b, copy in buffers:
                     b.detach().copy_(copy)
             self.knows_shapes |= gm.meta["shapes"]
             plan = make_plan(gm, infos, saved_keys, self.names)
-            tensor_ckpt_guard.check(plan, infos)  # what cannot be recomputed exactly is refused
+            self.refusals.check(plan, infos)  # what cannot be recomputed exactly is refused
             self.plans[key := self.plan_key(inputs)] = plan
         self.plan = self.plans[key]
         return self.plan
@@ -791,14 +791,12 @@ def checkpoint_tensors(
     forgotten, or the FX nodes ``names`` (a model you cannot edit). ``leaf_modules`` run as one
     node, ``trace_into`` torch.nn classes are traced inside, ``concrete_args`` {name: value} fixes
     other arguments for every call. ``.plan`` says what happens."""
-    # the FX adapter, settled here once: the path sees a plain root, flat tensors and a tracer
+    # the FX adapter and the guard, settled here once: the path sees a plain root, flat tensors,
+    # a tracer and one Refusals object it shows each planning
     arguments = fx_models.Arguments(module, example_inputs, concrete_args)
-    tracer_class = type("Adapted" + Tracer.__name__, (fx_models.ShapeFallback, Tracer), {})
-
-    def tracer(examples):  # one tracer per trace, falling back to the examples' shapes
-        return tracer_class(leaf_modules, trace_into, arguments=arguments, examples=examples)
-
-    ckpt = TensorCheckpoint(module, arguments.root(), arguments.flatten, tracer, names)
+    tracer = arguments.tracers(Tracer, leaf_modules, trace_into)  # examples -> a tracer
+    refusals = tensor_ckpt_guard.Refusals(module)
+    ckpt = TensorCheckpoint(module, arguments.root(), arguments.flatten, tracer, refusals, names)
     ckpt.plan_for(arguments.examples)
     eagerly(TensorCheckpoint.placed)  # made here, not inside a Dynamo trace, which skips it
     return ckpt

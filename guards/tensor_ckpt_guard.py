@@ -1,8 +1,9 @@
-"""tensor_ckpt's refusals, each naming the tensor and the fix. ``check`` runs once per plan, when
-it is made, before any process group or backward sees it, so a mark that cannot be honoured is one
-clear ValueError instead of wrong gradients. It reads the plan and returns nothing.
-``SideEffects`` watches each trace for what it would freeze (a draw from Python's random, a tensor
-changed by code the trace ran instead of recording), and hooks enter the plan's key.
+"""tensor_ckpt's refusals, each naming the tensor and the fix. The chapter makes one ``Refusals``
+per checkpointed module, at its door (checkpoint_tensors), and hands it the planning's steps: around
+the trace, what the trace would freeze (``SideEffects``: a draw from Python's random, a tensor
+changed by code the trace ran instead of recording); around the example run, no hook and the
+generators put back; after it, ``check`` of the finished plan, before any process group or backward
+sees it, so a mark that cannot be honoured is one clear ValueError instead of wrong gradients.
 """
 
 import contextlib
@@ -13,6 +14,26 @@ import sys
 
 import torch
 import torch.fx as fx
+
+
+class Refusals:
+    """The guard of one checkpointed ``module``, made at checkpoint_tensors' door and consulted at
+    each planning (TensorCheckpoint.plan_for); it reads what it is shown and returns no tensor."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def key(self):  # hooks added or removed after tracing: part of the plan's key
+        return hooked(self.module)
+
+    def tracing(self, tracer):  # around the trace: what it would freeze is refused
+        return tracing(tracer, self.module)
+
+    def example_run(self):  # around the example run: yields drew(), did Python's generator move
+        return example_run(self.module)
+
+    def check(self, plan, infos):  # the finished plan: what cannot be recomputed exactly
+        check(plan, infos)
 
 
 def check(plan, infos):

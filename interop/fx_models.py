@@ -144,6 +144,12 @@ class Arguments:
                 )
         return leaves
 
+    def tracers(self, tracer_class, *args):
+        """examples -> a tracer_class(*args) with ShapeFallback mixed in, one per trace, falling
+        back to the shapes of ``examples`` (one tensor per placeholder)."""
+        adapted = type("Adapted" + tracer_class.__name__, (ShapeFallback, tracer_class), {})
+        return lambda examples: adapted(*args, arguments=self, examples=examples)
+
     def fixed_at_none(self):  # arguments concrete_args fixed to None
         return [name for name, value in self.fixed.items() if value is None]
 
