@@ -6,7 +6,8 @@ A case is a file with a `# file:` line (tests/attacks/chapters/*.py, or tests/at
 hostile code put after (`# where: suffix`) or before (`# where: prefix`) that assignment file's
 stub or reference (`# target:`). `# paste: PATH::NAME` puts the function NAME of the released
 student repository's PATH in front of the code, when the repository holds it (an answer a student
-could paste); `# generated: NAME` puts GENERATED[NAME]() there. Last round's attacks on the
+could paste); `# generated: NAME` puts GENERATED[NAME]() there; `# include: PATH` puts the file
+PATH (under tests/attacks/) after the code, shared by several cases. Last round's attacks on the
 two-file course (test_attacks.py) that try to raise a score join as one case, in front of a stub.
 
 Cases are graded together, at most one per file in a grading, and a grading with a case on a
@@ -149,6 +150,9 @@ def _hostile(case, base, student):
         path, name = where.split("::")
         code += "\n\n" + _function(os.path.join(student, path), name)
     code += "\n\n" + case.text
+    for shared in _header(case.text, "include"):  # code several cases share, after their own
+        with open(os.path.join(HERE, shared)) as f:
+            code += "\n\n" + f.read()
     return code + "\n" + base if case.where == "prefix" else base + "\n\n" + code
 
 
