@@ -631,18 +631,20 @@ def _timeout(timeout):
     return timeout
 
 
-def run_workers(requests, timeout):
-    """Spawn one worker per request; wait for all of them (at most ``timeout`` + GRACE_S); kill
-    whatever they left. Returns the _Workers (status None: it never ended by itself)."""
+def run_workers(requests, timeout, inputs=None):
+    """Spawn one worker per request (``inputs[i]``: the descriptor of request i's inputs, handed
+    to that worker alone); wait for all of them (at most ``timeout`` + GRACE_S); kill whatever
+    they left. Returns the _Workers (status None: it never ended by itself)."""
     z = zygote()
     workers = []
     try:
-        for request in requests:
+        for i, request in enumerate(requests):
             out_r, out_w = os.pipe()
             res_r, res_w = os.pipe()
             decoy_r, decoy_w = os.pipe()
+            given = [inputs[i]] if inputs else []
             try:
-                pid = z.spawn({**request, "timeout": timeout}, [out_w, res_w, decoy_w])
+                pid = z.spawn({**request, "timeout": timeout}, [out_w, res_w, decoy_w, *given])
             finally:
                 for fd in (out_w, res_w, decoy_w):
                     os.close(fd)
@@ -832,18 +834,16 @@ def _outcome(w, timeout, oom_before):
     return {"ok": False, "kind": "died", "message": message}, output
 
 
-def _inputs_file(args, kwargs):
-    """A file of the probe's inputs that a worker can open by its name but no worker can list:
-    the name reaches only the worker whose request carries it."""
+def _inputs_fd(args, kwargs):
+    """The probe's inputs in an anonymous memory file: a descriptor handed to one worker alone,
+    with no name on any file system for another worker to find (not even in the zygote's memory,
+    which every worker forked after it inherits)."""
     import torch
 
-    folder = _private_dir("args")
-    os.chmod(folder, 0o711)
-    fd, path = tempfile.mkstemp(prefix="probe-args-", suffix=".pt", dir=folder)
-    with os.fdopen(fd, "wb") as f:
+    fd = os.memfd_create("probe-inputs", os.MFD_CLOEXEC)
+    with os.fdopen(os.dup(fd), "wb") as f:
         torch.save({"args": args, "kwargs": kwargs}, f)
-    os.chmod(path, 0o644)
-    return path
+    return fd
 
 
 def _run(probe, world_size, args, kwargs, timeout, per_rank=None):
@@ -852,9 +852,9 @@ def _run(probe, world_size, args, kwargs, timeout, per_rank=None):
     timeout = _timeout(timeout)
     ranks = max(1, world_size)
     if per_rank is None:
-        paths = [_inputs_file(args, kwargs)] * ranks
+        inputs = [_inputs_fd(args, kwargs)] * ranks
     else:
-        paths = [_inputs_file(args, {**kwargs, **own}) for own in per_rank]
+        inputs = [_inputs_fd(args, {**kwargs, **own}) for own in per_rank]
     port = free_port()
     requests = []
     for rank in range(ranks):
@@ -868,13 +868,13 @@ def _run(probe, world_size, args, kwargs, timeout, per_rank=None):
                 LOCAL_RANK=str(rank),
                 SANDBOX_GROUP_TIMEOUT_S=str(max(5, int(timeout))),
             )
-        requests.append(_request(probe=probe, args=paths[rank], env=env, tag=f"{probe}/{rank}"))
+        requests.append(_request(probe=probe, env=env, tag=f"{probe}/{rank}"))
     oom_before = _oom_kills()
     try:
-        workers = run_workers(requests, timeout)
+        workers = run_workers(requests, timeout, inputs)
     finally:
-        for path in set(paths):
-            os.unlink(path)
+        for fd in set(inputs):
+            os.close(fd)
     outcomes = [_outcome(w, timeout, oom_before) for w in workers]
     errors = {r: o for r, (o, _) in enumerate(outcomes) if not o.get("ok")}
     if errors:

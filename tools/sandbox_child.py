@@ -41,6 +41,7 @@ import gc
 import importlib
 import importlib.abc
 import importlib.util
+import io
 import json
 import os
 import random
@@ -59,6 +60,7 @@ TRACEBACK_LINES = 12
 DECOY_FD = 3  # where a result pipe would be expected: the grader rejects a call with a byte on it
 MAGIC = b"SANDBOX-RECORD\n"  # a frame: MAGIC, the payload's length (8 bytes), the payload
 _RESULT = {"fd": None}  # the record's descriptor, drawn per worker
+_INPUTS = {}  # "data": the probe's inputs, read from the descriptor only this worker was handed
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 36, 38
 
 
@@ -365,7 +367,8 @@ def _run_probe(request):
     intact = None
     stem, function = request["probe"].split(":", 1)
     try:
-        inputs = torch.load(request["args"], weights_only=False)  # written by the grader
+        data = io.BytesIO(_INPUTS.pop("data"))
+        inputs = torch.load(data, weights_only=False)  # written by the grader
         probe, intact = bind_probe(stem, function)
         world = os.environ.get("WORLD_SIZE")
         if world is None:
@@ -438,8 +441,20 @@ def _run_import(request):
     _send(_JSON(record).encode(), fd=_RESULT["fd"])
 
 
-def _worker(request, out_fd, result_fd, decoy_fd):
-    """In the forked child: become the sandboxed worker, run the request, exit."""
+def _read_inputs(fd):
+    """The whole memory file ``fd`` (shared by every rank of a call: read by position)."""
+    size, parts = os.fstat(fd).st_size, []
+    while (done := sum(map(len, parts))) < size:
+        parts.append(os.pread(fd, size - done, done))
+    os.close(fd)
+    return b"".join(parts)
+
+
+def _worker(request, out_fd, result_fd, decoy_fd, inputs_fd=None):
+    """In the forked child: become the sandboxed worker, run the request, exit. ``inputs_fd``:
+    the probe's inputs, this worker's alone."""
+    if inputs_fd is not None:
+        _INPUTS["data"] = _read_inputs(inputs_fd)
     os.setsid()  # its own session and process group: killed as one
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -636,7 +651,7 @@ def _serve_one(sock, wake_r):
         if sock not in ready:
             continue
         try:
-            data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 4)
+            data, fds, _, _ = socket.recv_fds(sock, 1 << 20, 4)  # output, result, decoy, inputs
         except OSError:
             data, fds = b"", []
         if not data:  # this grader is gone: so is everything started for it

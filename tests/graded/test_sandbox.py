@@ -9,6 +9,7 @@ scratch folder.
 
 import os
 import pathlib
+import secrets
 import shutil
 import sys
 import tempfile
@@ -194,12 +195,23 @@ def test_the_call_stops_where_this_files_time_ends(monkeypatch):
 
 
 def test_a_rank_gets_its_own_inputs_and_nothing_of_the_others():
+    """Each rank's inputs carry a secret drawn here; no rank finds another's in its own memory
+    (inherited from the zygote, which forked every rank), and no file of inputs is named there:
+    they come by a descriptor of an anonymous memory file. Can fail: inputs passed as a file
+    named in the spawn request put that name in the zygote's heap, where the ranks forked after
+    it could find it."""
     shards = [torch.full((2,), float(r)) for r in range(3)]
-    got = on_ranks("selftest:own_shard", 3, per_rank=[{"shard": t} for t in shards])
-    assert [r["shard"].tolist() for r in got] == [t.tolist() for t in shards]
-    if sandbox.identity()[0] is not None:  # a worker of another user than the grader's
-        assert all(r["listed"] is None for r in got), "a worker listed the probes' input files"
-        assert not any(r["readable"] for r in got), "a worker read another rank's memory"
+    marks = [f"SECRET-{secrets.token_hex(8)}" for _ in shards]
+    own = [{"shard": t, "secret": c} for t, c in zip(shards, marks, strict=True)]
+    for _ in range(2):  # the second call's ranks fork from a zygote that served the first
+        got = on_ranks("selftest:own_shard", 3, per_rank=own)
+        assert [r["shard"].tolist() for r in got] == [t.tolist() for t in shards]
+        leaked = {rank: r["secrets"] for rank, r in enumerate(got) if r["secrets"]}
+        assert not leaked, f"a rank found another rank's inputs: {leaked}"
+        named = {rank: r["named"] for rank, r in enumerate(got) if r["named"]}
+        assert not named, f"a rank's memory names files of inputs it can open: {named}"
+        if sandbox.identity()[0] is not None:  # a worker of another user than the grader's
+            assert not any(r["readable"] for r in got), "a worker read another rank's memory"
 
 
 @pytest.mark.skipif(sandbox.identity()[0] is None, reason=sandbox.identity()[2])

@@ -3,6 +3,7 @@ ways a worker can behave and misbehave."""
 
 import ctypes
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -26,16 +27,36 @@ def ranked(rank, world_size, x):
     return t
 
 
-def own_shard(rank, world_size, shard):
-    """What this rank was handed, and what of the other ranks' inputs it could reach: the folder
-    of the input files listed (None: refused), and the other workers whose memory it could read."""
-    frame = sys._getframe()
-    while frame.f_code.co_name != "_run_probe":
-        frame = frame.f_back
-    try:
-        listed = os.listdir(os.path.dirname(frame.f_locals["request"]["args"]))
-    except OSError:
-        listed = None
+def own_memory(block=1 << 23):
+    """The bytes of this process's writable memory, in blocks that overlap by 64 bytes (read
+    in-process: a non-dumpable worker may not open its own /proc/self/mem)."""
+    with open("/proc/self/maps") as f:
+        regions = [line.split() for line in f]
+    for fields in regions:
+        if not fields[1].startswith("rw"):
+            continue
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        for at in range(lo, hi, block):
+            start = max(lo, at - 64)
+            yield ctypes.string_at(start, min(hi, at + block) - start)
+
+
+def own_shard(rank, world_size, shard, secret):
+    """What this rank was handed, and what of the ranks' inputs it could reach besides: every
+    other SECRET-<16 hex> in its own memory (the zygote's, forked, included), the files a path in
+    its memory names under the grader's private folders that hold inputs (its own included: a
+    name is a way in), and the other workers whose memory it could open."""
+    pattern, found, paths, named = re.compile(rb"SECRET-[0-9a-f]{16}"), set(), set(), []
+    for chunk in own_memory():
+        found |= {m.decode() for m in pattern.findall(chunk)}
+        paths |= set(re.findall(rb"/[\w./+-]*sandbox-[\w./+-]+", chunk))
+    for path in sorted(paths):
+        try:
+            with open(path, "rb") as f:
+                if pattern.search(f.read(1 << 24)):
+                    named.append(path.decode())
+        except OSError:
+            pass
     readable = []  # processes of this user (the other ranks) whose memory this one can open
     for pid in (p for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()):
         try:
@@ -46,7 +67,12 @@ def own_shard(rank, world_size, shard):
                 readable.append(int(pid))
         except OSError:
             pass
-    return {"shard": shard, "listed": listed, "readable": readable}
+    return {
+        "shard": shard,
+        "secrets": sorted(found - {secret}),
+        "named": named,
+        "readable": readable,
+    }
 
 
 def stub():
