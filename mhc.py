@@ -566,8 +566,10 @@ def pipeline_step(
     model, idx, targets, n_micro, variant="fused", block=None, overlap=True, groups=None
 ):
     """One training step's forward and backward over the pipeline stages. model: a PipelineModel;
-    idx, targets [batch, T]: the same on every rank; variant, block: as its run_layers. Fills this
-    stage's .grad for the batch's mean loss; -> (loss on the last stage else None, PipelineStats).
+    idx, targets [batch, T]: the same on every rank; variant, block: as its run_layers. A stage
+    reads only its own layers (stage_layers), the embedding on the first stage and the head on the
+    last; it fills their .grad for the batch's mean loss; -> (loss on the last stage else None,
+    PipelineStats).
     overlap=False posts each receive only when needed. groups: StageLinks' (a device mesh's
     pipeline links)."""
     group = groups["forward"] if groups else None  # the pipeline's ranks (default: the world)
@@ -766,8 +768,10 @@ def agree_pipeline_step(model, idx, targets, n_micro, variant, block, overlap, g
     """This rank's validation on every step (local: shapes, dtypes), then
     launch.agree_when_changed: the stages compare when the model first runs on a group and
     whenever any stage's settings change: the config, the settings, the batch's digest and, the
-    first time, the initial parameters (every stage builds the model and draws the data from one
-    seed). Other steps compare only a digest of the settings: one small all-reduce."""
+    first time, the parameters' names, shapes and dtypes. Not their values: a stage reads only
+    its own layers (and the embedding first, the head last), and what the others hold is not its
+    business (a real pipeline never builds them). Other steps compare only a digest of the
+    settings: one small all-reduce."""
     error = None
     try:
         check_pipeline_inputs(model, idx, targets, n_micro, variant, block, group)
@@ -786,11 +790,12 @@ def agree_pipeline_step(model, idx, targets, n_micro, variant, block, overlap, g
         "overlap": bool(overlap),
     }
 
-    def digests(first):  # the batch's sha256; the parameters' too on the model's first step
+    def digests(first):  # the batch's sha256; the parameters' shapes too on the first step
         batch = launch.weights_digest([("i", idx), ("t", targets)])
         fields = {"batch (sha256 of idx, targets)": batch}
         if first:
-            fields["initial parameters (sha256)"] = launch.weights_digest(model.named_parameters())
+            shapes = {name: (tuple(p.shape), p.dtype) for name, p in model.named_parameters()}
+            fields["parameters (digest of names, shapes, dtypes)"] = launch.fields_digest(shapes)
         return fields
 
     device = model.embed.weight.device

@@ -367,11 +367,38 @@ NEEDS_PIPELINE = ("mhc.one_f_one_b", "mhc.RecomputedBlock.backward", *NEEDS_KERN
 N_MICRO = 4
 
 
-def check_pipeline(results, ref_steps, world_size):
+def stage_share(n_layers, world_size, stage):
+    """Layers [first, stop) of ``stage``: an equal contiguous share, as the docstring says."""
+    size = n_layers // world_size
+    return stage * size, (stage + 1) * size
+
+
+def stage_params(params, n_layers, world_size, stage):
+    """``params`` as stage ``stage`` gets them: its own layers, the embedding on the first stage
+    and the head on the last keep their values; every other tensor is drawn anew (here, at
+    grading time), so no stage can run the others' part alone."""
+    first, stop = stage_share(n_layers, world_size, stage)
+    gen = torch.Generator().manual_seed(5 + stage + 7919 * DRAW)
+
+    def owned(name):
+        part, _, rest = name.partition(".")
+        if part in ("sublayers", "hcs"):
+            return first <= int(rest.split(".")[0]) < stop
+        if part == "embed":
+            return stage == 0
+        return stage == world_size - 1  # the head: hyper_head, norm, lm_head
+
+    return {
+        name: value if owned(name) else torch.randn(value.shape, generator=gen)
+        for name, value in params.items()
+    }
+
+
+def check_pipeline(results, ref_steps, world_size, n_layers):
     for step, (ref_loss, ref_grads) in enumerate(ref_steps):
         merged = {}
         for rank, result in enumerate(results):
-            first, stop = result["layers"]
+            first, stop = stage_share(n_layers, world_size, rank)
             assert len(result["steps"]) == len(ref_steps), f"rank {rank}: a step is missing"
             got = result["steps"][step]
             where = f"stage {rank} of {world_size}, step {step}"
@@ -411,7 +438,8 @@ def check_pipeline(results, ref_steps, world_size):
         )
         assert abs(loss - ref_loss) < FP32["loss"] * abs(ref_loss), (
             f"step {step}: the last stage's loss {loss:.6f} differs from one process's "
-            f"{ref_loss:.6f}: each micro-batch's idx and targets must stay paired"
+            f"{ref_loss:.6f}: each micro-batch's idx and targets must stay paired, and each "
+            f"stage runs only its own layers (this test gives a stage other values for the rest)"
         )
         assert_grads_close(merged, ref_grads, FP32["grads"], f"{world_size} stages, step {step}")
 
@@ -430,13 +458,16 @@ def check_pipeline(results, ref_steps, world_size):
 def test_pipeline_equals_single_process(world_size, overlap):
     """Stages of 12 layers, 2 SGD steps, 4 micro-batches: the merged gradients and the loss equal
     the plain model's on one process, and each stage holds at most n_stages - stage micro-batches
-    (1F1B's point: GPipe's order gives the same numbers and holds all of them)."""
+    (1F1B's point: GPipe's order gives the same numbers and holds all of them). Each stage is
+    given true values only for what it runs (stage_params)."""
     n_layers, steps = 12, 2
     params = mhc_params(n_layers)
-    results = on_ranks("mhc:pipeline", world_size, n_layers, steps, overlap, params, timeout=120)
+    own = [{"params": stage_params(params, n_layers, world_size, s)} for s in range(world_size)]
+    results = on_ranks("mhc:pipeline", world_size, n_layers, steps, overlap, per_rank=own,
+                       timeout=120)  # fmt: skip
     ref_steps = stored("mhc", "pipeline", lambda: H.reference_steps(params, n_layers, steps, 8))
-    assert len(results) == world_size
-    check_pipeline(results, ref_steps, world_size)
+    assert len(results) == world_size, f"{len(results)} stages answered, {world_size} ran"
+    check_pipeline(results, ref_steps, world_size, n_layers)
 
 
 @pytest.mark.grade(points=1, solution="mhc.pipeline_step", needs=NEEDS_PIPELINE)
