@@ -11,6 +11,7 @@ public case) must equal what is stored, so a stale store fails here first.
     want = stored("mhc", "sinkhorn", lambda: H.v4_sinkhorn(logits))
 """
 
+import hashlib
 import importlib
 import os
 
@@ -23,6 +24,15 @@ WRITE = os.environ.get("GRADE_WRITE_EXPECTED") == "1"  # make expected
 # move with it; 0 is the student repository's public cases, the only ones stored
 DRAW = int(os.environ.get("GRADE_DRAW") or 0)
 _STORES, _WRITTEN = {}, {}
+
+
+def generator(*label):
+    """A torch.Generator for one tensor that a rank alone is handed, seeded by a hash of the draw
+    and ``label``. mt19937's output is linear in its state, so values drawn from one generator
+    can give its state away, and with it every value it drew before and after; a generator per
+    rank's share keeps what one rank can work out to what it was given."""
+    digest = hashlib.sha256(repr((DRAW, *label)).encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
 def hidden(stem):

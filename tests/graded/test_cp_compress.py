@@ -14,7 +14,7 @@ import pytest
 import torch
 from sandbox import StudentCodeError, call, on_ranks
 
-from graded.expected import DRAW, hidden, stored
+from graded.expected import DRAW, generator, hidden, stored
 from graded.references_cp_compress import close, entry_windows, layouts, shard
 
 H = hidden("cp_compress")  # the scalar pooling and the plain attention: only in the autograder zip
@@ -240,10 +240,12 @@ def layer_runs(world_size):
         cases = []
         for kind, m in (("csa", M), ("hca", M_HCA)):
             for cu in layouts(world_size, S, m):
-                # DRAW moves the inputs at grading time; each rank is handed only its shard
+                # DRAW moves the inputs at grading time; each rank is handed only its shard,
+                # drawn from a generator of its own (what every rank gets, from another)
                 g = torch.Generator().manual_seed(int(cu.sum()) + 7919 * DRAW)
-                x = torch.randn(world_size * S, 16, generator=g)
-                grad_out = torch.randn(world_size * S, 2, D, generator=g)
+                own = [generator("cp_compress", kind, cu.tolist(), r) for r in range(world_size)]
+                x = torch.cat([torch.randn(S, 16, generator=o) for o in own])
+                grad_out = torch.cat([torch.randn(S, 2, D, generator=o) for o in own])
                 cases.append((kind, m, cu, x, grad_out, layer_params(kind, m, g)))
         shared = [(kind, m, cu, params) for kind, m, cu, _, _, params in cases]
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 from sandbox import call, on_ranks
 
-from graded.expected import DRAW, hidden, stored
+from graded.expected import DRAW, generator, hidden, stored
 
 H = hidden("mhc")  # V4's model written out in float64: only in the autograder zip
 
@@ -41,36 +41,41 @@ def mhc_params(n_layers, seed=0, hyper_head=True):
     """Every parameter of the probes' model (mhc.Transformer on probes/mhc.py's SMALL config),
     drawn here: the worker loads exactly these, so the reference never reads a value it chose.
     Linear weights as nn.Linear draws them, HC parameters away from their init (the lanes differ,
-    every mixing gradient is large enough to check)."""
-    gen = torch.Generator().manual_seed(1000 + seed + 7919 * DRAW)  # DRAW: hidden, at grading
+    every mixing gradient is large enough to check). Each tensor comes from a generator of its
+    own, seeded by a hash of the draw and its name: a stage that works a generator's state out
+    from the values it was given learns nothing of the tensors it was not."""
+    params = {}
 
-    def linear(rows, cols):
-        return (torch.rand(rows, cols, generator=gen) * 2 - 1) / cols**0.5
+    def gen(name):  # moves with DRAW, at grading time
+        return generator("mhc", seed, name)
 
-    def normal(*shape, std=1.0):
-        return torch.randn(*shape, generator=gen) * std
+    def linear(name, rows, cols):
+        params[name] = (torch.rand(rows, cols, generator=gen(name)) * 2 - 1) / cols**0.5
 
-    params = {"embed.weight": normal(VOCAB, DIM)}
+    def normal(name, *shape, std=1.0, mean=0.0):
+        params[name] = mean + torch.randn(*shape, generator=gen(name)) * std
+
+    normal("embed.weight", VOCAB, DIM)
     for i in range(n_layers):
-        params[f"sublayers.{i}.norm.weight"] = 1 + normal(DIM, std=0.1)
+        normal(f"sublayers.{i}.norm.weight", DIM, mean=1.0, std=0.1)
         if i % 2 == 0:
-            params[f"sublayers.{i}.qkv.weight"] = linear(3 * DIM, DIM)
-            params[f"sublayers.{i}.out.weight"] = linear(DIM, DIM)
+            linear(f"sublayers.{i}.qkv.weight", 3 * DIM, DIM)
+            linear(f"sublayers.{i}.out.weight", DIM, DIM)
         else:
-            params[f"sublayers.{i}.up.weight"] = linear(4 * DIM, DIM)
-            params[f"sublayers.{i}.down.weight"] = linear(DIM, 4 * DIM)
+            linear(f"sublayers.{i}.up.weight", 4 * DIM, DIM)
+            linear(f"sublayers.{i}.down.weight", DIM, 4 * DIM)
     for i in range(n_layers):
-        params[f"hcs.{i}.proj"] = normal(N * DIM, (2 + N) * N, std=1 / (N * DIM) ** 0.5)
-        params[f"hcs.{i}.gate"] = torch.rand(3, generator=gen) * 0.5 + 0.5
-        params[f"hcs.{i}.bias_pre"] = normal(N, std=1.2)
-        params[f"hcs.{i}.bias_post"] = normal(N, std=1.2)
-        params[f"hcs.{i}.bias_res"] = 1 + normal(N, N, std=1.5)
+        normal(f"hcs.{i}.proj", N * DIM, (2 + N) * N, std=1 / (N * DIM) ** 0.5)
+        params[f"hcs.{i}.gate"] = torch.rand(3, generator=gen(f"hcs.{i}.gate")) * 0.5 + 0.5
+        normal(f"hcs.{i}.bias_pre", N, std=1.2)
+        normal(f"hcs.{i}.bias_post", N, std=1.2)
+        normal(f"hcs.{i}.bias_res", N, N, mean=1.0, std=1.5)
     if hyper_head:
-        params["hyper_head.proj"] = normal(N * DIM, N, std=1 / (N * DIM) ** 0.5)
+        normal("hyper_head.proj", N * DIM, N, std=1 / (N * DIM) ** 0.5)
         params["hyper_head.gate"] = torch.full((1,), 0.7)
-        params["hyper_head.bias"] = normal(N)
-    params["norm.weight"] = 1 + normal(DIM, std=0.1)
-    params["lm_head.weight"] = linear(VOCAB, DIM)
+        normal("hyper_head.bias", N)
+    normal("norm.weight", DIM, mean=1.0, std=0.1)
+    linear("lm_head.weight", VOCAB, DIM)
     return params
 
 
