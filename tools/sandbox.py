@@ -51,7 +51,7 @@ import sys
 import tempfile
 import time
 
-from sandbox_child import MAGIC, descendants  # the zygote kills below it with the same walk
+from sandbox_child import MAGIC, descendants, kill_user  # the zygote kills with the same walk
 
 TOOLS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TOOLS)
@@ -150,30 +150,14 @@ def kill_tree(pid):
 
 
 def kill_sandbox_user():
-    """As root with a sandbox user: SIGKILL every process of that user (a forked child becomes the
-    user and calls kill(-1)), then remove what it left (remove_leftovers); returns how many
-    processes were left. Elsewhere a no-op returning 0."""
+    """As root with a sandbox user: SIGKILL every process of that user and empty its keyrings
+    (kill_user: a forked child becomes the user), then remove what it left (remove_leftovers);
+    returns how many processes were left. Elsewhere a no-op returning 0."""
     uid = identity()[0]
     if uid is None:
         return 0
-    for _ in range(50):
-        pid = os.fork()
-        if pid == 0:
-            try:
-                os.setgroups([])
-                os.setresuid(uid, uid, uid)
-                for _ in range(20):
-                    try:
-                        os.kill(-1, signal.SIGKILL)
-                    except OSError:
-                        break
-            finally:
-                os._exit(0)
-        os.waitpid(pid, 0)
-        left = [p for p in _pids() if _owner(p) == uid]
-        if not left:
-            break
-        time.sleep(0.05)
+    kill_user(uid)  # its keyrings emptied too
+    left = [p for p in _pids() if _owner(p) == uid]
     remove_leftovers(uid)
     return len(left)
 
@@ -269,7 +253,13 @@ def remove_files_of(uid, folders, depth=4):
 
 
 def empty(folder):
-    """Remove everything inside ``folder`` (the workers' scratch), the folder itself kept."""
+    """Remove everything inside ``folder`` (the workers' scratch) and its extended attributes
+    (a worker's note to the next call), the folder itself kept."""
+    try:
+        for name in os.listxattr(folder):
+            os.removexattr(folder, name)
+    except OSError:  # a file system without them
+        pass
     try:
         entries = list(os.scandir(folder))
     except OSError:

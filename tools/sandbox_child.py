@@ -44,6 +44,7 @@ import importlib.util
 import io
 import json
 import os
+import platform
 import random
 import re
 import resource
@@ -477,6 +478,7 @@ def _worker(request, out_fd, result_fd, decoy_fd, inputs_fd=None):
         pass
     limits = request.get("limits", {})
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    resource.setrlimit(resource.RLIMIT_MSGQUEUE, (0, 0))  # a POSIX queue outlives it, unlisted
     if limits.get("fsize"):
         resource.setrlimit(resource.RLIMIT_FSIZE, (limits["fsize"], limits["fsize"]))
     uid, gid = request.get("uid"), request.get("gid")
@@ -532,9 +534,22 @@ def descendants(pid):
     return found
 
 
+KEYCTL = {"x86_64": 250, "aarch64": 219}.get(platform.machine())  # the keyctl syscall's number
+KEYCTL_CLEAR, USER_KEYRINGS = 7, (-4, -5)  # KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING
+
+
+def clear_keyrings():
+    """Empty this user's keyrings: what a worker keeps there outlives its processes, and the
+    next call's workers, the same user, could read it."""
+    if KEYCTL is not None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        for ring in USER_KEYRINGS:
+            libc.syscall(KEYCTL, KEYCTL_CLEAR, ring)
+
+
 def kill_user(uid):
     """SIGKILL every process of ``uid`` (from a forked child that becomes ``uid``: kill(-1) then
-    reaches exactly that user's processes). Returns once none is left."""
+    reaches exactly that user's processes), and empty its keyrings. Returns once none is left."""
     for _ in range(50):
         pid = os.fork()
         if pid == 0:
@@ -547,6 +562,7 @@ def kill_user(uid):
                     except OSError as error:
                         if error.errno == errno.ESRCH:
                             break
+                clear_keyrings()
             finally:
                 os._exit(0)
         os.waitpid(pid, 0)

@@ -243,3 +243,7 @@ def test_what_a_call_leaves_in_the_kernel_and_the_shared_folders_goes_with_it():
     files = [p for p in left["paths"] if os.path.lexists(p)]
     assert not files, f"files of the sandbox user outlived the call: {files}"
     assert os.listdir(sandbox._scratch()) == [], "the scratch folder was not emptied"
+    assert not left["mq"], "a worker made a POSIX message queue, which no one can list or remove"
+    after = call("selftest:what_is_left")  # notes a worker keeps outside any process
+    assert after["xattrs"] == [], f"the scratch folder kept a worker's attributes: {after}"
+    assert left["key"] < 0 or after["key"] < 0, "the user's keyring kept a worker's key"

@@ -3,6 +3,7 @@ ways a worker can behave and misbehave."""
 
 import ctypes
 import os
+import platform
 import re
 import sys
 import time
@@ -150,10 +151,16 @@ def big(n):
     return "x" * n
 
 
+KEY_SYSCALLS = {"x86_64": (248, 250), "aarch64": (217, 219)}  # add_key, keyctl
+USER_KEYRING, KEYCTL_SEARCH = -4, 10
+
+
 def leave_behind():
     """Leave System V shared memory (one segment still attached by a detached process), a
     semaphore set, a message queue, a POSIX shared memory file and
-    files in every folder any user can write (the lock folder too) behind."""
+    files in every folder any user can write (the lock folder too) behind; try a POSIX message
+    queue, an extended attribute on the scratch folder and a key in the user's keyring, notes
+    that outlive a process for the next call's workers."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.shmat.restype = ctypes.c_void_p
     private, create = 0, 0o1000 | 0o600  # IPC_PRIVATE, IPC_CREAT
@@ -176,7 +183,32 @@ def leave_behind():
         libc.shmat(shm[1], None, 0)
         time.sleep(300)
         os._exit(0)
-    return {"ipc": ipc, "paths": paths}
+    mq = libc.mq_open(b"/left-behind", os.O_CREAT | os.O_RDWR, 0o600, None)
+    try:
+        os.setxattr(os.getcwd(), "user.left-behind", b"a note")
+        xattr = True
+    except OSError:  # a file system without them
+        xattr = False
+    add_key, _ = KEY_SYSCALLS.get(platform.machine(), (None, None))
+    key = (
+        libc.syscall(add_key, b"user", b"left-behind", b"a note", 6, USER_KEYRING)
+        if add_key
+        else -1
+    )
+    return {"ipc": ipc, "paths": paths, "mq": mq >= 0, "xattr": xattr, "key": key}
+
+
+def what_is_left():
+    """What the last call's workers left for this one: the scratch folder's extended attributes,
+    and the key leave_behind put in the user's keyring (-1: gone)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    _, keyctl = KEY_SYSCALLS.get(platform.machine(), (None, None))
+    key = (
+        libc.syscall(keyctl, KEYCTL_SEARCH, USER_KEYRING, b"user", b"left-behind", 0)
+        if keyctl
+        else -1
+    )
+    return {"xattrs": os.listxattr(os.getcwd()), "key": key}
 
 
 def tamper(how):
