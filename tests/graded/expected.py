@@ -26,13 +26,25 @@ DRAW = int(os.environ.get("GRADE_DRAW") or 0)
 _STORES, _WRITTEN = {}, {}
 
 
+def _hashed(*label):  # 63 bits of sha256 over the draw and the label
+    digest = hashlib.sha256(repr((DRAW, *label)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def case_seed(public, *label):
+    """The seed of a graded case: ``public`` in the student repository (draw 0); at grading, a
+    hash of the draw, ``public`` and ``label``. torch keeps a seed's low 32 bits, so a worker can
+    search a seed out of values it was handed (2^32 tries); a seed linear in the draw would then
+    give the draw away, and with it every hidden case. A hash tells nothing of the others."""
+    return public if DRAW == 0 else _hashed(public, *label)
+
+
 def generator(*label):
     """A torch.Generator for one tensor that a rank alone is handed, seeded by a hash of the draw
     and ``label``. mt19937's output is linear in its state, so values drawn from one generator
     can give its state away, and with it every value it drew before and after; a generator per
     rank's share keeps what one rank can work out to what it was given."""
-    digest = hashlib.sha256(repr((DRAW, *label)).encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    return torch.Generator().manual_seed(_hashed(*label))
 
 
 def hidden(stem):

@@ -3,20 +3,18 @@ private tests alike.
 
 Its matrices are sized so that no world size of 2-4 divides them evenly: 5 dense matrices and 15
 expert matrices. make_params draws them from a seed, forward_loss is the plain single-process
-model (the reference), batch(step) the global batch the test slices, one slice per rank. The
-batches move with the grading's draw (GRADE_DRAW), which only the test process knows: a worker
-gets its own slices, never the batch.
+model (the reference), batch(step, seed) the global batch the test slices, one slice per rank (the
+graded test seeds it: it moves with the grading's draw, which only the test process knows; a
+worker gets its own slices, never the batch).
 """
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 
 VOCAB, DIM, HIDDEN, EXPERTS, FFN = 16, 12, 20, 5, 8
 GLOBAL_BATCH, SEQ = 12, 6  # 12 samples split evenly over 1, 2, 3 and 4 ranks
-DRAW = int(os.environ.get("GRADE_DRAW") or 0)  # 0 in the student repository and in every worker
 
 # Dense matrices: tall, wide, square twice (a same-shape pair for batched NS), the router; 5 of
 # them, which divides neither 2, 3 nor 4. Expert stacks of 5 experts: 15 matrices, divides 3 only.
@@ -53,8 +51,9 @@ def forward_loss(P, tokens, targets):
     return F.cross_entropy((x @ P["head"].T).flatten(0, 1), targets.flatten())
 
 
-def batch(step):
-    """Step ``step``'s global batch: tokens and next-token targets, [GLOBAL_BATCH, SEQ] each."""
-    g = torch.Generator().manual_seed(1000 + step + 7919 * DRAW)
-    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
+def batch(step, seed=None):
+    """Step ``step``'s global batch: tokens and next-token targets, [GLOBAL_BATCH, SEQ] each,
+    drawn from ``seed`` (the public case's: 1000 + step)."""
+    gen = torch.Generator().manual_seed(1000 + step if seed is None else seed)
+    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=gen)
     return tokens[:, :-1], tokens[:, 1:]

@@ -20,7 +20,7 @@ import pytest
 import torch
 from sandbox import call, on_ranks
 
-from graded.expected import DRAW, generator, hidden, stored
+from graded.expected import case_seed, generator, hidden, stored
 
 H = hidden("mhc")  # V4's model written out in float64: only in the autograder zip
 
@@ -42,12 +42,13 @@ def mhc_params(n_layers, seed=0, hyper_head=True):
     drawn here: the worker loads exactly these, so the reference never reads a value it chose.
     Linear weights as nn.Linear draws them, HC parameters away from their init (the lanes differ,
     every mixing gradient is large enough to check). Each tensor comes from a generator of its
-    own, seeded by a hash of the draw and its name: a stage that works a generator's state out
-    from the values it was given learns nothing of the tensors it was not."""
+    own, seeded by a hash of the draw, the case (``seed``, ``n_layers``) and its name: a stage
+    that works a generator's state out from the values it was given learns nothing of the tensors
+    it was not, and what one case hands whole to a stage is nothing another case splits."""
     params = {}
 
-    def gen(name):  # moves with DRAW, at grading time
-        return generator("mhc", seed, name)
+    def gen(name):  # moves with the draw, at grading time
+        return generator("mhc", seed, n_layers, name)
 
     def linear(name, rows, cols):
         params[name] = (torch.rand(rows, cols, generator=gen(name)) * 2 - 1) / cols**0.5
@@ -111,7 +112,7 @@ NEEDS_KERNELS = (*NEEDS_LAYER, "mhc.post_mix_backward")  # and the kernels' (mix
 
 @pytest.mark.grade(points=2, solution="mhc.sinkhorn_knopp")
 def test_sinkhorn_matches_v4_and_is_doubly_stochastic():
-    gen = torch.Generator().manual_seed(DRAW)
+    gen = torch.Generator().manual_seed(case_seed(0, "mhc", "sinkhorn"))
     logits = torch.randn(64, 4, 4, dtype=torch.float64, generator=gen)
     # float32, where exp(-120) underflows to 0: without eps a row or column of zeros gives 0/0
     extreme = 60.0 * torch.randn(256, 4, 4, generator=gen).sign()
@@ -171,7 +172,7 @@ FORMULAS = {
 @pytest.mark.grade(points=3, solution="mhc.mhc_coefficients", needs=("mhc.sinkhorn_knopp",))
 def test_layer_matches_the_equations_token_by_token():
     """V4 §2.2 for one token at a time (float64: 1e-12), independently of mhc_coefficients."""
-    gen = torch.Generator().manual_seed(3 + 7919 * DRAW)
+    gen = torch.Generator().manual_seed(case_seed(3, "mhc"))
     stream = torch.randn(2, 8, N, DIM, dtype=torch.float64, generator=gen)
     params = {k: v.double() for k, v in mhc_params(1, seed=3).items()}
     out = call("mhc:one_layer", stream, params)
@@ -252,7 +253,7 @@ def test_every_optimised_path_equals_the_reference_in_float64():
 def test_one_recomputed_block_layer_by_layer(with_head):
     """One block of 3 layers against the plain layers in float64 (1e-9), each gradient named by
     its layer, and F run once per layer (its graph is kept, never rebuilt)."""
-    gen = torch.Generator().manual_seed(4 + 7919 * DRAW)
+    gen = torch.Generator().manual_seed(case_seed(4, "mhc"))
     stream = torch.randn(2, 8, N, DIM, dtype=torch.float64, generator=gen)
     shape = (2, 8, DIM) if with_head else (2, 8, N, DIM)
     weight = torch.randn(shape, generator=gen, dtype=torch.float64)
@@ -381,9 +382,8 @@ def stage_share(n_layers, world_size, stage):
 def stage_params(params, n_layers, world_size, stage):
     """``params`` as stage ``stage`` gets them: its own layers, the embedding on the first stage
     and the head on the last keep their values; every other tensor is drawn anew (here, at
-    grading time), so no stage can run the others' part alone."""
+    grading time, a generator per tensor), so no stage can run the others' part alone."""
     first, stop = stage_share(n_layers, world_size, stage)
-    gen = torch.Generator().manual_seed(5 + stage + 7919 * DRAW)
 
     def owned(name):
         part, _, rest = name.partition(".")
@@ -393,10 +393,10 @@ def stage_params(params, n_layers, world_size, stage):
             return stage == 0
         return stage == world_size - 1  # the head: hyper_head, norm, lm_head
 
-    return {
-        name: value if owned(name) else torch.randn(value.shape, generator=gen)
-        for name, value in params.items()
-    }
+    def other(name, shape):  # a value this stage never reads
+        return torch.randn(shape, generator=generator("mhc", "other", stage, name))
+
+    return {n: value if owned(n) else other(n, value.shape) for n, value in params.items()}
 
 
 def check_pipeline(results, ref_steps, world_size, n_layers):
@@ -466,11 +466,12 @@ def test_pipeline_equals_single_process(world_size, overlap):
     (1F1B's point: GPipe's order gives the same numbers and holds all of them). Each stage is
     given true values only for what it runs (stage_params)."""
     n_layers, steps = 12, 2
-    params = mhc_params(n_layers)
+    params = mhc_params(n_layers, seed=10 * world_size + overlap)  # every case its own model
     own = [{"params": stage_params(params, n_layers, world_size, s)} for s in range(world_size)]
     results = on_ranks("mhc:pipeline", world_size, n_layers, steps, overlap, per_rank=own,
                        timeout=120)  # fmt: skip
-    ref_steps = stored("mhc", "pipeline", lambda: H.reference_steps(params, n_layers, steps, 8))
+    key = f"pipeline {world_size} {overlap}"
+    ref_steps = stored("mhc", key, lambda: H.reference_steps(params, n_layers, steps, 8))
     assert len(results) == world_size, f"{len(results)} stages answered, {world_size} ran"
     check_pipeline(results, ref_steps, world_size, n_layers)
 

@@ -25,7 +25,7 @@ import pytest
 import torch
 from sandbox import call, on_ranks
 
-from graded.expected import DRAW, hidden, stored
+from graded.expected import case_seed, hidden, stored
 from graded.models_muon_zero import (
     ADAMW,
     DENSE,
@@ -63,8 +63,11 @@ ungraded = pytest.mark.ungraded
 WORLDS = [1, 2, pytest.param(3, marks=ungraded), pytest.param(4, marks=ungraded)]
 
 
-BATCHES = [batch(s) for s in range(STEPS)]  # drawn with DRAW (models_muon_zero.batch)
-SEED = 7919 * DRAW  # every other input of the graded cases moves with the draw
+def seed(public):  # every input of the graded cases moves with the draw, a hash per seed
+    return case_seed(public, "muon_zero")
+
+
+BATCHES = [batch(s, seed(1000 + s)) for s in range(STEPS)]
 
 
 def rank_slices(world, batches=BATCHES):
@@ -162,7 +165,7 @@ def replicas_equal(results, key):
 
 @pytest.fixture(scope="module")
 def P0():
-    return make_params(seed=2 * DRAW)  # DRAW: drawn at grading time, 0 in the student repository
+    return make_params(seed=case_seed(0, "muon_zero", "params"))
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +175,7 @@ def torch_ref(P0):
 
 @pytest.fixture(scope="module")
 def fp32_ref(P0):
-    return stored("muon_zero", "fp32 steps", lambda: H.reference_fp32(P0))
+    return stored("muon_zero", "fp32 steps", lambda: H.reference_fp32(P0, BATCHES))
 
 
 def fp32_tolerance(P0, fp32, steps=STEPS):
@@ -184,7 +187,7 @@ def fp32_tolerance(P0, fp32, steps=STEPS):
     if H is None:
         return FP32_TOL
     wide = {k: v.double() for k, v in P0.items()}
-    own = rel_change_error(P0, fp32, H.reference_fp32(wide, steps))
+    own = rel_change_error(P0, fp32, H.reference_fp32(wide, BATCHES, steps))
     return max(FP32_TOL, 10 * own)
 
 
@@ -283,11 +286,11 @@ def assert_world(results, world, P0, torch_ref, fp32_ref, fp32_tol, split_grads,
 @pytest.mark.grade(points=3, solution="muon_zero.sharded_step", needs=SHARDED_NEEDS)
 @pytest.mark.parametrize("world", WORLDS)
 def test_matches_single_process_references(world, P0, torch_ref, fp32_ref, fp32_tol):
-    split_grads = {k: split_mean(P0[k].shape, world, 50 + i + SEED)
+    split_grads = {k: split_mean(P0[k].shape, world, seed(50 + i))
                    for i, k in enumerate((*DENSE, *EXPERT))}  # fmt: skip
-    A = torch.randn(6, 10, generator=torch.Generator().manual_seed(5 + SEED))
-    B = torch.randn(7, 4, generator=torch.Generator().manual_seed(6 + SEED))
-    G = torch.randn(7, 4, generator=torch.Generator().manual_seed(7 + SEED))
+    A = torch.randn(6, 10, generator=torch.Generator().manual_seed(seed(5)))
+    B = torch.randn(7, 4, generator=torch.Generator().manual_seed(seed(6)))
+    G = torch.randn(7, 4, generator=torch.Generator().manual_seed(seed(7)))
     own = [{"slices": mine, "grads": {k: g[r] for k, g in split_grads.items()},
             "G": G if r == 0 else None} for r, mine in enumerate(rank_slices(world))]  # fmt: skip
     results = on_ranks("muon_zero:check_world", world, P0, A, B, per_rank=own, timeout=150)
@@ -373,12 +376,12 @@ def test_data_parallel_subgroups_of_a_wider_world(world):
     """Pipeline x data parallelism: two stages of world/2 ranks, each its own MuonZeRO over its
     data-parallel subgroup with its own parameters; each matches the fp32 reference of its own
     parameters, and one clipped step's factor is clip_grad_norm_'s on its own gradient only."""
-    P0s = [make_params(seed=2 * DRAW + s) for s in (0, 1)]
+    P0s = [make_params(seed=case_seed(s, "muon_zero", "params")) for s in (0, 1)]
     dp = world // 2
     own = [{"P0": P0s[r // dp], "slices": rank_slices(dp)[r % dp]} for r in range(world)]
     results = on_ranks("muon_zero:data_parallel_stages", world, MAX_NORM, per_rank=own,
                        timeout=150)  # fmt: skip
-    refs = stored("muon_zero", "fp32 stages", lambda: [H.reference_fp32(P) for P in P0s])
+    refs = stored("muon_zero", "fp32 stages", lambda: [H.reference_fp32(P, BATCHES) for P in P0s])
     tols = [fp32_tolerance(P, ref) for P, ref in zip(P0s, refs, strict=True)]
     for rank, r in enumerate(results):
         stage = rank // (world // 2)
@@ -397,7 +400,7 @@ def test_data_parallel_subgroups_of_a_wider_world(world):
 def test_same_shape_matrices_share_one_stack_and_one_ns_call(P0):
     got = call("muon_zero:stacks_and_calls", P0, BATCHES[:2])
     # the steps themselves: a forged count of stacks and calls earns nothing on its own
-    two = stored("muon_zero", "fp32 2 steps", lambda: H.reference_fp32(P0, steps=2))
+    two = stored("muon_zero", "fp32 2 steps", lambda: H.reference_fp32(P0, BATCHES, steps=2))
     err, tol = rel_change_error(P0, got["params"], two), fp32_tolerance(P0, two, steps=2)
     assert err < tol, (
         f"2 fp32 steps on one process are {err:.2e} from the per-matrix fp32 reference "
@@ -429,7 +432,7 @@ def test_same_shape_matrices_share_one_stack_and_one_ns_call(P0):
 def test_newton_schulz():
     """Behaviour, any op order: fp32 lands on the polar factor, bf16 within its precision of the
     same iteration in fp64, shapes and dtype kept, every matrix of a batch normalised alone."""
-    g = torch.Generator().manual_seed(SEED)
+    g = torch.Generator().manual_seed(seed(0))
     for shape in [(20, 12), (12, 20), (16, 16)]:
         X = torch.randn(shape, generator=g)
         W = well_conditioned(shape, g)  # bf16 resolves every direction of these
@@ -477,7 +480,7 @@ def test_newton_schulz():
 def test_newton_schulz_orthogonalises_tall_matrices_wide():
     """The cost V4's packing assumes: the Gram matrix is min(n, m) square, so a tall [L, s]
     matrix is iterated as its transpose (the math is the same; the work is (L/s)^2 smaller)."""
-    X = torch.randn(40, 8, generator=torch.Generator().manual_seed(1 + SEED))
+    X = torch.randn(40, 8, generator=torch.Generator().manual_seed(seed(1)))
     got = call("muon_zero:newton_schulz_shapes", X)
     big = [s for s in got["seen"] if len(s) >= 2 and tuple(s[-2:]) == (40, 40)]
     assert not big, (
@@ -501,7 +504,7 @@ def test_muon_update_matches_torch_muon_rule():
     and the default bf16 path against torch.optim.Muon itself within bf16's precision."""
     for shape, momentum, nesterov in (((12, 20), 0.95, True), ((20, 12), 0.9, True),
                                       ((12, 20), 0.95, False)):  # fmt: skip
-        g = torch.Generator().manual_seed(3 + SEED)
+        g = torch.Generator().manual_seed(seed(3))
         grads = [well_conditioned(shape, g) for _ in range(3)]
         steps = call("muon_zero:muon_update", grads, momentum, nesterov)
         assert len(steps) == len(grads), f"{len(grads)} steps were asked for, {len(steps)} ran"

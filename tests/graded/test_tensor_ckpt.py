@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
 from sandbox import call, on_ranks
 
-from graded.expected import DRAW, generator, hidden, stored
+from graded.expected import DRAW, case_seed, generator, hidden, stored
 from graded.models_tensor_ckpt import CHAIN_OPS, B, C, Chain, H, T, build, measured_run
 
 # The private suite runs these in its slow tier: CI grades the reference with every graded
@@ -30,8 +30,8 @@ from graded.models_tensor_ckpt import CHAIN_OPS, B, C, Chain, H, T, build, measu
 pytestmark = pytest.mark.slow
 
 F32 = 4  # bytes
-SEED = 7919 * DRAW  # the models' weights and inputs move with the draw at grading time
-GEN = torch.Generator().manual_seed(SEED)
+# the models' weights and inputs move with the draw at grading time, a hash per seed
+GEN = torch.Generator().manual_seed(case_seed(0, "tensor_ckpt"))
 REGIONS = ("forget", "storage_units", "recompute_subgraph", "LiveStorage.recompute", "pack_hook",
            "unpack_hook")  # fmt: skip
 PLAN = ("tensor_ckpt.forget", "tensor_ckpt.storage_units")  # what checkpoint_tensors' plan runs
@@ -46,7 +46,7 @@ def ALL_BUT(region):
 # ---- the models, unmarked (the probe passes forget() as their mark), and their references ----
 def plain(name, seed=0):
     """The unmarked model, its state (what the probe loads), and an input."""
-    torch.manual_seed(SEED + seed)
+    torch.manual_seed(case_seed(seed, "tensor_ckpt"))
     model = build(name)
     return model, model.state_dict(), torch.randn(B, T, C)
 
@@ -108,7 +108,7 @@ def chain_case():
     (never the last op: the model's output is not forgotten)."""
     ops, marked = ("tanh", "gelu", "sin", "relu", "cos"), (0, 1, 3)
     if DRAW:
-        gen, names = torch.Generator().manual_seed(SEED + 13), sorted(CHAIN_OPS)
+        gen, names = torch.Generator().manual_seed(case_seed(13, "tensor_ckpt")), sorted(CHAIN_OPS)
         n = 4 + int(torch.randint(3, (1,), generator=gen))
         ops = [names[i] for i in torch.randint(len(names), (n,), generator=gen).tolist()]
         many = 1 + int(torch.randint(n - 1, (1,), generator=gen))
@@ -194,11 +194,11 @@ def test_forget_is_the_identity_eagerly_and_a_node_under_tracing():
     # them are marked, the weights and the input are drawn
     ops, marked = ("gelu",), (0,)
     if DRAW:
-        gen, names = torch.Generator().manual_seed(SEED + 11), sorted(CHAIN_OPS)
+        gen, names = torch.Generator().manual_seed(case_seed(11, "tensor_ckpt")), sorted(CHAIN_OPS)
         ops = [names[i] for i in torch.randint(len(names), (3,), generator=gen).tolist()]
         many = 1 + int(torch.randint(3, (1,), generator=gen))
         marked = sorted(torch.randperm(3, generator=gen)[:many].tolist())
-    torch.manual_seed(SEED + 11)
+    torch.manual_seed(case_seed(11, "tensor_ckpt"))
     model, x = Chain(ops, marked), torch.randn(B, T, C)
     nodes = [n.name for n in fx.symbolic_trace(model).graph.nodes if n.op == "call_function"]
     with torch.no_grad():
@@ -553,9 +553,9 @@ def test_dropout_in_recompute_subgraph_replays_the_rng():
     model.train()
     with torch.no_grad():
         h = model.fc1(x)
-        torch.manual_seed(SEED + 5)
+        torch.manual_seed(dropout_seed := case_seed(5, "tensor_ckpt"))
         expected = model.drop(F.gelu(h))
-    got = call("tensor_ckpt:dropout_case", state, h, SEED + 5)
+    got = call("tensor_ckpt:dropout_case", state, h, dropout_seed)
     assert torch.equal(got["value"], expected), (
         "the recompute must run each random op with the forward's generator state (self.rng): "
         "the dropout mask drawn in backward differs from forward's"

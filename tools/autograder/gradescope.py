@@ -60,8 +60,8 @@ def grade(submission, results, timeout_s):
            "--timeout", str(max(30, timeout_s - 30))]  # fmt: skip
     # the graded tests' hidden cases: seeds drawn now (tests/graded/expected.py's DRAW), so a
     # submission fitted to the public cases' values earns nothing from it; shown to the instructor.
-    # One of 2**50: a worker cannot search its way from its own inputs back to the draw (and so to
-    # the other ranks' inputs); 7919 * DRAW, the tests' seed step, stays below 2**64
+    # One of 2**50, and every seed a hash of it (expected.case_seed): a seed a worker searches out
+    # of its own inputs (torch keeps 32 bits of it) tells nothing of the draw or the other seeds
     env = dict(os.environ)
     env.setdefault("GRADE_DRAW", str(secrets.randbelow(2**50) + 1))
     print(f"graded cases drawn with GRADE_DRAW={env['GRADE_DRAW']}", flush=True)

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from graded.models_muon_zero import ADAMW, DENSE, EXPERT, batch, forward_loss
+from graded.models_muon_zero import ADAMW, DENSE, EXPERT, forward_loss
 
 STEPS = 5
 LR_MUON, LR_ADAM = 0.05, 0.01
@@ -18,15 +18,16 @@ V4_NS = ((3.4445, -4.7750, 2.0315),) * 8 + ((2.0, -1.5, 0.5),) * 2  # V4 Algorit
 SHARED = ("muon_steps",)
 
 
-def reference_fp32(P, steps=STEPS, rms=0.18):
-    """V4 Algorithm 1 written out per matrix in fp32, plus torch.optim.AdamW."""
+def reference_fp32(P, batches, steps=STEPS, rms=0.18):
+    """V4 Algorithm 1 written out per matrix in fp32, plus torch.optim.AdamW, on the test's
+    ``batches`` (each (tokens, targets), one per step)."""
     L = {k: v.clone().requires_grad_() for k, v in P.items()}
     adam = torch.optim.AdamW(
         [L[k] for k in ADAMW], lr=LR_ADAM, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1
     )
     momentum = {k: torch.zeros_like(P[k]) for k in (*DENSE, *EXPERT)}
     for s in range(steps):
-        forward_loss(L, *batch(s)).backward()
+        forward_loss(L, *batches[s]).backward()
         with torch.no_grad():
             for k in (*DENSE, *EXPERT):
                 pairs = [(L[k], L[k].grad, momentum[k])]
