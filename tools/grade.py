@@ -236,23 +236,27 @@ def weight(root, test_file):
     return max(1, count)
 
 
-def _session(root, test_file, args, env, deadline, quiet):
-    """One pytest session over ``test_file``; returns (events, exit code, killed at deadline)."""
+def _session(root, test_file, args, env, deadline, quiet, warm=None):
+    """One pytest session over ``test_file``; returns (events, exit code, killed at deadline).
+    ``warm``: a warm_pytest.Server to fork the session from (the checks' many sessions)."""
     report = os.path.join(env["GRADE_PRIVATE"], "report.jsonl")
     open(report, "w").close()
     env = dict(env, GRADE_REPORT=report, GRADE_DEADLINE=f"{deadline:.3f}")
-    cmd = [sys.executable, "-m", "pytest", "-p", "grade_plugin", "-p", "no:cacheprovider"]
-    cmd += ["--confcutdir", os.path.join(root, "tests", "graded"), *args]
+    argv = ["-p", "grade_plugin", "-p", "no:cacheprovider"]
+    argv += ["--confcutdir", os.path.join(root, "tests", "graded"), *args]
     with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(
-            cmd,
-            cwd=root,
-            env=env,
-            start_new_session=True,
-            stdin=subprocess.DEVNULL,
-            stdout=log if quiet else None,
-            stderr=subprocess.STDOUT,
-        )
+        if warm is not None:
+            proc = warm.start(argv, root, env, log if quiet else None)
+        else:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "pytest", *argv],
+                cwd=root,
+                env=env,
+                start_new_session=True,
+                stdin=subprocess.DEVNULL,
+                stdout=log if quiet else None,
+                stderr=subprocess.STDOUT,
+            )
         killed = _wait_and_tell(proc, report, deadline + KILL_GRACE_S)
         if quiet and proc.returncode not in (0, 1, 5):  # 1: tests failed, 5: none collected
             log.seek(0)
@@ -363,15 +367,22 @@ def run_graded(
     env["GRADE_ZYGOTE"] = zygote.path if reused else os.path.join(where.private, "zygote.sock")
     os.environ.update({k: env[k] for k in keys})
     graded, results, notes = [], {}, []
+    warm = None
     if reused:
         shared = zygote
+        if getattr(zygote, "pytest", 0) is None:  # the checks' sessions: forks of one warm pytest
+            import warm_pytest
+
+            zygote.pytest = warm_pytest.Server(env)
+        warm = getattr(zygote, "pytest", None)
     else:
         shared = sandbox.shared_zygote(env["GRADE_ZYGOTE"], sandbox.preload_for(root))
+    keep = (shared.proc.pid, warm.proc.pid) if warm else (shared.proc.pid,)
     try:
         checked = names if changed is None else affected(where.stage, names, changed)
         broken = sandbox.import_check([_module(n) for n in checked], IMPORT_S)
         sandbox.close()
-        kill_everything(keep=(shared.proc.pid,))
+        kill_everything(keep=keep)
         reasons = {_module(n): f"{n} could not be imported: {why}" for n, why in broken.items()}
         env["GRADE_BROKEN"] = json.dumps(reasons)
         if only:
@@ -391,11 +402,11 @@ def run_graded(
             args += ["-q" if quiet else "-v", "--tb=short", "-rN", "--disable-warnings"]
             args += ["--no-header", *(by_file[test_file] if nodeids else [test_file])]
             try:
-                graded_file = _grade_file(root, test_file, args, env, budget, quiet, only)
+                graded_file = _grade_file(root, test_file, args, env, budget, quiet, only, warm)
             except Exception as error:  # the grader's own failure: this file alone scores zero
                 graded_file = _not_graded(root, test_file, only, error)
             finally:
-                kill_everything(keep=(shared.proc.pid,))
+                kill_everything(keep=keep)
             found, mine, cut, note = graded_file
             if note:
                 notes.append(note)
@@ -410,7 +421,7 @@ def run_graded(
         sandbox.close()
         if not reused:
             shared.close()
-        kill_everything(keep=(shared.proc.pid,) if reused else ())
+        kill_everything(keep=keep if reused else ())
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -425,11 +436,11 @@ def run_graded(
     return Run(graded, results, time.time() - start, notes, broken)
 
 
-def _grade_file(root, test_file, args, env, budget, quiet, only):
+def _grade_file(root, test_file, args, env, budget, quiet, only, warm=None):
     """One graded file's session: (events, outcomes, outcomes of the tests it did not finish,
     a note when it died or ran out of time)."""
     began = time.time()
-    found, code, killed = _session(root, test_file, args, env, began + budget, quiet)
+    found, code, killed = _session(root, test_file, args, env, began + budget, quiet, warm)
     mine = outcomes(found)
     died = None
     if code is not None and code < 0 and not killed:
@@ -471,10 +482,12 @@ def one_zygote(root):
     is imported once for all of them; a run that finds it dead starts its own."""
     folder = tempfile.mkdtemp(prefix="grade-zygote-")  # this user's alone, as the socket must be
     zygote = sandbox.shared_zygote(os.path.join(folder, "zygote.sock"), sandbox.preload_for(root))
-    zygote.path = os.path.join(folder, "zygote.sock")
+    zygote.path, zygote.pytest = os.path.join(folder, "zygote.sock"), None  # pytest: run_graded's
     try:
         yield zygote
     finally:
+        if zygote.pytest is not None:
+            zygote.pytest.close()
         zygote.close()
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -1006,43 +1019,46 @@ def check_alternatives(root, which, per_test_s, overall_s):
             defects += [f"{q} / {a.name}: no graded test names or needs it" for a in alts]
         elif alts:
             usable[q] = alts
-    for k in range(max(map(len, usable.values()), default=0)):
-        chosen = {q: alts[k] for q, alts in usable.items() if len(alts) > k}
-        tests = list(dict.fromkeys(t for q in chosen for t in tests_of(graded, q)))
-        with tempfile.TemporaryDirectory() as staged:
-            stage_with(staged, root, [(regions[q], a.body) for q, a in chosen.items()])
-            changed = files_of_regions(root, [regions[q] for q in chosen])
-            run = run_graded(root, staged, tests, per_test_s, overall_s, True, changed=changed)
-        failed = _failed(run, tests)
-        print(
-            f"pass {k + 1}: {len(chosen)} alternatives, {len(tests) - len(failed)} of "
-            f"{len(tests)} graded tests pass ({run.seconds:.0f} s)",
-            flush=True,
-        )
-        for line in failed:
-            print(f"  failed {line}", flush=True)
-        for q, a in chosen.items():
-            own = tests_of(graded, q)
-            if failed:  # blame: this alternative alone in the reference
-                with tempfile.TemporaryDirectory() as staged:
-                    stage_with(staged, root, [(regions[q], a.body)])
-                    changed = files_of_regions(root, [regions[q]])
-                    alone = run_graded(
-                        root, staged, own, per_test_s, overall_s, True, changed=changed
-                    )
-                bad = _failed(alone, own)
-            else:
-                bad = []
-            label = f"{q} / {a.name}"
-            if bad:
-                defects.append(f"{label}: {len(bad)} of {len(own)} tests fail: {bad[0]}")
-                print(f"FAIL {label}: {len(bad)} of {len(own)} tests fail", flush=True)
-                for line in bad:
-                    print(f"  {line}", flush=True)
-            else:
-                print(f"ok   {label}: {len(own)} graded tests pass", flush=True)
-        if failed and not any(d.startswith(tuple(chosen)) for d in defects):
-            defects.append(f"pass {k + 1}: tests fail only with all its alternatives together")
+    with one_zygote(root) as zygote:  # torch imported once for every grading below
+        for k in range(max(map(len, usable.values()), default=0)):
+            chosen = {q: alts[k] for q, alts in usable.items() if len(alts) > k}
+            tests = list(dict.fromkeys(t for q in chosen for t in tests_of(graded, q)))
+            with tempfile.TemporaryDirectory() as staged:
+                stage_with(staged, root, [(regions[q], a.body) for q, a in chosen.items()])
+                changed = files_of_regions(root, [regions[q] for q in chosen])
+                run = run_graded(
+                    root, staged, tests, per_test_s, overall_s, True, zygote=zygote, changed=changed
+                )
+            failed = _failed(run, tests)
+            print(
+                f"pass {k + 1}: {len(chosen)} alternatives, {len(tests) - len(failed)} of "
+                f"{len(tests)} graded tests pass ({run.seconds:.0f} s)",
+                flush=True,
+            )
+            for line in failed:
+                print(f"  failed {line}", flush=True)
+            for q, a in chosen.items():
+                own = tests_of(graded, q)
+                if failed:  # blame: this alternative alone in the reference
+                    with tempfile.TemporaryDirectory() as staged:
+                        stage_with(staged, root, [(regions[q], a.body)])
+                        changed = files_of_regions(root, [regions[q]])
+                        alone = run_graded(
+                            root, staged, own, per_test_s, overall_s, True, changed=changed
+                        )
+                    bad = _failed(alone, own)
+                else:
+                    bad = []
+                label = f"{q} / {a.name}"
+                if bad:
+                    defects.append(f"{label}: {len(bad)} of {len(own)} tests fail: {bad[0]}")
+                    print(f"FAIL {label}: {len(bad)} of {len(own)} tests fail", flush=True)
+                    for line in bad:
+                        print(f"  {line}", flush=True)
+                else:
+                    print(f"ok   {label}: {len(own)} graded tests pass", flush=True)
+            if failed and not any(d.startswith(tuple(chosen)) for d in defects):
+                defects.append(f"pass {k + 1}: tests fail only with all its alternatives together")
     print(
         f"\ncheck-alternatives: {len(alternatives)} alternatives, {len(defects)} defects, "
         f"in {time.monotonic() - start:.0f} s"

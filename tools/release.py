@@ -65,6 +65,7 @@ SUPPORT = (
     "tools/assignments.py",
     "tools/sandbox.py",
     "tools/sandbox_child.py",
+    "tools/warm_pytest.py",
     "tools/venv.sh",
     "benchmarks/bench_compose.py",  # notebook 05 runs it (a subprocess: no import finds it)
     "docs/GLOSSARY.md",  # the notebooks link to these three

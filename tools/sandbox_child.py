@@ -444,9 +444,13 @@ def _run_import(request):
 
 def _read_inputs(fd):
     """The whole memory file ``fd`` (shared by every rank of a call: read by position)."""
-    size, parts = os.fstat(fd).st_size, []
-    while (done := sum(map(len, parts))) < size:
-        parts.append(os.pread(fd, size - done, done))
+    size, parts, done = os.fstat(fd).st_size, [], 0
+    while done < size:
+        part = os.pread(fd, size - done, done)
+        if not part:  # the file shrank under us: a truncated pickle would fail later, less clearly
+            raise OSError(f"the inputs ended at {done} of {size} bytes")
+        parts.append(part)
+        done += len(part)
     os.close(fd)
     return b"".join(parts)
 
