@@ -29,6 +29,7 @@ import argparse
 import ast
 import contextlib
 import ctypes
+import functools
 import glob
 import importlib.util
 import json
@@ -881,6 +882,31 @@ def tests_of(graded, qualname):
     ]
 
 
+@functools.cache
+def _functions(path):  # a test file's module-level functions by name
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    return {f.name: f for f in tree.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+def test_strings(root, nodeid):
+    """The string constants (f-strings' literal parts too) of a test function and of the module
+    functions it calls, transitively: where its failure messages are written."""
+    path, name = nodeid.split("::")[0], nodeid.split("::")[-1].split("[")[0]
+    functions, seen, strings = _functions(os.path.join(root, path)), set(), []
+    todo = [name]
+    while todo:
+        if (current := todo.pop()) in seen or current not in functions:
+            continue
+        seen.add(current)
+        for node in ast.walk(functions[current]):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                strings.append(node.value)
+            elif isinstance(node, ast.Name):
+                todo.append(node.id)
+    return strings
+
+
 def apply_edits(reference, edits):
     """``reference`` (a region body at indentation 0) with each (old, new) of ``edits`` replaced
     in turn; raises ValueError naming an ``old`` that is missing or occurs more than once."""
@@ -914,7 +940,8 @@ def check_mistakes(root, which, per_test_s, overall_s):
         for m in mistakes:
             label = f"{m.region} / {m.name}"
             region = regions.get(m.region)
-            tests = tests_of(graded, m.region)  # its own first
+            tests = tests_of(graded, m.region)  # its own first, those that say its message first
+            tests.sort(key=lambda t: not any(m.message in s for s in test_strings(root, t)))
             if region is None or not tests:
                 defects += 1
                 why = "no such region" if region is None else "no graded test names or needs it"
