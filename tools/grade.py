@@ -371,11 +371,11 @@ def run_graded(
     warm = None
     if reused:
         shared = zygote
-        if getattr(zygote, "pytest", 0) is None:  # the checks' sessions: forks of one warm pytest
+        if zygote.pytest is None:  # the checks' sessions: forks of one warm pytest
             import warm_pytest
 
             zygote.pytest = warm_pytest.Server(env)
-        warm = getattr(zygote, "pytest", None)
+        warm = zygote.pytest
     else:
         shared = sandbox.shared_zygote(env["GRADE_ZYGOTE"], sandbox.preload_for(root))
     keep = (shared.proc.pid, warm.proc.pid) if warm else (shared.proc.pid,)
@@ -1071,7 +1071,14 @@ def check_alternatives(root, which, per_test_s, overall_s):
                         stage_with(staged, root, [(regions[q], a.body)])
                         changed = files_of_regions(root, [regions[q]])
                         alone = run_graded(
-                            root, staged, own, per_test_s, overall_s, True, changed=changed
+                            root,
+                            staged,
+                            own,
+                            per_test_s,
+                            overall_s,
+                            True,
+                            zygote=zygote,
+                            changed=changed,
                         )
                     bad = _failed(alone, own)
                 else:
