@@ -27,12 +27,19 @@ class Session:
         if self.returncode is None:
             self.server.sock.settimeout(timeout)
             try:
-                status = json.loads(self.server.sock.recv(4096))
+                said = self.server.sock.recv(4096)
             except TimeoutError:
                 raise subprocess.TimeoutExpired("pytest", timeout) from None
             finally:
                 self.server.sock.settimeout(None)
-            self.returncode = os.waitstatus_to_exitcode(status)
+            if not said:  # the warm parent died: its session is ended, and counts as killed
+                try:
+                    os.killpg(self.pid, signal.SIGKILL)  # the session leads its own group
+                except OSError:  # gone already
+                    pass
+                self.returncode = -signal.SIGKILL
+            else:
+                self.returncode = os.waitstatus_to_exitcode(json.loads(said))
         return self.returncode
 
 
