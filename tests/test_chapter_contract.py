@@ -37,7 +37,7 @@ def run(kernels=None):
 """
 
 
-CALL_BACK = """from guards import muon_zero_guard
+CALL_BACK = """import launch
 
 
 def plan(x):
@@ -45,7 +45,15 @@ def plan(x):
 
 
 def build(groups):
-    muon_zero_guard.check_and_agree(groups, None, {}, (), plan)
+    launch.agree(groups, None, None, plan)
+"""
+
+
+ANOTHER_MODULE = """import sys
+
+
+def loaded():
+    return sys.modules.get("numpy") is not None
 """
 
 
@@ -57,6 +65,8 @@ def test_the_measure_sees_a_call_back_and_a_reach_back():
     assert not any(handed.values()), f"chapters hand their functions to helpers: {handed}"
     planted = chapters.contract("planted.py", REACH_BACK)
     assert planted[4] == 1, f"a sys.modules reach-back went unseen: counted {planted[4]}"
+    planted = chapters.contract("planted.py", ANOTHER_MODULE)
+    assert planted[4] == 0, f"numpy looked up in sys.modules counted as a reach-back: {planted}"
     reaching = {name: chapters.contract(name)[4] for name in chapters.CHAPTERS}
     assert not any(reaching.values()), f"chapters reach back through sys.modules: {reaching}"
 

@@ -245,7 +245,7 @@ def import_closure(root, scripts):
 
 
 def support_files(root=ROOT):
-    """The repository files the assignment files import (launch.py, guards/, models/, ...): what a
+    """The repository files the assignment files import (launch.py, models/, interop/, ...): what a
     grading stages beside them. Never a test or a tool."""
     names = assignment_files(root)
     return [

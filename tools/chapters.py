@@ -49,7 +49,7 @@ BEGIN, END = "<!-- chapter-contract:begin -->", "<!-- chapter-contract:end -->"
 
 
 def project_file(module, name=None):
-    """'guards.x' (and an imported name) -> the project file a reader opens, or None (not ours)."""
+    """'interop.x' (and an imported name) -> the project file a reader opens, or None (not ours)."""
     base = os.path.join(ROOT, *module.split("."))
     candidates = [os.path.join(base, name + ".py")] if name else []
     candidates += [base + ".py", os.path.join(base, "__init__.py")]
@@ -101,15 +101,7 @@ def contract(name, text=None):
         if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.lineno < end
     ]
     longest = max(funcs) if funcs else (0, "-")
-    reach = sum(
-        1
-        for n in ast.walk(tree)
-        if isinstance(n, ast.Attribute)
-        and n.attr == "modules"
-        and isinstance(n.value, ast.Name)
-        and n.value.id == "sys"
-        and n.lineno < end
-    )
+    reach = sum(1 for n in ast.walk(tree) if n_reaches_back(n) and n.lineno < end)
     own = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     handed = sorted(
         {
@@ -121,6 +113,24 @@ def contract(name, text=None):
         }
     )
     return end - 1, fence, uses, (longest[1], longest[0]), reach, handed
+
+
+def n_reaches_back(node):
+    """sys.modules[__name__] or sys.modules.get(__name__): the module reaching back into itself
+    (another module looked up there, numpy's if it is loaded, is no reach-back)."""
+    if isinstance(node, ast.Subscript):
+        table, key = node.value, node.slice
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args:
+        table, key = node.func.value if node.func.attr == "get" else None, node.args[0]
+    else:
+        return False
+    is_modules = (
+        isinstance(table, ast.Attribute)
+        and table.attr == "modules"
+        and isinstance(table.value, ast.Name)
+        and table.value.id == "sys"
+    )
+    return is_modules and isinstance(key, ast.Name) and key.id == "__name__"
 
 
 def calls_into(func, bound):

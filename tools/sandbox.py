@@ -528,7 +528,7 @@ def preload_for(root):
 
     found = []
     names = [f for f in os.listdir(root) if f.endswith(".py")]
-    for sub in ("memory", "guards", "models", "interop", "layouts", "optimizer_state"):
+    for sub in ("memory", "models", "interop", "layouts", "optimizer_state"):
         if os.path.isdir(os.path.join(root, sub)):
             names += [os.path.join(sub, f) for f in os.listdir(os.path.join(root, sub))]
     for name in (n for n in names if n.endswith(".py")):

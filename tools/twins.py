@@ -28,7 +28,7 @@ REGIONS = (  # the pure regions regions() draws inputs for
 )  # fmt: skip
 # the folders searched, besides the root's own modules: the chapters' helpers, benchmarks and the
 # public kit (never tools/, whose scripts act at import, nor notebooks/, jupytext scripts)
-SEARCHED = ("compiled", "guards", "interop", "layouts", "memory", "models", "benchmarks",
+SEARCHED = ("compiled", "interop", "layouts", "memory", "models", "benchmarks",
             os.path.join("tests", "graded"))  # fmt: skip
 SECONDS = 5  # a candidate that runs longer is not an answer to a small input
 
