@@ -45,7 +45,7 @@ def rms_norm(x, weight):
     return F.rms_norm(x, (x.shape[-1],), weight, eps=RMS_EPS)
 
 
-# ---- Under CP: which blocks end on which rank, and which raw rows they pool ----------------------
+# ---- 1. Under CP: which blocks end on which rank, and which raw rows they pool -------------------
 def halo_rows(ratio, overlap):
     """Raw rows rank i+1 needs from rank i to pool every block that ends on it: such a block starts
     at most m-1 tokens before the rank's first token, and with overlap (CSA) the entry also pools
@@ -154,7 +154,7 @@ def visibility(query_pos, query_doc_start, entry_end, entry_doc_start):
     ### END SOLUTION
 
 
-# ---- The protocol: halo exchange -> local compression -> all-gather -> select-and-pad ------------
+# ---- 2. The protocol: halo exchange -> local compression -> all-gather -> select-and-pad ---------
 @dataclass
 class CompressedShard:
     entries: torch.Tensor  # [cp*s/m, C] the whole sequence's entries, padding rows at the tail
@@ -269,7 +269,7 @@ def all_gather_entries(x, group=None):
     return _AllGather.apply(x, group)
 
 
-# ---- Selection and attention (V4 §2.3): the lightning indexer, top-k, a sink ---------------------
+# ---- 3. Selection and attention (V4 §2.3): the lightning indexer, top-k, a sink ------------------
 def index_scores(q_index, w_index, k_index):
     """Lightning indexer: I[t, e] = sum_h w[t, h] * relu(q[t, h] . k[e] / sqrt(d)). V4 writes
     w = weights_proj(x) * Hi^-1/2: a constant scale, folded into w_index here.
@@ -315,7 +315,7 @@ def attention_gathered(q, keys, allowed, sink):
     return torch.einsum("shk,skd->shd", logits.softmax(dim=-1)[..., :-1], keys)
 
 
-# ---- The layer: one set of weights, two ways to run it -------------------------------------------
+# ---- 4. The layer: one set of weights, two ways to run it ----------------------------------------
 @dataclass
 class Projections:  # what a layer computes per token from x [T, dim]: no communication needed
     q: torch.Tensor  # [T, H, D] attention queries
@@ -605,8 +605,9 @@ def compare_with_reference(layer, x_full, cu_seqlens):
     return out_err, grad_err, ex.counts
 
 
-def demo(args, rank, cp, device):
+def demo(args, rank, world, device):
     """Both layers on a packed batch; rank 0 prints each rank's bytes sent, entries and errors."""
+    cp = world  # every rank holds one shard of the sequence
     s, window = args.seq_per_rank, args.window
     labels = (
         "rank",

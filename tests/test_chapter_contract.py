@@ -71,6 +71,71 @@ def test_the_measure_sees_a_call_back_and_a_reach_back():
     assert not any(reaching.values()), f"chapters reach back through sys.modules: {reaching}"
 
 
+GOOD_CHAPTER = '''"""A technique.
+
+What the standard tool assumes. One thing.
+
+What V4 violates. Another.
+
+The fix. Two steps.
+"""
+
+import launch
+
+
+# ---- 1. the math -------------------------------------------------------------------------------
+def step(x):
+    return x
+
+
+# ---- 2. the protocol ---------------------------------------------------------------------------
+def protocol(x):
+    return step(x)
+
+
+# ---- appendix: the demo ------------------------------------------------------------------------
+def parse_args(argv=None):
+    return argv
+
+
+def demo(args, rank, world, device):
+    return protocol(args)
+
+
+if __name__ == "__main__":
+    launch.run(demo, parse_args())
+'''
+
+
+def test_every_chapter_keeps_the_files_shape():
+    missing = {name: chapters.shape_problems(name) for name in chapters.CHAPTERS}
+    assert not any(missing.values()), f"chapters miss the contract's shape: {missing}"
+
+
+def test_the_shape_check_finds_each_part_a_file_misses():
+    assert chapters.shape_problems("good.py", GOOD_CHAPTER) == [], "a chapter kept to the shape"
+    breaches = {
+        "three beats": GOOD_CHAPTER.replace("What V4 violates", "What it breaks"),
+        "the appendix fence": GOOD_CHAPTER.replace("# ---- appendix: the demo", "# ---- the demo"),
+        "numbered": GOOD_CHAPTER.replace("# ---- 2. the protocol", "# ---- 3. the protocol"),
+        "demo(args, rank, world, device)": GOOD_CHAPTER.replace(
+            "rank, world, device", "rank, cp, device"
+        ),
+        "parse_args(argv=None)": GOOD_CHAPTER.replace("def parse_args(", "def parse("),
+        "below the fence": GOOD_CHAPTER.replace(
+            "# ---- appendix: the demo", "# ---- 3. more"
+        ).replace(
+            "    return protocol(args)\n", "    return protocol(args)\n\n\n# ---- appendix: end\n"
+        ),
+        "launch.run(demo, parse_args())": GOOD_CHAPTER.replace(
+            "launch.run(demo, parse_args())", "demo()"
+        ),
+    }
+    for words, text in breaches.items():
+        said = chapters.shape_problems("planted.py", text)
+        assert any(words in p for p in said), f"a file missing {words!r} went unseen: {said}"
+
+
 def top_imports(path):
     """The first name of every module a Python file imports (static imports only)."""
     import ast

@@ -1,44 +1,23 @@
-"""How each chapter reads: total lines, where the appendix fence sits, where its protocol starts.
+"""The chapter contract (docs/CHAPTERS.md), measured: what each chapter's path sends a reader to,
+and whether the file keeps the contract's shape.
 
-    python tools/chapters.py          # the table, with each file's targets
-    python tools/chapters.py --check  # exit 1 when a file misses a target
-    python tools/chapters.py --contract  # docs/CHAPTERS.md's table, measured
+    python tools/chapters.py             # the table, then what each file misses of the shape
+    python tools/chapters.py --check     # exit 1 when a chapter misses part of the shape
+    python tools/chapters.py --contract  # docs/CHAPTERS.md's table, to paste between its markers
+    python tools/chapters.py --check new_chapter.py   # a chapter being written, before it is listed
 
-A chapter is judged by how soon a reader meets the technique's heart and its distributed step:
-the line where each protocol function is defined, against the target for that file.
+No line cap: a chapter is as long as its technique; the table says how far its path runs.
 """
 
 import argparse
 import ast
 import os
+import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FENCE = ("# ---- appendix", "# ==== appendix")
-# file: (most lines, [(protocol function or class, starts before line)])
-TARGETS = {
-    "muon_zero.py": (650, [("sharded_step", 400)]),
-    "mhc.py": (800, [("RecomputedBlock", 400), ("pipeline_step", 650)]),
-    "cp_compress.py": (650, [("context_parallel_compress", 400)]),
-    "tensor_ckpt.py": (700, [("run_forgetting", 400)]),
-    "memory/memory_timeline.py": (600, []),
-    "launch.py": (200, []),
-}
-
-
-def stats(path, protocols):
-    with open(path) as f:
-        text = f.read()
-    lines = text.splitlines()
-    fence = next((i for i, line in enumerate(lines, 1) if line.startswith(FENCE)), None)
-    tree = ast.parse(text)
-    defined = {
-        node.name: node.lineno
-        for node in ast.walk(tree)
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef))
-    }
-    doc = ast.get_docstring(tree) or ""
-    return len(lines), fence, len(doc.splitlines()), [(p, defined.get(p), b) for p, b in protocols]
+BEATS = ("What the standard tool assumes", "What V4", "The fix")
 
 
 # ---- the chapter contract (docs/CHAPTERS.md): what the technique's path sends a reader to ----
@@ -140,29 +119,71 @@ def calls_into(func, bound):
     return isinstance(func, ast.Name) and func.id in bound
 
 
+def shape_problems(name, text=None):
+    """What a chapter file misses of the contract's shape ("The file, top to bottom"): the
+    docstring's three beats in order, numbered sections before the fence, the fence, then
+    ``parse_args`` and ``demo(args, rank, world, device)``, and last ``launch.run(demo,
+    parse_args())`` under ``if __name__ == "__main__"``. -> [] when it keeps all of it."""
+    if text is None:
+        with open(os.path.join(ROOT, name)) as f:
+            text = f.read()
+    tree, lines, problems = ast.parse(text), text.splitlines(), []
+    doc = ast.get_docstring(tree) or ""
+    at = [doc.find(beat) for beat in BEATS]
+    if -1 in at or at != sorted(at):
+        problems.append(f"the module docstring's three beats, in order: {', '.join(BEATS)}")
+    fence = next((i for i, line in enumerate(lines, 1) if line.startswith(FENCE)), None)
+    if fence is None:
+        problems.append("the appendix fence: a line starting '# ---- appendix'")
+    numbers = [int(m[1]) for line in lines[: fence or len(lines)] if (m := SECTION.match(line))]
+    if not numbers or numbers != list(range(1, len(numbers) + 1)):
+        problems.append(
+            f"sections '# ---- 1. title' before the fence, numbered in order: {numbers}"
+        )
+    defs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    demo, parse = defs.get("demo"), defs.get("parse_args")
+    if demo is None or [a.arg for a in demo.args.args] != ["args", "rank", "world", "device"]:
+        problems.append("demo(args, rank, world, device), the entry launch.run calls")
+    if parse is None:
+        problems.append("parse_args(argv=None), every argument checked before any process group")
+    if fence and any(f is not None and f.lineno < fence for f in (demo, parse)):
+        problems.append("parse_args and demo below the fence")
+    last = tree.body[-1] if tree.body else None
+    runs = last is not None and isinstance(last, ast.If) and "__main__" in ast.unparse(last.test)
+    if not (runs and "launch.run(demo, parse_args())" in ast.unparse(last)):
+        problems.append('last: if __name__ == "__main__": launch.run(demo, parse_args())')
+    return problems
+
+
+SECTION = re.compile(r"# ---- (\d+)\. ")
+
+
 def contract_table():
     """The markdown table docs/CHAPTERS.md carries between its markers, generated here."""
     rows = [
         "| chapter | path (lines before the fence) | fence | other files the path sends a "
         "reader to (uses before the fence) | count beyond launch.py | longest function on the path "
-        "| sys.modules reach-backs | chapter functions handed out (call-backs) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| sys.modules reach-backs | chapter functions handed out (call-backs) "
+        "| the file's shape (tools/chapters.py --check) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name in CHAPTERS:
         path, fence, uses, (fn, length), reach, handed = contract(name)
         sent = ", ".join(f"{f} ({n})" for f, n in sorted(uses.items())) or "-"
         beyond = sum(1 for f in uses if f not in SHARED)
         back = ", ".join(handed) or "-"
+        shape = "; ".join(shape_problems(name)) or "kept"
         rows.append(
             f"| {name} | {path} | {fence or 'none'} | {sent} | {beyond} "
-            f"| {fn} ({length}) | {reach} | {back} |"
+            f"| {fn} ({length}) | {reach} | {back} | {shape} |"
         )
     return "\n".join(rows)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
+    parser.add_argument("files", nargs="*", help=f"chapter files (default: {' '.join(CHAPTERS)})")
+    parser.add_argument("--check", action="store_true", help="exit 1 when a file misses the shape")
     parser.add_argument(
         "--contract", action="store_true", help="print docs/CHAPTERS.md's table and stop"
     )
@@ -170,23 +191,15 @@ def main(argv=None):
     if args.contract:
         print(contract_table())
         return 0
-    missed = []
-    print(f"{'file':<28}{'lines':>7}{'target':>8}{'fence':>7}{'docstring':>11}  protocol (line)")
-    for name, (most, protocols) in TARGETS.items():
-        path = os.path.join(ROOT, name)
-        if not os.path.exists(path):
-            missed.append(f"{name}: missing")
-            continue
-        total, fence, doc, where = stats(path, protocols)
-        shown = ", ".join(f"{p} {line} (< {before})" for p, line, before in where)
-        print(f"{name:<28}{total:>7}{most:>8}{fence or '-':>7}{doc:>11}  {shown}")
-        if total > most:
-            missed.append(f"{name}: {total} lines, target {most}")
-        for p, line, before in where:
-            if line is None or line >= before:
-                missed.append(f"{name}: {p} at line {line}, target before {before}")
-    for m in missed:
-        print("MISSED", m)
+    missed = 0
+    for name in args.files or CHAPTERS:
+        path, fence, uses, (fn, length), reach, handed = contract(name)
+        beyond = sorted(f for f in uses if f not in SHARED)
+        print(f"{name}: path {path} lines, fence {fence}, other files {beyond or '-'}, ", end="")
+        print(f"longest function {fn} ({length})")
+        for problem in shape_problems(name) + [f"a call-back handed out: {h}" for h in handed]:
+            print(f"  MISSES {problem}")
+            missed += 1
     return 1 if args.check and missed else 0
 
 
