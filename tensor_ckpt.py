@@ -50,7 +50,7 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.utils._pytree as pytree
+import torch.utils._pytree as pytree  # torch has no public pytree (flatten nested arguments)
 from torch.utils import flop_counter
 from torch.utils.checkpoint import (
     CheckpointPolicy,
@@ -250,7 +250,8 @@ def can_draw(root, node):
     draws nothing in the example run, yet must replay its mask once p is raised."""
     if node.op == "call_module":  # a dropout or RReLU anywhere inside the module
         modules = functools.reduce(getattr, node.target.split("."), root).modules()
-        return any(isinstance(m, (nn.modules.dropout._DropoutNd, nn.RReLU)) for m in modules)
+        dropout = nn.modules.dropout._DropoutNd  # every dropout's base: torch exports no public one
+        return any(isinstance(m, (dropout, nn.RReLU)) for m in modules)
     if node.target is F.scaled_dot_product_attention:
         return node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0) != 0.0
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
@@ -294,6 +295,7 @@ def profile(gm, example_inputs):
                 touched = tensors_in(fx.node.map_arg((n.args, n.kwargs), env.__getitem__))
                 called = gm.get_submodule(n.target) if n.op == "call_module" else nn.Module()
                 touched += [*called.parameters(), *called.buffers()]
+                # _version, autograd's in-place counter: torch has no public way to read it
                 versions, rng = [t._version for t in touched], rng_snapshot(device)
                 values = [t.clone() if storage_key(t) in buffers else t for t in touched]
                 with count_flops() as flops:
@@ -1160,7 +1162,7 @@ class SideEffects:
     def patched(self, where, name, fn):
         def watched(*args, **kwargs):
             if not self.excuse:
-                caller = sys._getframe(1)
+                caller = inspect.currentframe().f_back
                 at = f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"
                 self.drawn.append(f"{where}.{name}() at {at}")
             return fn(*args, **kwargs)

@@ -18,7 +18,7 @@ import sys
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
+import torch.utils._pytree as pytree  # torch has no public pytree (flatten nested arguments)
 
 
 class Arguments:
@@ -266,7 +266,7 @@ class ShapeFallback:
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
         if self.knows_shapes and kind != "output":
-            try:  # FX's patches of Module.__call__ lifted (its own private way): real modules run
+            try:  # FX's patches of Module.__call__ lifted: real modules run (no public way exists)
                 with torch.no_grad(), fx._symbolic_trace._maybe_revert_all_patches():
                     with self.excused():  # a recorded node: it runs in every call
                         self.values[node] = self.interpreter.run_node(node)
