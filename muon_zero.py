@@ -82,7 +82,7 @@ def newton_schulz(X, coefficients, dtype=torch.bfloat16, eps=1e-7):
     multiply_add = torch.baddbmm if Y.ndim == 3 else torch.addmm  # one matrix: torch's addmm
     for a, b, c in coefficients:
         # every right operand a transposed row-major matrix (A is symmetric: A = A^T): CPU bf16
-        # kernels run that layout several times faster than a plain row-major one
+        # kernels run that memory order several times faster than a plain row-major one
         gram = Y @ Y.mT  # [..., s, s]
         poly = multiply_add(gram, gram, gram.mT, beta=b, alpha=c)  # b·A + c·A²
         Y = multiply_add(Y, poly, Y.mT.contiguous().mT, beta=a)  # a·X + (b·A + c·A²)·X
@@ -725,7 +725,7 @@ def unscale_for(grad_scaler, opt):
 
 def rounding_seed(seed, rank, steps):
     """The seed of the rounding noise of step `steps` on `rank`: a stream per rank and step, so
-    a resumed run (any layout) draws what it would have drawn, from the step count alone. A hash
+    a resumed run (any world size) draws what it would have drawn, from the step count alone. A hash
     mixes all three into every bit: a CPU generator keeps only the low 32, a CUDA one all 64."""
     digest = hashlib.blake2b(f"{seed} {rank} {steps}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1  # 63 bits: manual_seed takes it on any device
@@ -1280,9 +1280,9 @@ def _as_group_value(key, value):
 
 
 def load_state(opt, state_dict):
-    """Load a share saved at this layout, a gathered dict (any layout) or a template dcp.load
-    filled. State keys: indices, their text, or the names in param_groups' "params" (DCP's).
-    Momentum this rank owns but the dict lacks raises rather than start from zero."""
+    """Load a share saved at this world size and zero width, a gathered dict (any) or a template
+    dcp.load filled. State keys: indices, their text, or the names in param_groups' "params"
+    (DCP's). Momentum this rank owns but the dict lacks raises rather than start from zero."""
     saved = state_dict["param_groups"]
     there = [(g.get("role"), len(g["params"])) for g in saved]
     here = [(g["role"], len(g["params"])) for g in opt.param_groups]
