@@ -743,7 +743,7 @@ class MuonZeRO(torch.optim.Optimizer):
     unless the defaults hold "betas"), so Muon's momentum and AdamW's beta1 cycle together, as
     they do for torch.optim.Muon and AdamW. betas: the AdamW groups' default (momentum, beta2).
     zero_width: ranks sharing the dense matrices (divides the group); grad_sync: "bf16_sr" (V4's)
-    or "exact" ("fp32", its old name; float64 parameters need it: every buffer takes the
+    or "exact" (float64 parameters need it: every buffer takes the
     parameters' dtype); max_grad_norm: clip the averaged gradient, in step(); seed: the rounding
     noise's. Checkpoints: state_dict(), gather_state_dict() and torch.distributed.checkpoint
     (see the appendix). amp's GradScaler hands itself to step(): the gradients are unscaled here
@@ -1169,10 +1169,8 @@ def check_and_agree(param_groups, process_group, settings, expert_roles, plan_re
     grad_sync, max_grad_norm, betas = (settings[k] for k in ("grad_sync", "max_grad_norm", "betas"))
     error = None
     try:
-        if grad_sync not in ("bf16_sr", "exact", "fp32"):
-            raise ValueError(
-                f"grad_sync must be 'bf16_sr' (V4's) or 'exact' (alias 'fp32'), got {grad_sync!r}"
-            )
+        if grad_sync not in ("bf16_sr", "exact"):
+            raise ValueError(f"grad_sync must be 'bf16_sr' (V4's) or 'exact', got {grad_sync!r}")
         if not (max_grad_norm is None or GROUP_RULES["eps"][0](max_grad_norm)):
             raise ValueError(f"max_grad_norm must be None or > 0, got {max_grad_norm!r}")
         pair = isinstance(betas, (tuple, list)) and len(betas) == 2
@@ -1430,7 +1428,7 @@ def parse_args(argv=None):
     half = world // 2 if world % 2 == 0 and world > 2 else world
     add("--zero-width", type=count, default=half, help=width)
     sync = "gradient exchange: V4's bf16 stochastic rounding, or exact (default: %(default)s)"
-    add("--grad-sync", choices=("bf16_sr", "exact", "fp32"), default="bf16_sr", help=sync)
+    add("--grad-sync", choices=("bf16_sr", "exact"), default="bf16_sr", help=sync)
     lr = "Muon's learning rate; AdamW's is 3e-3 (default: %(default)s)"
     add("--lr", type=launch.positive, default=0.02, help=lr)
     clip = "clip the averaged gradient to this norm (default: no clipping)"

@@ -332,7 +332,7 @@ def _agreement_rank(rank, world, ns_dtype, steps=5):
     torch.manual_seed(0)
     model = mz.TinyMoE()
     opt = mz.MuonZeRO(mz.muon_param_groups(model), lr=0.02, ns_dtype=ns_dtype, update_rms=0.2,
-                      ns_coefficients=mz.STANDARD_NS_COEFFICIENTS, grad_sync="fp32")  # fmt: skip
+                      ns_coefficients=mz.STANDARD_NS_COEFFICIENTS, grad_sync="exact")  # fmt: skip
     per = 12 // world
     for step in range(steps):
         x, y = _agreement_batch(step)

@@ -381,10 +381,8 @@ def factorisations(world):
 
 
 def check_budget_inputs(world, device_bytes, intra_bw, inter_bw, ranks_per_node, grad_sync):
-    if grad_sync not in ("bf16_sr", "exact", "fp32"):
-        raise ValueError(
-            f"grad_sync must be 'bf16_sr' or 'exact' (alias 'fp32'; MuonZeRO's), got {grad_sync!r}"
-        )
+    if grad_sync not in ("bf16_sr", "exact"):
+        raise ValueError(f"grad_sync must be 'bf16_sr' or 'exact' (MuonZeRO's), got {grad_sync!r}")
     for name, value in (("world", world), ("ranks_per_node", ranks_per_node)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

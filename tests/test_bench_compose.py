@@ -35,7 +35,7 @@ def test_every_link_of_every_rank_is_counted_as_predicted(tmp_path):
     with open(path) as f:
         run = json.load(f)
     cfg = compose.ComposeConfig(**run["config"])
-    predicted = compose_budget.layout_budget(cfg, 1, 2, 1, 2**40, 1e10, 1e9, 2, "fp32")
+    predicted = compose_budget.layout_budget(cfg, 1, 2, 1, 2**40, 1e10, 1e9, 2, "exact")
     for r in run["ranks"]:
         for link in compose_budget.SENT:
             got, want = r["sent_bytes"][link], predicted.sent[r["rank"]][link]

@@ -86,7 +86,7 @@ def check_checkpoint(rank, world, checkpoint=None):
     """Without a checkpoint: save after 3 of 5 steps (and run all 5); with one: resume it here at
     zero width 1 for the last 2 steps. AdamW's tensors in blocks of BLOCK_NUMEL elements."""
     mz.ADAMW_BLOCK_NUMEL = BLOCK_NUMEL
-    P0, kw = make_params(), dict(ns_dtype=torch.float32, grad_sync="fp32")
+    P0, kw = make_params(), dict(ns_dtype=torch.float32, grad_sync="exact")
     if checkpoint is None:
         mid, opt = run_muon_zero(P0, rank, world, steps=3, zero_width=2, **kw)
         state = opt.gather_state_dict()
@@ -367,7 +367,7 @@ def test_every_rank_refuses_a_mismatch(field, words, world):
 
 def check_state_dict_is_local(rank, world):
     P0 = make_params()
-    got, opt = run_muon_zero(P0, rank, world, steps=2, ns_dtype=torch.float32, grad_sync="fp32")
+    got, opt = run_muon_zero(P0, rank, world, steps=2, ns_dtype=torch.float32, grad_sync="exact")
     if rank == 0:  # the usual pattern: only rank 0 saves
         local = opt.state_dict()
         assert local["state"]
@@ -378,7 +378,7 @@ def check_state_dict_is_local(rank, world):
         "param_groups": full["param_groups"],
     }
     L = leaves(got)
-    fresh = mz.MuonZeRO(groups(L), lr=LR_MUON, ns_dtype=torch.float32, grad_sync="fp32")
+    fresh = mz.MuonZeRO(groups(L), lr=LR_MUON, ns_dtype=torch.float32, grad_sync="exact")
     fresh.load_state_dict(stringly)
     again = fresh.gather_state_dict()
     same = all(
@@ -568,7 +568,7 @@ def test_tiny_gradients_do_not_stall_newton_schulz():
     big, tiny = (mz.muon_update(G * s, torch.zeros(12, 20), **kw) for s in (1.0, 1e-30))
     assert (tiny - big).norm() / big.norm() < 1e-4, "NS must be scale-invariant down to 1e-30"
     L = leaves(make_params())
-    opt = mz.MuonZeRO(groups(L), lr=LR_MUON, max_grad_norm=1e-30, grad_sync="fp32")
+    opt = mz.MuonZeRO(groups(L), lr=LR_MUON, max_grad_norm=1e-30, grad_sync="exact")
     before = L["w_in"].detach().clone()
     forward_loss(L, *batch(0)).backward()
     opt.step()
@@ -580,7 +580,7 @@ def check_resume(rank, world):
     """3 steps, save, a fresh optimizer loads, 3 more == 6 uninterrupted steps, bitwise."""
     P0, out = make_params(), {}
     per = GLOBAL_BATCH // world
-    for sync in ("fp32", "bf16_sr"):
+    for sync in ("exact", "bf16_sr"):
         end, _ = run_muon_zero(P0, rank, world, steps=6, grad_sync=sync)
         mid, opt = run_muon_zero(P0, rank, world, steps=3, grad_sync=sync)
         for how, state in (("local", opt.state_dict()), ("gathered", opt.gather_state_dict())):

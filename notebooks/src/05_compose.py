@@ -163,7 +163,7 @@ plt.show()
 # out compute, the overlap of communication with compute, per-message latency and the pipeline
 # bubble, so it ranks layouts by what they move, not by how long a step takes. **grad_sync** is the
 # dtype in which MuonZeRO sends the Muon gradients to their owners: `"bf16_sr"`, bf16 with
-# stochastic rounding as V4 does (notebook 01), or `"fp32"`, which the tests use for the **exact
+# stochastic rounding as V4 does (notebook 01), or `"exact"`, which the tests use for the **exact
 # proof**: a run whose every update matches one process's `torch.optim.Muon`/`AdamW` to float
 # rounding (AdamW's gradients always travel in fp32).
 
@@ -498,7 +498,9 @@ for (pp, cp, dp), run in RUNS.items():
 # %%
 for (pp, cp, dp), run in RUNS.items():
     cfg_run = compose.ComposeConfig(**run["config"])
-    predicted = compose_budget.layout_budget(cfg_run, pp, cp, dp, 2**40, 10 * GB, 1 * GB, 4, "fp32")
+    predicted = compose_budget.layout_budget(
+        cfg_run, pp, cp, dp, 2**40, 10 * GB, 1 * GB, 4, "exact"
+    )
     print(
         f"layout {pp} x {cp} x {dp}: MiB held, measured / predicted (peak: step 2's; "
         "activations measured: activations + temporaries at their largest in the 1F1B phase)"
@@ -530,7 +532,7 @@ if RUNS:
     for key, color in CATEGORY_COLOR.items():
         for (pp, cp, dp), run in RUNS.items():
             cfg_run = compose.ComposeConfig(**run["config"])
-            predicted = compose_budget.layout_budget(cfg_run, pp, cp, dp, 2**40, 1, 1, 4, "fp32")
+            predicted = compose_budget.layout_budget(cfg_run, pp, cp, dp, 2**40, 1, 1, 4, "exact")
             got = [r["held_bytes"][key] / MiB for r in run["ranks"]]
             want = [predicted.held[r["rank"]][key] / MiB for r in run["ranks"]]
             ax.scatter(want, got, color=color, marker="o" if pp == 2 else "s", s=30,

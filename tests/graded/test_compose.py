@@ -240,14 +240,14 @@ def test_graded_cp_gather_is_the_buffer_to_every_peer():
 @pytest.mark.grade(points=2, solution="compose_budget.link_bytes", needs=LINK_NEEDS)
 def test_graded_gradients_travel_in_bf16_parameters_in_fp32():
     cases = [((1, 1, 4), "bf16_sr"), ((2, 2, 1), "bf16_sr"), ((1, 2, 2), "bf16_sr"),
-             ((1, 2, 2), "fp32"), ((4, 1, 1), "bf16_sr")]  # fmt: skip
+             ((1, 2, 2), "exact"), ((4, 1, 1), "bf16_sr")]  # fmt: skip
     queries = [query(CFG, layout, 0, 0, sync) for layout, sync in cases]
     got, wants = link_bytes(*queries), expected("links grads", queries)
     for (layout, sync), sent, want in zip(cases, got, wants, strict=True):
         G = layout[1] * layout[2]
         assert sent["grad_reduce_scatter"] == want["grad_reduce_scatter"], (
             f"grad_reduce_scatter: MuonZeRO sends each of the G - 1 peers its padded chunk in "
-            f"bf16 under grad_sync bf16_sr (2 bytes; fp32 under fp32) and its padded AdamW chunk "
+            f"bf16 under grad_sync bf16_sr (2 bytes; fp32 under exact) and its padded AdamW chunk "
             f"in fp32: got {sent['grad_reduce_scatter']}, expected "
             f"{want['grad_reduce_scatter']} at G = {G}, grad_sync {sync}"
         )

@@ -58,10 +58,10 @@ def check_world(rank, world, P0, A, B, slices, grads, G):
     torch.manual_seed(1234 + rank)  # different per rank: nothing may depend on rank-local noise
     out = {}
     out["bf16_vs_torch"], _ = train(P0, slices, ns_coefficients="standard",
-                                    update_rms=0.2, grad_sync="fp32")  # fmt: skip
+                                    update_rms=0.2, grad_sync="exact")  # fmt: skip
     for z in (z for z in (1, 2, 3, 4) if world % z == 0):
         out[f"fp32_width{z}"], _ = train(
-            P0, slices, ns_dtype=torch.float32, grad_sync="fp32", zero_width=z
+            P0, slices, ns_dtype=torch.float32, grad_sync="exact", zero_width=z
         )
     width = max(z for z in (1, 2, 3) if world % z == 0 and (z < world or world == 1))
     out["bf16_sr"], opt = train(P0, slices, grad_sync="bf16_sr", zero_width=width)
@@ -75,7 +75,7 @@ def check_world(rank, world, P0, A, B, slices, grads, G):
         out[f"sr_one_step_{str(ns_dtype)[6:]}"] = {k: L[k].detach() for k in grads}
     # a gradient nowhere (a) and on rank 0 only (b)
     a, b = A.clone().requires_grad_(), B.clone().requires_grad_()
-    opt = mz.MuonZeRO([a, b], lr=0.1, ns_dtype=torch.float32, grad_sync="fp32")
+    opt = mz.MuonZeRO([a, b], lr=0.1, ns_dtype=torch.float32, grad_sync="exact")
     b.grad = None if G is None else G.clone()
     opt.step()
     out["none_a"], out["none_b"] = a.detach(), b.detach()
@@ -107,7 +107,7 @@ def one_step_reading(P0, x, y, process_group=None, **kw):
     mz.sharded_step = spy
     try:
         L = leaves(P0)
-        opt = mz.MuonZeRO(groups(L), lr=LR_MUON, grad_sync="fp32", process_group=process_group,
+        opt = mz.MuonZeRO(groups(L), lr=LR_MUON, grad_sync="exact", process_group=process_group,
                           ns_dtype=torch.float32, **kw)  # fmt: skip
         forward_loss(L, x, y).backward()
         opt.step()
@@ -126,7 +126,7 @@ def clipping(rank, world, P0, max_norm, slices):
     out = {}
     for z in (z for z in (1, 2, 3, 4) if world % z == 0):
         out[f"steps_width{z}"], _ = train(P0, slices, ns_coefficients="standard",
-                                          update_rms=0.2, grad_sync="fp32", zero_width=z,
+                                          update_rms=0.2, grad_sync="exact", zero_width=z,
                                           max_grad_norm=max_norm)  # fmt: skip
         for clip in (None, max_norm):
             out[f"reading_width{z}_clip{clip}"] = one_step_reading(
@@ -144,7 +144,7 @@ def data_parallel_stages(rank, world, max_norm, P0, slices):
     stage = rank // dp
     width = 1 if stage == 0 or dp == 1 else 2  # the stages make different subgroup calls
     L = leaves(P0)
-    opt = mz.MuonZeRO(groups(L), lr=LR_MUON, ns_dtype=torch.float32, grad_sync="fp32",
+    opt = mz.MuonZeRO(groups(L), lr=LR_MUON, ns_dtype=torch.float32, grad_sync="exact",
                       process_group=stages[stage], zero_width=width)  # fmt: skip
     for x, y in slices:
         forward_loss(L, x, y).backward()
@@ -227,7 +227,7 @@ def stacks_and_calls(P0, batches):
     """Full-batch fp32 steps on one process, one per batch: the stacked momentum shapes, whether
     they stayed the same buffers, the shapes newton_schulz was called with, and the parameters."""
     L = leaves(P0)
-    opt = mz.MuonZeRO(groups(L), lr=LR_MUON, grad_sync="fp32", ns_dtype=torch.float32)
+    opt = mz.MuonZeRO(groups(L), lr=LR_MUON, grad_sync="exact", ns_dtype=torch.float32)
     calls, real = [], mz.newton_schulz
     mz.newton_schulz = lambda X, *a, **k: calls.append(list(X.shape)) or real(X, *a, **k)
     pointers, stable = None, True
