@@ -637,6 +637,25 @@ needs_regions = pytest.mark.skipif(
 )
 
 
+@pytest.mark.slow  # collects every graded test (8 s): CI runs it
+def test_the_assignments_page_carries_the_region_table_of_the_files_as_they_are():
+    """ASSIGNMENTS.md gives each region's line in the student file: a graded file whose lines
+    move must have its table pasted again, or students look in the wrong place."""
+    made = subprocess.run(
+        [sys.executable, os.path.join("tools", "assignments.py"), "--table"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr[-2000:]
+    rows = [line for line in made.stdout.splitlines() if line.startswith("| `")]
+    with open(os.path.join(ROOT, "ASSIGNMENTS.md")) as f:
+        page = f.read()
+    stale = [row[:120] for row in rows if row not in page]
+    assert rows and not stale, (
+        "ASSIGNMENTS.md's region table is stale: paste the rows of `python tools/assignments.py "
+        f"--table` over it. Rows it lacks: {stale[:3]}"
+    )
+
+
 def test_student_files_import(tmp_path):
     names = assignments.write_student(str(tmp_path), ROOT)
     assert names, "no assignment files found"
