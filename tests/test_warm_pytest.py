@@ -24,10 +24,21 @@ def test_waits():
 """
 
 
-@pytest.fixture
-def server():
+def start_server():
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
-    started = warm_pytest.Server(env)
+    return warm_pytest.Server(env), env
+
+
+@pytest.fixture(scope="module")
+def server():  # one warm parent for the tests that leave it alive (it imports torch: seconds)
+    started, env = start_server()
+    yield started, env
+    started.close()
+
+
+@pytest.fixture
+def own_server():  # a warm parent of its own, for the test that kills it
+    started, env = start_server()
     yield started, env
     started.close()
 
@@ -60,11 +71,11 @@ def test_another_environment_starts_a_plain_process(server, tmp_path):
     assert plain.wait(timeout=120) == 0, (tmp_path / "log").read_text()
 
 
-def test_a_session_whose_parent_dies_is_ended_and_counted_killed(server, tmp_path):
-    running = session(server, tmp_path, "a", sleep=60)
+def test_a_session_whose_parent_dies_is_ended_and_counted_killed(own_server, tmp_path):
+    running = session(own_server, tmp_path, "a", sleep=60)
     time.sleep(2)
-    server[0].proc.kill()
-    server[0].proc.wait()
+    own_server[0].proc.kill()
+    own_server[0].proc.wait()
     code = running.wait(timeout=30)  # no JSONDecodeError: the parent's silence is read as a kill
     assert code == -signal.SIGKILL, f"a session left by its parent reported {code}"
     assert not alive(running.pid), "the session sleeps on after its parent died"
