@@ -1095,7 +1095,7 @@ class RefusingTracer:
     def __init__(self, tracer, module):
         self.tracer, self.module = tracer, module
 
-    knows_shapes = property(lambda self: getattr(self.tracer, "knows_shapes", False))
+    knows_shapes = property(lambda self: self.tracer.knows_shapes)  # ShapeFallback's
 
     def trace(self, root, concrete_args=None):
         refuse_hooks_traced_into(self.tracer, self.module)
@@ -1148,16 +1148,15 @@ class SideEffects:
 
     @contextlib.contextmanager
     def excused(self):
-        versions, states = [t._version for _, t in self.tensors], random_states()
+        versions = [t._version for _, t in self.tensors]
         self.excuse += 1
         try:
-            with hooks_off(self.module):
+            with hooks_off(self.module), put_back(random_states()):
                 yield
         finally:
             self.excuse -= 1
             after = [t._version for _, t in self.tensors]  # its own changes are no freeze
             self.versions = [v + a - b for v, a, b in zip(self.versions, after, versions)]
-            set_random_states(states)
 
     def patched(self, where, name, fn):
         def watched(*args, **kwargs):

@@ -18,6 +18,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FENCE = ("# ---- appendix", "# ==== appendix")
 BEATS = ("What the standard tool assumes", "What V4", "The fix")
+SECTION = re.compile(r"# ---- (\d+)\. ")  # a numbered section of the technique
 
 
 # ---- the chapter contract (docs/CHAPTERS.md): what the technique's path sends a reader to ----
@@ -57,16 +58,22 @@ def bindings(tree, fence):
     return bound
 
 
+def read(name, text=None):
+    """A chapter's source (``text`` instead of the file's: the tests' planted files), its lines and
+    the line of its appendix fence, or None."""
+    if text is None:
+        with open(os.path.join(ROOT, name)) as f:
+            text = f.read()
+    lines = text.splitlines()
+    return text, lines, next((i for i, line in enumerate(lines, 1) if line.startswith(FENCE)), None)
+
+
 def contract(name, text=None):
     """One chapter's row: (path lines, fence or None, {file: uses before the fence},
     (longest function, its lines), sys.modules reach-backs before the fence, the chapter's own
     functions handed to another project file: a helper that calls back into the chapter).
     text: the source to measure instead of the file's (the tests' planted breaches)."""
-    if text is None:
-        with open(os.path.join(ROOT, name)) as f:
-            text = f.read()
-    lines = text.splitlines()
-    fence = next((i for i, line in enumerate(lines, 1) if line.startswith(FENCE)), None)
+    text, lines, fence = read(name, text)
     end = fence or len(lines) + 1
     tree = ast.parse(text)
     bound = bindings(tree, end)
@@ -80,7 +87,7 @@ def contract(name, text=None):
         if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.lineno < end
     ]
     longest = max(funcs) if funcs else (0, "-")
-    reach = sum(1 for n in ast.walk(tree) if n_reaches_back(n) and n.lineno < end)
+    reach = sum(1 for n in ast.walk(tree) if reaches_back(n) and n.lineno < end)
     own = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     handed = sorted(
         {
@@ -94,7 +101,7 @@ def contract(name, text=None):
     return end - 1, fence, uses, (longest[1], longest[0]), reach, handed
 
 
-def n_reaches_back(node):
+def reaches_back(node):
     """sys.modules[__name__] or sys.modules.get(__name__): the module reaching back into itself
     (another module looked up there, numpy's if it is loaded, is no reach-back)."""
     if isinstance(node, ast.Subscript):
@@ -124,15 +131,12 @@ def shape_problems(name, text=None):
     docstring's three beats in order, numbered sections before the fence, the fence, then
     ``parse_args`` and ``demo(args, rank, world, device)``, and last ``launch.run(demo,
     parse_args())`` under ``if __name__ == "__main__"``. -> [] when it keeps all of it."""
-    if text is None:
-        with open(os.path.join(ROOT, name)) as f:
-            text = f.read()
-    tree, lines, problems = ast.parse(text), text.splitlines(), []
+    text, lines, fence = read(name, text)
+    tree, problems = ast.parse(text), []
     doc = ast.get_docstring(tree) or ""
     at = [doc.find(beat) for beat in BEATS]
     if -1 in at or at != sorted(at):
         problems.append(f"the module docstring's three beats, in order: {', '.join(BEATS)}")
-    fence = next((i for i, line in enumerate(lines, 1) if line.startswith(FENCE)), None)
     if fence is None:
         problems.append("the appendix fence: a line starting '# ---- appendix'")
     numbers = [int(m[1]) for line in lines[: fence or len(lines)] if (m := SECTION.match(line))]
@@ -153,9 +157,6 @@ def shape_problems(name, text=None):
     if not (runs and "launch.run(demo, parse_args())" in ast.unparse(last)):
         problems.append('last: if __name__ == "__main__": launch.run(demo, parse_args())')
     return problems
-
-
-SECTION = re.compile(r"# ---- (\d+)\. ")
 
 
 def contract_table():
