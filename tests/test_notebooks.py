@@ -11,7 +11,6 @@ the files import because the venv's .pth (written by `make`) puts the repository
 import os
 import subprocess
 import sys
-import time
 
 import nbformat
 import pytest
@@ -24,7 +23,7 @@ from build import execute, read_source, sources  # noqa: E402
 from tests.notebook_answers import assert_verdicts, fill_in_answers  # noqa: E402
 
 SOURCES = sources()
-TIME_LIMIT_S = 240
+CELL_TIMEOUT_S = 600  # a hang guard per cell, not a speed check: wall time is never asserted
 
 
 def _names(paths):
@@ -72,8 +71,6 @@ def test_notebook_reexecutes(source):
         o.get("output_type") == "display_data" for c in code for o in c.get("outputs", [])
     ), "the committed notebook must be committed executed, with its plots"
     verdicts = fill_in_answers(nb, _names([source])[0])
-    start = time.monotonic()
     # a fresh kernel started in notebooks/; raises CellExecutionError with the failing cell
-    execute(nb, timeout=TIME_LIMIT_S, cwd=NOTEBOOKS)
-    assert time.monotonic() - start < TIME_LIMIT_S
+    execute(nb, timeout=CELL_TIMEOUT_S, cwd=NOTEBOOKS)
     assert_verdicts(verdicts)
