@@ -2,6 +2,8 @@
 graded (the graded ones: tests/graded/test_memory_timeline.py). Steps are numbered from 1, as in
 the notebooks."""
 
+import os
+
 import matplotlib
 import numpy as np
 import pytest
@@ -361,3 +363,37 @@ def test_a_pipeline_step_in_one_forward_phase_keeps_its_activations():
     assert tl.series("activations")[-1] == 0, (
         "every micro-batch's activations freed by its backward"
     )
+
+
+@pytest.mark.parametrize(
+    "model_seed", [0, *(pytest.param(s, marks=pytest.mark.slow) for s in range(1, 6))]
+)
+def test_graded_tests_give_the_reference_full_marks_on_any_drawn_model(monkeypatch, model_seed):
+    """At grading time the graded tests record a drawn model (drawn_layers): their references
+    (MemTracker, the profiler, autograd's saved tensors) must agree with memory_timeline.py on
+    every model the draw can pick, not only on the public one. Runs the graded tests themselves,
+    the probes called here instead of in a sandboxed worker."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.syspath_prepend(os.path.join(root, "tools"))  # where the graded tests find these
+    monkeypatch.syspath_prepend(os.path.join(root, "tests", "graded"))
+    import graded.test_memory_timeline as graded_tests
+    from graded.hidden import references_memory_timeline
+    from graded.models_memory_timeline import drawn_layers
+    from graded.probes import memory_timeline as probes
+
+    gen = torch.Generator().manual_seed(model_seed)
+    layers = drawn_layers(gen)
+    batch = (32, 48, 80, 96, 128)[model_seed % 5]
+    if model_seed == 0:  # a drawn model whose peak total falls in backward, before the first step
+        layers = ("linear 128", "sigmoid", "linear 384", "gelu", "linear 128", "layernorm",
+                  "linear 256")  # fmt: skip
+        batch = 128
+    monkeypatch.setattr(graded_tests, "LAYERS", layers)
+    monkeypatch.setattr(graded_tests, "BATCH", batch)
+    monkeypatch.setattr(graded_tests, "SEED", 1000 + model_seed)
+    monkeypatch.setattr(graded_tests, "H", references_memory_timeline)
+    monkeypatch.setattr(
+        graded_tests, "call", lambda name, **kw: getattr(probes, name.split(":")[1])(**kw)
+    )
+    graded_tests.test_activations_are_exactly_the_tensors_saved_for_backward()
+    graded_tests.test_peaks_agree_with_memtracker_and_the_profiler()

@@ -8,28 +8,17 @@ import torch
 from sandbox import call
 
 from graded.expected import DRAW, case_seed, hidden
-from graded.models_memory_timeline import KINDS, PUBLIC, small_model
+from graded.models_memory_timeline import PUBLIC, drawn_layers, small_model
 
 # the batch, its seed and the recorded model's layers move with the draw at grading time
 BATCH = 64 if DRAW == 0 else (32, 48, 80, 96, 128)[DRAW % 5]
 SEED = case_seed(0, "memory_timeline")
 H = hidden("memory_timeline")  # the drawn models' activations: only in the autograder zip
-
-
-def drawn_layers():
-    """The public five layers, or at grading time 2-3 linear layers of drawn widths, each followed
-    by a drawn activation or LayerNorm, then a linear layer back to 256."""
-    if DRAW == 0:
-        return PUBLIC
-    gen = torch.Generator().manual_seed(case_seed(3, "memory_timeline"))
-    pick = lambda options: options[int(torch.randint(len(options), (1,), generator=gen))]  # noqa: E731
-    layers = []
-    for _ in range(2 + int(torch.randint(2, (1,), generator=gen))):
-        layers += [f"linear {pick((128, 384, 512, 768))}", pick((*sorted(KINDS), "layernorm"))]
-    return (*layers, "linear 256")
-
-
-LAYERS = drawn_layers()
+LAYERS = (
+    PUBLIC
+    if DRAW == 0
+    else drawn_layers(torch.Generator().manual_seed(case_seed(3, "memory_timeline")))
+)
 
 
 def train(model, opt, x, steps):
