@@ -717,7 +717,8 @@ def unscale_for(grad_scaler, opt):
     -> this rank's found_inf tensors, in the scaler (empty without a scaler)."""
     if grad_scaler is None:
         return []
-    state = grad_scaler._per_optimizer_states[id(opt)]  # what scaler.update() reads
+    # what scaler.update() reads: GradScaler has no public API for the optimizer it steps
+    state = grad_scaler._per_optimizer_states[id(opt)]
     if state["stage"] is OptState.READY:
         grad_scaler.unscale_(opt)
     return list(state["found_inf_per_device"].values())
@@ -867,6 +868,10 @@ class MuonZeRO(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None, grad_scaler=None):
+        """One step of every parameter: agree which have gradients, then sharded_step for Muon's
+        matrices and ZeRO-1 AdamW for the rest. The settings a scheduler changes between steps
+        (lr, momentum, ...) and amp's overflow flags ride in the gradient mask's all-reduce, so
+        ranks that drifted apart all raise before any steps, at no extra collective."""
         loss = None if closure is None else torch.enable_grad()(closure)()
         self._check_param_groups()
         for i, (p, built) in enumerate(zip(self.params, self.built_for)):  # local: agreed once
@@ -986,7 +991,8 @@ class MuonZeRO(torch.optim.Optimizer):
 
     def _hooked_state_dict(self, gather):
         """state_of between the hooks registered with register_state_dict_pre/post_hook, run as
-        torch.optim.Optimizer runs them: a post hook may return a new dict."""
+        torch.optim.Optimizer runs them: a post hook may return a new dict. (Optimizer keeps
+        them in private dicts and has no public API to run them.)"""
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         state_dict = state_of(self, gather)
@@ -1067,7 +1073,8 @@ class MuonZeRO(torch.optim.Optimizer):
 # The checks MuonZeRO's constructor makes through one call, check_and_agree, before any other
 # collective: what a param group of each role must hold (check_group, which load_state_dict runs
 # too), then one agreement collective, so that bad input is one clear ValueError on every rank
-# instead of a hang. Agreed once: a step checks only what its own rank can see.
+# instead of a hang. Agreed once; what may change between steps (a scheduler's settings, amp's
+# overflow) rides in step's gradient-mask all-reduce, which it needs anyway.
 
 
 def _finite(v):

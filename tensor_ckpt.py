@@ -188,7 +188,7 @@ def count_flops():
         return flop_counter.sdpa_backward_flop_count(grad, q, k, v)
 
     aten = torch.ops.aten
-    cpu = {
+    cpu = {  # the CPU kernels SDPA dispatches to: FlopCounterMode maps only the CUDA ones
         aten._scaled_dot_product_flash_attention_for_cpu: forward,
         aten._scaled_dot_product_flash_attention_for_cpu_backward: backward,
     }
@@ -720,6 +720,7 @@ def frozen_values(module):
     return tuple(state)
 
 
+# nn.Module's own hook dicts: no public API lists a module's hooks or pauses them
 HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 
@@ -751,13 +752,13 @@ NOT_FULLGRAPH = (
     "tensor_ckpt looks up the plan for each call in Python, one graph break before the compiled "
     "forgetting: compile it without fullgraph=True"
 )
-EAGER = {}  # function -> the same, run in Python (a graph break) under torch.compile
+GRAPH_BREAKS = {}  # function -> the same, run in Python (a graph break) under torch.compile
 
 
 def eagerly(fn):  # torch.compiler.disable loads Dynamo: made when first asked, not at import
-    if fn not in EAGER:
-        EAGER[fn] = torch.compiler.disable(fn, reason=NOT_FULLGRAPH)
-    return EAGER[fn]
+    if fn not in GRAPH_BREAKS:
+        GRAPH_BREAKS[fn] = torch.compiler.disable(fn, reason=NOT_FULLGRAPH)
+    return GRAPH_BREAKS[fn]
 
 
 class TensorCheckpoint(nn.Module):
@@ -1234,7 +1235,7 @@ class SideEffects:
 IN_PLACE = (operator.iadd, operator.isub, operator.imul, operator.itruediv)
 
 
-def attribute_dicts(m):  # where nn.Module keeps an attribute
+def attribute_dicts(m):  # where nn.Module keeps an attribute (no public API says which)
     return m._parameters, m._buffers, vars(m)
 
 
