@@ -1,13 +1,13 @@
-"""Composing the four chapters: one small V4-like decoder on any layout --pp P --cp C --dp D.
+"""Composing the four chapters: one small V4-like decoder on any pp x cp x dp layout.
 
 What the standard tool assumes. A parallelism layout is a product of independent dimensions: data
 parallelism averages gradients, a pipeline passes one activation per token, context parallelism
 shards a sequence of per-token keys, and each is proven on its own model.
 
 What V4 violates. Its four reshapings meet in one machine. The pipeline carries the n-lane mHC
-stream, not C numbers; every attention layer runs the compressed two-stage CP protocol inside the
+stream, not d numbers; every attention layer runs the compressed two-stage CP protocol inside the
 pipeline's micro-batches; Muon needs whole matrices, so the optimizer is sharded over the ranks that
-hold the same stage (C x D of them), never over the pipeline; tensor checkpointing plans its
+hold the same stage (cp x dp of them), never over the pipeline; tensor checkpointing plans its
 forgetting per stage, inside F, around collectives FX cannot trace. The seams are where bugs live.
 
 The fix: one mesh, the chapters' own functions, one proof. `init_device_mesh` gives the pipeline
@@ -21,7 +21,7 @@ before anything runs, compose_checkpoint.py saves at one layout and resumes at a
 benchmarks/bench_compose.py sets what a run measures beside the prediction.
 
     python compose.py                                                  # one process
-    torchrun --nproc_per_node=4 compose.py --pp 2 --cp 2 --dp 1        # any P*C*D = world
+    torchrun --nproc_per_node=4 compose.py --pp 2 --cp 2 --dp 1        # any pp*cp*dp = world
     torchrun --nproc_per_node=2 compose.py --pp 2 --check              # against the reference
     torchrun --nproc_per_node=2 compose.py --pp 2 --steps 2 --save ckpt  # a checkpoint ...
     python compose.py --steps 4 --resume ckpt --check                  # ... resumed anywhere
@@ -53,7 +53,7 @@ from tensor_ckpt import forget
 @dataclass
 class ComposeConfig:
     vocab_size: int = 256
-    dim: int = 64            # C, the width of each of the n_hc residual lanes
+    dim: int = 64            # d, the width of each of the n_hc residual lanes
     n_layers: int = 12       # sublayers F, each inside one mHC hyper-connection (see below)
     seq_len: int = 256       # T tokens of packed documents per sequence; each CP rank holds T/cp
     batch: int = 4           # sequences per data-parallel replica per step
@@ -94,7 +94,7 @@ class Training:
 
 class AttentionSublayer(nn.Module):
     """F of an even sublayer: RMSNorm -> CSA or HCA (cp_compress) -> output projection.
-    [B, s, C] -> [B, s, C]. The normalised input is cheap to redo: forgotten."""
+    [B, s, d] -> [B, s, d]. The normalised input is cheap to redo: forgotten."""
 
     def __init__(self, cfg, kind, documents):
         super().__init__()
@@ -126,12 +126,12 @@ class Compressed(nn.Module):
     def __init__(self, attention, documents):
         super().__init__()
         self.attention, self.documents = attention, documents
-        attention.ape.no_muon = True  # a [m, sets, C] positional bias, not an expert stack
+        attention.ape.no_muon = True  # a [m, sets, d] positional bias, not an expert stack
         for p in (getattr(attention, n, None) for n in ("wq_index", "w_index", "norm_index")):
             if p is not None:  # top-k is not differentiable: V4 trains the indexer apart
                 p.requires_grad_(False)
 
-    def forward(self, x):  # [B, s, C] -> [B, s, H * D]
+    def forward(self, x):  # [B, s, d] -> [B, s, n_heads * head_dim]
         cu_seqlens, group = self.documents.cu_seqlens, self.documents.group
         if group is None:
             rows = [self.attention.reference(row, cu_seqlens)[0] for row in x]
@@ -142,16 +142,16 @@ class Compressed(nn.Module):
 
 class MoE(nn.Module):
     """F of an odd sublayer: RMSNorm -> top-k routing over SwiGLU experts, stacks [E, n, m].
-    [B, s, C] -> [B, s, C]. The normalised input and the SiLU output are forgotten."""
+    [B, s, d] -> [B, s, d]. The normalised input and the SiLU output are forgotten."""
 
     def __init__(self, cfg):
         super().__init__()
-        E, C, H = cfg.n_experts, cfg.dim, cfg.expert_hidden
-        self.k, self.norm = cfg.experts_per_token, mhc.RMSNorm(C)
-        self.router = nn.Parameter(torch.randn(E, C) / C**0.5)
-        self.w_gate = nn.Parameter(torch.randn(E, H, C) / C**0.5)
-        self.w_up = nn.Parameter(torch.randn(E, H, C) / C**0.5)
-        self.w_down = nn.Parameter(torch.randn(E, C, H) / H**0.5)
+        E, d, H = cfg.n_experts, cfg.dim, cfg.expert_hidden
+        self.k, self.norm = cfg.experts_per_token, mhc.RMSNorm(d)
+        self.router = nn.Parameter(torch.randn(E, d) / d**0.5)
+        self.w_gate = nn.Parameter(torch.randn(E, H, d) / d**0.5)
+        self.w_up = nn.Parameter(torch.randn(E, H, d) / d**0.5)
+        self.w_down = nn.Parameter(torch.randn(E, d, H) / H**0.5)
 
     def forward(self, x):
         h = forget(self.norm(x))
@@ -189,8 +189,9 @@ class ComposeModel(mhc.PipelineModel):
         self.documents.cu_seqlens, self.documents.group = cu_seqlens, group
 
     def run_layers(self, stream, start, end, variant="naive", block=None, final=False):
-        """Layers [start, end); "naive": the plain autograd layer; "optimised": mhc's fused
-        mixing with selective recomputation in blocks of L_r, F as tensor_ckpt planned it."""
+        """Layers [start, end) as one of mhc.VARIANTS: "naive" the plain autograd layer; "fused"
+        mhc's fused mixing, each layer its own block; "optimised" the same with selective
+        recomputation in blocks of L_r. F as tensor_ckpt planned it, but in "naive"."""
         head = self.hyper_head if final else None
         if variant == "naive":
             for f, hc in zip(self.sublayers[start:end], self.hcs[start:end]):
@@ -199,7 +200,11 @@ class ComposeModel(mhc.PipelineModel):
         layers = [
             (self.forgetting.get(i, self.sublayers[i]), self.hcs[i]) for i in range(start, end)
         ]
-        block = block or mhc.default_recompute_block(self.cfg.n_hc, end - start)
+        block = (
+            1
+            if variant == "fused"
+            else block or mhc.default_recompute_block(self.cfg.n_hc, end - start)
+        )
         return mhc.run_recomputed_layers(stream, layers, block, head=head)
 
     def head_loss(self, x, targets):
@@ -256,7 +261,7 @@ def layout_groups(pp, cp, dp, device_type="cpu"):
     pipelines = mesh.mesh.permute(1, 2, 0).reshape(-1, pp).tolist()  # each (c, d)'s stages
     backward, _ = launch.new_subgroups_by_enumeration(pipelines)
     pipeline = {"forward": mesh["pp"].get_group(), "backward": backward}
-    stage, _ = launch.new_subgroups_by_enumeration(mesh.mesh.flatten(1).tolist())  # p's C x D
+    stage, _ = launch.new_subgroups_by_enumeration(mesh.mesh.flatten(1).tolist())  # p's cp x dp
     return Layout(pp, cp, dp, tuple(mesh.get_coordinate()), pipeline, mesh["cp"].get_group(), stage)
     ### END SOLUTION
 
@@ -325,9 +330,9 @@ def local_batch(tokens, cfg, layout):
     return idx.contiguous(), targets.contiguous()
 
 
-def train_step(model, opt, tokens, cfg, layout, phase=None, step=1, allow_nonfinite=False):
+def layout_step(model, opt, tokens, cfg, layout, phase=None, step=1, allow_nonfinite=False):
     """1F1B over the stages (CP inside every attention F), then MuonZeRO over the stage group.
-    Every rank's loss is its tokens' mean; the optimizer averages over the C x D ranks of equal
+    Every rank's loss is its tokens' mean; the optimizer averages over the cp x dp ranks of equal
     token counts: the mean over the whole batch, as one process. Before the update, one all-gather
     of three numbers per rank checks that every rank of a replica trained on the same rows and
     that the loss and gradients are finite (Refused). -> (that mean, PipelineStats)."""
@@ -369,7 +374,7 @@ def run_layout(
     for step in range(start, train.steps):
         tokens = batch_tokens(cfg, cfg.batch * dp, step, train.seed)
         settings = dict(step=step + 1, allow_nonfinite=train.allow_nonfinite)
-        run = functools.partial(train_step, model, opt, tokens, cfg, layout, **settings)
+        run = functools.partial(layout_step, model, opt, tokens, cfg, layout, **settings)
         try:
             loss, _ = on_step(step, layout, model, opt, run) if on_step else run()
             if save and (step + 1 == train.steps or save_every and (step + 1) % save_every == 0):
@@ -528,7 +533,7 @@ def agreed_loss(step, tokens, cfg, layout, model, loss, allow_nonfinite=False):
     digest = torch.tensor(replica_digest(tokens, cfg, layout), device=device, dtype=torch.float64)
     numbers = torch.stack([digest, mine.double(), first_nonfinite(model, device)])
     gathered = [torch.empty_like(numbers) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, numbers)  # only the last stage's C x D ranks add a loss
+    dist.all_gather(gathered, numbers)  # only the last stage's cp x dp ranks add a loss
     return check_step(step, torch.stack(gathered).cpu(), cfg, layout, model, allow_nonfinite)
 
 
@@ -538,7 +543,7 @@ def check_layout(cfg, pp, cp, dp, world):
     if pp * cp * dp != world:
         raise ValueError(
             f"--pp {pp} x --cp {cp} x --dp {dp} = {pp * cp * dp}, but {world} "
-            f"rank(s) run: choose P, C, D whose product is the world size"
+            f"rank(s) run: choose pp, cp, dp whose product is the world size"
         )
     if cfg.n_layers % pp:
         raise ValueError(f"{pp} pipeline stages cannot split n_layers={cfg.n_layers} evenly")
@@ -557,7 +562,7 @@ def check_layout(cfg, pp, cp, dp, world):
 
 
 def least_bytes(cfg, pp, cp, item=4):
-    """A lower bound of one rank's peak: one micro-batch's n-lane stream [B/n_micro, T/cp, n, C]
+    """A lower bound of one rank's peak: one micro-batch's n-lane stream [B/n_micro, T/cp, n, d]
     kept for each of the stage's layers, plus the last stage's logits [B/n_micro, T/cp, vocab]."""
     tokens = cfg.batch // cfg.n_micro * (cfg.seq_len // cp)
     return tokens * (cfg.n_layers // pp * cfg.n_hc * cfg.dim + cfg.vocab_size) * item
@@ -640,13 +645,13 @@ def describe(args, train):
     cfg = args.cfg
     return (
         f"layout pp={args.pp} x cp={args.cp} x dp={args.dp}: {cfg.n_layers} layers (CSA, MoE, "
-        f"HCA, MoE, ...), C={cfg.dim}, n_hc={cfg.n_hc}, T={cfg.seq_len} ({cfg.seq_len // args.cp} "
+        f"HCA, MoE, ...), d={cfg.dim}, n_hc={cfg.n_hc}, T={cfg.seq_len} ({cfg.seq_len // args.cp} "
         f"per CP rank), {cfg.batch} sequences per replica in {cfg.n_micro} micro-batches; "
         f"gradient sync {train.grad_sync}"
     )
 
 
-def check_against_reference(cfg, dp, train, losses, params, rank, world):
+def compare_with_reference(cfg, dp, train, losses, params, rank, world):
     """--check: every rank's parameters gathered on rank 0, which trains reference_training and
     prints the largest differences of the losses, the parameters and their change."""
     gathered = [None] * world if rank == 0 else None
@@ -688,7 +693,7 @@ def demo(args, rank, world, device):
     for ran, (loss, took) in enumerate(zip(losses, step_s)):
         launch.say(f"step {args.start + ran + 1}: loss {loss:.4f}, {1e3 * took:.0f} ms")
     if args.check:
-        check_against_reference(args.cfg, args.dp, train, losses, params, rank, world)
+        compare_with_reference(args.cfg, args.dp, train, losses, params, rank, world)
 
 
 if __name__ == "__main__":

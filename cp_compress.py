@@ -125,7 +125,7 @@ def compress_reference(kv, score, ape, cu_seqlens, ratio, overlap):
 
 
 def select_and_pad(gathered, counts, total):
-    """Stage 2's fused select-and-pad: [cp, slots, C] buffers -> [total, C] global entries: rank
+    """Phase 2's fused select-and-pad: [cp, slots, C] buffers -> [total, C] global entries: rank
     r's first counts[r] rows, in rank order, then zero rows up to `total` (one index_select)."""
     ### BEGIN SOLUTION
     cp, slots, C = gathered.shape

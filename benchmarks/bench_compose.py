@@ -224,7 +224,7 @@ def main(args, rank, world, device):
     predicted = next(row for row in rows if row.name == f"{args.pp}x{args.cp}x{args.dp}")
     launch.say("\n" + measured_table(records or [], predicted))
     if args.check:
-        compose.check_against_reference(cfg, args.dp, train, losses, params, rank, world)
+        compose.compare_with_reference(cfg, args.dp, train, losses, params, rank, world)
     if rank == 0 and args.json:
         base = os.path.splitext(args.json)[0]
         for r, tl in zip(records, timelines):

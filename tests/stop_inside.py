@@ -6,7 +6,7 @@ Rank RANK stops itself at its N-th call of torch.distributed.OP, just before iss
 writing "[stopped] rank RANK in OP at FILE:LINE FUNCTION <- ..." to stderr: a peer that stops
 answering in the middle of a step, so every other rank runs on into that step's collective and
 waits there. OP@group counts only calls on a group other than the world (one a file made);
-OP/FUNCTION only calls made inside FUNCTION (e.g. all_gather_single@group/train_step). Any
+OP/FUNCTION only calls made inside FUNCTION (e.g. all_gather_single@group/layout_step). Any
 other rank runs FILE as it is. For tests/test_stopped_rank.py.
 """
 

@@ -284,3 +284,27 @@ def test_one_rank_raises_mid_step_every_rank_says_so(world):
     said = "compose: step 2 stopped on every rank: rank 1 raised Boom: rank 1 broke"
     for rank in range(world):
         assert said in failure.value.errors.get(rank, ""), f"rank {rank} did not say {said!r}"
+
+
+def test_run_layers_variants_mean_what_mhc_variants_mean(monkeypatch):
+    """ComposeModel.run_layers takes mhc.VARIANTS with mhc's meanings: "fused" runs each layer as
+    its own block (L_r = 1), "optimised" in blocks of mhc's default L_r, and both give the plain
+    layers' stream (float64, 1e-12: the same sums, in another order)."""
+    cfg = compose.ComposeConfig(**FAST)
+    torch.manual_seed(0)
+    model = compose.ComposeModel(cfg).double()
+    model.attend(compose.documents(cfg))
+    stream = torch.randn(2, cfg.seq_len, cfg.n_hc, cfg.dim, dtype=torch.float64)
+    blocks, run = [], compose.mhc.run_recomputed_layers
+    monkeypatch.setattr(
+        compose.mhc, "run_recomputed_layers",
+        lambda s, layers, block, **kw: blocks.append(block) or run(s, layers, block, **kw),
+    )  # fmt: skip
+    plain = model.run_layers(stream, 0, cfg.n_layers, "naive")
+    for variant, block in [
+        ("fused", 1),
+        ("optimised", compose.mhc.default_recompute_block(cfg.n_hc, cfg.n_layers)),
+    ]:
+        out = model.run_layers(stream, 0, cfg.n_layers, variant)
+        assert blocks.pop() == block, f'"{variant}" ran blocks of another L_r than mhc does'
+        torch.testing.assert_close(out, plain, rtol=1e-12, atol=1e-12, msg=f'"{variant}" differs')

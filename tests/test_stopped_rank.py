@@ -30,18 +30,18 @@ SMALL = {
 }
 CASES = {  # id: (file, extra arguments, the operation the last rank stops in[, ranks (2)])
     "compose --pp 2, in the pipeline's sends": (
-        "compose.py", ["--pp", "2"], "isend@group/train_step"),
+        "compose.py", ["--pp", "2"], "isend@group/layout_step"),
     "compose --cp 2, in the CP all-gather": (
-        "compose.py", ["--cp", "2"], "all_gather_single@group/train_step"),
+        "compose.py", ["--cp", "2"], "all_gather_single@group/layout_step"),
     "compose --dp 2, in MuonZeRO's sync": (
-        "compose.py", ["--dp", "2"], "all_to_all_single@group/train_step"),
+        "compose.py", ["--dp", "2"], "all_to_all_single@group/layout_step"),
     "mhc, in the pipeline's sends": ("mhc.py", [], "isend@group/pipeline_step"),
     "cp_compress, in the CP all-gather": ("cp_compress.py", [], "all_gather_single/demo"),
     "muon_zero --zero-width 1, in the replica sync": (
         "muon_zero.py", ["--zero-width", "1"], "all_reduce@group/sharded_step"),
     "mhc on 4 stages, in the pipeline's sends": ("mhc.py", [], "isend@group/pipeline_step", 4),
     "compose --pp 2 --cp 2, in the CP all-gather": (
-        "compose.py", ["--pp", "2", "--cp", "2"], "all_gather_single@group/train_step", 4),
+        "compose.py", ["--pp", "2", "--cp", "2"], "all_gather_single@group/layout_step", 4),
 }  # fmt: skip
 DEFAULT_TIER = "cp_compress, in the CP all-gather"  # the quickest launch; the rest run slow
 
